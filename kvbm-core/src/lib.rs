@@ -1,0 +1,27 @@
+//! `kvbm-core`: the KV-cache block manager.
+//!
+//! What lives here: token blocks and their chained hashes ([`tokens`]), the
+//! typestate block lifecycle ([`block`]), tiered pools with prefix matching
+//! and eviction ([`pool`]), block layouts ([`layout`]), the memory behind each
+//! tier ([`storage`]) and the engines that move bytes between tiers
+//! ([`transfer`]).
+//!
+//! What must not live here: anything about log files, sockets or terminals.
+//! Those belong to `kvbm-recorder` and `kvbm-console`, which depend on this
+//! crate and never the other way round. (The disk *tier* is a block store,
+//! not a log, and so it is here.)
+
+pub mod block;
+pub mod layout;
+pub mod link;
+pub mod pool;
+pub mod storage;
+pub mod tier;
+pub mod tokens;
+pub mod transfer;
+
+pub use block::{BlockError, ImmutableBlock, MutableBlock, WeakBlock};
+pub use link::{HostTier, LinkError, TierLink};
+pub use pool::{BlockPool, PoolConfig, PoolError, PoolStatus};
+pub use tier::{BlockId, Tier};
+pub use tokens::{BlockHash, BlockMeta, SaltHash, SequenceHash, Token, TokenBlock, TokenSequence};

@@ -1,0 +1,340 @@
+//! Host memory storage: one zeroed, page-aligned allocation per layout region.
+
+use super::{StorageError, check_block, check_len};
+use crate::layout::{Layout, MemRange, REGION_ALIGN};
+use crate::tier::BlockId;
+use std::alloc;
+use std::ptr::NonNull;
+
+/// Host memory for a [`Layout`]: one allocation of
+/// [`Layout::region_bytes`] per region, aligned to [`REGION_ALIGN`] (4096,
+/// so regions can be registered with the CUDA driver as pinned memory),
+/// zero-initialised, freed on drop.
+///
+/// Byte access goes through raw pointers because transfer engines write into
+/// this memory from their worker threads while other blocks of the same
+/// region are read or written elsewhere; a `&mut [u8]` over a whole region
+/// could not express that. The methods that touch bytes are therefore
+/// `unsafe`: the caller promises that no one else accesses the same block
+/// concurrently (see each method's `# Safety`). Higher up, the pool's
+/// ownership rules (a mutable block has a single owner; registered blocks
+/// are never written) are what uphold this.
+pub struct HostStorage {
+    layout: Layout,
+    alloc_layout: alloc::Layout,
+    regions: Vec<NonNull<u8>>,
+    /// The CUDA context the regions are registered (pinned) with, if any;
+    /// unregistered on drop, before the memory is freed.
+    #[cfg(feature = "cuda")]
+    pinned: std::sync::Mutex<Option<std::sync::Arc<cudarc::driver::CudaContext>>>,
+}
+
+// SAFETY: `HostStorage` exclusively owns its allocations; the pointers are
+// never handed out as references with a lifetime, and they stay valid and
+// fixed until `Drop`. Everything reachable through `&self` without `unsafe`
+// is immutable metadata (the layout). Concurrent byte access from several
+// threads is only possible through the `unsafe` methods, whose contract
+// makes the caller responsible for the absence of data races per block.
+// Moving the storage to another thread moves ownership of plain heap memory,
+// which has no thread affinity.
+unsafe impl Send for HostStorage {}
+// SAFETY: see `Send` above; shared access is read-only except through
+// `unsafe` methods that require the caller to exclude races.
+unsafe impl Sync for HostStorage {}
+
+impl std::fmt::Debug for HostStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostStorage")
+            .field("layout", &self.layout)
+            .field("regions", &self.regions.len())
+            .finish()
+    }
+}
+
+impl HostStorage {
+    /// Allocates zeroed memory for every region of `layout`.
+    ///
+    /// Errors: [`StorageError::ZeroSize`] (cannot happen for a valid layout,
+    /// checked anyway), [`StorageError::Alloc`] when the allocator fails.
+    /// Allocation cost: zeroing touches every page, so creation time is
+    /// proportional to the size.
+    pub fn new(layout: Layout) -> Result<HostStorage, StorageError> {
+        let bytes = layout.region_bytes();
+        if bytes == 0 {
+            return Err(StorageError::ZeroSize);
+        }
+        // Layout::new checked that the total, rounded up to REGION_ALIGN,
+        // fits in isize, so this cannot fail; map the error anyway.
+        let alloc_layout = alloc::Layout::from_size_align(bytes, REGION_ALIGN).map_err(|_| {
+            StorageError::Alloc {
+                bytes,
+                align: REGION_ALIGN,
+            }
+        })?;
+        let mut storage = HostStorage {
+            layout,
+            alloc_layout,
+            regions: Vec::with_capacity(layout.num_regions()),
+            #[cfg(feature = "cuda")]
+            pinned: std::sync::Mutex::new(None),
+        };
+        for _ in 0..layout.num_regions() {
+            // SAFETY: alloc_layout has a non-zero size (checked above).
+            let ptr = unsafe { alloc::alloc_zeroed(alloc_layout) };
+            // On failure, `storage` is dropped and frees the regions
+            // allocated so far.
+            let ptr = NonNull::new(ptr).ok_or(StorageError::Alloc {
+                bytes,
+                align: REGION_ALIGN,
+            })?;
+            storage.regions.push(ptr);
+        }
+        Ok(storage)
+    }
+
+    /// The layout this storage was built for.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Copies `data` (exactly [`Layout::block_bytes`] bytes, in
+    /// `[layer][outer][chunk]` order) into `block`.
+    ///
+    /// # Safety
+    ///
+    /// While this runs, no one else may read or write `block` in this
+    /// storage (including transfer engines with a pending ticket that names
+    /// it). Other blocks may be accessed concurrently.
+    pub unsafe fn write_block(&self, block: BlockId, data: &[u8]) -> Result<(), StorageError> {
+        check_block(&self.layout, block)?;
+        check_len(&self.layout, data.len())?;
+        let mut pos = 0;
+        for r in self.layout.block_ranges(block)? {
+            let dst = self.range_ptr(&r)?;
+            // SAFETY: `dst` is valid for r.len bytes (range_ptr checked it);
+            // `data[pos..pos + r.len]` is in bounds because the ranges sum to
+            // block_bytes == data.len(); `data` is a shared borrow that
+            // cannot alias memory we own; the caller excludes other access
+            // to this block.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(pos), dst, r.len) };
+            pos += r.len;
+        }
+        Ok(())
+    }
+
+    /// Copies `block` into `out` (exactly [`Layout::block_bytes`] bytes, in
+    /// `[layer][outer][chunk]` order).
+    ///
+    /// # Safety
+    ///
+    /// While this runs, no one else may write `block` in this storage
+    /// (concurrent reads are fine).
+    pub unsafe fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), StorageError> {
+        check_block(&self.layout, block)?;
+        check_len(&self.layout, out.len())?;
+        let mut pos = 0;
+        for r in self.layout.block_ranges(block)? {
+            let src = self.range_ptr(&r)?;
+            // SAFETY: as in write_block, with the roles swapped; `out` is an
+            // exclusive borrow and so cannot overlap our allocation.
+            unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr().add(pos), r.len) };
+            pos += r.len;
+        }
+        Ok(())
+    }
+
+    /// Pointer to the first byte of `r`, after checking that `r` lies inside
+    /// one of the regions. The pointer is valid for `r.len` bytes for as long
+    /// as this storage lives; dereferencing it is subject to the same
+    /// per-block exclusivity as [`write_block`](Self::write_block).
+    pub(crate) fn range_ptr(&self, r: &MemRange) -> Result<*mut u8, StorageError> {
+        self.layout.check_range(r)?;
+        let base = self.regions.get(r.region).ok_or(StorageError::Layout(
+            crate::layout::LayoutError::RangeOutOfBounds {
+                range: *r,
+                num_regions: self.regions.len(),
+                region_bytes: self.layout.region_bytes(),
+            },
+        ))?;
+        // SAFETY: r.offset + r.len <= region_bytes (check_range), so the
+        // offset stays inside (or one past the end of) the allocation.
+        Ok(unsafe { base.as_ptr().add(r.offset) })
+    }
+
+    /// Registers every region with the CUDA driver as page-locked (pinned)
+    /// memory, so asynchronous copies to and from the device are real DMA
+    /// rather than staged, synchronous copies. Idempotent: a second call
+    /// (e.g. from a second engine) is a no-op. The registration lasts until
+    /// the storage is dropped, which is after every engine holding it.
+    #[cfg(feature = "cuda")]
+    pub fn pin_for_cuda(
+        &self,
+        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+    ) -> Result<(), StorageError> {
+        use cudarc::driver::sys;
+        let mut pinned = self
+            .pinned
+            .lock()
+            .map_err(|_| StorageError::Cuda("pin registry lock poisoned".into()))?;
+        if pinned.is_some() {
+            return Ok(());
+        }
+        ctx.bind_to_thread()
+            .map_err(|e| StorageError::Cuda(format!("bind context: {e}")))?;
+        for (i, region) in self.regions.iter().enumerate() {
+            // SAFETY: the region is a live allocation of alloc_layout.size()
+            // bytes; it stays allocated until Drop, which unregisters first.
+            let res = unsafe {
+                sys::cuMemHostRegister_v2(
+                    region.as_ptr().cast(),
+                    self.alloc_layout.size(),
+                    sys::CU_MEMHOSTREGISTER_PORTABLE,
+                )
+            }
+            .result();
+            if let Err(e) = res {
+                // Undo the regions registered so far, so the storage is left
+                // consistently unpinned.
+                for done in &self.regions[..i] {
+                    // SAFETY: registered just above by this call.
+                    let _ = unsafe { sys::cuMemHostUnregister(done.as_ptr().cast()) };
+                }
+                return Err(StorageError::Cuda(format!(
+                    "cuMemHostRegister of {} bytes: {e}",
+                    self.alloc_layout.size()
+                )));
+            }
+        }
+        *pinned = Some(ctx.clone());
+        Ok(())
+    }
+}
+
+impl Drop for HostStorage {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        {
+            let ctx = match self.pinned.get_mut() {
+                Ok(p) => p.take(),
+                Err(poisoned) => poisoned.into_inner().take(),
+            };
+            if let Some(ctx) = ctx {
+                if let Err(e) = ctx.bind_to_thread() {
+                    tracing::warn!("HostStorage drop: cannot bind CUDA context: {e}");
+                }
+                for region in &self.regions {
+                    // SAFETY: registered in pin_for_cuda; unregistering before
+                    // the free below.
+                    if let Err(e) =
+                        unsafe { cudarc::driver::sys::cuMemHostUnregister(region.as_ptr().cast()) }
+                            .result()
+                    {
+                        tracing::warn!("cuMemHostUnregister failed: {e}");
+                    }
+                }
+            }
+        }
+        for region in self.regions.drain(..) {
+            // SAFETY: allocated with exactly this layout in `new`, freed once.
+            unsafe { alloc::dealloc(region.as_ptr(), self.alloc_layout) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{LayoutConfig, LayoutKind};
+
+    fn layout(kind: LayoutKind) -> Layout {
+        Layout::new(
+            LayoutConfig {
+                num_blocks: 6,
+                num_layers: 3,
+                outer_dim: 2,
+                page_size: 4,
+                inner_dim: 16,
+                dtype_bytes: 2,
+            },
+            kind,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn roundtrip_and_zeroed() {
+        for kind in [LayoutKind::FullyContiguous, LayoutKind::LayerSeparate] {
+            let s = HostStorage::new(layout(kind)).unwrap();
+            let n = s.layout().block_bytes();
+            let mut out = vec![1u8; n];
+            // SAFETY: single-threaded test, no concurrent access.
+            unsafe { s.read_block(5, &mut out).unwrap() };
+            assert!(out.iter().all(|&b| b == 0));
+            let data: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+            unsafe { s.write_block(3, &data).unwrap() };
+            unsafe { s.read_block(3, &mut out).unwrap() };
+            assert_eq!(out, data);
+            // Neighbours untouched.
+            unsafe { s.read_block(2, &mut out).unwrap() };
+            assert!(out.iter().all(|&b| b == 0));
+            unsafe { s.read_block(4, &mut out).unwrap() };
+            assert!(out.iter().all(|&b| b == 0));
+        }
+    }
+
+    #[test]
+    fn bad_block_and_size() {
+        let s = HostStorage::new(layout(LayoutKind::LayerSeparate)).unwrap();
+        let n = s.layout().block_bytes();
+        let mut out = vec![0u8; n];
+        assert!(matches!(
+            unsafe { s.read_block(6, &mut out) },
+            Err(StorageError::BlockOutOfRange {
+                block: 6,
+                num_blocks: 6
+            })
+        ));
+        assert!(matches!(
+            unsafe { s.write_block(0, &out[1..]) },
+            Err(StorageError::SizeMismatch { .. })
+        ));
+        assert!(
+            s.range_ptr(&MemRange {
+                region: 3,
+                offset: 0,
+                len: 1
+            })
+            .is_err()
+        );
+        assert!(
+            s.range_ptr(&MemRange {
+                region: 0,
+                offset: s.layout().region_bytes(),
+                len: 1
+            })
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn region_alignment() {
+        let s = HostStorage::new(layout(LayoutKind::LayerSeparate)).unwrap();
+        for r in 0..3 {
+            let p = s
+                .range_ptr(&MemRange {
+                    region: r,
+                    offset: 0,
+                    len: 0,
+                })
+                .unwrap();
+            assert_eq!(p as usize % REGION_ALIGN, 0);
+        }
+    }
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn is_send_sync() {
+        assert_send_sync::<HostStorage>();
+    }
+}
