@@ -2,6 +2,9 @@
 //! noisy neighbour on a shared machine moves one sample rather than the
 //! result.
 
+// Each bench binary includes this file and uses only part of it.
+#![allow(dead_code)]
+
 use std::time::{Duration, Instant};
 
 /// Runs `f` (which performs `work` units per call) in samples of at least

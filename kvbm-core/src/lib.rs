@@ -3,8 +3,9 @@
 //! What lives here: token blocks and their chained hashes ([`tokens`]), the
 //! typestate block lifecycle ([`block`]), tiered pools with prefix matching
 //! and eviction ([`pool`]), block layouts ([`layout`]), the memory behind each
-//! tier ([`storage`]) and the engines that move bytes between tiers
-//! ([`transfer`]).
+//! tier ([`storage`]), the engines that move bytes between tiers
+//! ([`transfer`]), the safe bridge between pools and engines ([`link`]), and
+//! the offload/onboard pipeline with its cancellation rules ([`offload`]).
 //!
 //! What must not live here: anything about log files, sockets or terminals.
 //! Those belong to `kvbm-recorder` and `kvbm-console`, which depend on this
@@ -14,6 +15,7 @@
 pub mod block;
 pub mod layout;
 pub mod link;
+pub mod offload;
 pub mod pool;
 pub mod storage;
 pub mod tier;

@@ -323,6 +323,14 @@ impl TransferTicket {
         TransferTicket { rx, engine }
     }
 
+    /// A ticket and the completer that resolves it, for engines written
+    /// outside this crate (an RDMA engine, a test double): the engine does
+    /// its copy wherever it likes and calls [`TicketCompleter::complete`].
+    pub fn pending(engine: &'static str) -> (TicketCompleter, TransferTicket) {
+        let (tx, rx) = oneshot::channel();
+        (TicketCompleter { tx }, TransferTicket { rx, engine })
+    }
+
     /// Waits for the batch and returns its result together with the `hold`
     /// given to [`TransferEngine::submit_holding`] (`None` if the worker
     /// died without answering, in which case the hold was dropped with it).
@@ -371,6 +379,21 @@ impl TransferTicket {
                 Poll::Pending => std::thread::park_timeout(Duration::from_millis(1)),
             }
         }
+    }
+}
+
+/// Resolves a [`TransferTicket`] made by [`TransferTicket::pending`].
+#[derive(Debug)]
+pub struct TicketCompleter {
+    tx: oneshot::Sender<Reply>,
+}
+
+impl TicketCompleter {
+    /// Reports the batch finished (or failed) and hands back its hold. Call
+    /// it only once the engine no longer touches the batch's blocks.
+    pub fn complete(self, result: Result<TransferStats, TransferError>, hold: Option<Hold>) {
+        // A dropped ticket is fine: the hold is then dropped here.
+        let _ = self.tx.send(Reply { result, hold });
     }
 }
 
