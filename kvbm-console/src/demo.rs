@@ -1,11 +1,13 @@
 //! `kvbm-console demo`: the block manager on a small built-in scenario.
 //!
 //! Until the interactive console exists, the demo runs seed 002's story with
-//! real pools, real bytes and real transfer engines, and prints what
-//! happened: request A is computed on G1 and offloaded eagerly to G2 and G3;
-//! request C pushes A out of G1 and G2; request B shares A's prefix, misses
-//! on G1 and G2, hits on G3, and its prefix is onboarded G3 → G2 → G1 and
-//! checked byte for byte against what A's forward pass wrote.
+//! real pools, real bytes, real transfer engines and the offload pipeline,
+//! and prints what happened: request A is computed on G1 and offloaded
+//! eagerly (after its forward pass) to G2 and G3; request C pushes A out of
+//! G1 and G2, and one of its offloads is cancelled before the upgrade;
+//! request B shares A's prefix, misses on G1 and G2, hits on G3, and its
+//! prefix is onboarded G3 → G2 → G1 and checked byte for byte against what
+//! A's forward pass wrote.
 //!
 //! Host memory stands in for G1 (no GPU needed); G3 is a file in a temporary
 //! directory that is removed on exit.
@@ -14,6 +16,9 @@ use anyhow::{Context, Result, bail, ensure};
 use kvbm_core::block::ComputeDone;
 use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};
 use kvbm_core::link::{HostTier, TierLink};
+use kvbm_core::offload::{
+    OffloadPipeline, PipelineConfig, PresencePolicy, TransferHandle, TransferStatus, precondition,
+};
 use kvbm_core::storage::{DiskStorage, HostStorage};
 use kvbm_core::transfer::{DiskDirection, DiskEngine, MemcpyEngine, TransferEngine};
 use kvbm_core::{BlockPool, ImmutableBlock, PoolConfig, SaltHash, Tier, TokenSequence};
@@ -33,10 +38,10 @@ struct Tiers {
     g2: HostTier,
     g3: BlockPool,
     g3_disk: Arc<DiskStorage>,
-    offload_12: TierLink,
-    offload_23: TierLink,
-    onboard_32: TierLink,
-    onboard_21: TierLink,
+    offload_12: OffloadPipeline,
+    offload_23: OffloadPipeline,
+    onboard_32: OffloadPipeline,
+    onboard_21: OffloadPipeline,
     _dir: tempfile::TempDir,
 }
 
@@ -102,19 +107,49 @@ fn build(block_size: usize) -> Result<Tiers> {
     )?);
     // SAFETY: each storage was created above for exactly one pool and is
     // reached only through these links and bindings.
-    unsafe {
-        Ok(Tiers {
-            g1: HostTier::bind(p1.clone(), s1)?,
-            g2: HostTier::bind(p2.clone(), s2)?,
-            g3: p3.clone(),
-            g3_disk: s3,
-            offload_12: TierLink::new(e12, p1.clone(), p2.clone())?,
-            offload_23: TierLink::new(e23, p2.clone(), p3.clone())?,
-            onboard_32: TierLink::new(e32, p3, p2.clone())?,
-            onboard_21: TierLink::new(e21, p2, p1)?,
-            _dir: dir,
-        })
+    let (g1, g2, l12, l23, l32, l21) = unsafe {
+        (
+            HostTier::bind(p1.clone(), s1)?,
+            HostTier::bind(p2.clone(), s2)?,
+            TierLink::new(e12, p1.clone(), p2.clone())?,
+            TierLink::new(e23, p2.clone(), p3.clone())?,
+            TierLink::new(e32, p3.clone(), p2.clone())?,
+            TierLink::new(e21, p2, p1)?,
+        )
+    };
+    let cfg = PipelineConfig::default();
+    let offload = |l| OffloadPipeline::new(l, vec![Arc::new(PresencePolicy)], cfg);
+    let onboard = |l| OffloadPipeline::new(l, Vec::new(), cfg);
+    Ok(Tiers {
+        g1,
+        g2,
+        g3: p3,
+        g3_disk: s3,
+        offload_12: offload(l12)?,
+        offload_23: offload(l23)?,
+        onboard_32: onboard(l32)?,
+        onboard_21: onboard(l21)?,
+        _dir: dir,
+    })
+}
+
+/// Waits for a transfer and insists it completed.
+async fn completed(h: &TransferHandle, what: &str) -> Result<usize> {
+    match h.wait().await {
+        TransferStatus::Completed { blocks, .. } => Ok(blocks),
+        other => bail!("{what}: expected completion, got {other:?}"),
     }
+}
+
+/// Onboards `sources` into freshly allocated blocks of the pipeline's
+/// destination pool and returns them registered.
+async fn onboard(p: &OffloadPipeline, sources: Vec<ImmutableBlock>) -> Result<Vec<ImmutableBlock>> {
+    let dests = p.link().destination().allocate(sources.len())?;
+    let h = p
+        .onboard(sources, dests, 1)
+        .map_err(|r| anyhow::anyhow!("onboard refused: {}", r.error))?;
+    completed(&h, "onboard").await?;
+    h.take_blocks().context("onboarded blocks missing")
 }
 
 /// What the simulated forward pass writes into a block: derived from the
@@ -230,12 +265,33 @@ pub async fn run(args: &DemoArgs, w: impl Write) -> Result<()> {
         a_blocks.len(),
         a_blocks.iter().map(|b| b.id()).collect::<Vec<_>>()
     ))?;
-    let a_g2 = t.offload_12.copy_and_register(a_blocks.clone()).await?;
-    let a_g3 = t.offload_23.copy_and_register(a_g2.clone()).await?;
+    // Eager offload, gated on the forward pass that wrote the blocks.
+    let (forward_pass, pre) = precondition();
+    let h = t
+        .offload_12
+        .offload(&a_blocks, Some(pre))
+        .map_err(|r| anyhow::anyhow!("offload refused: {}", r.error))?;
+    forward_pass.trigger();
+    completed(&h, "offload G1 → G2").await?;
+    let a_g2 = t.g2.pool().match_prefix(&a.sequence_hashes());
+    let h = t
+        .offload_23
+        .offload(&a_g2, None)
+        .map_err(|r| anyhow::anyhow!("offload refused: {}", r.error))?;
+    completed(&h, "offload G2 → G3").await?;
+    let a_g3 = t.g3.match_prefix(&a.sequence_hashes());
     o.line(format!(
-        "    eager offload G1 → G2 (ids {:?}) → G3 (ids {:?})",
+        "    eager offload after the forward pass: G1 → G2 (ids {:?}) → G3 (ids {:?})",
         a_g2.iter().map(|b| b.id()).collect::<Vec<_>>(),
         a_g3.iter().map(|b| b.id()).collect::<Vec<_>>()
+    ))?;
+    let again = t
+        .offload_12
+        .offload(&a_blocks, None)
+        .map_err(|r| anyhow::anyhow!("offload refused: {}", r.error))?;
+    o.line(format!(
+        "    offloading A again: {:?} (presence policy)",
+        again.wait().await
     ))?;
     drop((a_blocks, a_g2, a_g3));
     o.line("    request A finished: its blocks stay cached, inactive")?;
@@ -249,16 +305,28 @@ pub async fn run(args: &DemoArgs, w: impl Write) -> Result<()> {
         c.blocks().len()
     ))?;
     let c_blocks = compute_on_g1(&t, &c, Vec::new())?;
-    let c_g2 = t
+    let keep = t.g2.pool().capacity();
+    let h = t
         .offload_12
-        .copy_and_register(c_blocks[..t.g2.pool().capacity()].to_vec())
-        .await?;
+        .offload(&c_blocks[..keep], None)
+        .map_err(|r| anyhow::anyhow!("offload refused: {}", r.error))?;
+    let moved = completed(&h, "offload C").await?;
     o.line(format!(
-        "    computed {} blocks on G1 (evicting A's), offloaded the first {} to G2 (evicting A's there too)",
-        c_blocks.len(),
-        c_g2.len()
+        "    computed {} blocks on G1 (evicting A's), offloaded the first {moved} to G2 (evicting A's there too)",
+        c_blocks.len()
     ))?;
-    drop((c_blocks, c_g2));
+    // The rest waits on a forward pass that is cancelled: nothing moves.
+    let (_pass, pre) = precondition();
+    let h = t
+        .offload_12
+        .offload(&c_blocks[keep..], Some(pre))
+        .map_err(|r| anyhow::anyhow!("offload refused: {}", r.error))?;
+    o.line(format!(
+        "    offload of C's last {} blocks cancelled while waiting for its forward pass: {:?}",
+        c_blocks.len() - keep,
+        h.cancel().await
+    ))?;
+    drop(c_blocks);
     o.pools(&t)?;
 
     // Request B shares A's full blocks.
@@ -293,8 +361,8 @@ pub async fn run(args: &DemoArgs, w: impl Write) -> Result<()> {
             "G3 bytes differ"
         );
     }
-    let up2 = t.onboard_32.copy_and_register(on_g3).await?;
-    let up1 = t.onboard_21.copy_and_register(up2.clone()).await?;
+    let up2 = onboard(&t.onboard_32, on_g3).await?;
+    let up1 = onboard(&t.onboard_21, up2.clone()).await?;
     let checked = verify(&t.g2, &up2)? + verify(&t.g1, &up1)?;
     o.line(format!(
         "    onboarded G3 → G2 → G1 (G1 ids {:?}); {checked} bytes checked against A's forward pass",
@@ -310,17 +378,31 @@ pub async fn run(args: &DemoArgs, w: impl Write) -> Result<()> {
     drop((up2, b_blocks));
     o.pools(&t)?;
 
-    o.line("\ntransfer engines:")?;
-    for (what, l) in [
-        ("G1 → G2 memcpy", &t.offload_12),
-        ("G2 → G3 disk  ", &t.offload_23),
-        ("G3 → G2 disk  ", &t.onboard_32),
-        ("G2 → G1 memcpy", &t.onboard_21),
+    o.line("\npipelines:")?;
+    for (what, p) in [
+        ("G1 → G2 offload", &t.offload_12),
+        ("G2 → G3 offload", &t.offload_23),
+        ("G3 → G2 onboard", &t.onboard_32),
+        ("G2 → G1 onboard", &t.onboard_21),
     ] {
-        let c = l.engine().counters();
+        let s = p.stats();
+        let skipped: Vec<String> = s
+            .skipped
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect();
+        let c = p.link().engine().counters();
         o.line(format!(
-            "    {what}: {} batches, {} blocks, {} bytes, {} rejected, {} failed",
-            c.batches, c.blocks, c.bytes, c.rejected, c.failed
+            "    {what}: {} completed, {} cancelled, skipped [{}], {} batches, {} blocks, {} bytes (engine: {} rejected, {} failed)",
+            s.completed,
+            s.cancelled,
+            skipped.join(", "),
+            s.batches,
+            s.blocks_transferred,
+            s.bytes_transferred,
+            c.rejected,
+            c.failed
         ))?;
     }
     o.line("demo finished: every copy verified")?;

@@ -158,8 +158,12 @@ async fn run(
 
 fn main() {
     let quick = common::quick();
+    let workers: usize = std::env::var("KVBM_BENCH_WORKERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(workers)
         .enable_all()
         .build()
         .unwrap();

@@ -12,7 +12,7 @@ use crate::pool::PoolError;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -612,15 +612,16 @@ struct Part {
 async fn transfer_executor(inner: Arc<Inner>) {
     let max = inner.config.max_concurrent_transfers;
     let cap = inner.config.on_deck_capacity;
-    let (done_tx, mut done_rx) = mpsc::channel::<()>(max);
     let mut on_deck: VecDeque<Committed> = VecDeque::new();
-    let mut in_flight = 0usize;
+    // Transfers are driven by this task itself rather than spawned: a
+    // finished copy wakes the executor directly, which then starts the next
+    // on-deck batch without another task hop.
+    let mut running: Vec<Running> = Vec::new();
     let mut closed = false;
     loop {
-        while in_flight < max {
+        while running.len() < max {
             let Some(c) = on_deck.pop_front() else { break };
-            dispatch(&inner, c, done_tx.clone());
-            in_flight += 1;
+            running.push(Box::pin(run_transfer(inner.clone(), c)));
         }
         while on_deck.len() < cap {
             let Some(b) = inner.in_queue.try_pop() else {
@@ -631,16 +632,16 @@ async fn transfer_executor(inner: Arc<Inner>) {
             }
         }
         inner.on_deck_now.store(on_deck.len(), Ordering::Relaxed);
-        inner.in_flight_now.store(in_flight, Ordering::Release);
-        if in_flight < max && !on_deck.is_empty() {
+        inner.in_flight_now.store(running.len(), Ordering::Release);
+        if running.len() < max && !on_deck.is_empty() {
             continue;
         }
-        if closed && in_flight == 0 {
+        if closed && running.is_empty() {
             return; // on-deck work was dropped at shutdown (below)
         }
         let room = on_deck.len() < cap && !closed;
         tokio::select! {
-            Some(()) = done_rx.recv(), if in_flight > 0 => in_flight -= 1,
+            _ = std::future::poll_fn(|cx| poll_any(&mut running, cx)), if !running.is_empty() => {}
             b = inner.in_queue.pop(), if room => match b {
                 Some(b) => {
                     if let Some(c) = commit(&inner, b) {
@@ -656,6 +657,19 @@ async fn transfer_executor(inner: Arc<Inner>) {
             // containers get `Failed`: shut down).
             on_deck.clear();
         }
+    }
+}
+
+type Running = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Polls every running transfer; ready when at least one finished.
+fn poll_any(running: &mut Vec<Running>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+    let before = running.len();
+    running.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+    if running.len() < before {
+        std::task::Poll::Ready(())
+    } else {
+        std::task::Poll::Pending
     }
 }
 
@@ -766,68 +780,64 @@ fn commit(inner: &Inner, mut batch: Batch) -> Option<Committed> {
     })
 }
 
-fn dispatch(inner: &Arc<Inner>, c: Committed, done: mpsc::Sender<()>) {
-    let inner = inner.clone();
+async fn run_transfer(inner: Arc<Inner>, c: Committed) {
     if let Some(o) = &inner.shared.observer {
         let ids: Vec<u64> = c.parts.iter().map(|p| p.tracker.id()).collect();
         o.on_batch_dispatched(c.id, &ids, c.sources.len());
     }
-    tokio::spawn(async move {
-        let Committed {
-            id,
-            sources,
-            destinations,
-            parts,
-        } = c;
-        let outcome = match inner.link.copy(sources, destinations) {
-            Ok(ticket) => ticket.wait().await,
-            Err(rejected) => Err(rejected.error),
-        };
-        let counters = &inner.shared.counters;
-        match outcome {
-            Ok(copied) => {
-                let stats = copied.stats;
-                counters.batches.fetch_add(1, Ordering::Relaxed);
-                counters
-                    .blocks_transferred
-                    .fetch_add(stats.blocks as u64, Ordering::Relaxed);
-                counters
-                    .bytes_transferred
-                    .fetch_add(stats.bytes, Ordering::Relaxed);
-                // Registered in the destination pool: a later prefix match
-                // finds them there.
-                let mut registered = register_copies(copied).into_iter();
-                if let Some(o) = &inner.shared.observer {
-                    o.on_batch_completed(id, Ok(&stats));
-                }
-                for p in parts {
-                    let mine: Vec<ImmutableBlock> = registered.by_ref().take(p.blocks).collect();
-                    match &p.result {
-                        Some(slot) => {
-                            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(mine);
-                        }
-                        None => drop(mine),
-                    }
-                    p.tracker.finish(TransferStatus::Completed {
-                        blocks: p.blocks,
-                        filtered: p.filtered,
-                        gone: p.gone,
-                    });
-                }
+    let Committed {
+        id,
+        sources,
+        destinations,
+        parts,
+    } = c;
+    let outcome = match inner.link.copy(sources, destinations) {
+        Ok(ticket) => ticket.wait().await,
+        Err(rejected) => Err(rejected.error),
+    };
+    let counters = &inner.shared.counters;
+    match outcome {
+        Ok(copied) => {
+            let stats = copied.stats;
+            counters.batches.fetch_add(1, Ordering::Relaxed);
+            counters
+                .blocks_transferred
+                .fetch_add(stats.blocks as u64, Ordering::Relaxed);
+            counters
+                .bytes_transferred
+                .fetch_add(stats.bytes, Ordering::Relaxed);
+            // Registered in the destination pool: a later prefix match
+            // finds them there.
+            let mut registered = register_copies(copied).into_iter();
+            if let Some(o) = &inner.shared.observer {
+                o.on_batch_completed(id, Ok(&stats));
             }
-            Err(e) => {
-                let msg = e.to_string();
-                tracing::warn!(batch = id, error = %msg, "offload batch failed");
-                if let Some(o) = &inner.shared.observer {
-                    o.on_batch_completed(id, Err(&msg));
+            for p in parts {
+                let mine: Vec<ImmutableBlock> = registered.by_ref().take(p.blocks).collect();
+                match &p.result {
+                    Some(slot) => {
+                        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(mine);
+                    }
+                    None => drop(mine),
                 }
-                for p in parts {
-                    p.tracker.finish(TransferStatus::Failed(msg.clone()));
-                }
+                p.tracker.finish(TransferStatus::Completed {
+                    blocks: p.blocks,
+                    filtered: p.filtered,
+                    gone: p.gone,
+                });
             }
         }
-        let _ = done.send(()).await;
-    });
+        Err(e) => {
+            let msg = e.to_string();
+            tracing::warn!(batch = id, error = %msg, "offload batch failed");
+            if let Some(o) = &inner.shared.observer {
+                o.on_batch_completed(id, Err(&msg));
+            }
+            for p in parts {
+                p.tracker.finish(TransferStatus::Failed(msg.clone()));
+            }
+        }
+    }
 }
 
 /// Every `sweep_interval`, pulls cancelled containers out of the queues so
