@@ -13,6 +13,7 @@
 //! not a log, and so it is here.)
 
 pub mod block;
+pub mod bus;
 pub mod layout;
 pub mod link;
 pub mod offload;
@@ -21,6 +22,7 @@ pub mod storage;
 pub mod tier;
 pub mod tokens;
 pub mod transfer;
+pub mod workload;
 
 pub use block::{BlockError, ImmutableBlock, MutableBlock, WeakBlock};
 pub use link::{HostTier, LinkError, TierLink};
