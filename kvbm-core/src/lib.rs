@@ -14,10 +14,12 @@
 
 pub mod block;
 pub mod bus;
+pub mod events;
 pub mod layout;
 pub mod link;
 pub mod offload;
 pub mod pool;
+pub mod slot;
 pub mod storage;
 pub mod tier;
 pub mod tokens;
