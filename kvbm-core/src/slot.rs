@@ -175,16 +175,52 @@ impl fmt::Display for SlotState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
     use SlotState::*;
+    use proptest::prelude::*;
 
     #[test]
     fn the_v1_happy_paths_are_legal() {
         let paths: &[&[SlotState]] = &[
-            &[Initialized, Prefilling, Prefilling, Decoding, Decoding, Finishing, Finished],
-            &[Initialized, OnboardStaged(32), Onboarding(32), Prefilling, Decoding, Finishing, Finished],
-            &[Initialized, Prefilling, SkippedPrefill, Prefilling, Decoding, SkippedDecode, Decoding, Finishing, Finished],
-            &[Initialized, Prefilling, Decoding, Preempted, OnboardStaged(16), Onboarding(16), Decoding, Finishing, Finished],
+            &[
+                Initialized,
+                Prefilling,
+                Prefilling,
+                Decoding,
+                Decoding,
+                Finishing,
+                Finished,
+            ],
+            &[
+                Initialized,
+                OnboardStaged(32),
+                Onboarding(32),
+                Prefilling,
+                Decoding,
+                Finishing,
+                Finished,
+            ],
+            &[
+                Initialized,
+                Prefilling,
+                SkippedPrefill,
+                Prefilling,
+                Decoding,
+                SkippedDecode,
+                Decoding,
+                Finishing,
+                Finished,
+            ],
+            &[
+                Initialized,
+                Prefilling,
+                Decoding,
+                Preempted,
+                OnboardStaged(16),
+                Onboarding(16),
+                Decoding,
+                Finishing,
+                Finished,
+            ],
             &[Initialized, Finishing, Finished],
         ];
         for p in paths {
