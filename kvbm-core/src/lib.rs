@@ -15,10 +15,14 @@
 pub mod block;
 pub mod bus;
 pub mod events;
+pub mod hooks;
 pub mod layout;
+pub mod leader;
 pub mod link;
 pub mod offload;
 pub mod pool;
+pub mod reducer;
+pub mod sim;
 pub mod slot;
 pub mod storage;
 pub mod tier;

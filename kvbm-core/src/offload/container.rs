@@ -24,6 +24,14 @@ pub enum SourceBlock {
 }
 
 impl SourceBlock {
+    /// The block's sequence hash.
+    pub fn sequence_hash(&self) -> crate::tokens::SequenceHash {
+        match self {
+            SourceBlock::Strong(b) => b.sequence_hash(),
+            SourceBlock::Weak(w) => w.sequence_hash(),
+        }
+    }
+
     pub(crate) fn info(&self) -> BlockInfo {
         match self {
             SourceBlock::Strong(b) => BlockInfo {

@@ -124,6 +124,9 @@ impl PipelineStats {
 
 struct Inner {
     config: PipelineConfig,
+    /// Hooks around each batch's transfer (`TransferExecute`); set after
+    /// construction, read once per batch.
+    hooks: Mutex<crate::hooks::HookSet>,
     link: TierLink,
     policies: Vec<Arc<dyn OffloadPolicy>>,
     eval_q: CancellableQueue<OffloadContainer>,
@@ -192,6 +195,7 @@ impl OffloadPipeline {
             next_id: AtomicU64::new(1),
             next_batch: AtomicU64::new(1),
             shutdown: CancellationToken::new(),
+            hooks: Mutex::new(crate::hooks::HookSet::none()),
             config,
         });
         let tasks = vec![
@@ -206,6 +210,22 @@ impl OffloadPipeline {
     /// The link the pipeline copies through.
     pub fn link(&self) -> &TierLink {
         &self.inner.link
+    }
+
+    /// Installs hooks (and breakpoints) around each batch's transfer, the
+    /// `TransferExecute` entry point. A breakpoint there pauses this
+    /// pipeline's executor; on a multi-threaded runtime the pause moves the
+    /// runtime's other tasks off the paused thread (`block_in_place`).
+    pub fn set_hooks(&self, hooks: crate::hooks::HookSet) {
+        *self.inner.hooks.lock().unwrap_or_else(|e| e.into_inner()) = hooks;
+    }
+
+    /// The direction this pipeline moves blocks in.
+    pub fn direction(&self) -> crate::events::Direction {
+        crate::events::Direction {
+            src: self.inner.link.source().tier(),
+            dst: self.inner.link.destination().tier(),
+        }
     }
 
     /// Queues a container. Never waits: a full queue is an error (counted).
@@ -791,6 +811,28 @@ async fn run_transfer(inner: Arc<Inner>, c: Committed) {
         destinations,
         parts,
     } = c;
+    let hooks = inner
+        .hooks
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let call = hooks.is_enabled().then(|| {
+        crate::hooks::CallInfo::new(crate::events::EntryPoint::TransferExecute).with_direction(
+            crate::events::Direction {
+                src: inner.link.source().tier(),
+                dst: inner.link.destination().tier(),
+            },
+        )
+    });
+    if let Some(call) = &call {
+        let multi = tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread;
+        if multi {
+            tokio::task::block_in_place(|| hooks.will_call(call));
+        } else {
+            hooks.will_call(call);
+        }
+    }
     let outcome = match inner.link.copy(sources, destinations) {
         Ok(ticket) => ticket.wait().await,
         Err(rejected) => Err(rejected.error),
@@ -837,6 +879,9 @@ async fn run_transfer(inner: Arc<Inner>, c: Committed) {
                 p.tracker.finish(TransferStatus::Failed(msg.clone()));
             }
         }
+    }
+    if let Some(call) = &call {
+        hooks.finished_call(call);
     }
 }
 

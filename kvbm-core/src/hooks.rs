@@ -1,0 +1,1343 @@
+//! Hooks around the engine's entry points, and breakpoints that pause them.
+//!
+//! The leader's entry points (`create_slot`, `get_num_new_matched_tokens`,
+//! …) and the transfer executor are instrumented with two calls, made with a
+//! [`CallInfo`] that says which entry point runs, for which request, in which
+//! slot state and in which transfer direction:
+//!
+//! ```text
+//! hooks.will_call(&call)      // HookCall{Will} event, user hook, breakpoint check
+//! … the entry point's body …
+//! hooks.finished_call(&call)  // HookCall{Finished} event, user hook
+//! ```
+//!
+//! - [`HookSet`] is what the instrumented code holds. [`HookSet::none`] is
+//!   the default and costs one well-predicted branch per call: no event, no
+//!   virtual call, no lock, no allocation. It is *enabled* when an
+//!   [`Emitter`], user [`Hooks`] or [`Breakpoints`] are attached. With an
+//!   emitter attached, each `will_call` and each `finished_call` emits
+//!   exactly one [`EventKind::HookCall`], whether or not user hooks are
+//!   installed: the issue asks for one event per hook call, and the leader
+//!   attaches the emitter exactly when an observer (console, recorder) is
+//!   there to read them. Without an emitter nothing is emitted.
+//! - [`Breakpoints`] match calls on slot state, request id (exact or
+//!   prefix), transfer direction and entry point, and *block the calling
+//!   thread* until a console resumes it, steps, clears the breakpoint, goes
+//!   away ([`Breakpoints::release_owner`]) or the pause's deadline passes.
+//!   Each pause emits one [`EventKind::BreakpointHit`] and one
+//!   [`EventKind::Resumed`] saying why it went on.
+//!
+//! Why blocking, and why `std::sync` rather than tokio: the entry points are
+//! synchronous functions on the engine's scheduler thread (like vLLM's KV
+//! connector scheduler calls), and a paused engine is the point of a
+//! breakpoint. So a pause parks the thread on a [`Condvar`] with a timeout.
+//!
+//! What this module must not do:
+//!
+//! - cost anything measurable when unused: the disabled [`HookSet`] is one
+//!   branch, and [`Breakpoints::check`] with no breakpoint and no step armed
+//!   is one atomic load (no lock — a test holds the lock on another thread
+//!   and makes a million checks);
+//! - leave an engine stuck: every pause has a deadline (60 s by default)
+//!   after which it resumes by itself and says so;
+//! - know about sockets, terminals or HTTP. The spec types derive serde so a
+//!   server can carry them, but the server lives elsewhere.
+//!
+//! Callers must not hold a lock an observer needs while calling
+//! [`HookSet::will_call`] / [`Breakpoints::check`]: the console has to be
+//! able to look around while the engine is paused. And a pause on a tokio
+//! worker thread blocks that worker: async callers (the transfer executor)
+//! should check from a blocking context or accept that.
+//!
+//! ```
+//! use kvbm_core::bus::BusConfig;
+//! use kvbm_core::events::{Emitter, EntryPoint, MonotonicClock};
+//! use kvbm_core::hooks::{BreakpointSpec, Breakpoints, CallInfo, HookSet};
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! let emitter = Arc::new(
+//!     Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).unwrap(),
+//! );
+//! let breakpoints = Arc::new(Breakpoints::new(Some(emitter.clone()), Duration::from_secs(60)));
+//! let hooks = HookSet::none()
+//!     .with_emitter(emitter.clone())
+//!     .with_breakpoints(breakpoints.clone());
+//!
+//! // A breakpoint on a request that this call does not belong to.
+//! breakpoints
+//!     .add(BreakpointSpec::default().with_request_prefix("other-"))
+//!     .unwrap();
+//! let call = CallInfo::new(EntryPoint::CreateSlot).with_request(Arc::from("req-1"));
+//! hooks.will_call(&call); // does not pause
+//! hooks.finished_call(&call);
+//! assert_eq!(emitter.emitted(), 2); // HookCall{Will}, HookCall{Finished}
+//! ```
+
+use crate::events::{Direction, Emitter, EntryPoint, EventKind, HookPhase, RequestId, ResumeCause};
+use crate::slot::SlotState;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+// ---------------------------------------------------------------------------
+// Calls and hooks
+// ---------------------------------------------------------------------------
+
+/// What an instrumented entry point is about to do (or just did).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallInfo {
+    /// Which entry point.
+    pub entry: EntryPoint,
+    /// The request it is for, where there is one.
+    pub request: Option<RequestId>,
+    /// The request's slot state when the call starts, where there is one.
+    pub state: Option<SlotState>,
+    /// The transfer direction, for calls that move blocks.
+    pub direction: Option<Direction>,
+}
+
+impl CallInfo {
+    /// A call to `entry` with nothing else known.
+    pub fn new(entry: EntryPoint) -> Self {
+        CallInfo {
+            entry,
+            request: None,
+            state: None,
+            direction: None,
+        }
+    }
+
+    /// Sets the request.
+    pub fn with_request(mut self, request: RequestId) -> Self {
+        self.request = Some(request);
+        self
+    }
+
+    /// Sets the slot state.
+    pub fn with_state(mut self, state: SlotState) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// Sets the transfer direction.
+    pub fn with_direction(mut self, direction: Direction) -> Self {
+        self.direction = Some(direction);
+        self
+    }
+}
+
+/// User code run around every instrumented entry point. Both methods do
+/// nothing by default. They run on the engine's thread, inside the entry
+/// point: keep them short, and never call back into the leader from them.
+pub trait Hooks: Send + Sync {
+    /// Before the entry point's body runs.
+    fn will_call(&self, call: &CallInfo) {
+        let _ = call;
+    }
+
+    /// After the entry point's body ran (also when it returned an error).
+    fn finished_call(&self, call: &CallInfo) {
+        let _ = call;
+    }
+}
+
+#[derive(Clone, Default)]
+struct HookInner {
+    hooks: Option<Arc<dyn Hooks>>,
+    emitter: Option<Arc<Emitter>>,
+    breakpoints: Option<Arc<Breakpoints>>,
+}
+
+/// What an instrumented entry point holds: optional user [`Hooks`], an
+/// optional [`Emitter`] for `HookCall` events and optional [`Breakpoints`].
+///
+/// Cheap to clone (one `Arc`). When nothing is attached
+/// ([`HookSet::none`], also the `Default`) the `Option` inside is `None` and
+/// [`will_call`](Self::will_call) / [`finished_call`](Self::finished_call)
+/// are one inlined test of it — a branch that always goes the same way, so
+/// the predictor gets it right — and nothing else. Callers that would do
+/// work just to build a [`CallInfo`] can test [`is_enabled`](Self::is_enabled)
+/// first.
+#[derive(Clone, Default)]
+pub struct HookSet {
+    inner: Option<Arc<HookInner>>,
+}
+
+impl fmt::Debug for HookSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = self.inner.as_deref();
+        f.debug_struct("HookSet")
+            .field("hooks", &inner.is_some_and(|i| i.hooks.is_some()))
+            .field("emitter", &inner.is_some_and(|i| i.emitter.is_some()))
+            .field(
+                "breakpoints",
+                &inner.is_some_and(|i| i.breakpoints.is_some()),
+            )
+            .finish()
+    }
+}
+
+impl HookSet {
+    /// Nothing attached: every call is a single branch.
+    pub const fn none() -> Self {
+        HookSet { inner: None }
+    }
+
+    /// User hooks and/or an emitter; [`none`](Self::none) when both are
+    /// `None`.
+    pub fn new(hooks: Option<Arc<dyn Hooks>>, emitter: Option<Arc<Emitter>>) -> Self {
+        if hooks.is_none() && emitter.is_none() {
+            return HookSet::none();
+        }
+        HookSet {
+            inner: Some(Arc::new(HookInner {
+                hooks,
+                emitter,
+                breakpoints: None,
+            })),
+        }
+    }
+
+    fn update(self, f: impl FnOnce(&mut HookInner)) -> Self {
+        // Configuration time, not the hot path: copy the few `Arc`s.
+        let mut inner = self.inner.as_deref().cloned().unwrap_or_default();
+        f(&mut inner);
+        HookSet {
+            inner: Some(Arc::new(inner)),
+        }
+    }
+
+    /// Also runs these user hooks (replacing any set before).
+    pub fn with_hooks(self, hooks: Arc<dyn Hooks>) -> Self {
+        self.update(|i| i.hooks = Some(hooks))
+    }
+
+    /// Also emits one `HookCall` event per `will_call` / `finished_call` on
+    /// this emitter (replacing any set before).
+    pub fn with_emitter(self, emitter: Arc<Emitter>) -> Self {
+        self.update(|i| i.emitter = Some(emitter))
+    }
+
+    /// Also checks these breakpoints in every `will_call`, after the event
+    /// and the user hook, so a pause shows up in the stream right after
+    /// the `HookCall{Will}` of the call it paused.
+    pub fn with_breakpoints(self, breakpoints: Arc<Breakpoints>) -> Self {
+        self.update(|i| i.breakpoints = Some(breakpoints))
+    }
+
+    /// Whether anything is attached.
+    #[inline]
+    pub fn is_enabled(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// The emitter, if one is attached.
+    pub fn emitter(&self) -> Option<&Arc<Emitter>> {
+        self.inner.as_deref().and_then(|i| i.emitter.as_ref())
+    }
+
+    /// The breakpoints, if attached.
+    pub fn breakpoints(&self) -> Option<&Arc<Breakpoints>> {
+        self.inner.as_deref().and_then(|i| i.breakpoints.as_ref())
+    }
+
+    /// Before an entry point runs: emits `HookCall{Will}` (with an
+    /// emitter), runs the user hook, then checks the breakpoints — which may
+    /// block this thread until the pause ends.
+    #[inline]
+    pub fn will_call(&self, call: &CallInfo) {
+        if let Some(inner) = &self.inner {
+            inner.will_call(call);
+        }
+    }
+
+    /// After an entry point ran: emits `HookCall{Finished}` (with an
+    /// emitter) and runs the user hook.
+    #[inline]
+    pub fn finished_call(&self, call: &CallInfo) {
+        if let Some(inner) = &self.inner {
+            inner.finished_call(call);
+        }
+    }
+}
+
+impl HookInner {
+    // Out of line so that the disabled path at each call site stays a
+    // test and a jump.
+    #[inline(never)]
+    fn will_call(&self, call: &CallInfo) {
+        self.emit(call, HookPhase::Will);
+        if let Some(h) = &self.hooks {
+            h.will_call(call);
+        }
+        if let Some(b) = &self.breakpoints {
+            b.check(call);
+        }
+    }
+
+    #[inline(never)]
+    fn finished_call(&self, call: &CallInfo) {
+        self.emit(call, HookPhase::Finished);
+        if let Some(h) = &self.hooks {
+            h.finished_call(call);
+        }
+    }
+
+    fn emit(&self, call: &CallInfo, phase: HookPhase) {
+        if let Some(e) = &self.emitter {
+            e.emit(
+                call.request.as_ref(),
+                EventKind::HookCall {
+                    entry: call.entry,
+                    phase,
+                },
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Breakpoint specs
+// ---------------------------------------------------------------------------
+
+/// Default for how long a pause lasts before it resumes by itself.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(60);
+/// Shortest accepted pause deadline.
+pub const MIN_DEADLINE: Duration = Duration::from_millis(1);
+/// Longest accepted pause deadline. A day is far beyond any debugging
+/// session, and keeps `Instant + deadline` and the event's `deadline_ns`
+/// far from overflow.
+pub const MAX_DEADLINE: Duration = Duration::from_secs(24 * 60 * 60);
+/// Default cap on the number of breakpoints.
+pub const DEFAULT_MAX_BREAKPOINTS: usize = 1024;
+/// Longest accepted request id or prefix in a spec, in bytes. Specs come
+/// from the network later; the cap keeps one from carrying megabytes.
+pub const MAX_REQUEST_MATCH_LEN: usize = 1024;
+/// Breakpoint id reported for a pause caused by [`Breakpoints::step`].
+pub const STEP_BREAKPOINT: u64 = 0;
+
+/// How a breakpoint matches the request id.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RequestMatch {
+    /// The whole id.
+    Exact(String),
+    /// The id starts with this.
+    Prefix(String),
+}
+
+impl RequestMatch {
+    fn pattern(&self) -> &str {
+        match self {
+            RequestMatch::Exact(s) | RequestMatch::Prefix(s) => s,
+        }
+    }
+
+    /// Whether `request` matches.
+    pub fn matches(&self, request: &str) -> bool {
+        match self {
+            RequestMatch::Exact(s) => request == s,
+            RequestMatch::Prefix(p) => request.starts_with(p.as_str()),
+        }
+    }
+}
+
+/// Which calls a breakpoint pauses. Every field that is set must match
+/// (AND); a call without the thing a field asks about (no request, no
+/// state, no direction) does not match it. At least one of `state`,
+/// `request`, `direction`, `entry` must be set.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakpointSpec {
+    /// A slot state name (one of [`SlotState::NAMES`], e.g. `"Decoding"`),
+    /// compared with [`SlotState::name`], so `"Onboarding"` matches any
+    /// token count.
+    pub state: Option<String>,
+    /// The request id, exactly or by prefix.
+    pub request: Option<RequestMatch>,
+    /// The transfer direction.
+    pub direction: Option<Direction>,
+    /// The entry point.
+    pub entry: Option<EntryPoint>,
+    /// The client that set it (not a match field). A server must fill this
+    /// in itself from the connection, not take it from the client, so that
+    /// [`Breakpoints::release_owner`] can clean up after a client that
+    /// goes away.
+    pub owner: Option<u64>,
+}
+
+impl BreakpointSpec {
+    /// Matches this slot state name.
+    pub fn with_state(mut self, state: impl Into<String>) -> Self {
+        self.state = Some(state.into());
+        self
+    }
+
+    /// Matches this request id exactly.
+    pub fn with_request(mut self, request: impl Into<String>) -> Self {
+        self.request = Some(RequestMatch::Exact(request.into()));
+        self
+    }
+
+    /// Matches request ids starting with `prefix`.
+    pub fn with_request_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.request = Some(RequestMatch::Prefix(prefix.into()));
+        self
+    }
+
+    /// Matches this transfer direction.
+    pub fn with_direction(mut self, direction: Direction) -> Self {
+        self.direction = Some(direction);
+        self
+    }
+
+    /// Matches this entry point.
+    pub fn with_entry(mut self, entry: EntryPoint) -> Self {
+        self.entry = Some(entry);
+        self
+    }
+
+    /// Belongs to client `owner`.
+    pub fn with_owner(mut self, owner: u64) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
+    /// Checks the spec: something to match on, a known state name, a
+    /// non-empty request pattern of bounded length.
+    pub fn validate(&self) -> Result<(), BreakpointError> {
+        if self.state.is_none()
+            && self.request.is_none()
+            && self.direction.is_none()
+            && self.entry.is_none()
+        {
+            return Err(BreakpointError::EmptySpec);
+        }
+        if let Some(s) = &self.state {
+            if !SlotState::NAMES.contains(&s.as_str()) {
+                return Err(BreakpointError::UnknownState(shorten(s)));
+            }
+        }
+        if let Some(r) = &self.request {
+            let p = r.pattern();
+            // An empty pattern is almost surely a blank field in a form,
+            // not a wish to match every request.
+            if p.is_empty() {
+                return Err(BreakpointError::EmptyRequestMatch);
+            }
+            if p.len() > MAX_REQUEST_MATCH_LEN {
+                return Err(BreakpointError::RequestMatchTooLong {
+                    len: p.len(),
+                    max: MAX_REQUEST_MATCH_LEN,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `call` matches. Assumes a validated spec.
+    pub fn matches(&self, call: &CallInfo) -> bool {
+        if self.entry.is_some_and(|e| e != call.entry) {
+            return false;
+        }
+        if let Some(d) = self.direction {
+            if call.direction != Some(d) {
+                return false;
+            }
+        }
+        if let Some(s) = &self.state {
+            if call.state.is_none_or(|cs| cs.name() != s) {
+                return false;
+            }
+        }
+        if let Some(r) = &self.request {
+            if call.request.as_deref().is_none_or(|id| !r.matches(id)) {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// Echoing a long bad value back (it may come from the network) helps no
+/// one; keep the start.
+fn shorten(s: &str) -> String {
+    const KEEP: usize = 64;
+    match s.char_indices().nth(KEEP) {
+        None => s.to_string(),
+        Some((cut, _)) => format!("{}…", &s[..cut]),
+    }
+}
+
+/// A refused breakpoint command.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BreakpointError {
+    /// The spec sets none of state, request, direction, entry.
+    #[error("a breakpoint must match on at least one of state, request, direction or entry")]
+    EmptySpec,
+    /// The state is not a slot state name.
+    #[error("unknown slot state `{0}`; expected one of {names}", names = SlotState::NAMES.join(", "))]
+    UnknownState(String),
+    /// The request id or prefix is empty.
+    #[error("the request id or prefix to match is empty")]
+    EmptyRequestMatch,
+    /// The request id or prefix is too long.
+    #[error("the request id or prefix to match is {len} bytes long; at most {max} are accepted")]
+    RequestMatchTooLong {
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// As many breakpoints as allowed already exist.
+    #[error("too many breakpoints: at most {max} may exist at once")]
+    Full {
+        /// The cap.
+        max: usize,
+    },
+    /// A pause deadline outside [`MIN_DEADLINE`]..=[`MAX_DEADLINE`].
+    #[error("pause deadline {got:?} is out of range {min:?}..={max:?}")]
+    BadDeadline {
+        /// What was asked for.
+        got: Duration,
+        /// Shortest accepted.
+        min: Duration,
+        /// Longest accepted.
+        max: Duration,
+    },
+}
+
+// ---------------------------------------------------------------------------
+// Breakpoints
+// ---------------------------------------------------------------------------
+
+/// One breakpoint, as [`Breakpoints::list`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BreakpointInfo {
+    /// Its id (1 and up; never reused).
+    pub id: u64,
+    /// What it matches.
+    pub spec: BreakpointSpec,
+    /// Calls it has paused.
+    pub hits: u64,
+}
+
+/// A call paused now, as [`Breakpoints::paused`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PausedCall {
+    /// Its id, for [`Breakpoints::resume`] (1 and up; never reused).
+    pub pause_id: u64,
+    /// The breakpoint that paused it; [`STEP_BREAKPOINT`] (0) for a step.
+    pub breakpoint: u64,
+    /// The call.
+    pub call: CallInfo,
+    /// How long it has been paused.
+    pub waited: Duration,
+    /// How long until it resumes by itself.
+    pub deadline_in: Duration,
+}
+
+/// What [`Breakpoints::release_owner`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OwnerReleased {
+    /// Breakpoints removed.
+    pub breakpoints: usize,
+    /// Paused calls resumed.
+    pub resumed: usize,
+}
+
+#[derive(Debug)]
+struct Entry {
+    spec: BreakpointSpec,
+    hits: u64,
+}
+
+#[derive(Debug)]
+struct Pause {
+    breakpoint: u64,
+    owner: Option<u64>,
+    call: CallInfo,
+    since: Instant,
+    deadline: Instant,
+    /// Set by whoever ends the pause; the paused thread alone removes the
+    /// entry, after it has seen this — so a wakeup without it (spurious, or
+    /// meant for another pause) just goes back to waiting.
+    release: Option<ResumeCause>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// By id, so the lowest matching id is the first found.
+    breakpoints: BTreeMap<u64, Entry>,
+    next_breakpoint: u64,
+    max_breakpoints: usize,
+    /// A step is armed: the next call pauses whatever it is.
+    step: Option<StepArm>,
+    paused: BTreeMap<u64, Pause>,
+    next_pause: u64,
+    default_deadline: Duration,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct StepArm {
+    owner: Option<u64>,
+}
+
+impl Inner {
+    /// Marks unreleased pauses chosen by `pick` as released with `cause`;
+    /// returns how many.
+    fn release(&mut self, cause: ResumeCause, mut pick: impl FnMut(&Pause) -> bool) -> usize {
+        let mut n = 0;
+        for p in self.paused.values_mut() {
+            if p.release.is_none() && pick(p) {
+                p.release = Some(cause);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    fn wants_checks(&self) -> bool {
+        !self.breakpoints.is_empty() || self.step.is_some()
+    }
+}
+
+/// Breakpoints on the engine's entry points, shared as `Arc<Breakpoints>`
+/// between the engine (which calls [`check`](Self::check)) and the console
+/// (which adds, lists, resumes, steps and clears). See the module docs.
+pub struct Breakpoints {
+    /// True while a breakpoint exists or a step is armed: the only thing
+    /// `check` reads otherwise. Written under the lock after every change.
+    armed: AtomicBool,
+    inner: Mutex<Inner>,
+    /// Paused threads wait here; every release notifies all of them and
+    /// each looks at its own pause.
+    cond: Condvar,
+    emitter: Option<Arc<Emitter>>,
+    slow_checks: AtomicU64,
+}
+
+impl fmt::Debug for Breakpoints {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = self.lock();
+        f.debug_struct("Breakpoints")
+            .field("armed", &self.is_armed())
+            .field("breakpoints", &inner.breakpoints.len())
+            .field("paused", &inner.paused.len())
+            .field("default_deadline", &inner.default_deadline)
+            .finish()
+    }
+}
+
+impl Breakpoints {
+    /// No breakpoints yet. Hits and resumes are emitted on `emitter`, if
+    /// any. `default_deadline` is clamped to
+    /// [`MIN_DEADLINE`]..=[`MAX_DEADLINE`] (a configuration value written
+    /// by the program; commands go through the checked
+    /// [`set_default_deadline`](Self::set_default_deadline)). At most
+    /// [`DEFAULT_MAX_BREAKPOINTS`] breakpoints; see
+    /// [`with_max_breakpoints`](Self::with_max_breakpoints).
+    pub fn new(emitter: Option<Arc<Emitter>>, default_deadline: Duration) -> Self {
+        Breakpoints {
+            armed: AtomicBool::new(false),
+            inner: Mutex::new(Inner {
+                breakpoints: BTreeMap::new(),
+                next_breakpoint: 1,
+                max_breakpoints: DEFAULT_MAX_BREAKPOINTS,
+                step: None,
+                paused: BTreeMap::new(),
+                next_pause: 1,
+                default_deadline: default_deadline.clamp(MIN_DEADLINE, MAX_DEADLINE),
+            }),
+            cond: Condvar::new(),
+            emitter,
+            slow_checks: AtomicU64::new(0),
+        }
+    }
+
+    /// Caps the number of breakpoints at `max`.
+    pub fn with_max_breakpoints(self, max: usize) -> Self {
+        self.lock().max_breakpoints = max;
+        self
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Nothing under this lock can panic half-way through a change that
+        // matters, so a poisoned lock's state is still sound.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publishes whether `check` must look further. Called with the lock
+    /// held, so the flag follows the state in the order the changes happen.
+    fn rearm(&self, inner: &Inner) {
+        self.armed.store(inner.wants_checks(), Ordering::Release);
+    }
+
+    /// Whether a breakpoint exists or a step is armed, i.e. whether
+    /// [`check`](Self::check) may pause.
+    #[inline]
+    pub fn is_armed(&self) -> bool {
+        self.armed.load(Ordering::Acquire)
+    }
+
+    /// How many `check` calls went past the fast path (a breakpoint existed
+    /// or a step was armed). Counted only there, so it costs the fast path
+    /// nothing; tests use it to show that the fast path stays fast.
+    pub fn slow_checks(&self) -> u64 {
+        self.slow_checks.load(Ordering::Relaxed)
+    }
+
+    /// Adds a breakpoint; returns its id.
+    pub fn add(&self, spec: BreakpointSpec) -> Result<u64, BreakpointError> {
+        spec.validate()?;
+        let mut inner = self.lock();
+        if inner.breakpoints.len() >= inner.max_breakpoints {
+            return Err(BreakpointError::Full {
+                max: inner.max_breakpoints,
+            });
+        }
+        let id = inner.next_breakpoint;
+        inner.next_breakpoint += 1;
+        inner.breakpoints.insert(id, Entry { spec, hits: 0 });
+        self.rearm(&inner);
+        Ok(id)
+    }
+
+    /// Removes breakpoint `id` and resumes the calls it paused (cause
+    /// `Cleared`). `clear(STEP_BREAKPOINT)` disarms a pending step and
+    /// resumes calls paused by a step. Returns whether there was anything
+    /// to clear.
+    pub fn clear(&self, id: u64) -> bool {
+        let mut inner = self.lock();
+        let existed = if id == STEP_BREAKPOINT {
+            inner.step.take().is_some()
+        } else {
+            inner.breakpoints.remove(&id).is_some()
+        };
+        let resumed = inner.release(ResumeCause::Cleared, |p| p.breakpoint == id);
+        self.rearm(&inner);
+        drop(inner);
+        if resumed > 0 {
+            self.cond.notify_all();
+        }
+        existed || resumed > 0
+    }
+
+    /// Removes every breakpoint, disarms a pending step and resumes every
+    /// paused call (cause `Cleared`). Returns the number of breakpoints
+    /// removed.
+    pub fn clear_all(&self) -> usize {
+        let mut inner = self.lock();
+        let n = inner.breakpoints.len();
+        inner.breakpoints.clear();
+        inner.step = None;
+        let resumed = inner.release(ResumeCause::Cleared, |_| true);
+        self.rearm(&inner);
+        drop(inner);
+        if resumed > 0 {
+            self.cond.notify_all();
+        }
+        n
+    }
+
+    /// The breakpoints, by id.
+    pub fn list(&self) -> Vec<BreakpointInfo> {
+        self.lock()
+            .breakpoints
+            .iter()
+            .map(|(&id, e)| BreakpointInfo {
+                id,
+                spec: e.spec.clone(),
+                hits: e.hits,
+            })
+            .collect()
+    }
+
+    /// The calls paused now, by pause id. A call already told to resume
+    /// but not yet gone is not listed.
+    pub fn paused(&self) -> Vec<PausedCall> {
+        let now = Instant::now();
+        self.lock()
+            .paused
+            .iter()
+            .filter(|(_, p)| p.release.is_none())
+            .map(|(&pause_id, p)| PausedCall {
+                pause_id,
+                breakpoint: p.breakpoint,
+                call: p.call.clone(),
+                waited: now.saturating_duration_since(p.since),
+                deadline_in: p.deadline.saturating_duration_since(now),
+            })
+            .collect()
+    }
+
+    /// Resumes one paused call (cause `Resume`). False when no such call
+    /// is paused.
+    pub fn resume(&self, pause_id: u64) -> bool {
+        let mut inner = self.lock();
+        let found = match inner.paused.get_mut(&pause_id) {
+            Some(p) if p.release.is_none() => {
+                p.release = Some(ResumeCause::Resume);
+                true
+            }
+            _ => false,
+        };
+        drop(inner);
+        if found {
+            self.cond.notify_all();
+        }
+        found
+    }
+
+    /// Resumes every paused call (cause `Resume`); returns how many.
+    pub fn resume_all(&self) -> usize {
+        let mut inner = self.lock();
+        let n = inner.release(ResumeCause::Resume, |_| true);
+        drop(inner);
+        if n > 0 {
+            self.cond.notify_all();
+        }
+        n
+    }
+
+    /// A debugger's single step: resumes every paused call (cause `Step`)
+    /// and arms a one-shot pause at the very next entry-point call, whatever
+    /// it is. That pause reports [`STEP_BREAKPOINT`] unless a breakpoint
+    /// matches the call too, in which case the breakpoint takes the hit
+    /// (and the step is used up all the same). Returns whether a paused
+    /// call was resumed; the step is armed either way.
+    pub fn step(&self) -> bool {
+        self.step_inner(None)
+    }
+
+    /// [`step`](Self::step) on behalf of client `owner`: if that client
+    /// goes away ([`release_owner`](Self::release_owner)), the armed step is
+    /// disarmed and the pause it caused is resumed.
+    pub fn step_for(&self, owner: u64) -> bool {
+        self.step_inner(Some(owner))
+    }
+
+    fn step_inner(&self, owner: Option<u64>) -> bool {
+        let mut inner = self.lock();
+        let n = inner.release(ResumeCause::Step, |_| true);
+        inner.step = Some(StepArm { owner });
+        self.rearm(&inner);
+        drop(inner);
+        if n > 0 {
+            self.cond.notify_all();
+        }
+        n > 0
+    }
+
+    /// Client `owner` went away: removes its breakpoints, disarms a step it
+    /// armed, and resumes the calls its breakpoints or steps paused (cause
+    /// `ClientGone`), so an engine is never left waiting for a console that
+    /// is not there. Other clients' breakpoints and pauses are untouched.
+    pub fn release_owner(&self, owner: u64) -> OwnerReleased {
+        let mut inner = self.lock();
+        let before = inner.breakpoints.len();
+        inner.breakpoints.retain(|_, e| e.spec.owner != Some(owner));
+        let removed = before - inner.breakpoints.len();
+        if inner.step.is_some_and(|s| s.owner == Some(owner)) {
+            inner.step = None;
+        }
+        let resumed = inner.release(ResumeCause::ClientGone, |p| p.owner == Some(owner));
+        self.rearm(&inner);
+        drop(inner);
+        if resumed > 0 {
+            self.cond.notify_all();
+        }
+        OwnerReleased {
+            breakpoints: removed,
+            resumed,
+        }
+    }
+
+    /// Sets the deadline of pauses that start from now on (pauses already
+    /// running keep theirs).
+    pub fn set_default_deadline(&self, deadline: Duration) -> Result<(), BreakpointError> {
+        if !(MIN_DEADLINE..=MAX_DEADLINE).contains(&deadline) {
+            return Err(BreakpointError::BadDeadline {
+                got: deadline,
+                min: MIN_DEADLINE,
+                max: MAX_DEADLINE,
+            });
+        }
+        self.lock().default_deadline = deadline;
+        Ok(())
+    }
+
+    /// The deadline new pauses get.
+    pub fn default_deadline(&self) -> Duration {
+        self.lock().default_deadline
+    }
+
+    /// Called by an instrumented entry point before its body runs. If a
+    /// breakpoint matches `call` (or a step is armed), blocks this thread
+    /// until the pause ends; see the module docs.
+    ///
+    /// With no breakpoint and no step armed this is one atomic load and a
+    /// return: no lock, no allocation, no event.
+    #[inline]
+    pub fn check(&self, call: &CallInfo) {
+        if self.armed.load(Ordering::Acquire) {
+            self.check_slow(call);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn check_slow(&self, call: &CallInfo) {
+        self.slow_checks.fetch_add(1, Ordering::Relaxed);
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        // The lowest matching id pauses, once; a step is used up by the
+        // first call that gets here, matched or not.
+        let step = inner.step.take();
+        let (breakpoint, owner) = match inner
+            .breakpoints
+            .iter_mut()
+            .find(|(_, e)| e.spec.matches(call))
+        {
+            Some((&id, e)) => {
+                e.hits += 1;
+                (id, e.spec.owner)
+            }
+            None => match step {
+                Some(s) => (STEP_BREAKPOINT, s.owner),
+                None => return,
+            },
+        };
+        self.rearm(inner);
+        let pause_id = inner.next_pause;
+        inner.next_pause += 1;
+        let deadline = inner.default_deadline;
+        let since = Instant::now();
+        inner.paused.insert(
+            pause_id,
+            Pause {
+                breakpoint,
+                owner,
+                call: call.clone(),
+                since,
+                // In range by construction (at most MAX_DEADLINE); if the
+                // platform's clock still cannot add it, a pause without a
+                // deadline would break the promise, so end it now instead.
+                deadline: since.checked_add(deadline).unwrap_or(since),
+                release: None,
+            },
+        );
+        drop(guard);
+
+        // Emitted outside our lock so a console looking at the lists is not
+        // held up by the bus. The pause is registered first, so a console
+        // reacting to the event finds it in `paused()`.
+        if let Some(e) = &self.emitter {
+            let deadline_ns = e
+                .clock()
+                .now_ns()
+                .saturating_add(u64::try_from(deadline.as_nanos()).unwrap_or(u64::MAX));
+            e.emit(
+                call.request.as_ref(),
+                EventKind::BreakpointHit {
+                    breakpoint,
+                    entry: call.entry,
+                    deadline_ns,
+                },
+            );
+        }
+
+        let cause = self.wait(pause_id);
+
+        if let Some(e) = &self.emitter {
+            e.emit(
+                call.request.as_ref(),
+                EventKind::Resumed { breakpoint, cause },
+            );
+        }
+    }
+
+    /// Blocks until pause `pause_id` is released or its deadline passes;
+    /// removes it and says why it ended.
+    fn wait(&self, pause_id: u64) -> ResumeCause {
+        let mut inner = self.lock();
+        let cause = loop {
+            // Only this thread removes its entry, so it is there; the
+            // fallback only keeps a broken invariant from hanging the engine.
+            let Some(p) = inner.paused.get(&pause_id) else {
+                break ResumeCause::Resume;
+            };
+            if let Some(cause) = p.release {
+                break cause;
+            }
+            let now = Instant::now();
+            if now >= p.deadline {
+                break ResumeCause::Deadline;
+            }
+            let left = p.deadline - now;
+            // A wakeup — real, spurious, or for another pause — only leads
+            // back to the top, where this pause's own state decides.
+            inner = match self.cond.wait_timeout(inner, left) {
+                Ok((g, _)) => g,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        };
+        inner.paused.remove(&pause_id);
+        cause
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bus::{BusConfig, TapItem, TapReceiver};
+    use crate::events::{Event, VirtualClock};
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::mpsc;
+    use std::thread;
+
+    fn emitter() -> (Arc<Emitter>, TapReceiver<Event>) {
+        let e =
+            Arc::new(Emitter::new(1, BusConfig::default(), Arc::new(VirtualClock::new())).unwrap());
+        let tap = e.bus().take_tap().unwrap();
+        (e, tap)
+    }
+
+    fn drain(tap: &mut TapReceiver<Event>) -> Vec<Event> {
+        let mut out = Vec::new();
+        while let Ok(item) = tap.try_recv() {
+            match item {
+                TapItem::Event(e) => out.push(e),
+                TapItem::Gap { dropped } => panic!("tap lost {dropped} events"),
+            }
+        }
+        out
+    }
+
+    fn call(entry: EntryPoint, request: &str) -> CallInfo {
+        CallInfo::new(entry).with_request(Arc::from(request))
+    }
+
+    /// Waits (bounded) until `n` calls are paused.
+    fn wait_paused(bp: &Breakpoints, n: usize) -> Vec<PausedCall> {
+        let start = Instant::now();
+        loop {
+            let p = bp.paused();
+            if p.len() == n {
+                return p;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{} paused, want {n}",
+                p.len()
+            );
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[derive(Default)]
+    struct Counting {
+        will: AtomicUsize,
+        finished: AtomicUsize,
+    }
+
+    impl Hooks for Counting {
+        fn will_call(&self, _: &CallInfo) {
+            self.will.fetch_add(1, Ordering::Relaxed);
+        }
+        fn finished_call(&self, _: &CallInfo) {
+            self.finished.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn hookset_emits_one_event_per_call_and_runs_user_hooks() {
+        let (e, mut tap) = emitter();
+        let user = Arc::new(Counting::default());
+        let hooks = HookSet::new(Some(user.clone()), Some(e.clone()));
+        assert!(hooks.is_enabled());
+        let c = call(EntryPoint::BuildConnectorMetadata, "r1");
+        hooks.will_call(&c);
+        hooks.finished_call(&c);
+        let got = drain(&mut tap);
+        assert_eq!(got.len(), 2);
+        assert_eq!(
+            got[0].kind,
+            EventKind::HookCall {
+                entry: EntryPoint::BuildConnectorMetadata,
+                phase: HookPhase::Will
+            }
+        );
+        assert_eq!(
+            got[1].kind,
+            EventKind::HookCall {
+                entry: EntryPoint::BuildConnectorMetadata,
+                phase: HookPhase::Finished
+            }
+        );
+        assert_eq!(got[0].request.as_deref(), Some("r1"));
+        assert_eq!(user.will.load(Ordering::Relaxed), 1);
+        assert_eq!(user.finished.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn disabled_hookset_emits_nothing_and_hooks_alone_emit_nothing() {
+        let (e, mut tap) = emitter();
+        let none = HookSet::none();
+        assert!(!none.is_enabled());
+        assert!(!HookSet::new(None, None).is_enabled());
+        assert!(!HookSet::default().is_enabled());
+        let c = call(EntryPoint::CreateSlot, "r");
+        none.will_call(&c);
+        none.finished_call(&c);
+        // User hooks without an emitter: hooks run, no event.
+        let user = Arc::new(Counting::default());
+        let only_hooks = HookSet::none().with_hooks(user.clone());
+        only_hooks.will_call(&c);
+        only_hooks.finished_call(&c);
+        assert_eq!(user.will.load(Ordering::Relaxed), 1);
+        assert!(drain(&mut tap).is_empty());
+        assert_eq!(e.emitted(), 0);
+        // The builder keeps what was attached before.
+        let both = only_hooks.with_emitter(e.clone());
+        both.will_call(&c);
+        assert_eq!(user.will.load(Ordering::Relaxed), 2);
+        assert_eq!(drain(&mut tap).len(), 1);
+    }
+
+    #[test]
+    fn spec_matching_per_field() {
+        let c = CallInfo::new(EntryPoint::UpdateStateAfterAlloc)
+            .with_request(Arc::from("chat-17"))
+            .with_state(SlotState::Onboarding(32))
+            .with_direction(Direction::HOST_TO_DEVICE);
+        let yes = [
+            BreakpointSpec::default().with_state("Onboarding"),
+            BreakpointSpec::default().with_request("chat-17"),
+            BreakpointSpec::default().with_request_prefix("chat-"),
+            BreakpointSpec::default().with_direction(Direction::HOST_TO_DEVICE),
+            BreakpointSpec::default().with_entry(EntryPoint::UpdateStateAfterAlloc),
+            BreakpointSpec::default()
+                .with_state("Onboarding")
+                .with_request_prefix("chat")
+                .with_direction(Direction::HOST_TO_DEVICE)
+                .with_entry(EntryPoint::UpdateStateAfterAlloc),
+        ];
+        for s in &yes {
+            s.validate().unwrap();
+            assert!(s.matches(&c), "{s:?}");
+        }
+        let no = [
+            BreakpointSpec::default().with_state("Decoding"),
+            BreakpointSpec::default().with_request("chat-1"),
+            BreakpointSpec::default().with_request_prefix("chat-18"),
+            BreakpointSpec::default().with_direction(Direction::DEVICE_TO_HOST),
+            BreakpointSpec::default().with_entry(EntryPoint::CreateSlot),
+            // One field off is enough to miss.
+            BreakpointSpec::default()
+                .with_state("Onboarding")
+                .with_entry(EntryPoint::CreateSlot),
+        ];
+        for s in &no {
+            assert!(!s.matches(&c), "{s:?}");
+        }
+        // A call lacking the thing asked about does not match.
+        let bare = CallInfo::new(EntryPoint::UpdateStateAfterAlloc);
+        for s in &yes[..4] {
+            assert!(!s.matches(&bare), "{s:?}");
+        }
+        assert!(yes[4].matches(&bare));
+    }
+
+    #[test]
+    fn invalid_specs_are_typed_errors() {
+        let bp = Breakpoints::new(None, DEFAULT_DEADLINE);
+        assert_eq!(
+            bp.add(BreakpointSpec::default()),
+            Err(BreakpointError::EmptySpec)
+        );
+        assert_eq!(
+            bp.add(BreakpointSpec::default().with_owner(3)),
+            Err(BreakpointError::EmptySpec),
+            "an owner is not something to match on"
+        );
+        assert_eq!(
+            bp.add(BreakpointSpec::default().with_state("Decodin")),
+            Err(BreakpointError::UnknownState("Decodin".into()))
+        );
+        assert_eq!(
+            bp.add(BreakpointSpec::default().with_request_prefix("")),
+            Err(BreakpointError::EmptyRequestMatch)
+        );
+        let long = "x".repeat(MAX_REQUEST_MATCH_LEN + 1);
+        assert!(matches!(
+            bp.add(BreakpointSpec::default().with_request(long)),
+            Err(BreakpointError::RequestMatchTooLong { .. })
+        ));
+        let huge_state = "y".repeat(10_000);
+        let Err(err) = bp.add(BreakpointSpec::default().with_state(huge_state)) else {
+            panic!("accepted")
+        };
+        assert!(err.to_string().len() < 500, "{err}");
+        assert!(bp.list().is_empty());
+        assert!(!bp.is_armed());
+        assert!(matches!(
+            bp.set_default_deadline(Duration::ZERO),
+            Err(BreakpointError::BadDeadline { .. })
+        ));
+        assert!(
+            bp.set_default_deadline(MAX_DEADLINE + Duration::from_secs(1))
+                .is_err()
+        );
+        assert_eq!(bp.default_deadline(), DEFAULT_DEADLINE);
+        // Every state name is accepted.
+        for name in SlotState::NAMES {
+            let id = bp.add(BreakpointSpec::default().with_state(name)).unwrap();
+            assert!(bp.clear(id));
+        }
+    }
+
+    #[test]
+    fn spec_serde_round_trip_and_unknown_fields_rejected() {
+        let s = BreakpointSpec::default()
+            .with_state("Decoding")
+            .with_request_prefix("r-")
+            .with_direction(Direction::DISK_TO_HOST)
+            .with_entry(EntryPoint::TransferExecute)
+            .with_owner(9);
+        let json = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<BreakpointSpec>(&json).unwrap(), s);
+        let sparse: BreakpointSpec = serde_json::from_str(r#"{"state":"Decoding"}"#).unwrap();
+        assert_eq!(sparse, BreakpointSpec::default().with_state("Decoding"));
+        assert!(serde_json::from_str::<BreakpointSpec>(r#"{"stat":"Decoding"}"#).is_err());
+    }
+
+    #[test]
+    fn cap_is_enforced_and_ids_are_not_reused() {
+        let bp = Breakpoints::new(None, DEFAULT_DEADLINE).with_max_breakpoints(2);
+        let spec = BreakpointSpec::default().with_entry(EntryPoint::CreateSlot);
+        let a = bp.add(spec.clone()).unwrap();
+        let b = bp.add(spec.clone()).unwrap();
+        assert_eq!((a, b), (1, 2));
+        assert_eq!(bp.add(spec.clone()), Err(BreakpointError::Full { max: 2 }));
+        assert!(bp.clear(a));
+        assert!(!bp.clear(a));
+        assert_eq!(bp.add(spec).unwrap(), 3);
+        assert_eq!(
+            bp.list().iter().map(|i| i.id).collect::<Vec<_>>(),
+            vec![2, 3]
+        );
+        assert_eq!(bp.clear_all(), 2);
+        assert!(!bp.is_armed());
+    }
+
+    #[test]
+    fn fast_path_takes_no_lock() {
+        let bp = Arc::new(Breakpoints::new(None, DEFAULT_DEADLINE));
+        // Hold the lock here while another thread checks a million calls:
+        // if `check` took it, the thread could not finish.
+        let guard = bp.lock();
+        let (tx, rx) = mpsc::channel();
+        let bp2 = Arc::clone(&bp);
+        let h = thread::spawn(move || {
+            let c = call(EntryPoint::GetNumNewMatchedTokens, "r");
+            for _ in 0..1_000_000 {
+                bp2.check(&c);
+            }
+            let _ = tx.send(());
+        });
+        let done = rx.recv_timeout(Duration::from_secs(60));
+        drop(guard);
+        h.join().unwrap();
+        assert!(done.is_ok(), "check blocked on the lock");
+        assert_eq!(bp.slow_checks(), 0);
+    }
+
+    #[test]
+    fn non_matching_calls_take_the_slow_path_but_do_not_pause() {
+        let (e, mut tap) = emitter();
+        let bp = Breakpoints::new(Some(e), DEFAULT_DEADLINE);
+        let id = bp
+            .add(BreakpointSpec::default().with_request("other"))
+            .unwrap();
+        for entry in EntryPoint::ALL {
+            bp.check(&call(entry, "mine"));
+        }
+        assert_eq!(bp.slow_checks(), 6);
+        assert!(drain(&mut tap).is_empty());
+        assert_eq!(bp.list()[0].hits, 0);
+        assert!(bp.clear(id));
+        bp.check(&call(EntryPoint::CreateSlot, "other"));
+        assert_eq!(bp.slow_checks(), 6, "disarmed again after the clear");
+    }
+
+    #[test]
+    fn spurious_wakeups_do_not_end_a_pause() {
+        let (e, mut tap) = emitter();
+        let bp = Arc::new(Breakpoints::new(Some(e), DEFAULT_DEADLINE));
+        bp.add(BreakpointSpec::default().with_entry(EntryPoint::CreateSlot))
+            .unwrap();
+        let bp2 = Arc::clone(&bp);
+        let h = thread::spawn(move || bp2.check(&call(EntryPoint::CreateSlot, "r")));
+        let p = wait_paused(&bp, 1);
+        for _ in 0..100 {
+            bp.cond.notify_all();
+        }
+        thread::sleep(Duration::from_millis(20));
+        assert!(!h.is_finished());
+        assert_eq!(bp.paused().len(), 1);
+        assert!(bp.resume(p[0].pause_id));
+        assert!(!bp.resume(p[0].pause_id), "already released");
+        h.join().unwrap();
+        let kinds: Vec<_> = drain(&mut tap).into_iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds[1],
+            EventKind::Resumed {
+                breakpoint: 1,
+                cause: ResumeCause::Resume
+            }
+        );
+    }
+
+    #[test]
+    fn lowest_matching_id_pauses_once() {
+        let bp = Arc::new(Breakpoints::new(None, DEFAULT_DEADLINE));
+        let a = bp
+            .add(BreakpointSpec::default().with_request_prefix("r"))
+            .unwrap();
+        let b = bp
+            .add(BreakpointSpec::default().with_entry(EntryPoint::CreateSlot))
+            .unwrap();
+        let bp2 = Arc::clone(&bp);
+        let h = thread::spawn(move || bp2.check(&call(EntryPoint::CreateSlot, "r1")));
+        let p = wait_paused(&bp, 1);
+        assert_eq!(p[0].breakpoint, a);
+        assert_eq!(bp.resume_all(), 1);
+        h.join().unwrap();
+        let hits: Vec<_> = bp.list().iter().map(|i| (i.id, i.hits)).collect();
+        assert_eq!(hits, vec![(a, 1), (b, 0)]);
+        assert!(bp.paused().is_empty());
+    }
+
+    #[test]
+    fn hookset_with_breakpoints_pauses_after_the_will_event() {
+        let (e, mut tap) = emitter();
+        let bp = Arc::new(Breakpoints::new(Some(e.clone()), DEFAULT_DEADLINE));
+        bp.add(BreakpointSpec::default().with_state("Decoding"))
+            .unwrap();
+        let hooks = HookSet::none().with_emitter(e).with_breakpoints(bp.clone());
+        let h = thread::spawn(move || {
+            let c = call(EntryPoint::BuildConnectorMetadata, "r").with_state(SlotState::Decoding);
+            hooks.will_call(&c);
+            hooks.finished_call(&c);
+        });
+        wait_paused(&bp, 1);
+        bp.resume_all();
+        h.join().unwrap();
+        let names: Vec<_> = drain(&mut tap).iter().map(|e| e.kind.name()).collect();
+        assert_eq!(names, ["HookCall", "BreakpointHit", "Resumed", "HookCall"]);
+    }
+}
