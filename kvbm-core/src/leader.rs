@@ -432,6 +432,20 @@ impl Leader {
         &self.device
     }
 
+    /// The pool of `tier`, if that tier is enabled.
+    pub fn pool(&self, tier: Tier) -> Option<&BlockPool> {
+        match tier {
+            Tier::Device => Some(&self.device),
+            Tier::Host => self.host.as_ref(),
+            Tier::Disk => self.disk.as_ref(),
+        }
+    }
+
+    /// Candidates planned and not yet final, over all pipelines.
+    pub fn candidates_in_flight(&self) -> usize {
+        lock(&self.shared.candidates).len()
+    }
+
     fn call(&self, entry: EntryPoint, request: Option<&RequestId>) -> Option<CallInfo> {
         if !self.hooks.is_enabled() {
             return None;
@@ -766,8 +780,9 @@ impl Leader {
             .transition(&mut slots, request, SlotState::Preempted)
     }
 
-    /// The engine finished the request. In lazy mode its computed device
-    /// blocks (`blocks`) are stored now. Returns true while transfers are
+    /// The engine finished the request; `blocks` are stored now (lazy mode:
+    /// all its computed device blocks; eager mode: those its last forward
+    /// pass computed). Returns true while transfers are
     /// outstanding (the slot stays in Finishing until they drain).
     pub fn request_finished(
         &self,
@@ -776,7 +791,9 @@ impl Leader {
     ) -> Result<bool, SlotError> {
         let call = self.call(EntryPoint::RequestFinished, Some(request));
         let r = (|| {
-            if self.mode == OffloadMode::Lazy && !blocks.is_empty() {
+            // Lazy mode stores everything now; eager mode passes the blocks
+            // its last forward pass computed, which no later iteration will.
+            if !blocks.is_empty() {
                 let src = blocks
                     .iter()
                     .map(|b| SourceBlock::Strong(b.clone()))

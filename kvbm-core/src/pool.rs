@@ -371,6 +371,12 @@ impl BlockPool {
         }
     }
 
+    /// Every registered sequence hash (active or inactive). O(registered);
+    /// for tests and diagnostics.
+    pub fn registered_hashes(&self) -> std::collections::HashSet<SequenceHash> {
+        self.shared.lock().registry.keys().copied().collect()
+    }
+
     /// Sequence hashes of the inactive blocks in eviction order (next victim
     /// first). For tests and diagnostics; O(inactive).
     pub fn eviction_order(&self) -> Vec<SequenceHash> {

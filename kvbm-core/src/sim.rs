@@ -126,6 +126,9 @@ pub struct SimConfig {
     pub disk_dir: Option<PathBuf>,
     /// Salt for token hashing.
     pub salt: Vec<u8>,
+    /// Match prompts against G1's own prefix cache (vLLM's
+    /// `--enable-prefix-caching`); off, only the host and disk tiers hit.
+    pub device_prefix_cache: bool,
 }
 
 impl Default for SimConfig {
@@ -151,6 +154,7 @@ impl Default for SimConfig {
             bus: BusConfig::default(),
             disk_dir: None,
             salt: b"kvbm-sim".to_vec(),
+            device_prefix_cache: true,
         }
     }
 }
@@ -560,6 +564,18 @@ impl Simulator {
         &mut self.leader
     }
 
+    /// Waits until no transfer is in flight (every candidate final), so the
+    /// event stream and the engine's state can be compared exactly.
+    pub fn quiesce(&self) {
+        self.worker.drain();
+        self.leader.emit_gauges();
+    }
+
+    /// The current iteration.
+    pub fn iteration(&self) -> u64 {
+        self.iteration
+    }
+
     /// True when every request has finished.
     pub fn is_done(&self) -> bool {
         self.arrivals.is_empty() && self.waiting.is_empty() && self.running.is_empty()
@@ -602,7 +618,8 @@ impl Simulator {
         self.emitter.set_iteration(self.iteration);
         self.admit_arrivals();
         if self.running.is_empty() && self.waiting.is_empty() {
-            // Idle: jump to the next arrival.
+            // Idle: let transfers land, then jump to the next arrival.
+            self.worker.drain();
             if let Some(next) = self.arrivals.front() {
                 let at = (next.arrival_ms * 1e6) as u64;
                 if at > self.now_ns {
@@ -663,16 +680,25 @@ impl Simulator {
 
     fn schedule_waiting(&mut self) {
         let bs = self.cfg.block_size;
+        if !self.waiting.is_empty() && self.leader.candidates_in_flight() > 0 {
+            // Transfers run in real time while the clock is virtual: let the
+            // ones already issued land before looking anything up, so what a
+            // request finds does not depend on how fast this machine is.
+            self.worker.drain();
+        }
         while self.running.len() < self.cfg.max_batch_seqs {
             let Some(mut r) = self.waiting.pop_front() else {
                 break;
             };
             let hashes = r.seq.sequence_hashes();
             let limit = (r.total_tokens().saturating_sub(1)) / bs;
-            let g1 = self
-                .leader
-                .device()
-                .match_prefix(&hashes[..limit.min(hashes.len())]);
+            let g1 = if self.cfg.device_prefix_cache {
+                self.leader
+                    .device()
+                    .match_prefix(&hashes[..limit.min(hashes.len())])
+            } else {
+                Vec::new()
+            };
             self.emitter.emit(
                 Some(&r.id),
                 EventKind::MatchResult {
