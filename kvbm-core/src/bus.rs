@@ -225,6 +225,14 @@ impl<E: Clone + Send + 'static> EventBus<E> {
         self.config
     }
 
+    /// True when a live subscriber or the tap would receive an event now.
+    /// Two relaxed loads; lets a producer skip building events nobody
+    /// wants (it must still count them, as `Emitter` does).
+    #[inline]
+    pub fn has_listeners(&self) -> bool {
+        self.shared.publish.subscribers.load(Relaxed) != 0 || self.tap.flags.attached.load(Relaxed)
+    }
+
     /// Publishes an event to every live subscriber and the tap. Never blocks
     /// on an observer, never fails; see the module docs for what happens to
     /// observers that cannot keep up.

@@ -494,8 +494,16 @@ impl Emitter {
     }
 
     /// Emits one event.
+    ///
+    /// With nobody listening, only the sequence number moves (under the
+    /// same lock, so numbering stays gapless for a listener that attaches
+    /// later): no clock read, no envelope, no publish.
     pub fn emit(&self, request: Option<&RequestId>, kind: EventKind) {
         let mut st = self.stamp.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.bus.has_listeners() {
+            st.seq += 1;
+            return;
+        }
         let event = Event {
             engine: self.engine,
             seq: st.seq,

@@ -114,6 +114,30 @@ struct Shared {
     spill: Mutex<Option<Arc<OffloadPipeline>>>,
     host: Option<BlockPool>,
     pending_spills: Mutex<Vec<SequenceHash>>,
+    finished: Mutex<Finished>,
+}
+
+/// Most finished-transfer notifications kept between two `get_finished`
+/// calls.
+const FINISHED_CAP: usize = 1 << 16;
+
+#[derive(Default)]
+struct Finished {
+    sending: Vec<RequestId>,
+    recving: Vec<RequestId>,
+    dropped: u64,
+}
+
+/// What `Worker::get_finished` reports.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct FinishedTransfers {
+    /// Requests with a store that finished since the last call (once per
+    /// store).
+    pub sending: Vec<RequestId>,
+    /// Requests with a load that finished since the last call.
+    pub recving: Vec<RequestId>,
+    /// Notifications dropped because nobody asked for too long.
+    pub dropped: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -141,8 +165,23 @@ impl Shared {
     }
 
     /// A candidate reached a final status: drain it from its slot.
-    fn candidate_done(&self, request: &Option<RequestId>) {
+    fn candidate_done(&self, request: &Option<RequestId>, direction: Direction) {
         let Some(id) = request else { return };
+        {
+            let mut f = lock(&self.finished);
+            let list = if direction.is_onboard() {
+                &mut f.recving
+            } else {
+                &mut f.sending
+            };
+            // Bounded: the worker drains it every iteration; an engine that
+            // never asks loses only these notifications, and counts them.
+            if list.len() < FINISHED_CAP {
+                list.push(id.clone());
+            } else {
+                f.dropped += 1;
+            }
+        }
         let mut slots = lock(&self.slots);
         let done = match slots.get_mut(id) {
             Some(s) => {
@@ -210,7 +249,7 @@ impl PipelineObserver for Observer {
         self.shared.emitter.emit(request.as_ref(), kind);
         drop(cands);
         if status.is_final() {
-            self.shared.candidate_done(&request);
+            self.shared.candidate_done(&request, self.direction);
         }
     }
 
@@ -283,6 +322,7 @@ impl LeaderWiring {
                 spill: Mutex::new(None),
                 host,
                 pending_spills: Mutex::new(Vec::new()),
+                finished: Mutex::new(Finished::default()),
             }),
         }
     }
@@ -918,7 +958,7 @@ fn plan_on(
                         reason: "empty".into(),
                     },
                 );
-                shared.candidate_done(&request.cloned());
+                shared.candidate_done(&request.cloned(), direction);
                 Some(h)
             }
         }
@@ -1102,6 +1142,17 @@ impl Worker {
             && let Some(t) = md.store_trigger
         {
             t.trigger();
+        }
+    }
+
+    /// The requests whose stores (`sending`) and loads (`recving`) finished
+    /// since the last call, like vLLM's `get_finished`.
+    pub fn get_finished(&self) -> FinishedTransfers {
+        let mut f = lock(&self.shared.finished);
+        FinishedTransfers {
+            sending: std::mem::take(&mut f.sending),
+            recving: std::mem::take(&mut f.recving),
+            dropped: std::mem::take(&mut f.dropped),
         }
     }
 

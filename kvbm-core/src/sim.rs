@@ -247,6 +247,10 @@ pub struct SimReport {
     pub events_emitted: u64,
     /// Events lost by the recorder tap or lagged by live subscribers.
     pub events_lost: u64,
+    /// Loads the worker reported finished (`get_finished`).
+    pub loads_finished: u64,
+    /// Stores the worker reported finished (`get_finished`).
+    pub stores_finished: u64,
     /// Scheduler iterations.
     pub iterations: u64,
     /// Virtual time at the end, ms.
@@ -869,12 +873,16 @@ impl Simulator {
         self.worker.bind_connector_metadata(md);
         let loads = self.worker.start_load_kv();
         let mut load_bytes = 0u64;
+        let mut disk_bytes = 0u64;
         for l in loads {
             let Some(r) = self.running.iter_mut().find(|r| r.id == l.request) else {
                 continue;
             };
             let got = l.blocks.len();
-            load_bytes += (got * bs) as u64 * self.cfg.worker.model_kv_bytes_per_token;
+            let per_block = bs as u64 * self.cfg.worker.model_kv_bytes_per_token;
+            load_bytes += got as u64 * per_block;
+            // Disk blocks cross the disk link first.
+            disk_bytes += got.saturating_sub(l.from_host) as u64 * per_block;
             let planned = l.planned_tokens / bs;
             // Loaded blocks sit right after the G1 hits.
             let at = r.full.len();
@@ -896,11 +904,12 @@ impl Simulator {
             self.forward(i, prefill, decode);
         }
         self.worker.forward_pass_done();
-        let load_ns = if load_bytes > 0 {
-            (load_bytes as f64 / self.cfg.worker.pcie_bytes_per_s * 1e9) as u64
-        } else {
-            0
-        };
+        let w = &self.cfg.worker;
+        let load_ns = (load_bytes as f64 / w.pcie_bytes_per_s * 1e9
+            + disk_bytes as f64 / w.disk_bytes_per_s * 1e9) as u64;
+        let fin = self.worker.get_finished();
+        self.report.loads_finished += fin.recving.len() as u64;
+        self.report.stores_finished += fin.sending.len() as u64;
         (out, load_ns)
     }
 
