@@ -886,7 +886,7 @@ mod tests {
                         }
                     }
                 }
-                if batches % 8 == 0 {
+                if batches.is_multiple_of(8) {
                     thread::sleep(Duration::from_micros(200));
                 }
             }

@@ -416,10 +416,10 @@ impl BreakpointSpec {
         {
             return Err(BreakpointError::EmptySpec);
         }
-        if let Some(s) = &self.state {
-            if !SlotState::NAMES.contains(&s.as_str()) {
-                return Err(BreakpointError::UnknownState(shorten(s)));
-            }
+        if let Some(s) = &self.state
+            && !SlotState::NAMES.contains(&s.as_str())
+        {
+            return Err(BreakpointError::UnknownState(shorten(s)));
         }
         if let Some(r) = &self.request {
             let p = r.pattern();
@@ -443,20 +443,20 @@ impl BreakpointSpec {
         if self.entry.is_some_and(|e| e != call.entry) {
             return false;
         }
-        if let Some(d) = self.direction {
-            if call.direction != Some(d) {
-                return false;
-            }
+        if let Some(d) = self.direction
+            && call.direction != Some(d)
+        {
+            return false;
         }
-        if let Some(s) = &self.state {
-            if call.state.is_none_or(|cs| cs.name() != s) {
-                return false;
-            }
+        if let Some(s) = &self.state
+            && call.state.is_none_or(|cs| cs.name() != s)
+        {
+            return false;
         }
-        if let Some(r) = &self.request {
-            if call.request.as_deref().is_none_or(|id| !r.matches(id)) {
-                return false;
-            }
+        if let Some(r) = &self.request
+            && call.request.as_deref().is_none_or(|id| !r.matches(id))
+        {
+            return false;
         }
         true
     }

@@ -243,14 +243,15 @@ impl PipelineObserver for Observer {
             // Still PendingEvaluation.
             _ => return,
         };
+        self.shared.emitter.emit(request.as_ref(), kind);
         if status.is_final() {
+            // Drain the slot before the candidate leaves the map: whoever
+            // waits for the map to empty (`Worker::drain`) then also sees
+            // the slot's last transition. Lock order: candidates, slots.
+            self.shared.candidate_done(&request, self.direction);
             cands.remove(&key);
         }
-        self.shared.emitter.emit(request.as_ref(), kind);
         drop(cands);
-        if status.is_final() {
-            self.shared.candidate_done(&request, self.direction);
-        }
     }
 
     fn on_batch_dispatched(&self, batch: u64, containers: &[u64], blocks: usize) {

@@ -1,9 +1,94 @@
 //! The wire and file format of kvbm events.
 //!
-//! This crate will hold the Rust generated from `schema/kvbm_events.fbs` by
-//! `flatc` (the recorder issue). Until then it only names the schema version
-//! the recorder will write, so that the dependency direction
-//! `kvbm-recorder → kvbm-schema` is in place from the start.
+//! `schema/kvbm_events.fbs` defines one flatbuffers record, [`EventRecord`],
+//! per `kvbm_core::events::Event`: the envelope (engine, sequence number,
+//! timestamp, iteration, request id) and an [`EventKind`] union with one
+//! table per event kind. This crate is the Rust that `flatc` 25.12.19
+//! generates from it (`src/generated/`, committed, rebuilt by
+//! `schema/regen.sh`; CI fails when the two drift apart), re-exported at the
+//! crate root, plus the constants a reader and writer agree on.
+//!
+//! Converting between these records and kvbm-core's events is
+//! `kvbm-recorder`'s job (`kvbm_recorder::convert`), so that this crate
+//! depends on nothing but `flatbuffers`.
+
+// The generated code is flatc's, byte for byte: the drift check compares it
+// with a fresh generation, so neither rustfmt nor clippy may touch it, and
+// the lints it trips (names that follow the schema, not Rust conventions,
+// and code written for any schema) are allowed here rather than fixed.
+#[rustfmt::skip]
+#[allow(
+    clippy::all,
+    clippy::pedantic,
+    dead_code,
+    deprecated,
+    missing_docs,
+    non_camel_case_types,
+    non_snake_case,
+    non_upper_case_globals,
+    unused_imports,
+    unsafe_op_in_unsafe_fn
+)]
+#[path = "generated/kvbm_events_generated.rs"]
+mod generated;
+
+pub use generated::kvbm::events::*;
 
 /// Version of the event schema; bumped on every incompatible change.
-pub const SCHEMA_VERSION: u32 = 0;
+///
+/// Records carry it in `EventRecord.schema_version`, whose default in the
+/// schema is frozen at 1: version-1 records spend no bytes on it, and a
+/// record of any later version stores its number explicitly.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The flatbuffers file identifier of an [`EventRecord`] buffer (bytes 4..8).
+pub const FILE_IDENTIFIER: &str = "KVBE";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_schema() {
+        assert_eq!(FILE_IDENTIFIER, EVENT_RECORD_IDENTIFIER);
+        // The schema's default for `schema_version` must stay 1 (see the
+        // .fbs); SCHEMA_VERSION may grow past it, never below.
+        assert_eq!(EventRecordArgs::default().schema_version, 1);
+        const { assert!(SCHEMA_VERSION >= 1) };
+    }
+
+    #[test]
+    fn a_minimal_record_round_trips_through_the_generated_code() {
+        let mut fbb = flatbuffers::FlatBufferBuilder::new();
+        let kind = SlotCreated::create(
+            &mut fbb,
+            &SlotCreatedArgs {
+                prompt_tokens: 7,
+                max_output_tokens: 3,
+            },
+        );
+        let request = fbb.create_string("r-1");
+        let rec = EventRecord::create(
+            &mut fbb,
+            &EventRecordArgs {
+                seq: 5,
+                request: Some(request),
+                kind_type: EventKind::SlotCreated,
+                kind: Some(kind.as_union_value()),
+                ..Default::default()
+            },
+        );
+        finish_event_record_buffer(&mut fbb, rec);
+        let buf = fbb.finished_data();
+        assert!(event_record_buffer_has_identifier(buf));
+        let rec = root_as_event_record(buf).unwrap();
+        assert_eq!(rec.schema_version(), 1);
+        assert_eq!(rec.seq(), 5);
+        assert_eq!(rec.request(), Some("r-1"));
+        let created = rec.kind_as_slot_created().unwrap();
+        assert_eq!(
+            (created.prompt_tokens(), created.max_output_tokens()),
+            (7, 3)
+        );
+    }
+}

@@ -1,0 +1,643 @@
+//! The appending side of the log: framing, rotation, fsync policy, index
+//! sidecars, snapshots, and crash recovery on open.
+//!
+//! One writer per directory. Nothing enforces that (an advisory lock would
+//! outlive a SIGKILL'd holder on some platforms and need more than `std`);
+//! the recorder owns its directory.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufReader, BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use super::format::{
+    FRAME_HEADER_LEN, FrameHeader, MAX_RECORD_BYTES, SEGMENT_HEADER_LEN, SegmentHeader,
+    index_file_name, segment_file_name,
+};
+use super::index::{self, IndexBuilder};
+use super::scan::{ScanParams, SegmentEnd, scan_segment};
+use super::{
+    FsyncPolicy, LogConfig, LogError, LogStats, RecoveryReport, TornTail, buffer_for, io_err,
+    list_segments, snapshot, sync_dir,
+};
+
+/// The segment being appended to.
+#[derive(Debug)]
+struct Active {
+    header: SegmentHeader,
+    name: String,
+    path: PathBuf,
+    out: BufWriter<File>,
+    /// Bytes in the segment, counting what is still buffered.
+    len: u64,
+    index: IndexBuilder,
+}
+
+/// Appends records to a log directory. See the module docs for the format
+/// and the durability each [`FsyncPolicy`] gives.
+#[derive(Debug)]
+pub struct LogWriter {
+    dir: PathBuf,
+    cfg: LogConfig,
+    active: Option<Active>,
+    last_seq: Option<u64>,
+    flushed_seq: Option<u64>,
+    durable_seq: Option<u64>,
+    /// Records were written since the last fsync.
+    unsynced: bool,
+    last_sync: Instant,
+    stats: LogStats,
+    recovery: RecoveryReport,
+    /// Set by the first failed write: the file may hold part of a frame, so
+    /// nothing more is appended until the log is reopened and recovered.
+    poisoned: Option<String>,
+    closed: bool,
+}
+
+impl LogWriter {
+    /// Starts a new log in `dir` (created if needed). Fails with
+    /// [`LogError::AlreadyExists`] if `dir` already holds a segment. No file
+    /// is written until the first `append`, since a segment is named by the
+    /// sequence number of its first record.
+    pub fn create(dir: impl AsRef<Path>, cfg: LogConfig) -> Result<Self, LogError> {
+        cfg.validate()?;
+        let dir = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+        if let Some((_, name)) = list_segments(&dir)?.into_iter().next() {
+            return Err(LogError::AlreadyExists { dir, segment: name });
+        }
+        Ok(Self::new(dir, cfg, RecoveryReport::default()))
+    }
+
+    /// Opens an existing log for appending (or starts one, like `create`, if
+    /// `dir` holds no segment yet), after recovering it:
+    ///
+    /// - a torn tail at the end of the last segment is truncated;
+    /// - a last segment left with a torn header or no record at all is
+    ///   removed, and the segment before it becomes the last;
+    /// - corruption in the last segment refuses the open with
+    ///   [`LogError::Corrupt`]: appending after it would put new records
+    ///   where no reader reaches them;
+    /// - a last segment written with another schema version or engine id
+    ///   refuses the open with [`LogError::ConfigMismatch`];
+    /// - missing or unusable index files of earlier segments are rebuilt;
+    ///   their records are not otherwise checked (a reader does that).
+    ///
+    /// After a SIGKILL at any moment, everything the killed writer handed to
+    /// the OS (every record up to its last `flush` or `sync`, and with
+    /// [`FsyncPolicy::EveryRecord`] every appended record) is kept, and
+    /// whatever part of a frame followed is cut off.
+    pub fn open_append(dir: impl AsRef<Path>, cfg: LogConfig) -> Result<Self, LogError> {
+        cfg.validate()?;
+        let dir = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+        remove_temp_files(&dir)?;
+        let mut report = RecoveryReport::default();
+        let sync = cfg.fsync != FsyncPolicy::Never;
+        let mut fsyncs = 0;
+        let active = loop {
+            let segments = list_segments(&dir)?;
+            let Some((name_seq, name)) = segments.last().cloned() else {
+                break None;
+            };
+            let prev_seq = None; // only the last segment is scanned here
+            let path = dir.join(&name);
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(io_err(&path))?;
+            let file_len = file.metadata().map_err(io_err(&path))?.len();
+            let mut r = BufReader::with_capacity(buffer_for(256 << 10, file_len), file);
+            let scan = scan_segment(
+                &mut r,
+                file_len,
+                ScanParams {
+                    name_seq,
+                    prev_seq,
+                    last_segment: true,
+                    index_every_records: cfg.index_every_records,
+                    index_every_bytes: cfg.index_every_bytes,
+                },
+            )
+            .map_err(io_err(&path))?;
+            let mut file = r.into_inner();
+            match scan.end {
+                SegmentEnd::Clean => {}
+                SegmentEnd::Torn { offset, bytes } => {
+                    report.truncated = Some(TornTail {
+                        segment: name.clone(),
+                        offset,
+                        bytes,
+                    });
+                }
+                SegmentEnd::Corrupt { offset, reason } => {
+                    return Err(LogError::Corrupt {
+                        segment: name,
+                        offset,
+                        reason,
+                    });
+                }
+                SegmentEnd::Unsupported { version } => {
+                    return Err(LogError::UnsupportedVersion {
+                        segment: name,
+                        found: version,
+                    });
+                }
+            }
+            let header = match scan.header {
+                Some(h) if scan.index.index().records > 0 => h,
+                _ => {
+                    // Nothing usable: a crash while creating the segment.
+                    remove_if_exists(&dir.join(index_file_name(name_seq)))?;
+                    fs::remove_file(&path).map_err(io_err(&path))?;
+                    if sync {
+                        sync_dir(&dir).map_err(io_err(&dir))?;
+                    }
+                    tracing::warn!(segment = %name, "removed a log segment that holds no record");
+                    if report.truncated.as_ref().is_some_and(|t| t.segment == name) {
+                        report.truncated = None;
+                    }
+                    report.removed_segments.push(name);
+                    continue;
+                }
+            };
+            // Before changing anything.
+            check_matches(&name, &header, &cfg)?;
+            // A stale index would describe the segment before new appends;
+            // it is rewritten when the segment is sealed.
+            remove_if_exists(&dir.join(index_file_name(name_seq)))?;
+            let valid_len = scan.index.index().valid_len;
+            if valid_len < file_len {
+                tracing::warn!(
+                    segment = %name,
+                    offset = valid_len,
+                    bytes = file_len - valid_len,
+                    "truncating a torn tail"
+                );
+                file.set_len(valid_len).map_err(io_err(&path))?;
+            }
+            if sync {
+                // What the previous writer left may still be only in the
+                // page cache; make it (and any truncation) durable before
+                // calling it so.
+                file.sync_all().map_err(io_err(&path))?;
+                fsyncs += 1;
+            }
+            file.seek(SeekFrom::Start(valid_len))
+                .map_err(io_err(&path))?;
+            break Some(Active {
+                header,
+                name,
+                path,
+                out: BufWriter::with_capacity(cfg.write_buffer_bytes, file),
+                len: valid_len,
+                index: scan.index,
+            });
+        };
+        let last_seq = active
+            .as_ref()
+            .and_then(|a| a.index.index().last.map(|l| l.seq));
+        rebuild_sealed_indexes(
+            &dir,
+            &cfg,
+            active.as_ref().map(|a| a.header.first_seq),
+            &mut report,
+        )?;
+        let mut w = Self::new(dir, cfg, report);
+        w.active = active;
+        w.last_seq = last_seq;
+        w.flushed_seq = last_seq;
+        w.durable_seq = if sync { last_seq } else { None };
+        w.stats.fsyncs = fsyncs;
+        Ok(w)
+    }
+
+    fn new(dir: PathBuf, cfg: LogConfig, recovery: RecoveryReport) -> Self {
+        Self {
+            dir,
+            cfg,
+            active: None,
+            last_seq: None,
+            flushed_seq: None,
+            durable_seq: None,
+            unsynced: false,
+            last_sync: Instant::now(),
+            stats: LogStats::default(),
+            recovery,
+            poisoned: None,
+            closed: false,
+        }
+    }
+
+    /// Appends one record. `seq` must be greater than every sequence number
+    /// already in the log ([`LogError::NonIncreasingSeq`] otherwise, and
+    /// nothing is written); `ts_ns` is stored as given. The payload is opaque
+    /// and at most [`MAX_RECORD_BYTES`]. With [`FsyncPolicy::EveryRecord`]
+    /// the record is on stable storage when this returns; otherwise it may
+    /// sit in the write buffer until the next `flush`, `sync`, rotation or
+    /// a full buffer.
+    pub fn append(&mut self, seq: u64, ts_ns: u64, payload: &[u8]) -> Result<(), LogError> {
+        self.usable()?;
+        if let Some(last) = self.last_seq
+            && seq <= last
+        {
+            return Err(LogError::NonIncreasingSeq { seq, last });
+        }
+        if payload.len() > MAX_RECORD_BYTES as usize {
+            return Err(LogError::RecordTooLarge {
+                len: payload.len(),
+                max: MAX_RECORD_BYTES as usize,
+            });
+        }
+        let frame_len = FRAME_HEADER_LEN + payload.len() as u64;
+        let rotate = self.active.as_ref().is_some_and(|a| {
+            a.index.index().records > 0 && a.len + frame_len > self.cfg.segment_bytes
+        });
+        let result = (|| -> Result<(), LogError> {
+            if rotate {
+                self.seal_active()?;
+            }
+            if self.active.is_none() {
+                self.start_segment(seq)?;
+            }
+            self.write_frame(seq, ts_ns, payload)
+        })();
+        if let Err(e) = &result {
+            self.poisoned = Some(e.to_string());
+        }
+        result?;
+        self.last_seq = Some(seq);
+        self.unsynced = true;
+        let due = match self.cfg.fsync {
+            FsyncPolicy::EveryRecord => true,
+            FsyncPolicy::Interval(d) => self.last_sync.elapsed() >= d,
+            FsyncPolicy::Never => false,
+        };
+        if due {
+            self.sync_inner()?;
+        }
+        Ok(())
+    }
+
+    fn write_frame(&mut self, seq: u64, ts_ns: u64, payload: &[u8]) -> Result<(), LogError> {
+        let Some(a) = self.active.as_mut() else {
+            return Err(LogError::Poisoned("no active segment".into()));
+        };
+        let hb = FrameHeader::encode(seq, ts_ns, payload);
+        let offset = a.len;
+        a.out.write_all(&hb).map_err(io_err(&a.path))?;
+        a.out.write_all(payload).map_err(io_err(&a.path))?;
+        let h = FrameHeader::decode(&hb);
+        a.index.push(&h, offset);
+        a.len += h.frame_len();
+        self.stats.records += 1;
+        self.stats.bytes += h.frame_len();
+        Ok(())
+    }
+
+    /// Creates the segment whose first record will be `first_seq`, writing
+    /// its header straight to the file.
+    fn start_segment(&mut self, first_seq: u64) -> Result<(), LogError> {
+        let header = SegmentHeader::new(self.cfg.schema_version, self.cfg.engine_id, first_seq);
+        let name = segment_file_name(first_seq);
+        let path = self.dir.join(&name);
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(io_err(&path))?;
+        file.write_all(&header.encode()).map_err(io_err(&path))?;
+        if self.cfg.fsync != FsyncPolicy::Never {
+            // The file's directory entry must be durable for its records to
+            // be; its data is synced with the first record.
+            sync_dir(&self.dir).map_err(io_err(&self.dir))?;
+            self.stats.fsyncs += 1;
+        }
+        self.stats.segments += 1;
+        self.stats.bytes += SEGMENT_HEADER_LEN;
+        self.active = Some(Active {
+            header,
+            name,
+            path,
+            out: BufWriter::with_capacity(self.cfg.write_buffer_bytes, file),
+            len: SEGMENT_HEADER_LEN,
+            index: IndexBuilder::new(self.cfg.index_every_records, self.cfg.index_every_bytes),
+        });
+        Ok(())
+    }
+
+    /// Finishes the active segment: flush, fsync unless the policy is
+    /// `Never` (so a later segment never exists on disk before an earlier
+    /// one is complete), then store its index.
+    fn seal_active(&mut self) -> Result<(), LogError> {
+        let Some(mut a) = self.active.take() else {
+            return Ok(());
+        };
+        a.out.flush().map_err(io_err(&a.path))?;
+        self.flushed_seq = self.last_seq;
+        if self.cfg.fsync != FsyncPolicy::Never {
+            a.out.get_ref().sync_data().map_err(io_err(&a.path))?;
+            self.stats.fsyncs += 1;
+            self.durable_seq = self.last_seq;
+            self.unsynced = false;
+            self.last_sync = Instant::now();
+        }
+        if let Err(e) = index::store(&self.dir, &a.header, a.index.index()) {
+            // Derived data: a reader rebuilds it. Not worth failing appends.
+            tracing::warn!(segment = %a.name, error = %e, "could not write the segment index");
+        }
+        Ok(())
+    }
+
+    /// Hands buffered records to the OS (they then survive the process being
+    /// killed, not a power loss), and with [`FsyncPolicy::Interval`] fsyncs
+    /// if the interval has passed.
+    pub fn flush(&mut self) -> Result<(), LogError> {
+        self.usable()?;
+        let result = self.flush_inner();
+        if let Err(e) = &result {
+            self.poisoned = Some(e.to_string());
+        }
+        result?;
+        if let FsyncPolicy::Interval(d) = self.cfg.fsync
+            && self.unsynced
+            && self.last_sync.elapsed() >= d
+        {
+            self.sync_inner()?;
+        }
+        Ok(())
+    }
+
+    fn flush_inner(&mut self) -> Result<(), LogError> {
+        if let Some(a) = self.active.as_mut() {
+            a.out.flush().map_err(io_err(&a.path))?;
+        }
+        self.flushed_seq = self.last_seq;
+        Ok(())
+    }
+
+    /// Flushes and fsyncs now, whatever the policy: every record appended so
+    /// far is on stable storage when this returns.
+    pub fn sync(&mut self) -> Result<(), LogError> {
+        self.usable()?;
+        self.sync_inner()
+    }
+
+    fn sync_inner(&mut self) -> Result<(), LogError> {
+        let result = (|| -> Result<(), LogError> {
+            self.flush_inner()?;
+            if let Some(a) = self.active.as_mut() {
+                a.out.get_ref().sync_data().map_err(io_err(&a.path))?;
+                self.stats.fsyncs += 1;
+            }
+            Ok(())
+        })();
+        if let Err(e) = &result {
+            self.poisoned = Some(e.to_string());
+        }
+        result?;
+        self.durable_seq = self.last_seq;
+        self.unsynced = false;
+        self.last_sync = Instant::now();
+        Ok(())
+    }
+
+    /// Flushes, fsyncs (unless the policy is `Never`), stores the active
+    /// segment's index and returns the counters. Dropping a writer does the
+    /// same on a best-effort basis, logging failures.
+    pub fn close(mut self) -> Result<LogStats, LogError> {
+        self.finish()?;
+        Ok(self.stats)
+    }
+
+    fn finish(&mut self) -> Result<(), LogError> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        if let Some(why) = self.poisoned.clone() {
+            self.discard_buffer();
+            return Err(LogError::Poisoned(why));
+        }
+        self.flush_inner()?;
+        if self.cfg.fsync != FsyncPolicy::Never && self.unsynced {
+            self.sync_inner()?;
+        }
+        if let Some(a) = &self.active
+            && let Err(e) = index::store(&self.dir, &a.header, a.index.index())
+        {
+            tracing::warn!(segment = %a.name, error = %e, "could not write the segment index");
+        }
+        Ok(())
+    }
+
+    /// Stores an opaque snapshot blob taken at `seq` (the state after the
+    /// record `seq`), which must already be in the log. The log is flushed
+    /// first, and with any policy but `Never` fsynced, so that a snapshot is
+    /// never ahead of the records it summarises. Returns the file's path.
+    pub fn write_snapshot(
+        &mut self,
+        seq: u64,
+        ts_ns: u64,
+        bytes: &[u8],
+    ) -> Result<PathBuf, LogError> {
+        self.usable()?;
+        if self.last_seq.is_none_or(|last| seq > last) {
+            return Err(LogError::SnapshotAhead {
+                seq,
+                last: self.last_seq,
+            });
+        }
+        let sync = self.cfg.fsync != FsyncPolicy::Never;
+        if sync {
+            self.sync_inner()?;
+        } else {
+            self.flush_inner()?;
+        }
+        let path = snapshot::write(
+            &self.dir,
+            seq,
+            ts_ns,
+            self.cfg.schema_version,
+            self.cfg.engine_id,
+            bytes,
+            sync,
+        )
+        .map_err(io_err(&self.dir.join(snapshot::file_name(seq))))?;
+        if sync {
+            self.stats.fsyncs += 2;
+        }
+        Ok(path)
+    }
+
+    /// After a failed write the buffer may end in part of a frame; drop it
+    /// rather than let `BufWriter` flush it on drop.
+    fn discard_buffer(&mut self) {
+        if let Some(a) = self.active.take() {
+            let (_file, _unwritten) = a.out.into_parts();
+        }
+    }
+
+    fn usable(&self) -> Result<(), LogError> {
+        if self.closed {
+            return Err(LogError::Poisoned("the writer is closed".into()));
+        }
+        match &self.poisoned {
+            Some(why) => Err(LogError::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Counters since this writer was opened.
+    pub fn stats(&self) -> LogStats {
+        self.stats
+    }
+
+    /// The last sequence number in the log (appended or recovered).
+    pub fn last_seq(&self) -> Option<u64> {
+        self.last_seq
+    }
+
+    /// The last sequence number handed to the OS: it survives this process
+    /// being killed. A lower bound (the buffer also drains when full).
+    pub fn flushed_seq(&self) -> Option<u64> {
+        self.flushed_seq
+    }
+
+    /// The last sequence number known to be on stable storage (fsynced).
+    pub fn durable_seq(&self) -> Option<u64> {
+        self.durable_seq
+    }
+
+    /// What `open_append` repaired.
+    pub fn recovery(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    /// The log directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &LogConfig {
+        &self.cfg
+    }
+}
+
+impl Drop for LogWriter {
+    fn drop(&mut self) {
+        if self.poisoned.is_some() {
+            self.discard_buffer();
+        } else if !self.closed
+            && let Err(e) = self.finish()
+        {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "closing the log on drop failed");
+        }
+    }
+}
+
+fn check_matches(name: &str, h: &SegmentHeader, cfg: &LogConfig) -> Result<(), LogError> {
+    if h.schema_version != cfg.schema_version {
+        return Err(LogError::ConfigMismatch {
+            segment: name.to_string(),
+            field: "schema_version",
+            found: u64::from(h.schema_version),
+            expected: u64::from(cfg.schema_version),
+        });
+    }
+    if h.engine_id != cfg.engine_id {
+        return Err(LogError::ConfigMismatch {
+            segment: name.to_string(),
+            field: "engine_id",
+            found: h.engine_id,
+            expected: cfg.engine_id,
+        });
+    }
+    Ok(())
+}
+
+/// Writes missing or unusable index files of the segments before the active
+/// one, scanning each. A segment found damaged gets no index (readers report
+/// the damage); appending is not affected.
+fn rebuild_sealed_indexes(
+    dir: &Path,
+    cfg: &LogConfig,
+    active_first: Option<u64>,
+    report: &mut RecoveryReport,
+) -> Result<(), LogError> {
+    let mut prev_seq = None;
+    for (name_seq, name) in list_segments(dir)? {
+        if Some(name_seq) == active_first {
+            break;
+        }
+        let path = dir.join(&name);
+        let file = File::open(&path).map_err(io_err(&path))?;
+        let file_len = file.metadata().map_err(io_err(&path))?.len();
+        let mut r = BufReader::new(file);
+        let header = match super::scan::read_header(&mut r, file_len).map_err(io_err(&path))? {
+            Ok(h) => h,
+            Err(_) => continue,
+        };
+        let store = super::store::Store::Dir(dir.to_path_buf());
+        match index::load(&store, &header, file_len, &mut r).map_err(io_err(&path))? {
+            Ok(idx) => {
+                prev_seq = idx.last.map(|l| l.seq).or(prev_seq);
+                continue;
+            }
+            Err(why) => {
+                let scan = scan_segment(
+                    &mut r,
+                    file_len,
+                    ScanParams {
+                        name_seq,
+                        prev_seq,
+                        last_segment: false,
+                        index_every_records: cfg.index_every_records,
+                        index_every_bytes: cfg.index_every_bytes,
+                    },
+                )
+                .map_err(io_err(&path))?;
+                let idx = scan.index.finish();
+                prev_seq = idx.last.map(|l| l.seq).or(prev_seq);
+                if scan.end != SegmentEnd::Clean {
+                    tracing::warn!(segment = %name, end = ?scan.end, "not indexing a damaged segment");
+                    continue;
+                }
+                tracing::info!(segment = %name, reason = %why, "rebuilding a segment index");
+                if let Err(e) = index::store(dir, &header, &idx) {
+                    tracing::warn!(segment = %name, error = %e, "could not write the segment index");
+                } else {
+                    report.indexes_rebuilt.push(name);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn remove_if_exists(path: &Path) -> Result<(), LogError> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io_err(path)(e)),
+        _ => Ok(()),
+    }
+}
+
+/// Leftovers of an index or snapshot write interrupted before its rename.
+fn remove_temp_files(dir: &Path) -> Result<(), LogError> {
+    for entry in fs::read_dir(dir).map_err(io_err(dir))? {
+        let entry = entry.map_err(io_err(dir))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let is_index_tmp = name
+            .strip_suffix(".tmp")
+            .and_then(|n| n.strip_suffix(super::format::INDEX_SUFFIX))
+            .and_then(super::format::parse_segment_file_name)
+            .is_some();
+        if is_index_tmp || snapshot::is_temp_name(name) {
+            remove_if_exists(&entry.path())?;
+        }
+    }
+    Ok(())
+}

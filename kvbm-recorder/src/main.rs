@@ -1,0 +1,464 @@
+//! `kvbm-recorder`: record, inspect, replay, check, summarise, export and
+//! compare kvbm event logs.
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use kvbm_core::events::Event;
+use kvbm_core::leader::OffloadMode;
+use kvbm_core::sim::{SimConfig, Simulator};
+use kvbm_core::workload::{
+    LengthDist, MooncakeOptions, SyntheticConfig, generate, parse_mooncake_lenient,
+};
+use kvbm_recorder::analysis::{self, CheckOptions, ReplayMode, Replayer};
+use kvbm_recorder::log::FsyncPolicy;
+use kvbm_recorder::recorder::{self, RecorderConfig};
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvbm-recorder",
+    version,
+    about = "Record and read back kvbm event logs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Fsync {
+    Every,
+    Interval,
+    Never,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    Jsonl,
+    Chrome,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the simulated engine in-process and record every event.
+    Record {
+        /// Log directory to create.
+        #[arg(long)]
+        out: PathBuf,
+        /// A Mooncake JSONL trace; without it, a synthetic workload.
+        #[arg(long)]
+        trace: Option<PathBuf>,
+        /// Use at most this many requests of the trace.
+        #[arg(long)]
+        max_requests: Option<usize>,
+        /// Synthetic: number of requests.
+        #[arg(long, default_value_t = 50)]
+        requests: usize,
+        /// Synthetic: arrivals per second.
+        #[arg(long, default_value_t = 20.0)]
+        rate: f64,
+        /// Synthetic: mean prompt length.
+        #[arg(long, default_value_t = 512)]
+        prompt_len: usize,
+        /// Synthetic: mean output length.
+        #[arg(long, default_value_t = 32)]
+        output_len: usize,
+        /// Synthetic: seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Tokens per block.
+        #[arg(long, default_value_t = 16)]
+        block_size: usize,
+        /// G1 capacity in tokens.
+        #[arg(long, default_value_t = 16_384)]
+        device_capacity_tokens: usize,
+        /// G2 capacity in tokens (0 disables).
+        #[arg(long, default_value_t = 65_536)]
+        host_capacity_tokens: usize,
+        /// G3 capacity in tokens (0 disables).
+        #[arg(long, default_value_t = 0)]
+        disk_capacity_tokens: usize,
+        /// Lazy instead of eager offload.
+        #[arg(long)]
+        lazy: bool,
+        /// When the log fsyncs.
+        #[arg(long, value_enum, default_value_t = Fsync::Interval)]
+        fsync: Fsync,
+        /// For `--fsync interval`: milliseconds between fsyncs.
+        #[arg(long, default_value_t = 100)]
+        fsync_ms: u64,
+        /// Segment size in bytes.
+        #[arg(long, default_value_t = 64 << 20)]
+        segment_bytes: u64,
+    },
+    /// Header, counts by kind, time range and losses of a log.
+    Inspect {
+        /// Log directory.
+        log: PathBuf,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replay a log through the reducer and print the final state.
+    Replay {
+        /// Log directory.
+        log: PathBuf,
+        /// Real time × this speed (default: as fast as possible).
+        #[arg(long)]
+        speed: Option<f64>,
+        /// Stop after this sequence number.
+        #[arg(long)]
+        until_seq: Option<u64>,
+        /// Print every event as it is applied.
+        #[arg(long)]
+        verbose: bool,
+    },
+    /// Check the invariants; exit 1 naming the first violation, 2 if the
+    /// log is damaged.
+    Check {
+        /// Log directory.
+        log: PathBuf,
+    },
+    /// Time in each slot state, TTFT, transfer latency, batch sizes.
+    Stats {
+        /// Log directory.
+        log: PathBuf,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Export a log as JSON lines or a Chrome trace (Perfetto).
+    Export {
+        /// Log directory.
+        log: PathBuf,
+        /// Format.
+        #[arg(long, value_enum)]
+        format: Format,
+        /// Output file (default: stdout).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Compare two logs by event signature; print the first divergence.
+    Diff {
+        /// First log.
+        a: PathBuf,
+        /// Second log.
+        b: PathBuf,
+    },
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// A progress line on stderr when it is a terminal.
+struct Progress {
+    on: bool,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress {
+            on: std::io::stderr().is_terminal(),
+        }
+    }
+    fn tick(&self, what: &str, n: u64) {
+        if self.on {
+            eprint!("\r{what}: {n} events");
+        }
+    }
+    fn done(&self) {
+        if self.on {
+            eprint!("\r\x1b[K");
+        }
+    }
+}
+
+/// Reads a log; damage becomes an error for commands that need it all.
+fn load(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
+    let p = Progress::new();
+    let read = recorder::read_events(dir, |n| p.tick("reading", n))
+        .with_context(|| format!("opening log {}", dir.display()))?;
+    p.done();
+    Ok((read.events, read.damage.map(|d| d.to_string())))
+}
+
+fn lost(dir: &Path) -> u64 {
+    recorder::read_sidecar(dir).map_or(0, |r| r.lost)
+}
+
+fn run(cli: Cli) -> Result<i32> {
+    match cli.command {
+        Command::Record {
+            out,
+            trace,
+            max_requests,
+            requests,
+            rate,
+            prompt_len,
+            output_len,
+            seed,
+            block_size,
+            device_capacity_tokens,
+            host_capacity_tokens,
+            disk_capacity_tokens,
+            lazy,
+            fsync,
+            fsync_ms,
+            segment_bytes,
+        } => {
+            let workload = match trace {
+                Some(path) => {
+                    let f = std::fs::File::open(&path)
+                        .with_context(|| format!("opening trace {}", path.display()))?;
+                    let r = parse_mooncake_lenient(
+                        std::io::BufReader::new(f),
+                        &MooncakeOptions {
+                            max_requests,
+                            ..MooncakeOptions::default()
+                        },
+                    )?;
+                    for s in r.skipped.iter().take(5) {
+                        eprintln!("warning: line {} skipped: {}", s.line, s.error);
+                    }
+                    r.requests
+                }
+                None => generate(&SyntheticConfig {
+                    seed,
+                    num_requests: requests,
+                    arrival_rate_per_s: rate,
+                    prompt_len: LengthDist::LogNormal {
+                        mean: prompt_len as f64,
+                        sigma: 0.5,
+                    },
+                    output_len: LengthDist::LogNormal {
+                        mean: output_len as f64,
+                        sigma: 0.5,
+                    },
+                    shared_prefix_ratio: 0.5,
+                    num_shared_prefixes: 4,
+                    shared_prefix_len: prompt_len / 2,
+                    ..SyntheticConfig::default()
+                })?,
+            };
+            let cfg = SimConfig {
+                block_size,
+                device_capacity_tokens,
+                host_capacity_tokens,
+                disk_capacity_tokens,
+                offload_mode: if lazy {
+                    OffloadMode::Lazy
+                } else {
+                    OffloadMode::Eager
+                },
+                ..SimConfig::default()
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            let sim = Simulator::new(cfg, workload, rt.handle())?;
+            let tap = sim
+                .emitter()
+                .bus()
+                .take_tap()
+                .context("the simulator's tap was already taken")?;
+            let mut rcfg = RecorderConfig::default();
+            rcfg.log.engine_id = u64::from(sim.emitter().engine());
+            rcfg.log.segment_bytes = segment_bytes;
+            rcfg.log.fsync = match fsync {
+                Fsync::Every => FsyncPolicy::EveryRecord,
+                Fsync::Interval => FsyncPolicy::Interval(Duration::from_millis(fsync_ms)),
+                Fsync::Never => FsyncPolicy::Never,
+            };
+            let handle = recorder::spawn_recorder(tap, out.clone(), rcfg, None)?;
+            let report = sim.run();
+            drop(rt); // closes the bus: the recorder drains and stops
+            let rec = handle
+                .join()
+                .map_err(|_| anyhow::anyhow!("the recorder thread panicked"))??;
+            println!(
+                "recorded {} events ({} lost) from {} requests into {}",
+                rec.events,
+                rec.lost,
+                report.requests_finished,
+                out.display()
+            );
+            Ok(0)
+        }
+        Command::Inspect { log, json } => {
+            let reader = recorder::open_log(&log)
+                .with_context(|| format!("opening log {}", log.display()))?;
+            let info = reader.info().clone();
+            let (events, damage) = load(&log)?;
+            let st = kvbm_core::reducer::fold(&events);
+            let counts: Vec<(&str, u64)> = st.counts_by_kind().filter(|(_, n)| *n > 0).collect();
+            let side = recorder::read_sidecar(&log);
+            let v = serde_json::json!({
+                "dir": log,
+                "engine": info.header.as_ref().map(|h| h.engine_id),
+                "schema_version": info.header.as_ref().map(|h| h.schema_version),
+                "segments": info.segments.len(),
+                "events": events.len(),
+                "first_seq": info.first_seq,
+                "last_seq": info.last_seq,
+                "time_range_ns": info.time_range_ns,
+                "counts_by_kind": counts.iter().map(|(k, n)| (k.to_string(), *n)).collect::<std::collections::BTreeMap<_, _>>(),
+                "lost": side.as_ref().map_or(0, |s| s.lost),
+                "seq_gaps": st.seq_gaps(),
+                "torn_tail_bytes": info.torn_tail_bytes,
+                "damage": damage,
+            });
+            if json {
+                println!("{v}");
+            } else {
+                println!("log           {}", log.display());
+                println!("segments      {}", info.segments.len());
+                println!("events        {}", events.len());
+                println!("seq           {:?} ..= {:?}", info.first_seq, info.last_seq);
+                if let Some((a, b)) = info.time_range_ns {
+                    println!(
+                        "time          {:.3} s .. {:.3} s",
+                        a as f64 / 1e9,
+                        b as f64 / 1e9
+                    );
+                }
+                println!(
+                    "lost          {} (tap), {} (seq gaps)",
+                    v["lost"],
+                    st.seq_gaps()
+                );
+                println!("torn tail     {} bytes", info.torn_tail_bytes);
+                if let Some(d) = &damage {
+                    println!("damage        {d}");
+                }
+                for (k, n) in counts {
+                    println!("  {k:<20} {n}");
+                }
+            }
+            Ok(0)
+        }
+        Command::Replay {
+            log,
+            speed,
+            until_seq,
+            verbose,
+        } => {
+            let (events, damage) = load(&log)?;
+            let mode = match speed {
+                Some(s) if !(s.is_finite() && s > 0.0) => {
+                    bail!("--speed must be a positive number")
+                }
+                Some(s) => ReplayMode::RealTime { speed: s },
+                None => ReplayMode::AsFastAsPossible,
+            };
+            let mut r = Replayer::from_events(events, mode);
+            let mut n = 0u64;
+            while let Some(ev) = r.next_event() {
+                if verbose {
+                    println!("{} {} {:?} {:?}", ev.seq, ev.ts_ns, ev.request, ev.kind);
+                }
+                n += 1;
+                if until_seq.is_some_and(|u| ev.seq >= u) {
+                    break;
+                }
+            }
+            println!("replayed {n} events");
+            println!("{}", r.state().summary());
+            if let Some(d) = damage {
+                eprintln!("stopped early: {d}");
+                return Ok(2);
+            }
+            Ok(0)
+        }
+        Command::Check { log } => {
+            let (events, damage) = load(&log)?;
+            let report = analysis::check(
+                &events,
+                CheckOptions {
+                    lost: lost(&log),
+                    stream_complete: damage.is_none(),
+                    ..CheckOptions::default()
+                },
+            );
+            if let Some(d) = damage {
+                println!("damaged log: {d}");
+                return Ok(2);
+            }
+            match report.first_violation() {
+                None => {
+                    println!("ok: {} events, invariants hold", events.len());
+                    Ok(0)
+                }
+                Some(v) => {
+                    println!("violation ({} in all): {v}", report.violation_count());
+                    Ok(1)
+                }
+            }
+        }
+        Command::Stats { log, json } => {
+            let (events, _) = load(&log)?;
+            let s = analysis::stats::stats(&events, analysis::StatsConfig::default())?;
+            if json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                println!("{s}");
+            }
+            Ok(0)
+        }
+        Command::Export { log, format, out } => {
+            let (events, damage) = load(&log)?;
+            let sink: Box<dyn Write> = match &out {
+                Some(p) => Box::new(
+                    std::fs::File::create(p)
+                        .with_context(|| format!("creating {}", p.display()))?,
+                ),
+                None => Box::new(std::io::stdout().lock()),
+            };
+            let mut w = BufWriter::new(sink);
+            match format {
+                Format::Jsonl => analysis::export::write_jsonl(&events, &mut w)?,
+                Format::Chrome => analysis::export::write_chrome_trace(
+                    &events,
+                    &mut w,
+                    analysis::ChromeOptions::default(),
+                )?,
+            };
+            w.flush()?;
+            if let Some(d) = damage {
+                eprintln!("warning: the log is damaged; exported what came before: {d}");
+            }
+            Ok(0)
+        }
+        Command::Diff { a, b } => {
+            let (ea, _) = load(&a)?;
+            let (eb, _) = load(&b)?;
+            match analysis::diff(&ea, &eb, &analysis::DiffOptions::default()) {
+                None => {
+                    println!("no divergence ({} events each)", ea.len());
+                    Ok(0)
+                }
+                Some(d) => {
+                    println!("{d}");
+                    Ok(1)
+                }
+            }
+        }
+    }
+}

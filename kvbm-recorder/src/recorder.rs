@@ -1,0 +1,236 @@
+//! The recorder: drains an engine's lossless tap into the ring buffer and
+//! the durable log, with periodic reducer snapshots; and the way back, from
+//! a log directory to events.
+//!
+//! The recorder runs on its own thread and *polls* the tap (take all there
+//! is, then sleep briefly): blocking in `recv` would make the engine pay a
+//! wake-up system call on nearly every event. Events the tap had to drop
+//! arrive as `Gap` markers; they are counted and written to the log's
+//! sidecar `recording.json`, so a reader can tell a loss from a gap.
+
+use crate::convert::{self, DecodeError, Encoder};
+use crate::log::{LogConfig, LogError, LogReader, LogWriter, ReaderOptions};
+use crate::ring::RingBuffer;
+use kvbm_core::bus::{TapItem, TapReceiver, TryRecvError};
+use kvbm_core::events::Event;
+use kvbm_core::reducer::EngineState;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Name of the sidecar file the recorder writes next to the segments.
+pub const SIDECAR: &str = "recording.json";
+
+/// How the recorder runs.
+#[derive(Debug, Clone)]
+pub struct RecorderConfig {
+    /// The durable log's settings.
+    pub log: LogConfig,
+    /// Write a reducer snapshot every this many events (0: never).
+    pub snapshot_every_events: u64,
+    /// Sleep between polls of an empty tap.
+    pub idle_poll: Duration,
+}
+
+impl Default for RecorderConfig {
+    fn default() -> Self {
+        RecorderConfig {
+            log: LogConfig {
+                schema_version: kvbm_schema::SCHEMA_VERSION,
+                ..LogConfig::default()
+            },
+            snapshot_every_events: 100_000,
+            idle_poll: Duration::from_micros(500),
+        }
+    }
+}
+
+/// What a recording holds; also the sidecar's contents.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Recording {
+    /// Engine id.
+    pub engine: u32,
+    /// Events written.
+    pub events: u64,
+    /// Events the tap dropped (marked by `Gap` items), never written.
+    pub lost: u64,
+    /// First and last seq written.
+    pub first_seq: Option<u64>,
+    /// Last seq written.
+    pub last_seq: Option<u64>,
+    /// Payload bytes written.
+    pub payload_bytes: u64,
+    /// Snapshots written.
+    pub snapshots: u64,
+    /// Schema version of the records.
+    pub schema_version: u32,
+}
+
+/// Why recording or reading failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The log failed.
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// A record that passed the log's checks did not decode.
+    #[error("record seq {seq} in {segment} at byte {offset}: {source}")]
+    Decode {
+        /// Its seq.
+        seq: u64,
+        /// Segment file.
+        segment: String,
+        /// Byte offset.
+        offset: u64,
+        /// Why.
+        #[source]
+        source: DecodeError,
+    },
+    /// The sidecar could not be written or read.
+    #[error("{}: {source}", path.display())]
+    Sidecar {
+        /// Its path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Starts a recorder thread draining `tap` into a new log in `dir` (and
+/// into `ring`, if given). It ends when the tap closes (the engine's bus is
+/// dropped) and returns what it wrote.
+pub fn spawn_recorder(
+    mut tap: TapReceiver<Event>,
+    dir: PathBuf,
+    cfg: RecorderConfig,
+    ring: Option<Arc<RingBuffer>>,
+) -> std::io::Result<std::thread::JoinHandle<Result<Recording, RecordError>>> {
+    std::thread::Builder::new()
+        .name("kvbm-recorder".into())
+        .spawn(move || record(&mut tap, &dir, &cfg, ring.as_deref()))
+}
+
+fn record(
+    tap: &mut TapReceiver<Event>,
+    dir: &Path,
+    cfg: &RecorderConfig,
+    ring: Option<&RingBuffer>,
+) -> Result<Recording, RecordError> {
+    let mut writer = LogWriter::create(dir, cfg.log.clone())?;
+    let mut enc = Encoder::new();
+    let mut state = EngineState::default();
+    let mut rec = Recording {
+        schema_version: cfg.log.schema_version,
+        ..Recording::default()
+    };
+    let mut since_snapshot = 0u64;
+    let result: Result<(), RecordError> = loop {
+        match tap.try_recv() {
+            Ok(TapItem::Event(ev)) => {
+                let bytes = enc.encode(&ev);
+                if let Err(e) = writer.append(ev.seq, ev.ts_ns, bytes) {
+                    break Err(e.into());
+                }
+                rec.payload_bytes += bytes.len() as u64;
+                rec.events += 1;
+                rec.engine = ev.engine;
+                rec.first_seq.get_or_insert(ev.seq);
+                rec.last_seq = Some(ev.seq);
+                state.apply(&ev);
+                since_snapshot += 1;
+                if cfg.snapshot_every_events > 0 && since_snapshot >= cfg.snapshot_every_events {
+                    since_snapshot = 0;
+                    if let Ok(json) = serde_json::to_vec(&state)
+                        && writer.write_snapshot(ev.seq, ev.ts_ns, &json).is_ok()
+                    {
+                        rec.snapshots += 1;
+                    }
+                }
+                if let Some(r) = ring {
+                    r.push(ev);
+                }
+            }
+            Ok(TapItem::Gap { dropped }) => {
+                rec.lost += dropped;
+                if let Some(r) = ring {
+                    r.record_gap(dropped);
+                }
+            }
+            Err(TryRecvError::Empty) => {
+                if let Err(e) = writer.flush() {
+                    break Err(e.into());
+                }
+                std::thread::sleep(cfg.idle_poll);
+            }
+            Err(TryRecvError::Closed) => break Ok(()),
+        }
+    };
+    let closed = writer.close();
+    write_sidecar(dir, &rec)?;
+    result?;
+    closed?;
+    Ok(rec)
+}
+
+fn write_sidecar(dir: &Path, rec: &Recording) -> Result<(), RecordError> {
+    let path = dir.join(SIDECAR);
+    let json = serde_json::to_vec_pretty(rec).unwrap_or_default();
+    std::fs::write(&path, json).map_err(|source| RecordError::Sidecar { path, source })
+}
+
+/// The sidecar of a recording, if present and readable.
+pub fn read_sidecar(dir: &Path) -> Option<Recording> {
+    let bytes = std::fs::read(dir.join(SIDECAR)).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// Events read back from a log: every good one, then the first damage (if
+/// any) that stopped the read.
+#[derive(Debug, Default)]
+pub struct EventsRead {
+    /// The events, in log order.
+    pub events: Vec<Event>,
+    /// What stopped the read early, with its segment and offset.
+    pub damage: Option<RecordError>,
+}
+
+/// Opens a log with the flatbuffers verifier on every record.
+pub fn open_log(dir: &Path) -> Result<LogReader, LogError> {
+    let opts = ReaderOptions::default()
+        .with_verify(|b| convert::verify(b).map(|_| ()).map_err(|e| e.to_string()));
+    LogReader::open(dir, opts)
+}
+
+/// Reads every event of the log in `dir`; `on_progress(events)` is called
+/// now and then for long reads.
+pub fn read_events(dir: &Path, mut on_progress: impl FnMut(u64)) -> Result<EventsRead, LogError> {
+    let reader = open_log(dir)?;
+    let mut out = EventsRead::default();
+    for r in reader.iter() {
+        match r {
+            Ok(rec) => match convert::decode(&rec.payload) {
+                Ok(ev) => {
+                    out.events.push(ev);
+                    if out.events.len() % 65_536 == 0 {
+                        on_progress(out.events.len() as u64);
+                    }
+                }
+                Err(source) => {
+                    out.damage = Some(RecordError::Decode {
+                        seq: rec.seq,
+                        segment: rec.segment.to_string(),
+                        offset: rec.offset,
+                        source,
+                    });
+                    break;
+                }
+            },
+            Err(e) => {
+                out.damage = Some(e.into());
+                break;
+            }
+        }
+    }
+    Ok(out)
+}
