@@ -35,6 +35,11 @@ enum Fsync {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum Scenario {
+    Walkthrough,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum Format {
     Jsonl,
     Chrome,
@@ -50,6 +55,10 @@ enum Command {
         /// A Mooncake JSONL trace; without it, a synthetic workload.
         #[arg(long)]
         trace: Option<PathBuf>,
+        /// A built-in scenario instead: `walkthrough` is seed 002's two
+        /// requests (A offloaded to the host, B hitting A's prefix there).
+        #[arg(long, value_enum)]
+        scenario: Option<Scenario>,
         /// Use at most this many requests of the trace.
         #[arg(long)]
         max_requests: Option<usize>,
@@ -208,6 +217,7 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Record {
             out,
             trace,
+            scenario,
             max_requests,
             requests,
             rate,
@@ -223,7 +233,25 @@ fn run(cli: Cli) -> Result<i32> {
             fsync_ms,
             segment_bytes,
         } => {
+            let walkthrough = matches!(scenario, Some(Scenario::Walkthrough));
             let workload = match trace {
+                _ if walkthrough => {
+                    let a: Vec<u32> = (100..132).collect();
+                    let mut b = a.clone();
+                    b.extend(200..217);
+                    let spec =
+                        |id: &str, at: f64, prompt: Vec<u32>| kvbm_core::workload::RequestSpec {
+                            id: id.into(),
+                            arrival_ms: at,
+                            prompt,
+                            output_len: 1,
+                            origin: kvbm_core::workload::Origin::Synthetic {
+                                index: 0,
+                                shared_prefix: None,
+                            },
+                        };
+                    vec![spec("A", 0.0, a), spec("B", 10_000.0, b)]
+                }
                 Some(path) => {
                     let f = std::fs::File::open(&path)
                         .with_context(|| format!("opening trace {}", path.display()))?;
@@ -257,11 +285,18 @@ fn run(cli: Cli) -> Result<i32> {
                     ..SyntheticConfig::default()
                 })?,
             };
+            let (block_size, device_capacity_tokens, host_capacity_tokens) = if walkthrough {
+                // Seed 002: 16-token blocks, 100 device blocks, 50 host blocks.
+                (16, 1600, 800)
+            } else {
+                (block_size, device_capacity_tokens, host_capacity_tokens)
+            };
             let cfg = SimConfig {
                 block_size,
                 device_capacity_tokens,
                 host_capacity_tokens,
                 disk_capacity_tokens,
+                device_prefix_cache: !walkthrough,
                 offload_mode: if lazy {
                     OffloadMode::Lazy
                 } else {
