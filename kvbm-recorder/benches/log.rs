@@ -1,0 +1,171 @@
+//! Durable-log throughput and size, beside JSON lines of the same events.
+//!
+//! Run: `cargo bench -p kvbm-recorder --bench log` (`KVBM_BENCH_QUICK=1`
+//! for a short run). The events come from a simulator run (a realistic mix
+//! of kinds), repeated with fresh sequence numbers up to the target count.
+//! Written with fsync `Never` on both sides (the page cache), read back
+//! from the same files: kvbm log = encode + frame + CRC on write, frame
+//! check + CRC + flatbuffers verify on read (plus a full decode row);
+//! JSON lines = serde_json to a buffered file, and parse back.
+
+use kvbm_core::bus::TapItem;
+use kvbm_core::events::Event;
+use kvbm_core::sim::{SimConfig, Simulator};
+use kvbm_core::workload::{LengthDist, SyntheticConfig, generate};
+use kvbm_recorder::convert::{self, Encoder};
+use kvbm_recorder::log::{FsyncPolicy, LogConfig, LogReader, LogWriter, ReaderOptions};
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::time::Instant;
+
+fn events(n: usize) -> Vec<Event> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let w = generate(&SyntheticConfig {
+        seed: 5,
+        num_requests: 60,
+        arrival_rate_per_s: 40.0,
+        prompt_len: LengthDist::LogNormal {
+            mean: 600.0,
+            sigma: 0.5,
+        },
+        output_len: LengthDist::LogNormal {
+            mean: 40.0,
+            sigma: 0.5,
+        },
+        ..SyntheticConfig::default()
+    })
+    .unwrap();
+    let sim = Simulator::new(SimConfig::default(), w, rt.handle()).unwrap();
+    let mut tap = sim.emitter().bus().take_tap().unwrap();
+    sim.run();
+    let mut base = Vec::new();
+    while let Ok(TapItem::Event(e)) = tap.try_recv() {
+        base.push(e);
+    }
+    let mut out = Vec::with_capacity(n);
+    let mut seq = 0u64;
+    while out.len() < n {
+        for e in &base {
+            let mut e = e.clone();
+            e.seq = seq;
+            seq += 1;
+            out.push(e);
+            if out.len() == n {
+                break;
+            }
+        }
+    }
+    out
+}
+
+fn dir_bytes(p: &std::path::Path) -> u64 {
+    std::fs::read_dir(p)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "kvlog"))
+        .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+        .sum()
+}
+
+fn main() {
+    let quick = std::env::var("KVBM_BENCH_QUICK").is_ok_and(|v| v == "1");
+    let n = if quick { 100_000 } else { 2_000_000 };
+    let evs = events(n);
+    let tmp = tempfile::tempdir().unwrap();
+    let rounds = if quick { 1 } else { 3 };
+    let mut best = [f64::MAX; 5];
+    let (mut log_bytes, mut json_bytes) = (0, 0);
+    for r in 0..rounds {
+        // kvbm log: write.
+        let dir = tmp.path().join(format!("log{r}"));
+        let t = Instant::now();
+        let mut w = LogWriter::create(
+            &dir,
+            LogConfig {
+                fsync: FsyncPolicy::Never,
+                ..LogConfig::default()
+            },
+        )
+        .unwrap();
+        let mut enc = Encoder::new();
+        for e in &evs {
+            w.append(e.seq, e.ts_ns, enc.encode(e)).unwrap();
+        }
+        w.close().unwrap();
+        best[0] = best[0].min(t.elapsed().as_secs_f64());
+        log_bytes = dir_bytes(&dir);
+        // Read + verify (borrowed records, no copy).
+        let t = Instant::now();
+        let reader = LogReader::open(&dir, ReaderOptions::default()).unwrap();
+        let mut it = reader.iter();
+        let mut k = 0u64;
+        while let Some(rec) = it.next_ref() {
+            let rec = rec.unwrap();
+            convert::verify(rec.payload).unwrap();
+            k += 1;
+        }
+        assert_eq!(k, n as u64);
+        best[1] = best[1].min(t.elapsed().as_secs_f64());
+        // Read + verify + decode into kvbm-core events.
+        let t = Instant::now();
+        let mut it = reader.iter();
+        let mut k = 0u64;
+        while let Some(rec) = it.next_ref() {
+            let ev = convert::decode(rec.unwrap().payload).unwrap();
+            k += ev.seq & 1;
+        }
+        std::hint::black_box(k);
+        best[2] = best[2].min(t.elapsed().as_secs_f64());
+        // JSON lines: write.
+        let path = tmp.path().join(format!("j{r}.jsonl"));
+        let t = Instant::now();
+        let mut f = BufWriter::new(std::fs::File::create(&path).unwrap());
+        for e in &evs {
+            serde_json::to_writer(&mut f, e).unwrap();
+            f.write_all(b"\n").unwrap();
+        }
+        f.flush().unwrap();
+        drop(f);
+        best[3] = best[3].min(t.elapsed().as_secs_f64());
+        json_bytes = std::fs::metadata(&path).unwrap().len();
+        // JSON lines: read + parse.
+        let t = Instant::now();
+        let mut k = 0u64;
+        for line in BufReader::new(std::fs::File::open(&path).unwrap()).lines() {
+            let e: Event = serde_json::from_str(&line.unwrap()).unwrap();
+            k += e.seq & 1;
+        }
+        std::hint::black_box(k);
+        best[4] = best[4].min(t.elapsed().as_secs_f64());
+    }
+    let rate = |s: f64| n as f64 / s / 1e6;
+    println!("| {n} events (best of {rounds}) | kvbm log | JSON lines | ratio |");
+    println!("|---|---:|---:|---:|");
+    println!(
+        "| write | {:.2} M events/s | {:.2} M events/s | {:.1}× (target ≥ 2 M/s, ≥ 5×) |",
+        rate(best[0]),
+        rate(best[3]),
+        best[3] / best[0]
+    );
+    println!(
+        "| read + verify (log) / read + parse (JSON) | {:.2} M events/s | {:.2} M events/s | {:.1}× (target ≥ 5 M/s, ≥ 5×) |",
+        rate(best[1]),
+        rate(best[4]),
+        best[4] / best[1]
+    );
+    println!(
+        "| read + verify + decode to events | {:.2} M events/s | {:.2} M events/s | {:.1}× |",
+        rate(best[2]),
+        rate(best[4]),
+        best[4] / best[2]
+    );
+    println!(
+        "| bytes per event | {:.1} | {:.1} | {:.2}× smaller (target ≥ 3×) |",
+        log_bytes as f64 / n as f64,
+        json_bytes as f64 / n as f64,
+        json_bytes as f64 / log_bytes as f64
+    );
+}
