@@ -176,22 +176,49 @@ fn main() {
     }
 }
 
-/// A progress line on stderr when it is a terminal.
+/// A progress bar on stderr when it is a terminal (nothing otherwise, so
+/// logs and pipes stay clean).
 struct Progress {
     on: bool,
+    total: u64,
 }
 
 impl Progress {
-    fn new() -> Self {
+    fn new(total: u64) -> Self {
         Progress {
             on: std::io::stderr().is_terminal(),
+            total,
         }
     }
+
+    /// `[=====>     ]  45%  123456/274000 reading`
+    fn line(&self, what: &str, n: u64) -> String {
+        const WIDTH: u64 = 30;
+        if self.total == 0 {
+            return format!("{what}: {n} events");
+        }
+        let n = n.min(self.total);
+        let filled = (n * WIDTH / self.total) as usize;
+        let bar: String = (0..WIDTH as usize)
+            .map(|i| match i.cmp(&filled) {
+                std::cmp::Ordering::Less => '=',
+                std::cmp::Ordering::Equal => '>',
+                std::cmp::Ordering::Greater => ' ',
+            })
+            .collect();
+        format!(
+            "[{bar}] {:>3}%  {n}/{} {what}",
+            n * 100 / self.total,
+            self.total
+        )
+    }
+
     fn tick(&self, what: &str, n: u64) {
         if self.on {
-            eprint!("\r{what}: {n} events");
+            eprint!("\r{}", self.line(what, n));
         }
     }
+
     fn done(&self) {
         if self.on {
             eprint!("\r\x1b[K");
@@ -201,8 +228,11 @@ impl Progress {
 
 /// Reads a log; damage becomes an error for commands that need it all.
 fn load(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
-    let p = Progress::new();
-    let read = recorder::read_events(dir, |n| p.tick("reading", n))
+    let total = recorder::open_log(dir)
+        .map(|r| r.info().total_records)
+        .unwrap_or(0);
+    let p = Progress::new(total);
+    let read = recorder::read_events(dir, |n| p.tick("events read", n))
         .with_context(|| format!("opening log {}", dir.display()))?;
     p.done();
     Ok((read.events, read.damage.map(|d| d.to_string())))
@@ -495,5 +525,32 @@ fn run(cli: Cli) -> Result<i32> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Progress;
+
+    #[test]
+    fn progress_bar_draws_the_fraction_done() {
+        let p = Progress {
+            on: false,
+            total: 200,
+        };
+        assert_eq!(
+            p.line("events read", 100),
+            format!(
+                "[{}>{}]  50%  100/200 events read",
+                "=".repeat(15),
+                " ".repeat(14)
+            )
+        );
+        assert!(p.line("x", 500).contains("100%  200/200"));
+        let unknown = Progress {
+            on: false,
+            total: 0,
+        };
+        assert_eq!(unknown.line("reading", 7), "reading: 7 events");
     }
 }
