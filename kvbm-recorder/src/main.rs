@@ -9,7 +9,7 @@ use kvbm_core::sim::{SimConfig, Simulator};
 use kvbm_core::workload::{
     LengthDist, MooncakeOptions, SyntheticConfig, generate, parse_mooncake_lenient,
 };
-use kvbm_recorder::analysis::{self, CheckOptions, ReplayMode, Replayer};
+use kvbm_recorder::analysis::{self, ReplayMode, Replayer};
 use kvbm_recorder::log::FsyncPolicy;
 use kvbm_recorder::recorder::{self, RecorderConfig};
 use std::io::{BufWriter, IsTerminal, Write};
@@ -238,10 +238,6 @@ fn load(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
     Ok((read.events, read.damage.map(|d| d.to_string())))
 }
 
-fn lost(dir: &Path) -> u64 {
-    recorder::read_sidecar(dir).map_or(0, |r| r.lost)
-}
-
 fn run(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Record {
@@ -454,14 +450,8 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Command::Check { log } => {
             let (events, damage) = load(&log)?;
-            let report = analysis::check(
-                &events,
-                CheckOptions {
-                    lost: lost(&log),
-                    stream_complete: damage.is_none(),
-                    ..CheckOptions::default()
-                },
-            );
+            let side = recorder::read_sidecar(&log);
+            let report = recorder::check_recording(&events, side.as_ref(), damage.is_none());
             if let Some(d) = damage {
                 println!("damaged log: {d}");
                 return Ok(2);
