@@ -16,9 +16,12 @@ use anyhow::{Context, Result, bail, ensure};
 use kvbm_core::block::ComputeDone;
 use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};
 use kvbm_core::link::{HostTier, TierLink};
+// What the simulated forward pass writes into a block: derived from its
+// sequence hash, so any later copy can be checked.
 use kvbm_core::offload::{
     OffloadPipeline, PipelineConfig, PresencePolicy, TransferHandle, TransferStatus, precondition,
 };
+use kvbm_core::sim::kv_bytes;
 use kvbm_core::storage::{DiskStorage, HostStorage};
 use kvbm_core::transfer::{DiskDirection, DiskEngine, MemcpyEngine, TransferEngine};
 use kvbm_core::{BlockPool, ImmutableBlock, PoolConfig, SaltHash, Tier, TokenSequence};
@@ -150,20 +153,6 @@ async fn onboard(p: &OffloadPipeline, sources: Vec<ImmutableBlock>) -> Result<Ve
         .map_err(|r| anyhow::anyhow!("onboard refused: {}", r.error))?;
     completed(&h, "onboard").await?;
     h.take_blocks().context("onboarded blocks missing")
-}
-
-/// What the simulated forward pass writes into a block: derived from the
-/// block's sequence hash, so any later copy can be checked.
-fn kv_bytes(seq_hash: u64, n: usize) -> Vec<u8> {
-    let mut x = seq_hash | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 struct Out<W: Write> {

@@ -1064,8 +1064,3 @@ pub fn kv_bytes(seq_hash: u64, n: usize) -> Vec<u8> {
         })
         .collect()
 }
-
-/// Ratio helper for reports.
-pub fn hit_ratio(r: &SimReport) -> f64 {
-    r.prefix_hit_ratio
-}
