@@ -1,13 +1,20 @@
 //! `kvbm-console`: the terminal console for kvbm.
 //!
-//! Today it has one subcommand, `demo`, which runs the block manager through
-//! a built-in scenario and prints what happened (see [`demo`]). The live
-//! console, `replay` and `attach` come with later work.
+//! - `demo`: the console on an embedded simulated engine, running in real
+//!   time with recording on.
+//! - `replay DIR`: the console on a recorded log.
+//! - `walkthrough`: seed 002's story through the real pipelines, as text.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-
-mod demo;
+use kvbm_console::app::{App, Source};
+use kvbm_console::embedded::{DemoArgs, Embedded};
+use kvbm_console::model::{Model, ModelConfig};
+use kvbm_console::run::{Term, run};
+use kvbm_console::source::{LiveSource, ReplaySource};
+use kvbm_console::walkthrough;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -20,13 +27,53 @@ struct Cli {
     command: Command,
 }
 
+#[derive(Debug, Clone, clap::Args)]
+struct ViewArgs {
+    /// Seconds a finished request stays on screen (engine time).
+    #[arg(long, default_value_t = 30)]
+    keep_finished_s: u64,
+    /// Events the event log keeps (live).
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..=50_000_000))]
+    history: u64,
+}
+
+impl ViewArgs {
+    fn model(&self) -> ModelConfig {
+        ModelConfig {
+            history: self.history as usize,
+            keep_finished_ns: self.keep_finished_s.saturating_mul(1_000_000_000),
+            ..ModelConfig::default()
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the block manager on a built-in scenario and print what happened.
-    Demo(demo::DemoArgs),
+    /// The console on an embedded simulated engine (nothing to install).
+    Demo {
+        #[command(flatten)]
+        engine: DemoArgs,
+        #[command(flatten)]
+        view: ViewArgs,
+    },
+    /// The console on a recorded log (a directory written by
+    /// `kvbm-recorder record` or `demo --record`).
+    Replay {
+        /// The log directory.
+        log: PathBuf,
+        /// Start playing at once, at this speed (0.25 to 64).
+        #[arg(long)]
+        play: Option<f64>,
+        #[command(flatten)]
+        view: ViewArgs,
+    },
+    /// Seed 002's walk-through through the real pipelines, printed as text.
+    Walkthrough(walkthrough::WalkthroughArgs),
 }
 
 fn main() -> Result<()> {
+    // Logs go to stderr; with the console on screen, they are best sent to
+    // a file (`2>console.log`).
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -40,6 +87,73 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     match cli.command {
-        Command::Demo(args) => rt.block_on(demo::run(&args, std::io::stdout().lock())),
+        Command::Walkthrough(args) => {
+            rt.block_on(walkthrough::run(&args, std::io::stdout().lock()))
+        }
+        Command::Demo { engine, view } => {
+            let embedded = Embedded::start(&engine)?;
+            let result = {
+                let source = LiveSource::new(embedded.ring.clone(), Some(embedded.control()));
+                let mut app = App::new(Model::new(view.model()), Source::Live(source), "demo");
+                let mut term = Term::enter()?;
+                let mut said_done = false;
+                rt.block_on(run(&mut app, &mut term, |app| {
+                    if !said_done && embedded.finished() {
+                        said_done = true;
+                        app.ui.message = Some(kvbm_console::app::Message {
+                            text: "the engine finished its workload".into(),
+                            error: false,
+                        });
+                    }
+                }))
+                // The app (holding the engine's control) and the terminal
+                // go here, before the engine is stopped.
+            };
+            let (rec, kept) = embedded.stop()?;
+            result?;
+            if let Some(dir) = kept {
+                println!(
+                    "recorded {} events ({} lost) to {}",
+                    rec.events,
+                    rec.lost,
+                    dir.display()
+                );
+            }
+            Ok(())
+        }
+        Command::Replay { log, play, view } => {
+            let read = kvbm_recorder::recorder::read_events(&log, |_| {})
+                .with_context(|| format!("opening log {}", log.display()))?;
+            let lost = kvbm_recorder::recorder::read_sidecar(&log).map_or(0, |r| r.lost);
+            let events: Arc<[kvbm_core::events::Event]> = read.events.into();
+            let n = events.len();
+            let mut replay = ReplaySource::new(events, lost, view.model());
+            if let Some(speed) = play {
+                anyhow::ensure!(
+                    (0.25..=64.0).contains(&speed),
+                    "--play {speed}: the speed must be within 0.25 to 64"
+                );
+                while replay.speed() < speed {
+                    replay.change_speed(true);
+                }
+                while replay.speed() > speed {
+                    replay.change_speed(false);
+                }
+                replay.set_playing(true);
+            }
+            let name = log.file_name().map_or_else(
+                || log.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+            let mut app = App::new(Model::new(view.model()), Source::Replay(replay), name);
+            if let Some(damage) = &read.damage {
+                app.ui.message = Some(kvbm_console::app::Message {
+                    text: format!("log damaged, {n} events before the damage are shown: {damage}"),
+                    error: true,
+                });
+            }
+            let mut term = Term::enter()?;
+            rt.block_on(run(&mut app, &mut term, |_| {}))
+        }
     }
 }

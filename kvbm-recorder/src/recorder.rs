@@ -17,6 +17,7 @@ use kvbm_core::reducer::EngineState;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// Name of the sidecar file the recorder writes next to the segments.
@@ -31,6 +32,10 @@ pub struct RecorderConfig {
     pub snapshot_every_events: u64,
     /// Sleep between polls of an empty tap.
     pub idle_poll: Duration,
+    /// When set (and the tap has nothing more to give), the recorder ends
+    /// as if the tap had closed: for an embedding that stops its engine
+    /// while other owners may still hold the engine's bus.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 impl Default for RecorderConfig {
@@ -42,6 +47,7 @@ impl Default for RecorderConfig {
             },
             snapshot_every_events: 100_000,
             idle_poll: Duration::from_micros(500),
+            stop: None,
         }
     }
 }
@@ -220,6 +226,9 @@ fn record(
                 if let Err(e) = writer.flush() {
                     break Err(e.into());
                 }
+                if cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)) {
+                    break Ok(());
+                }
                 std::thread::sleep(cfg.idle_poll);
             }
             Err(TryRecvError::Closed) => break Ok(()),
@@ -309,6 +318,40 @@ mod tests {
             inactive: 0,
             empty: 1,
         }
+    }
+
+    /// The stop flag ends a recording while the engine's bus is still held,
+    /// after everything already emitted is written.
+    #[test]
+    fn a_stop_flag_ends_the_recording_with_the_bus_alive() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Emitter::new(
+            0,
+            BusConfig::default(),
+            std::sync::Arc::new(VirtualClock::new()),
+        )
+        .unwrap();
+        let tap = e.bus().take_tap().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let cfg = RecorderConfig {
+            stop: Some(stop.clone()),
+            ..RecorderConfig::default()
+        };
+        let h = spawn_recorder(tap, dir.path().join("log"), cfg, None).unwrap();
+        for _ in 0..100 {
+            e.emit(None, gauge());
+        }
+        stop.store(true, Ordering::Release);
+        let rec = h.join().unwrap().unwrap();
+        assert_eq!(rec.events, 100);
+        assert_eq!(
+            read_events(&dir.path().join("log"), |_| {})
+                .unwrap()
+                .events
+                .len(),
+            100
+        );
+        drop(e);
     }
 
     /// A tap too small for a burst: the losses are counted, placed, and the

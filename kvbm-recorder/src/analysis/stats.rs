@@ -25,7 +25,7 @@
 
 use super::timeline::{TimelineBuilder, TimelineItem};
 use kvbm_core::events::{Event, EventKind};
-use kvbm_core::reducer::TransferState;
+use kvbm_core::reducer::{EngineState, TransferState};
 use kvbm_core::slot::SlotState;
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
@@ -151,6 +151,40 @@ impl Series {
         self.hist.len()
     }
 
+    /// The distribution in `n` buckets spaced evenly on a log scale from
+    /// the smallest to the largest value recorded: `(upper bound, count)`
+    /// pairs, for a small histogram on screen. Empty when nothing was
+    /// recorded or `n == 0`.
+    pub fn log_buckets(&self, n: usize) -> Vec<(u64, u64)> {
+        if self.hist.is_empty() || n == 0 {
+            return Vec::new();
+        }
+        let lo = self.hist.min().max(1);
+        let hi = self.max.clamp(lo, self.high);
+        let ratio = (hi as f64 / lo as f64).powf(1.0 / n as f64);
+        let mut out: Vec<(u64, u64)> = Vec::with_capacity(n);
+        let mut prev = 0u64;
+        for i in 1..=n {
+            let upper = if i == n {
+                hi
+            } else {
+                ((lo as f64 * ratio.powi(i as i32)) as u64)
+                    .max(prev + 1)
+                    .min(hi)
+            };
+            prev = prev.max(upper);
+            out.push((upper, 0));
+        }
+        // Each recorded bucket of the histogram goes to the first bucket
+        // whose upper bound reaches it, so every value counts exactly once.
+        for v in self.hist.iter_recorded() {
+            let value = v.value_iterated_to().min(hi);
+            let i = out.partition_point(|(upper, _)| *upper < value).min(n - 1);
+            out[i].1 += v.count_at_value();
+        }
+        out
+    }
+
     /// The summary.
     pub fn percentiles(&self) -> Percentiles {
         let count = self.hist.len();
@@ -218,7 +252,7 @@ pub struct Stats {
 }
 
 /// Collects [`Stats`] from a stream, one event at a time.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct StatsCollector {
     config: StatsConfig,
     timeline: TimelineBuilder,
@@ -265,6 +299,52 @@ impl StatsCollector {
             // the value is dropped rather than the run.
             Entry::Vacant(v) => Series::new(high).ok().map(|s| v.insert(s)),
         }
+    }
+
+    /// The reducer's state after the events observed so far.
+    pub fn state(&self) -> &EngineState {
+        self.timeline.state()
+    }
+
+    /// Forgets slots that finished before `cutoff_ns`; see
+    /// [`TimelineBuilder::prune_finished_before`].
+    pub fn prune_finished_before(&mut self, cutoff_ns: u64) -> usize {
+        self.timeline.prune_finished_before(cutoff_ns)
+    }
+
+    /// Events observed so far.
+    pub fn events(&self) -> u64 {
+        self.timeline.events()
+    }
+
+    /// Distinct requests seen so far.
+    pub fn requests(&self) -> u64 {
+        self.requests
+    }
+
+    /// Slots that reached `Finished` so far.
+    pub fn finished(&self) -> u64 {
+        self.finished
+    }
+
+    /// Time to first token, so far.
+    pub fn ttft(&self) -> &Series {
+        &self.ttft
+    }
+
+    /// Closed intervals per slot state name, so far.
+    pub fn time_in_state(&self) -> impl Iterator<Item = (&'static str, &Series)> {
+        self.states.iter().map(|(k, s)| (*k, s))
+    }
+
+    /// Planned → completed latency per direction (`G1→G2`), so far.
+    pub fn transfer_latency(&self) -> impl Iterator<Item = (&str, &Series)> {
+        self.latency.iter().map(|(k, s)| (k.as_str(), s))
+    }
+
+    /// How transfers ended per direction, so far.
+    pub fn outcomes(&self) -> &BTreeMap<String, TransferOutcomes> {
+        &self.outcomes
     }
 
     /// Takes one event.
@@ -533,6 +613,26 @@ mod tests {
             })
             .is_err()
         );
+    }
+
+    #[test]
+    fn log_buckets_cover_every_value_once() {
+        let mut s = Series::new(1 << 40).unwrap();
+        assert!(s.log_buckets(8).is_empty());
+        let values = [1u64, 2, 3, 10, 100, 1_000, 10_000, 10_000, 123_456];
+        for v in values {
+            s.record(v);
+        }
+        let b = s.log_buckets(6);
+        assert_eq!(b.len(), 6);
+        assert_eq!(b.iter().map(|(_, c)| c).sum::<u64>(), values.len() as u64);
+        assert!(b.windows(2).all(|w| w[0].0 < w[1].0), "{b:?}");
+        assert!(b.last().unwrap().0 >= 123_456);
+        // A single value lands in one bucket, whatever n is.
+        let mut one = Series::new(1000).unwrap();
+        one.record(7);
+        let b = one.log_buckets(5);
+        assert_eq!(b.iter().map(|(_, c)| c).sum::<u64>(), 1);
     }
 
     #[test]

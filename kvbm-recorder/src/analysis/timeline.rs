@@ -165,7 +165,7 @@ struct Open {
 }
 
 /// Follows a stream and hands out timeline items; see the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct TimelineBuilder {
     state: EngineState,
     tracks: HashMap<RequestId, TrackId>,
@@ -185,6 +185,14 @@ impl TimelineBuilder {
     /// The reducer's state after the events observed so far.
     pub fn state(&self) -> &EngineState {
         &self.state
+    }
+
+    /// Forgets finished slots that reached `Finished` before `cutoff_ns`
+    /// (see [`EngineState::retain_finished_since`]); a viewer keeps
+    /// finished requests on screen for a while, not for ever. Their tracks
+    /// stay, so a request id seen again keeps its track.
+    pub fn prune_finished_before(&mut self, cutoff_ns: u64) -> usize {
+        self.state.retain_finished_since(cutoff_ns)
     }
 
     /// The track of a request seen so far.

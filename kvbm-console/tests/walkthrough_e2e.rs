@@ -1,4 +1,4 @@
-//! End to end: the real `kvbm-console` binary runs the demo and succeeds.
+//! End to end: the real `kvbm-console` binary runs the seed-002 walk-through (text) and succeeds.
 
 use std::process::Command;
 
@@ -7,8 +7,11 @@ fn console() -> Command {
 }
 
 #[test]
-fn demo_runs_and_verifies_every_copy() {
-    let out = console().arg("demo").output().expect("run kvbm-console");
+fn walkthrough_runs_and_verifies_every_copy() {
+    let out = console()
+        .arg("walkthrough")
+        .output()
+        .expect("run kvbm-console");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -26,9 +29,9 @@ fn demo_runs_and_verifies_every_copy() {
 }
 
 #[test]
-fn demo_works_with_another_block_size() {
+fn walkthrough_works_with_another_block_size() {
     let out = console()
-        .args(["demo", "--block-size", "4"])
+        .args(["walkthrough", "--block-size", "4"])
         .output()
         .expect("run kvbm-console");
     assert!(
@@ -41,8 +44,8 @@ fn demo_works_with_another_block_size() {
 #[test]
 fn bad_flags_are_clear_errors_not_panics() {
     for args in [
-        &["demo", "--block-size", "0"][..],
-        &["demo", "--block-size", "x"],
+        &["walkthrough", "--block-size", "0"][..],
+        &["walkthrough", "--block-size", "x"],
         &["nope"],
     ] {
         let out = console().args(args).output().expect("run kvbm-console");

@@ -1,6 +1,6 @@
-//! `kvbm-console demo`: the block manager on a small built-in scenario.
+//! `kvbm-console walkthrough`: the block manager on a small built-in scenario, as text.
 //!
-//! Until the interactive console exists, the demo runs seed 002's story with
+//! It runs seed 002's story with
 //! real pools, real bytes, real transfer engines and the offload pipeline,
 //! and prints what happened: request A is computed on G1 and offloaded
 //! eagerly (after its forward pass) to G2 and G3; request C pushes A out of
@@ -28,9 +28,9 @@ use kvbm_core::{BlockPool, ImmutableBlock, PoolConfig, SaltHash, Tier, TokenSequ
 use std::io::Write;
 use std::sync::Arc;
 
-/// Demo settings (from the command line).
+/// Walk-through settings (from the command line).
 #[derive(Debug, Clone, clap::Args)]
-pub struct DemoArgs {
+pub struct WalkthroughArgs {
     /// Tokens per block.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=4096))]
     pub block_size: u16,
@@ -223,7 +223,7 @@ fn verify(t: &HostTier, blocks: &[ImmutableBlock]) -> Result<usize> {
 }
 
 /// Runs the scenario, printing to `w`.
-pub async fn run(args: &DemoArgs, w: impl Write) -> Result<()> {
+pub async fn run(args: &WalkthroughArgs, w: impl Write) -> Result<()> {
     let bs = usize::from(args.block_size);
     let t = build(bs)?;
     let mut o = Out { w };

@@ -1,0 +1,264 @@
+//! The embedded engine behind `kvbm-console demo`: the simulator running
+//! in real time on its own thread, with breakpoints installed, every event
+//! recorded to a durable log and kept in a ring the console reads.
+
+use crate::source::Control;
+use anyhow::{Context, Result};
+use kvbm_core::hooks::{Breakpoints, HookSet};
+use kvbm_core::sim::{Pacing, SimConfig, SimReport, Simulator};
+use kvbm_core::workload::{LengthDist, SyntheticConfig, generate};
+use kvbm_recorder::recorder::{RecordError, RecorderConfig, Recording, spawn_recorder};
+use kvbm_recorder::ring::{RingBuffer, RingConfig};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// The demo engine's settings (from the command line).
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// Engine speed × real time.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_speed)]
+    pub speed: f64,
+    /// Requests in the synthetic workload (the engine idles after them).
+    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub requests: u64,
+    /// Mean arrivals per second.
+    #[arg(long, default_value_t = 6.0, value_parser = parse_rate)]
+    pub rate: f64,
+    /// Workload seed.
+    #[arg(long, default_value_t = 2)]
+    pub seed: u64,
+    /// G1 capacity in tokens (small, so blocks move between tiers).
+    #[arg(long, default_value_t = 32 * 1024)]
+    pub device_tokens: usize,
+    /// G2 capacity in tokens.
+    #[arg(long, default_value_t = 64 * 1024)]
+    pub host_tokens: usize,
+    /// G3 capacity in tokens (0 disables the disk tier).
+    #[arg(long, default_value_t = 256 * 1024)]
+    pub disk_tokens: usize,
+    /// Keep the recording in this directory (default: a temporary one,
+    /// removed on exit).
+    #[arg(long)]
+    pub record: Option<PathBuf>,
+    /// Events the ring keeps for the console.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..=50_000_000))]
+    pub ring: u64,
+    /// Seconds a paused call waits before it resumes by itself.
+    #[arg(long, default_value_t = 120)]
+    pub bp_deadline_s: u64,
+}
+
+fn parse_speed(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if (0.01..=1000.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is outside 0.01..=1000"))
+    }
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if v.is_finite() && v > 0.0 && v <= 10_000.0 {
+        Ok(v)
+    } else {
+        Err(format!("{s} must be in (0, 10000]"))
+    }
+}
+
+/// A running embedded engine.
+pub struct Embedded {
+    stop: Arc<AtomicBool>,
+    engine: Option<JoinHandle<Result<SimReport>>>,
+    /// Where the log is written.
+    pub dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+    /// The console's ring.
+    pub ring: Arc<RingBuffer>,
+    /// The engine's breakpoints.
+    pub breakpoints: Arc<Breakpoints>,
+    recorder: Option<JoinHandle<Result<Recording, RecordError>>>,
+    recorder_stop: Arc<AtomicBool>,
+    runtime: tokio::runtime::Runtime,
+}
+
+impl Embedded {
+    /// Starts the engine (with a runtime of its own for its transfer
+    /// pipelines) and the recorder.
+    pub fn start(args: &DemoArgs) -> Result<Self> {
+        // The engine's own runtime: dropping it at stop ends the pipeline
+        // tasks, which hold the engine's emitter, so the recorder's tap
+        // closes and the recorder finishes.
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvbm-demo-pipelines")
+            .enable_all()
+            .build()
+            .context("starting the engine's runtime")?;
+        let runtime = rt.handle().clone();
+        let workload = generate(&SyntheticConfig {
+            seed: args.seed,
+            num_requests: args.requests as usize,
+            arrival_rate_per_s: args.rate,
+            prompt_len: LengthDist::LogNormal {
+                mean: 1536.0,
+                sigma: 0.6,
+            },
+            output_len: LengthDist::LogNormal {
+                mean: 160.0,
+                sigma: 0.6,
+            },
+            shared_prefix_ratio: 0.6,
+            num_shared_prefixes: 6,
+            shared_prefix_len: 768,
+            max_len: 8192,
+            ..SyntheticConfig::default()
+        })
+        .context("building the demo workload")?;
+        let cfg = SimConfig {
+            device_capacity_tokens: args.device_tokens,
+            host_capacity_tokens: args.host_tokens,
+            disk_capacity_tokens: args.disk_tokens,
+            pacing: Pacing::RealTime { speed: args.speed },
+            ..SimConfig::default()
+        };
+        let (dir, tmp) = match &args.record {
+            Some(d) => (d.clone(), None),
+            None => {
+                let t = tempfile::tempdir().context("creating a directory for the recording")?;
+                (t.path().join("demo.kvbm"), Some(t))
+            }
+        };
+        let ring = Arc::new(
+            RingBuffer::new(RingConfig::with_capacity(args.ring as usize))
+                .context("creating the ring")?,
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let deadline = Duration::from_secs(args.bp_deadline_s.max(1));
+        // The simulator is built on its own thread (it must not be built on
+        // a runtime worker) and hands back what the console needs.
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let (ring2, dir2, stop2) = (ring.clone(), dir.clone(), stop.clone());
+        let rec_stop = Arc::new(AtomicBool::new(false));
+        let rec_stop_outer = rec_stop.clone();
+        let engine = std::thread::Builder::new()
+            .name("kvbm-demo-engine".into())
+            .spawn(move || -> Result<SimReport> {
+                let setup = (|| -> Result<_> {
+                    let mut sim = Simulator::new(cfg, workload, &runtime)
+                        .context("starting the simulator")?;
+                    let emitter = sim.emitter().clone();
+                    let emitter_engine = emitter.engine();
+                    let bps = Arc::new(Breakpoints::new(Some(emitter.clone()), deadline));
+                    sim.leader_mut().set_hooks(
+                        HookSet::none()
+                            .with_emitter(emitter)
+                            .with_breakpoints(bps.clone()),
+                    );
+                    let tap = sim
+                        .emitter()
+                        .bus()
+                        .take_tap()
+                        .context("the engine's tap was already taken")?;
+                    let mut rcfg = RecorderConfig {
+                        stop: Some(rec_stop),
+                        ..RecorderConfig::default()
+                    };
+                    rcfg.log.engine_id = u64::from(emitter_engine);
+                    let rec = spawn_recorder(tap, dir2.clone(), rcfg, Some(ring2)).with_context(
+                        || format!("starting the recorder into {}", dir2.display()),
+                    )?;
+                    Ok((sim, bps, rec))
+                })();
+                let mut sim = match setup {
+                    Ok((sim, bps, rec)) => {
+                        let _ = tx.send(Ok((bps, rec)));
+                        sim
+                    }
+                    Err(e) => {
+                        let msg = format!("{e:#}");
+                        let _ = tx.send(Err(e));
+                        anyhow::bail!(msg);
+                    }
+                };
+                while !stop2.load(Ordering::Relaxed) && sim.step() {}
+                Ok(sim.finish())
+            })
+            .context("starting the engine thread")?;
+        let (breakpoints, recorder) = rx
+            .recv()
+            .context("the engine thread ended before starting")??;
+        Ok(Embedded {
+            stop,
+            engine: Some(engine),
+            dir,
+            _tmp: tmp,
+            ring,
+            breakpoints,
+            recorder: Some(recorder),
+            recorder_stop: rec_stop_outer,
+            runtime: rt,
+        })
+    }
+
+    /// The breakpoint control for the console.
+    pub fn control(&self) -> Arc<dyn Control> {
+        self.breakpoints.clone()
+    }
+
+    /// True once the engine ran out of work (or stopped).
+    pub fn finished(&self) -> bool {
+        self.engine.as_ref().is_none_or(|h| h.is_finished())
+    }
+
+    /// Stops the engine (releasing any paused call so it cannot hang) and
+    /// the recorder; returns what was recorded.
+    pub fn stop(self) -> Result<(Recording, Option<PathBuf>)> {
+        let Embedded {
+            stop,
+            engine,
+            dir,
+            _tmp,
+            ring: _,
+            breakpoints,
+            recorder,
+            recorder_stop,
+            runtime,
+        } = self;
+        stop.store(true, Ordering::Relaxed);
+        breakpoints.clear_all();
+        breakpoints.resume_all();
+        // The breakpoints hold the engine's emitter, and with it the bus:
+        // the recorder's tap closes only when every holder is gone (the
+        // caller must have dropped the console's control too).
+        drop(breakpoints);
+        if let Some(h) = engine {
+            match h.join() {
+                Ok(r) => {
+                    r?;
+                }
+                Err(_) => anyhow::bail!("the engine thread panicked"),
+            }
+        }
+        runtime.shutdown_timeout(Duration::from_secs(5));
+        // The engine is stopped and its transfers are over; whatever it
+        // emitted is in the tap. The flag lets the recorder finish even if
+        // something still holds the engine's bus.
+        recorder_stop.store(true, Ordering::Release);
+        let rec = match recorder.map(|h| h.join()) {
+            Some(Ok(r)) => r.context("recording")?,
+            Some(Err(_)) => anyhow::bail!("the recorder thread panicked"),
+            None => Recording::default(),
+        };
+        let kept = _tmp.is_none().then_some(dir);
+        Ok((rec, kept))
+    }
+
+    /// The log directory.
+    pub fn log_dir(&self) -> &Path {
+        &self.dir
+    }
+}

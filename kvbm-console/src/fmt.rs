@@ -1,0 +1,95 @@
+//! Number and duration formatting for narrow table cells.
+
+/// A duration in ns with a unit that keeps it short: `850ns`, `12.3µs`,
+/// `4.56ms`, `7.89s`, `12m05s`, `3h07m`.
+pub fn dur(ns: u64) -> String {
+    let f = ns as f64;
+    if ns < 1_000 {
+        format!("{ns}ns")
+    } else if ns < 1_000_000 {
+        format!("{:.1}µs", f / 1e3)
+    } else if ns < 1_000_000_000 {
+        format!("{:.2}ms", f / 1e6)
+    } else if ns < 60_000_000_000 {
+        format!("{:.2}s", f / 1e9)
+    } else if ns < 3_600_000_000_000 {
+        let s = ns / 1_000_000_000;
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        let m = ns / 60_000_000_000;
+        format!("{}h{:02}m", m / 60, m % 60)
+    }
+}
+
+/// Engine time as `MM:SS.mmm` (hours added when needed).
+pub fn clock(ns: u64) -> String {
+    let ms = ns / 1_000_000;
+    let (h, m, s, ms) = (ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000);
+    if h > 0 {
+        format!("{h}:{m:02}:{s:02}.{ms:03}")
+    } else {
+        format!("{m:02}:{s:02}.{ms:03}")
+    }
+}
+
+/// A count with thousands separators: `1,234,567`.
+pub fn count(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Bytes with a binary unit: `512B`, `4.0KiB`, `1.5MiB`, `2.0GiB`.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n}B")
+    } else {
+        format!("{v:.1}{}", UNITS[u])
+    }
+}
+
+/// A ratio as a percentage, or `-` when the denominator is zero.
+pub fn pct(num: u64, den: u64) -> String {
+    if den == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}%", num as f64 * 100.0 / den as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats() {
+        assert_eq!(dur(850), "850ns");
+        assert_eq!(dur(12_345), "12.3µs");
+        assert_eq!(dur(4_560_000), "4.56ms");
+        assert_eq!(dur(7_890_000_000), "7.89s");
+        assert_eq!(dur(725_000_000_000), "12m05s");
+        assert_eq!(dur(11_220_000_000_000), "3h07m");
+        assert_eq!(clock(61_234_000_000), "01:01.234");
+        assert_eq!(clock(3_661_000_000_000), "1:01:01.000");
+        assert_eq!(count(0), "0");
+        assert_eq!(count(1234567), "1,234,567");
+        assert_eq!(count(100), "100");
+        assert_eq!(bytes(512), "512B");
+        assert_eq!(bytes(1536 * 1024), "1.5MiB");
+        assert_eq!(pct(1, 4), "25.0%");
+        assert_eq!(pct(1, 0), "-");
+    }
+}

@@ -1,0 +1,140 @@
+//! The terminal and the event loop.
+//!
+//! [`Term`] puts the terminal in raw mode on the alternate screen with
+//! mouse capture, and restores it when dropped, on panic (a hook restores
+//! it before the panic message prints) and on Ctrl-C (a key in raw mode, and
+//! SIGINT too). [`run`] is a `tokio::select!` over terminal input, the event
+//! source and a render tick.
+
+use crate::app::App;
+use crate::ui;
+use anyhow::Result;
+use ratatui::Terminal;
+use ratatui::backend::CrosstermBackend;
+use ratatui::crossterm::event::{
+    self, DisableMouseCapture, EnableMouseCapture, Event as TermEvent,
+};
+use ratatui::crossterm::execute;
+use ratatui::crossterm::terminal::{
+    EnterAlternateScreen, LeaveAlternateScreen, disable_raw_mode, enable_raw_mode,
+};
+use std::io::{Stdout, stdout};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+fn restore() {
+    let _ = disable_raw_mode();
+    let _ = execute!(
+        stdout(),
+        DisableMouseCapture,
+        LeaveAlternateScreen,
+        ratatui::crossterm::cursor::Show
+    );
+}
+
+/// The terminal in console mode; restored on drop.
+pub struct Term {
+    /// The ratatui terminal.
+    pub terminal: Terminal<CrosstermBackend<Stdout>>,
+}
+
+impl Term {
+    /// Enters raw mode, the alternate screen and mouse capture, and
+    /// installs the panic hook that leaves them.
+    pub fn enter() -> Result<Self> {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            restore();
+            previous(info);
+        }));
+        enable_raw_mode()?;
+        execute!(stdout(), EnterAlternateScreen, EnableMouseCapture)?;
+        let terminal = Terminal::new(CrosstermBackend::new(stdout()))?;
+        Ok(Term { terminal })
+    }
+}
+
+impl Drop for Term {
+    fn drop(&mut self) {
+        restore();
+    }
+}
+
+/// How often the screen is redrawn.
+pub const RENDER_EVERY: Duration = Duration::from_millis(100);
+
+/// How often the source is read.
+pub const PULL_EVERY: Duration = Duration::from_millis(25);
+
+/// Terminal input read on a thread: crossterm's reader blocks, and a
+/// bounded channel carries what it read (the reader waits when the loop is
+/// behind, so no key is lost and nothing grows).
+fn spawn_input(stop: Arc<AtomicBool>) -> mpsc::Receiver<TermEvent> {
+    let (tx, rx) = mpsc::channel(256);
+    std::thread::Builder::new()
+        .name("kvbm-console-input".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                match event::poll(Duration::from_millis(50)) {
+                    Ok(true) => match event::read() {
+                        Ok(ev) => {
+                            if tx.blocking_send(ev).is_err() {
+                                break;
+                            }
+                        }
+                        Err(_) => break,
+                    },
+                    Ok(false) => {}
+                    Err(_) => break,
+                }
+            }
+        })
+        .ok();
+    rx
+}
+
+/// Runs the console until the user quits. `on_tick` runs after each pull
+/// (the caller's chance to notice, say, that its engine finished).
+pub async fn run(app: &mut App, term: &mut Term, mut on_tick: impl FnMut(&mut App)) -> Result<()> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut input = spawn_input(stop.clone());
+    let size = term.terminal.size()?;
+    app.resize(size.width, size.height);
+    let mut render = tokio::time::interval(RENDER_EVERY);
+    render.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut pull = tokio::time::interval(PULL_EVERY);
+    pull.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    let result = loop {
+        let mut redraw = false;
+        tokio::select! {
+            ev = input.recv() => match ev {
+                Some(TermEvent::Key(k)) => { app.key(k); redraw = true; }
+                Some(TermEvent::Mouse(m)) => { app.mouse(m); redraw = true; }
+                Some(TermEvent::Resize(w, h)) => { app.resize(w, h); redraw = true; }
+                Some(_) => {}
+                None => break Ok(()),
+            },
+            _ = pull.tick() => {
+                app.pull(Instant::now());
+                on_tick(app);
+            }
+            _ = render.tick() => {
+                app.tick();
+                redraw = true;
+            }
+            _ = &mut ctrl_c => { app.quit = true; }
+        }
+        if app.quit {
+            break Ok(());
+        }
+        if redraw && let Err(e) = term.terminal.draw(|f| ui::render(app, f)) {
+            break Err(e.into());
+        }
+    };
+    stop.store(true, Ordering::Relaxed);
+    result
+}

@@ -1,0 +1,462 @@
+//! Where the console's events come from: a live engine (through the
+//! recorder's ring buffer) or a recorded log (replayed with play/pause,
+//! speed, seek and step), and the breakpoint control of a live engine.
+
+use crate::model::{Model, ModelConfig};
+use kvbm_core::events::Event;
+use kvbm_core::hooks::{BreakpointInfo, BreakpointSpec, Breakpoints, PausedCall};
+use kvbm_recorder::ring::{RingBuffer, RingCounters};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Breakpoint commands to an engine. The embedded engine implements it on
+/// its [`Breakpoints`]; a remote engine implements it over the wire.
+pub trait Control: Send + Sync {
+    /// The breakpoints set now.
+    fn breakpoints(&self) -> Vec<BreakpointInfo>;
+    /// The calls paused now.
+    fn paused(&self) -> Vec<PausedCall>;
+    /// Sets a breakpoint; its id, or why not.
+    fn add(&self, spec: BreakpointSpec) -> Result<u64, String>;
+    /// Clears one (its paused calls resume); false when there was none.
+    fn clear(&self, id: u64) -> bool;
+    /// Clears every breakpoint; how many.
+    fn clear_all(&self) -> usize;
+    /// Resumes one paused call; false when it was not paused.
+    fn resume(&self, pause_id: u64) -> bool;
+    /// Resumes every paused call; how many.
+    fn resume_all(&self) -> usize;
+    /// Resumes everything and pauses the very next call.
+    fn step(&self) -> bool;
+}
+
+impl Control for Breakpoints {
+    fn breakpoints(&self) -> Vec<BreakpointInfo> {
+        self.list()
+    }
+    fn paused(&self) -> Vec<PausedCall> {
+        Breakpoints::paused(self)
+    }
+    fn add(&self, spec: BreakpointSpec) -> Result<u64, String> {
+        Breakpoints::add(self, spec).map_err(|e| e.to_string())
+    }
+    fn clear(&self, id: u64) -> bool {
+        Breakpoints::clear(self, id)
+    }
+    fn clear_all(&self) -> usize {
+        Breakpoints::clear_all(self)
+    }
+    fn resume(&self, pause_id: u64) -> bool {
+        Breakpoints::resume(self, pause_id)
+    }
+    fn resume_all(&self) -> usize {
+        Breakpoints::resume_all(self)
+    }
+    fn step(&self) -> bool {
+        Breakpoints::step(self)
+    }
+}
+
+/// Most events applied per pull, so one pull never holds up input or
+/// drawing for long; the rest come on the next pull.
+pub const MAX_PULL: usize = 200_000;
+
+/// A live engine's events, read from the recorder's ring.
+pub struct LiveSource {
+    ring: Arc<RingBuffer>,
+    cursor: u64,
+    lagged: u64,
+    frozen: bool,
+    control: Option<Arc<dyn Control>>,
+    counters: RingCounters,
+}
+
+impl LiveSource {
+    /// Reads `ring` from its oldest event on.
+    pub fn new(ring: Arc<RingBuffer>, control: Option<Arc<dyn Control>>) -> Self {
+        let counters = ring.counters();
+        LiveSource {
+            cursor: counters.oldest_position(),
+            ring,
+            lagged: 0,
+            frozen: false,
+            control,
+            counters,
+        }
+    }
+
+    /// Applies what arrived since the last pull (nothing while frozen: the
+    /// events wait in the ring, and whatever the ring overwrites meanwhile
+    /// is counted as lagged).
+    pub fn pull(&mut self, model: &mut Model) -> usize {
+        self.counters = self.ring.counters();
+        if self.frozen {
+            return 0;
+        }
+        let mut n = 0;
+        while n < MAX_PULL {
+            let read = self.ring.read_at_most(self.cursor, MAX_PULL - n);
+            self.lagged += read.missed;
+            self.cursor = read.next;
+            self.counters = read.counters;
+            let caught_up = read.caught_up();
+            n += read.events.len();
+            for ev in read.events {
+                model.apply(ev);
+            }
+            if caught_up || n == 0 {
+                break;
+            }
+        }
+        n
+    }
+
+    /// Freezes or unfreezes the view.
+    pub fn set_frozen(&mut self, frozen: bool) {
+        self.frozen = frozen;
+    }
+
+    /// Whether the view is frozen.
+    pub fn frozen(&self) -> bool {
+        self.frozen
+    }
+
+    /// Events the console missed: the ring overwrote them before they were
+    /// read.
+    pub fn lagged(&self) -> u64 {
+        self.lagged
+    }
+
+    /// Events in the ring not yet shown.
+    pub fn behind(&self) -> u64 {
+        self.counters.pushed.saturating_sub(self.cursor)
+    }
+
+    /// The ring's counters at the last pull (`lost`: dropped by the bus
+    /// before the recorder saw them).
+    pub fn counters(&self) -> RingCounters {
+        self.counters
+    }
+
+    /// The engine's breakpoint control, if it takes commands.
+    pub fn control(&self) -> Option<&Arc<dyn Control>> {
+        self.control.as_ref()
+    }
+}
+
+/// Slowest and fastest replay speeds.
+pub const SPEEDS: (f64, f64) = (0.25, 64.0);
+
+/// How far a seek moves, engine ns.
+pub const SEEK_NS: u64 = 10_000_000_000;
+
+/// A recorded log, replayed into a [`Model`].
+pub struct ReplaySource {
+    events: Arc<[Event]>,
+    pos: usize,
+    playing: bool,
+    speed: f64,
+    /// `(engine ts, wall instant)` that playback is measured from.
+    anchor: Option<(u64, Instant)>,
+    checkpoints: Vec<(usize, Model)>,
+    checkpoint_every: usize,
+    lost: u64,
+}
+
+impl ReplaySource {
+    /// A replay of `events` (in log order), `lost` of which the recording
+    /// itself dropped. Starts paused at the beginning.
+    pub fn new(events: Arc<[Event]>, lost: u64, model_cfg: ModelConfig) -> Self {
+        ReplaySource {
+            events,
+            pos: 0,
+            playing: false,
+            speed: 1.0,
+            anchor: None,
+            checkpoints: vec![(0, Model::new(model_cfg))],
+            checkpoint_every: 100_000,
+            lost,
+        }
+    }
+
+    /// Keeps a copy of the model every `n` events (at least 1) so seeking
+    /// back re-applies at most `n` events.
+    pub fn with_checkpoint_every(mut self, n: usize) -> Self {
+        self.checkpoint_every = n.max(1);
+        self
+    }
+
+    /// Events applied so far.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Events in the log.
+    pub fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    /// True for an empty log.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    /// Playing (rather than paused).
+    pub fn playing(&self) -> bool {
+        self.playing
+    }
+
+    /// Speed, × real time.
+    pub fn speed(&self) -> f64 {
+        self.speed
+    }
+
+    /// Events the recording lost (from its sidecar).
+    pub fn lost(&self) -> u64 {
+        self.lost
+    }
+
+    /// Checkpoints held.
+    pub fn checkpoints(&self) -> usize {
+        self.checkpoints.len()
+    }
+
+    /// Time span of the log, engine ns.
+    pub fn time_range(&self) -> Option<(u64, u64)> {
+        Some((self.events.first()?.ts_ns, self.events.last()?.ts_ns))
+    }
+
+    fn apply_until(&mut self, model: &mut Model, target: usize) {
+        let target = target.min(self.events.len());
+        while self.pos < target {
+            model.apply_at(&self.events, self.pos);
+            self.pos += 1;
+            if self.pos.is_multiple_of(self.checkpoint_every)
+                && self.checkpoints.last().is_some_and(|(p, _)| *p < self.pos)
+            {
+                self.checkpoints.push((self.pos, model.clone()));
+            }
+        }
+    }
+
+    /// Moves to exactly `target` events applied: forward by applying,
+    /// back from the nearest checkpoint.
+    pub fn seek_to(&mut self, model: &mut Model, target: usize) {
+        let target = target.min(self.events.len());
+        if target < self.pos {
+            let i = self.checkpoints.partition_point(|(p, _)| *p <= target);
+            // Checkpoint 0 is always there, so i >= 1.
+            let (p, m) = &self.checkpoints[i.saturating_sub(1)];
+            *model = m.clone();
+            self.pos = *p;
+        }
+        self.apply_until(model, target);
+        self.anchor = None;
+    }
+
+    /// While playing, applies the events whose time has come (at most
+    /// [`MAX_PULL`]); stops at the end.
+    pub fn pull(&mut self, model: &mut Model, now: Instant) -> usize {
+        if !self.playing || self.pos >= self.events.len() {
+            self.playing = false;
+            return 0;
+        }
+        let next_ts = self.events[self.pos].ts_ns;
+        let (ts0, t0) = *self.anchor.get_or_insert((next_ts, now));
+        let played = now.saturating_duration_since(t0).as_nanos() as f64 * self.speed;
+        let target_ts = ts0.saturating_add(played as u64);
+        let end = self.pos + self.events[self.pos..].partition_point(|e| e.ts_ns <= target_ts);
+        let end = end.min(self.pos + MAX_PULL);
+        let before = self.pos;
+        self.apply_until(model, end);
+        if self.pos >= self.events.len() {
+            self.playing = false;
+        }
+        self.pos - before
+    }
+
+    /// Play or pause.
+    pub fn toggle_play(&mut self) {
+        self.playing = !self.playing && self.pos < self.events.len();
+        self.anchor = None;
+    }
+
+    /// Sets playing explicitly.
+    pub fn set_playing(&mut self, playing: bool) {
+        self.playing = playing && self.pos < self.events.len();
+        self.anchor = None;
+    }
+
+    /// Doubles (`faster`) or halves the speed within [`SPEEDS`].
+    pub fn change_speed(&mut self, faster: bool) {
+        let s = if faster {
+            self.speed * 2.0
+        } else {
+            self.speed / 2.0
+        };
+        self.speed = s.clamp(SPEEDS.0, SPEEDS.1);
+        self.anchor = None;
+    }
+
+    /// Seeks [`SEEK_NS`] of engine time back or forward from the current
+    /// event.
+    pub fn seek_time(&mut self, model: &mut Model, forward: bool) {
+        let now = self
+            .pos
+            .checked_sub(1)
+            .and_then(|i| self.events.get(i))
+            .or(self.events.first())
+            .map_or(0, |e| e.ts_ns);
+        let target_ts = if forward {
+            now.saturating_add(SEEK_NS)
+        } else {
+            now.saturating_sub(SEEK_NS)
+        };
+        let target = self.events.partition_point(|e| e.ts_ns <= target_ts);
+        // Going back from the very start of a second lands before it.
+        self.seek_to(model, target);
+    }
+
+    /// One event forward or back; pauses.
+    pub fn step(&mut self, model: &mut Model, forward: bool) {
+        self.playing = false;
+        let target = if forward {
+            self.pos + 1
+        } else {
+            self.pos.saturating_sub(1)
+        };
+        self.seek_to(model, target);
+    }
+
+    /// Wall time until the next event is due, for the event loop's sleep.
+    pub fn next_due(&self, now: Instant) -> Option<Duration> {
+        if !self.playing {
+            return None;
+        }
+        let next = self.events.get(self.pos)?.ts_ns;
+        let (ts0, t0) = self.anchor?;
+        let due = Duration::from_nanos((next.saturating_sub(ts0) as f64 / self.speed) as u64);
+        Some(due.saturating_sub(now.saturating_duration_since(t0)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbm_core::events::EventKind;
+    use kvbm_core::reducer::fold;
+    use kvbm_core::slot::SlotState;
+
+    fn events(n: usize) -> Arc<[Event]> {
+        (0..n)
+            .map(|i| Event {
+                engine: 0,
+                seq: i as u64,
+                ts_ns: i as u64 * 1_000_000_000,
+                iteration: i as u64,
+                request: Some(format!("r{}", i / 2).into()),
+                kind: if i % 2 == 0 {
+                    EventKind::SlotCreated {
+                        prompt_tokens: 8,
+                        max_output_tokens: 1,
+                    }
+                } else {
+                    EventKind::SlotTransition {
+                        from: SlotState::Initialized,
+                        to: SlotState::Prefilling,
+                    }
+                },
+            })
+            .collect::<Vec<_>>()
+            .into()
+    }
+
+    #[test]
+    fn seeking_back_and_forth_equals_a_fold_of_the_prefix() {
+        let ev = events(50);
+        let cfg = ModelConfig::default();
+        let mut r = ReplaySource::new(ev.clone(), 0, cfg).with_checkpoint_every(7);
+        let mut m = Model::new(cfg);
+        for target in [30, 10, 49, 0, 50, 21, 20, 22, 3] {
+            r.seek_to(&mut m, target);
+            assert_eq!(r.position(), target);
+            assert_eq!(m.state(), &fold(&ev[..target]), "at {target}");
+            assert_eq!(m.history().len(), target);
+        }
+        assert!(r.checkpoints() >= 7);
+    }
+
+    #[test]
+    fn stepping_and_seeking_by_time() {
+        let ev = events(40);
+        let cfg = ModelConfig::default();
+        let mut r = ReplaySource::new(ev, 0, cfg);
+        let mut m = Model::new(cfg);
+        r.step(&mut m, true);
+        r.step(&mut m, true);
+        r.step(&mut m, false);
+        assert_eq!(r.position(), 1);
+        // Event i is at i seconds; after event 0 (t=0), +10 s applies
+        // events 0..=10.
+        r.seek_time(&mut m, true);
+        assert_eq!(r.position(), 11);
+        r.seek_time(&mut m, false);
+        assert_eq!(r.position(), 1);
+        r.step(&mut m, false);
+        r.step(&mut m, false);
+        assert_eq!(r.position(), 0);
+    }
+
+    #[test]
+    fn playback_follows_the_clock_times_speed_and_stops_at_the_end() {
+        let ev = events(40);
+        let cfg = ModelConfig::default();
+        let mut r = ReplaySource::new(ev, 0, cfg);
+        let mut m = Model::new(cfg);
+        let t0 = Instant::now();
+        assert_eq!(r.pull(&mut m, t0), 0, "paused");
+        r.toggle_play();
+        r.change_speed(true);
+        assert_eq!(r.speed(), 2.0);
+        // The first pull anchors on the next event and applies it.
+        assert_eq!(r.pull(&mut m, t0), 1);
+        // 2.5 s later at 2×: events up to t = 5 s.
+        assert_eq!(r.pull(&mut m, t0 + Duration::from_millis(2500)), 5);
+        assert_eq!(r.position(), 6);
+        assert!(
+            r.next_due(t0 + Duration::from_millis(2500)).unwrap() <= Duration::from_millis(500)
+        );
+        r.pull(&mut m, t0 + Duration::from_secs(1000));
+        assert_eq!(r.position(), 40);
+        assert!(!r.playing());
+        for _ in 0..20 {
+            r.change_speed(true);
+        }
+        assert_eq!(r.speed(), SPEEDS.1);
+        for _ in 0..20 {
+            r.change_speed(false);
+        }
+        assert_eq!(r.speed(), SPEEDS.0);
+    }
+
+    #[test]
+    fn live_pull_counts_what_the_ring_overwrote() {
+        let ring = Arc::new(RingBuffer::with_capacity(4).unwrap());
+        let mut src = LiveSource::new(ring.clone(), None);
+        let mut m = Model::new(ModelConfig::default());
+        for e in events(3).iter() {
+            ring.push(e.clone());
+        }
+        assert_eq!(src.pull(&mut m), 3);
+        src.set_frozen(true);
+        for e in events(10).iter().skip(3) {
+            ring.push(e.clone());
+        }
+        assert_eq!(src.pull(&mut m), 0);
+        assert_eq!(src.behind(), 7);
+        src.set_frozen(false);
+        assert_eq!(src.pull(&mut m), 4);
+        assert_eq!(src.lagged(), 3);
+        assert_eq!(m.applied(), 7);
+    }
+}

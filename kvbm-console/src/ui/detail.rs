@@ -1,0 +1,295 @@
+//! One request: its states as a horizontal timeline, its transfers as
+//! spans beneath, and its own events.
+
+use super::{head, panel, selected, state_color};
+use crate::app::App;
+use crate::fmt;
+use kvbm_core::events::{Event, EventKind};
+use kvbm_core::slot::SlotState;
+use ratatui::Frame;
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Paragraph, Row, Table};
+
+/// Transfer spans drawn at most.
+const MAX_SPANS: usize = 6;
+
+/// The event list's area inside the view's body.
+pub fn list_area(body: Rect) -> Rect {
+    let [_, _, list] = Layout::vertical([
+        Constraint::Length(4),
+        Constraint::Length(4 + MAX_SPANS as u16),
+        Constraint::Min(3),
+    ])
+    .areas(body);
+    // Inside the border.
+    Rect::new(
+        list.x + 1,
+        list.y + 1,
+        list.width.saturating_sub(2),
+        list.height.saturating_sub(2),
+    )
+}
+
+/// Indices into the history of `request`'s events, oldest first. The
+/// history is in time order, so the search starts at the slot's creation.
+pub fn events_of(app: &App, request: &str) -> Vec<usize> {
+    let h = app.model.history();
+    let from_ns = app.model.state().slot(request).map_or(0, |s| s.created_ns);
+    // Binary search on time over the history's indices.
+    let (mut lo, mut hi) = (0usize, h.len());
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if h.get(mid).is_some_and(|e| e.ts_ns < from_ns) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    (lo..h.len())
+        .filter(|&i| h.get(i).and_then(|e| e.request.as_deref()) == Some(request))
+        .collect()
+}
+
+/// Rows in the detail's event list.
+pub fn event_count(app: &App) -> usize {
+    app.ui
+        .detail
+        .as_deref()
+        .map_or(0, |r| events_of(app, r).len())
+}
+
+/// A transfer of this request as a span on the timeline.
+struct Span_ {
+    id: u64,
+    label: String,
+    start: u64,
+    end: Option<u64>,
+    status: &'static str,
+}
+
+fn spans(events: &[&Event]) -> Vec<Span_> {
+    let mut out: Vec<Span_> = Vec::new();
+    for e in events {
+        let (id, status) = match &e.kind {
+            EventKind::TransferPlanned {
+                transfer,
+                direction,
+                blocks,
+            } => {
+                out.push(Span_ {
+                    id: *transfer,
+                    label: format!("#{transfer} {direction} {blocks} blk"),
+                    start: e.ts_ns,
+                    end: None,
+                    status: "planned",
+                });
+                continue;
+            }
+            EventKind::TransferPromoted { transfer, .. } => (*transfer, "promoted"),
+            EventKind::TransferCompleted { transfer, .. } => (*transfer, "completed"),
+            EventKind::TransferSkipped { transfer, .. } => (*transfer, "skipped"),
+            EventKind::TransferCancelled { transfer, .. } => (*transfer, "cancelled"),
+            EventKind::TransferFailed { transfer, .. } => (*transfer, "failed"),
+            _ => continue,
+        };
+        if let Some(s) = out.iter_mut().rev().find(|s| s.id == id) {
+            s.status = status;
+            if status != "promoted" {
+                s.end = Some(e.ts_ns);
+            }
+        }
+    }
+    out
+}
+
+fn col(t: u64, t0: u64, t1: u64, width: usize) -> usize {
+    if t1 <= t0 || width == 0 {
+        return 0;
+    }
+    (((t.saturating_sub(t0)) as f64 / (t1 - t0) as f64) * width as f64).min(width as f64 - 1.0)
+        as usize
+}
+
+/// Draws the view.
+pub fn render(app: &App, request: &str, f: &mut Frame, area: Rect) {
+    let [info_a, time_a, list_a] = Layout::vertical([
+        Constraint::Length(4),
+        Constraint::Length(4 + MAX_SPANS as u16),
+        Constraint::Min(3),
+    ])
+    .areas(area);
+    let st = app.model.state();
+    let now = app.model.now_ns();
+    let idx = events_of(app, request);
+    let h = app.model.history();
+    let evs: Vec<&Event> = idx.iter().filter_map(|&i| h.get(i)).collect();
+
+    // Summary.
+    let info = match st.slot(request) {
+        Some(s) => vec![
+            Line::from(vec![
+                Span::styled(s.state.to_string(), Style::new().fg(state_color(&s.state))),
+                Span::raw(format!(
+                    "  age {} · in state {} · prompt {} · computed {} · generated {}/{}",
+                    fmt::dur(now.saturating_sub(s.created_ns)),
+                    fmt::dur(now.saturating_sub(s.state_since_ns)),
+                    s.prompt_tokens,
+                    s.computed,
+                    s.generated,
+                    s.max_output_tokens
+                )),
+            ]),
+            Line::from(format!(
+                "blocks G1 {} G2 {} G3 {} · cached tokens hit G1 {} G2 {} G3 {} · outstanding {} · TTFT {}",
+                s.blocks[0],
+                s.blocks[1],
+                s.blocks[2],
+                s.hit_tokens[0],
+                s.hit_tokens[1],
+                s.hit_tokens[2],
+                s.outstanding,
+                s.ttft_ns().map_or("-".into(), fmt::dur)
+            )),
+        ],
+        None => vec![Line::from(Span::styled(
+            "no longer tracked (pruned after finishing, or not seen yet); its events follow",
+            Style::new().fg(Color::DarkGray),
+        ))],
+    };
+    f.render_widget(
+        Paragraph::new(info).block(panel(format!("Request {request}"))),
+        info_a,
+    );
+
+    // Timeline.
+    let inner_w = time_a.width.saturating_sub(2) as usize;
+    let mut lines = Vec::new();
+    let t0 = st
+        .slot(request)
+        .map(|s| s.created_ns)
+        .or(evs.first().map(|e| e.ts_ns))
+        .unwrap_or(now);
+    let sp = spans(&evs);
+    // The axis runs to the end of the request, or of its last transfer
+    // (offloads can outlive a finished request), or to now.
+    let end = st
+        .slot(request)
+        .filter(|s| s.is_finished())
+        .map(|s| s.state_since_ns)
+        .unwrap_or(now)
+        .max(sp.iter().map(|s| s.end.unwrap_or(now)).max().unwrap_or(0))
+        .max(t0 + 1);
+    if let Some(s) = st.slot(request) {
+        let mut bar: Vec<Span> = Vec::new();
+        let mut drawn = 0usize;
+        for (a, b, state) in s.intervals(end) {
+            let to = if state == SlotState::Finished {
+                inner_w
+            } else {
+                col(b, t0, end, inner_w).max(drawn)
+            };
+            let to = to.max(col(a, t0, end, inner_w) + 1).min(inner_w);
+            if to > drawn {
+                bar.push(Span::styled(
+                    "█".repeat(to - drawn),
+                    Style::new().fg(state_color(&state)),
+                ));
+                drawn = to;
+            }
+        }
+        lines.push(Line::from(bar));
+        let legend: Vec<Span> = s
+            .intervals(end)
+            .flat_map(|(a, b, state)| {
+                [
+                    Span::styled("■ ", Style::new().fg(state_color(&state))),
+                    Span::raw(format!("{} {}  ", state.name(), fmt::dur(b - a))),
+                ]
+            })
+            .collect();
+        lines.push(Line::from(legend));
+        if s.history_dropped > 0 {
+            lines.push(Line::from(Span::styled(
+                format!("({} earlier states not kept)", s.history_dropped),
+                Style::new().fg(Color::Red),
+            )));
+        }
+    }
+    if sp.is_empty() {
+        lines.push(Line::from(Span::styled(
+            "no transfers",
+            Style::new().fg(Color::DarkGray),
+        )));
+    }
+    let hidden = sp.len().saturating_sub(MAX_SPANS);
+    for s in sp.iter().skip(hidden) {
+        let a = col(s.start, t0, end, inner_w);
+        let b = col(s.end.unwrap_or(now), t0, end, inner_w)
+            .max(a + 1)
+            .min(inner_w);
+        let color = match s.status {
+            "completed" => Color::Green,
+            "skipped" | "cancelled" => Color::DarkGray,
+            "failed" => Color::Red,
+            _ => Color::Cyan,
+        };
+        let label = format!(" {} {}", s.label, s.status);
+        // A label that does not fit is clipped at the border.
+        let line = vec![
+            Span::raw(" ".repeat(a)),
+            Span::styled("━".repeat(b - a), Style::new().fg(color)),
+            Span::raw(label),
+        ];
+        lines.push(Line::from(line));
+    }
+    let title = format!(
+        "Timeline {} → {}{}",
+        fmt::clock(t0),
+        fmt::clock(end),
+        if hidden > 0 {
+            format!(" · {hidden} earlier transfers not drawn")
+        } else {
+            String::new()
+        }
+    );
+    f.render_widget(Paragraph::new(lines).block(panel(title)), time_a);
+
+    // Events.
+    let inner = list_area(area);
+    let visible = inner.height.saturating_sub(1) as usize;
+    let l = &app.ui.detail_list;
+    let off = l.offset_for(evs.len(), visible);
+    let rows: Vec<Row> = evs
+        .iter()
+        .enumerate()
+        .skip(off)
+        .take(visible)
+        .map(|(i, e)| {
+            let r = Row::new(vec![
+                e.seq.to_string(),
+                fmt::clock(e.ts_ns),
+                e.kind.name().to_string(),
+                super::events::describe(&e.kind),
+            ]);
+            if i == l.selected {
+                r.style(selected())
+            } else {
+                r
+            }
+        })
+        .collect();
+    let table = Table::new(
+        rows,
+        [
+            Constraint::Length(9),
+            Constraint::Length(10),
+            Constraint::Length(17),
+            Constraint::Min(10),
+        ],
+    )
+    .header(Row::new(vec!["Seq", "Time", "Kind", "Detail"]).style(head()))
+    .block(panel(format!("Events of {request} ({})", evs.len())));
+    f.render_widget(table, list_a);
+}
