@@ -629,10 +629,7 @@ impl App {
             Action::Down => self.move_selection(1),
             Action::PageUp => self.move_selection(-page),
             Action::PageDown => self.move_selection(page),
-            Action::Top => {
-                self.ui.follow = false;
-                self.move_selection(isize::MIN / 2);
-            }
+            Action::Top => self.move_selection(isize::MIN / 2),
             Action::Bottom => {
                 self.move_selection(isize::MAX / 2);
                 if self.ui.view == ViewId::Events {

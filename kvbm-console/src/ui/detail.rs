@@ -236,18 +236,21 @@ pub fn render(app: &App, request: &str, f: &mut Frame, area: Rect) {
             _ => Color::Cyan,
         };
         let label = format!(" {} {}", s.label, s.status);
-        // A label that does not fit is clipped at the border.
-        let line = vec![
-            Span::raw(" ".repeat(a)),
-            Span::styled("━".repeat(b - a), Style::new().fg(color)),
-            Span::raw(label),
-        ];
+        let bar = Span::styled("━".repeat(b - a), Style::new().fg(color));
+        let width = label.chars().count();
+        let line = if b + width > inner_w && a > width {
+            // No room on the right: the label goes on the left of the span.
+            vec![Span::raw(" ".repeat(a - width - 1)), Span::raw(label), Span::raw(" "), bar]
+        } else {
+            // Otherwise on the right, clipped at the border if need be.
+            vec![Span::raw(" ".repeat(a)), bar, Span::raw(label)]
+        };
         lines.push(Line::from(line));
     }
     let title = format!(
-        "Timeline {} → {}{}",
+        "Timeline from {} for {}{}",
         fmt::clock(t0),
-        fmt::clock(end),
+        fmt::dur(end - t0),
         if hidden > 0 {
             format!(" · {hidden} earlier transfers not drawn")
         } else {

@@ -1,0 +1,278 @@
+//! Every view drawn into a `TestBackend` at 80×24 and 160×48: empty,
+//! after a recorded log, and overflowing; and one log from `replays/`
+//! driven through the reducer and the UI state to known frames (golden
+//! files under `tests/frames/`; `UPDATE_FRAMES=1` rewrites them).
+
+use kvbm_console::app::{App, Source};
+use kvbm_console::keys::ViewId;
+use kvbm_console::model::{Model, ModelConfig};
+use kvbm_console::source::ReplaySource;
+use kvbm_console::ui;
+use kvbm_core::events::{Direction, Event, EventKind, RequestId};
+use kvbm_core::slot::SlotState;
+use kvbm_core::tier::Tier;
+use ratatui::Terminal;
+use ratatui::backend::TestBackend;
+use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const SIZES: [(u16, u16); 2] = [(80, 24), (160, 48)];
+
+fn key(app: &mut App, c: char) {
+    app.key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
+}
+
+fn special(app: &mut App, code: KeyCode) {
+    app.key(KeyEvent::new(code, KeyModifiers::NONE));
+}
+
+fn view_key(v: ViewId) -> char {
+    char::from(b'1' + v.index() as u8)
+}
+
+/// Draws `app` at `w`×`h` and returns the screen's lines.
+fn draw(app: &mut App, w: u16, h: u16) -> Vec<String> {
+    app.resize(w, h);
+    app.tick();
+    let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
+    t.draw(|f| ui::render(app, f)).unwrap();
+    let buf = t.backend().buffer();
+    (0..h)
+        .map(|y| {
+            (0..w)
+                .map(|x| buf[(x, y)].symbol().to_string())
+                .collect::<String>()
+                .trim_end()
+                .to_string()
+        })
+        .collect()
+}
+
+fn screen(lines: &[String]) -> String {
+    lines.join("\n")
+}
+
+fn replays() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../replays")
+}
+
+fn replay_app(name: &str) -> App {
+    let read = kvbm_recorder::recorder::read_events(&replays().join(name), |_| {}).unwrap();
+    assert!(read.damage.is_none());
+    let events: Arc<[Event]> = read.events.into();
+    let r = ReplaySource::new(events, 0, ModelConfig::default());
+    App::new(Model::new(ModelConfig::default()), Source::Replay(r), name)
+}
+
+fn empty_app() -> App {
+    App::new(Model::new(ModelConfig::default()), Source::Fixed, "empty")
+}
+
+#[test]
+fn every_view_draws_an_empty_model_at_both_sizes() {
+    let expect = [
+        (ViewId::Slots, "no requests yet"),
+        (ViewId::Transfers, "Totals — no transfers yet"),
+        (ViewId::Pools, "no gauge seen"),
+        (ViewId::Histograms, "nothing measured yet"),
+        (ViewId::Breakpoints, "Paused calls — 0"),
+        (ViewId::Events, "no events"),
+    ];
+    for (w, h) in SIZES {
+        for (view, text) in expect {
+            let mut app = empty_app();
+            key(&mut app, view_key(view));
+            let s = screen(&draw(&mut app, w, h));
+            assert!(s.contains(text), "{view:?} at {w}x{h}:\n{s}");
+            assert!(s.contains("SNAPSHOT"), "{s}");
+            assert!(s.contains(&format!("{} {}", view.index() + 1, view.title())));
+        }
+    }
+}
+
+#[test]
+fn every_view_draws_a_replayed_log_at_both_sizes() {
+    for (w, h) in SIZES {
+        let mut app = replay_app("preemption-heavy");
+        special(&mut app, KeyCode::End);
+        for view in ViewId::ALL {
+            key(&mut app, view_key(view));
+            let lines = draw(&mut app, w, h);
+            let s = screen(&lines);
+            assert!(lines[0].contains("REPLAY ⏸ 1× 100%"), "{}", lines[0]);
+            assert!(lines[0].contains("00:11.79"), "{}", lines[0]);
+            assert_eq!(lines.len(), h as usize);
+            assert!(lines.iter().all(|l| l.chars().count() <= w as usize));
+            let needle = match view {
+                ViewId::Slots => "Finished",
+                ViewId::Transfers => "G1→G2",
+                ViewId::Pools => "G1 device",
+                ViewId::Histograms => "in Preempted",
+                ViewId::Breakpoints => "replay: breakpoints are read-only",
+                ViewId::Events => "13801",
+            };
+            assert!(s.contains(needle), "{view:?} at {w}x{h} lacks {needle}:\n{s}");
+        }
+    }
+}
+
+fn ev(seq: u64, ts_ns: u64, request: Option<&str>, kind: EventKind) -> Event {
+    Event {
+        engine: 0,
+        seq,
+        ts_ns,
+        iteration: seq,
+        request: request.map(RequestId::from),
+        kind,
+    }
+}
+
+/// Far more rows than the screen holds, and a request id wider than it.
+fn overflowing() -> App {
+    let mut m = Model::new(ModelConfig::default());
+    let long = "r".repeat(300);
+    let mut seq = 0;
+    for i in 0..500u64 {
+        let id = if i == 7 {
+            long.clone()
+        } else {
+            format!("req-{i:03}")
+        };
+        for kind in [
+            EventKind::SlotCreated {
+                prompt_tokens: 100,
+                max_output_tokens: 10,
+            },
+            EventKind::SlotTransition {
+                from: SlotState::Initialized,
+                to: SlotState::Prefilling,
+            },
+            EventKind::TransferPlanned {
+                transfer: i,
+                direction: Direction::DEVICE_TO_HOST,
+                blocks: 2,
+            },
+        ] {
+            m.apply(ev(seq, seq * 1_000_000, Some(&id), kind));
+            seq += 1;
+        }
+    }
+    m.apply(ev(
+        seq,
+        seq * 1_000_000,
+        None,
+        EventKind::PoolGauge {
+            tier: Tier::Device,
+            capacity: 100,
+            active: 100,
+            inactive: 0,
+            empty: 0,
+        },
+    ));
+    App::new(m, Source::Fixed, "overflow")
+}
+
+#[test]
+fn overflowing_views_scroll_and_stay_inside_the_screen() {
+    for (w, h) in SIZES {
+        let mut app = overflowing();
+        for view in ViewId::ALL {
+            key(&mut app, view_key(view));
+            let lines = draw(&mut app, w, h);
+            assert!(lines.iter().all(|l| l.chars().count() <= w as usize), "{view:?}");
+        }
+        // The slots table scrolls to keep the selection in sight.
+        key(&mut app, '1');
+        key(&mut app, 'G');
+        let s = screen(&draw(&mut app, w, h));
+        assert!(s.contains("500 shown"), "{s}");
+        assert!(s.contains("req-499"), "{s}");
+        assert!(!s.contains("req-000"), "{s}");
+        key(&mut app, 'g');
+        let s = screen(&draw(&mut app, w, h));
+        assert!(s.contains("req-000") && !s.contains("req-499"), "{s}");
+        // The event log follows the newest event, and stops following
+        // when scrolled up.
+        key(&mut app, '6');
+        let s = screen(&draw(&mut app, w, h));
+        assert!(s.contains("following") && s.contains("PoolGauge"), "{s}");
+        key(&mut app, 'k');
+        let s = screen(&draw(&mut app, w, h));
+        assert!(!s.contains("following"), "{s}");
+        // The transfers view lists the 500 in-flight candidates.
+        key(&mut app, '2');
+        let s = screen(&draw(&mut app, w, h));
+        assert!(s.contains("In flight — 500 candidates"), "{s}");
+    }
+}
+
+#[test]
+fn filter_help_and_warnings_draw_over_the_view() {
+    let mut app = overflowing();
+    key(&mut app, '/');
+    for c in "/req-00[0-2]$/".chars() {
+        key(&mut app, c);
+    }
+    special(&mut app, KeyCode::Enter);
+    let s = screen(&draw(&mut app, 160, 48));
+    assert!(s.contains("3 shown matching `/req-00[0-2]$/`"), "{s}");
+    key(&mut app, '?');
+    let s = screen(&draw(&mut app, 80, 24));
+    assert!(s.contains("Help — keys"), "{s}");
+    assert!(s.contains("quit"), "{s}");
+    special(&mut app, KeyCode::Esc);
+    key(&mut app, 'w');
+    let s = screen(&draw(&mut app, 160, 48));
+    assert!(s.contains("Warnings (Esc or w closes)"), "{s}");
+    special(&mut app, KeyCode::Esc);
+    special(&mut app, KeyCode::Esc);
+    let s = screen(&draw(&mut app, 160, 48));
+    assert!(s.contains("500 shown"), "the filter is cleared:\n{s}");
+}
+
+fn golden(name: &str, lines: &[String]) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/frames")
+        .join(format!("{name}.txt"));
+    let got = screen(lines) + "\n";
+    if std::env::var_os("UPDATE_FRAMES").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &got).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_FRAMES=1 writes it)", path.display()));
+    assert_eq!(got, want, "frame {name} differs from {}", path.display());
+}
+
+/// Seed 002's walk-through, replayed to its end through the reducer and
+/// the UI state, draws these exact frames.
+#[test]
+fn the_seed002_replay_reaches_known_frames() {
+    let mut app = replay_app("seed002-walkthrough");
+    special(&mut app, KeyCode::End);
+    golden("seed002-slots-160x48", &draw(&mut app, 160, 48));
+    golden("seed002-slots-80x24", &draw(&mut app, 80, 24));
+    key(&mut app, '2');
+    golden("seed002-transfers-160x48", &draw(&mut app, 160, 48));
+    key(&mut app, '3');
+    golden("seed002-pools-160x48", &draw(&mut app, 160, 48));
+    key(&mut app, '4');
+    golden("seed002-histograms-160x48", &draw(&mut app, 160, 48));
+    key(&mut app, '6');
+    golden("seed002-events-160x48", &draw(&mut app, 160, 48));
+    key(&mut app, '1');
+    special(&mut app, KeyCode::Enter);
+    golden("seed002-detail-160x48", &draw(&mut app, 160, 48));
+    // Stepping back one event at a time and forward again lands on the
+    // same frame (the checkpointed model rebuilds exactly).
+    special(&mut app, KeyCode::Esc);
+    for _ in 0..10 {
+        key(&mut app, ',');
+    }
+    for _ in 0..10 {
+        key(&mut app, '.');
+    }
+    golden("seed002-slots-160x48", &draw(&mut app, 160, 48));
+}
