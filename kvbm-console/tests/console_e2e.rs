@@ -1,0 +1,235 @@
+//! End to end: the real `kvbm-console` binary in a pseudo-terminal (tmux),
+//! keys sent, the screen read back.
+//!
+//! The demo shows live slots changing state, `?` opens the help, a
+//! breakpoint typed at the keyboard pauses a request and clearing it
+//! releases the request, which then finishes; `q` exits 0 and the
+//! terminal is restored. A replay of a log recorded by the demo opens and
+//! plays.
+//!
+//! Needs `tmux`. Without it the tests say so and pass, except under CI
+//! (`CI` set), where `.ci/run` installs tmux and a missing one is a failure.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+struct Tmux {
+    socket: String,
+    exit_file: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+fn have_tmux() -> bool {
+    let ok = Command::new("tmux").arg("-V").output().is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(std::env::var_os("CI").is_none(), "tmux is required under CI");
+        eprintln!("skipping: tmux is not installed");
+    }
+    ok
+}
+
+impl Tmux {
+    /// Starts `args` in a detached `w`×`h` session on a private socket.
+    fn start(name: &str, args: &[&str], w: u16, h: u16) -> Tmux {
+        let dir = tempfile::tempdir().unwrap();
+        let exit_file = dir.path().join("exit");
+        let socket = format!("kvbm-e2e-{}-{name}", std::process::id());
+        let bin = env!("CARGO_BIN_EXE_kvbm-console");
+        let cmd = format!(
+            "{bin} {} 2>{}; echo $? > {}; sleep 30",
+            args.join(" "),
+            dir.path().join("stderr").display(),
+            exit_file.display()
+        );
+        let st = Command::new("tmux")
+            .args(["-L", &socket, "-f", "/dev/null", "new-session", "-d", "-s", "t"])
+            .args(["-x", &w.to_string(), "-y", &h.to_string(), &cmd])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        Tmux {
+            socket,
+            exit_file,
+            _dir: dir,
+        }
+    }
+
+    fn screen(&self) -> String {
+        let o = Command::new("tmux")
+            .args(["-L", &self.socket, "capture-pane", "-p", "-t", "t"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// Sends one key (tmux key name), then lets the console react. Keys
+    /// go one at a time: an Esc followed at once by another key would read
+    /// as Alt+key.
+    fn send(&self, key: &str) {
+        let st = Command::new("tmux")
+            .args(["-L", &self.socket, "send-keys", "-t", "t", key])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        std::thread::sleep(Duration::from_millis(150));
+    }
+
+    fn type_text(&self, text: &str) {
+        let st = Command::new("tmux")
+            .args(["-L", &self.socket, "send-keys", "-t", "t", "-l", text])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        std::thread::sleep(Duration::from_millis(150));
+    }
+
+    /// Waits until the screen satisfies `pred`; panics with the screen.
+    fn wait_for(&self, what: &str, secs: u64, pred: impl Fn(&str) -> bool) -> String {
+        let t = Instant::now();
+        loop {
+            let s = self.screen();
+            if pred(&s) {
+                return s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(secs),
+                "timed out waiting for {what}; screen:\n{s}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn exit_code(&self, secs: u64) -> i32 {
+        let t = Instant::now();
+        loop {
+            if let Ok(s) = std::fs::read_to_string(&self.exit_file)
+                && let Ok(c) = s.trim().parse()
+            {
+                return c;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(secs),
+                "the console did not exit; screen:\n{}",
+                self.screen()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux").args(["-L", &self.socket, "kill-server"]).status();
+    }
+}
+
+/// The state column of a slots row for `request`, if on screen.
+fn state_of(screen: &str, request: &str) -> Option<String> {
+    screen.lines().find_map(|l| {
+        let cols: Vec<&str> = l.trim_start_matches('│').split_whitespace().collect();
+        (cols.first() == Some(&request)).then(|| cols.get(1).map(|s| s.to_string()))?
+    })
+}
+
+fn slot_states(screen: &str) -> Vec<(String, String)> {
+    screen
+        .lines()
+        .filter_map(|l| {
+            let cols: Vec<&str> = l.trim_start_matches('│').split_whitespace().collect();
+            match cols.as_slice() {
+                [id, state, ..] if id.starts_with("syn-") => Some((id.to_string(), state.to_string())),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn demo_live_slots_help_breakpoint_and_quit() {
+    if !have_tmux() {
+        return;
+    }
+    let rec = tempfile::tempdir().unwrap();
+    let rec_dir = rec.path().join("demo.kvbm");
+    let rec_arg = rec_dir.display().to_string();
+    let t = Tmux::start(
+        "demo",
+        &["demo", "--rate", "20", "--requests", "400", "--record", &rec_arg],
+        160,
+        48,
+    );
+    // Live slots, changing state.
+    let first = t.wait_for("live slots", 30, |s| s.contains("LIVE") && s.contains("Decoding"));
+    let before = slot_states(&first);
+    assert!(!before.is_empty(), "{first}");
+    t.wait_for("a slot to change state", 30, |s| {
+        let now = slot_states(s);
+        before.iter().any(|(id, st)| now.iter().any(|(id2, st2)| id == id2 && st != st2))
+    });
+
+    // Help from the key table.
+    t.send("?");
+    let s = t.wait_for("help", 5, |s| s.contains("Help — keys"));
+    assert!(s.contains("freeze / unfreeze") && s.contains("quit"), "{s}");
+    t.send("Escape");
+    t.wait_for("help to close", 5, |s| !s.contains("Help — keys"));
+
+    // A breakpoint typed at the keyboard on a request that has not
+    // arrived yet pauses it when it does.
+    t.send("5");
+    t.send("a");
+    t.type_text("request=syn-150");
+    t.send("Enter");
+    let s = t.wait_for("the breakpoint", 5, |s| s.contains("breakpoint #1 set: request=syn-150"));
+    assert!(s.contains("#1     request=syn-150"), "{s}");
+    // The control's table and the header (from the BreakpointHit event)
+    // both show it.
+    t.wait_for("the pause", 60, |s| {
+        s.contains("Paused calls — 1") && s.contains("syn-150") && s.contains("paused 1")
+    });
+    // The engine waits: syn-150 makes no progress while paused.
+    std::thread::sleep(Duration::from_millis(700));
+    let s = t.screen();
+    assert!(s.contains("Paused calls — 1"), "{s}");
+    // Clearing the breakpoint releases the request.
+    t.send("d");
+    t.wait_for("the release", 10, |s| s.contains("Paused calls — 0") && s.contains("paused 0"));
+    t.send("1");
+    t.send("/");
+    t.type_text("syn-150");
+    t.send("Enter");
+    t.wait_for("syn-150 to finish", 60, |s| state_of(s, "syn-150").as_deref() == Some("Finished"));
+
+    // q quits with 0 and restores the terminal (no alternate screen, no
+    // console frame left).
+    t.send("q");
+    assert_eq!(t.exit_code(30), 0);
+    let s = t.screen();
+    assert!(!s.contains("LIVE") && !s.contains("Slots —"), "{s}");
+    assert!(s.contains("recorded") && s.contains("events"), "{s}");
+
+    // The recording replays.
+    let r = Tmux::start("replay", &["replay", &rec_arg, "--play", "64"], 120, 30);
+    r.wait_for("the replay to reach the end", 60, |s| s.contains("REPLAY ⏸ 64× 100%"));
+    r.send("6");
+    r.wait_for("the event log", 5, |s| s.contains("Events —"));
+    r.send("q");
+    assert_eq!(r.exit_code(10), 0);
+    let check = Command::new(env!("CARGO_BIN_EXE_kvbm-console")).arg("--help").output().unwrap();
+    assert!(check.status.success());
+    assert!(Path::new(&rec_arg).exists());
+}
+
+#[test]
+fn a_missing_log_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbm-console"))
+        .args(["replay", &dir.path().join("nope").display().to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("opening log") && err.contains("nope"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
