@@ -21,9 +21,15 @@ struct Tmux {
 }
 
 fn have_tmux() -> bool {
-    let ok = Command::new("tmux").arg("-V").output().is_ok_and(|o| o.status.success());
+    let ok = Command::new("tmux")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success());
     if !ok {
-        assert!(std::env::var_os("CI").is_none(), "tmux is required under CI");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "tmux is required under CI"
+        );
         eprintln!("skipping: tmux is not installed");
     }
     ok
@@ -43,7 +49,16 @@ impl Tmux {
             exit_file.display()
         );
         let st = Command::new("tmux")
-            .args(["-L", &socket, "-f", "/dev/null", "new-session", "-d", "-s", "t"])
+            .args([
+                "-L",
+                &socket,
+                "-f",
+                "/dev/null",
+                "new-session",
+                "-d",
+                "-s",
+                "t",
+            ])
             .args(["-x", &w.to_string(), "-y", &h.to_string(), &cmd])
             .status()
             .unwrap();
@@ -120,7 +135,9 @@ impl Tmux {
 
 impl Drop for Tmux {
     fn drop(&mut self) {
-        let _ = Command::new("tmux").args(["-L", &self.socket, "kill-server"]).status();
+        let _ = Command::new("tmux")
+            .args(["-L", &self.socket, "kill-server"])
+            .status();
     }
 }
 
@@ -138,7 +155,9 @@ fn slot_states(screen: &str) -> Vec<(String, String)> {
         .filter_map(|l| {
             let cols: Vec<&str> = l.trim_start_matches('│').split_whitespace().collect();
             match cols.as_slice() {
-                [id, state, ..] if id.starts_with("syn-") => Some((id.to_string(), state.to_string())),
+                [id, state, ..] if id.starts_with("syn-") => {
+                    Some((id.to_string(), state.to_string()))
+                }
                 _ => None,
             }
         })
@@ -155,17 +174,29 @@ fn demo_live_slots_help_breakpoint_and_quit() {
     let rec_arg = rec_dir.display().to_string();
     let t = Tmux::start(
         "demo",
-        &["demo", "--rate", "20", "--requests", "400", "--record", &rec_arg],
+        &[
+            "demo",
+            "--rate",
+            "20",
+            "--requests",
+            "400",
+            "--record",
+            &rec_arg,
+        ],
         160,
         48,
     );
     // Live slots, changing state.
-    let first = t.wait_for("live slots", 30, |s| s.contains("LIVE") && s.contains("Decoding"));
+    let first = t.wait_for("live slots", 30, |s| {
+        s.contains("LIVE") && s.contains("Decoding")
+    });
     let before = slot_states(&first);
     assert!(!before.is_empty(), "{first}");
     t.wait_for("a slot to change state", 30, |s| {
         let now = slot_states(s);
-        before.iter().any(|(id, st)| now.iter().any(|(id2, st2)| id == id2 && st != st2))
+        before
+            .iter()
+            .any(|(id, st)| now.iter().any(|(id2, st2)| id == id2 && st != st2))
     });
 
     // Help from the key table.
@@ -181,7 +212,9 @@ fn demo_live_slots_help_breakpoint_and_quit() {
     t.send("a");
     t.type_text("request=syn-150");
     t.send("Enter");
-    let s = t.wait_for("the breakpoint", 5, |s| s.contains("breakpoint #1 set: request=syn-150"));
+    let s = t.wait_for("the breakpoint", 5, |s| {
+        s.contains("breakpoint #1 set: request=syn-150")
+    });
     assert!(s.contains("#1     request=syn-150"), "{s}");
     // The control's table and the header (from the BreakpointHit event)
     // both show it.
@@ -194,12 +227,16 @@ fn demo_live_slots_help_breakpoint_and_quit() {
     assert!(s.contains("Paused calls — 1"), "{s}");
     // Clearing the breakpoint releases the request.
     t.send("d");
-    t.wait_for("the release", 10, |s| s.contains("Paused calls — 0") && s.contains("paused 0"));
+    t.wait_for("the release", 10, |s| {
+        s.contains("Paused calls — 0") && s.contains("paused 0")
+    });
     t.send("1");
     t.send("/");
     t.type_text("syn-150");
     t.send("Enter");
-    t.wait_for("syn-150 to finish", 60, |s| state_of(s, "syn-150").as_deref() == Some("Finished"));
+    t.wait_for("syn-150 to finish", 60, |s| {
+        state_of(s, "syn-150").as_deref() == Some("Finished")
+    });
 
     // q quits with 0 and restores the terminal (no alternate screen, no
     // console frame left).
@@ -211,12 +248,17 @@ fn demo_live_slots_help_breakpoint_and_quit() {
 
     // The recording replays.
     let r = Tmux::start("replay", &["replay", &rec_arg, "--play", "64"], 120, 30);
-    r.wait_for("the replay to reach the end", 60, |s| s.contains("REPLAY ⏸ 64× 100%"));
+    r.wait_for("the replay to reach the end", 60, |s| {
+        s.contains("REPLAY ⏸ 64× 100%")
+    });
     r.send("6");
     r.wait_for("the event log", 5, |s| s.contains("Events —"));
     r.send("q");
     assert_eq!(r.exit_code(10), 0);
-    let check = Command::new(env!("CARGO_BIN_EXE_kvbm-console")).arg("--help").output().unwrap();
+    let check = Command::new(env!("CARGO_BIN_EXE_kvbm-console"))
+        .arg("--help")
+        .output()
+        .unwrap();
     assert!(check.status.success());
     assert!(Path::new(&rec_arg).exists());
 }

@@ -112,7 +112,10 @@ fn every_view_draws_a_replayed_log_at_both_sizes() {
                 ViewId::Breakpoints => "replay: breakpoints are read-only",
                 ViewId::Events => "13801",
             };
-            assert!(s.contains(needle), "{view:?} at {w}x{h} lacks {needle}:\n{s}");
+            assert!(
+                s.contains(needle),
+                "{view:?} at {w}x{h} lacks {needle}:\n{s}"
+            );
         }
     }
 }
@@ -180,7 +183,10 @@ fn overflowing_views_scroll_and_stay_inside_the_screen() {
         for view in ViewId::ALL {
             key(&mut app, view_key(view));
             let lines = draw(&mut app, w, h);
-            assert!(lines.iter().all(|l| l.chars().count() <= w as usize), "{view:?}");
+            assert!(
+                lines.iter().all(|l| l.chars().count() <= w as usize),
+                "{view:?}"
+            );
         }
         // The slots table scrolls to keep the selection in sight.
         key(&mut app, '1');
@@ -229,6 +235,42 @@ fn filter_help_and_warnings_draw_over_the_view() {
     special(&mut app, KeyCode::Esc);
     let s = screen(&draw(&mut app, 160, 48));
     assert!(s.contains("500 shown"), "the filter is cleared:\n{s}");
+}
+
+#[test]
+fn the_mouse_selects_rows_scrolls_and_switches_views() {
+    use ratatui::crossterm::event::{MouseButton, MouseEvent, MouseEventKind};
+    let mouse = |kind, column, row| MouseEvent {
+        kind,
+        column,
+        row,
+        modifiers: KeyModifiers::NONE,
+    };
+    let mut app = overflowing();
+    draw(&mut app, 160, 48);
+    // Rows start under the two header lines, the tabs, the border and the
+    // table header: the third row is at y = 7.
+    app.mouse(mouse(MouseEventKind::Down(MouseButton::Left), 10, 7));
+    assert_eq!(app.list().selected, 2);
+    assert_eq!(app.ui.selected_slot.as_deref(), Some("req-002"));
+    // A second click on the selected row opens it.
+    app.mouse(mouse(MouseEventKind::Down(MouseButton::Left), 10, 7));
+    assert_eq!(app.ui.detail.as_deref(), Some("req-002"));
+    special(&mut app, KeyCode::Esc);
+    app.mouse(mouse(MouseEventKind::ScrollDown, 10, 20));
+    app.mouse(mouse(MouseEventKind::ScrollDown, 10, 20));
+    assert_eq!(app.list().selected, 8);
+    app.mouse(mouse(MouseEventKind::ScrollUp, 10, 20));
+    assert_eq!(app.list().selected, 5);
+    // The tab bar is the third line.
+    let lines = draw(&mut app, 160, 48);
+    let x = lines[2].find("6 Events").unwrap();
+    let col = lines[2][..x].chars().count() as u16;
+    app.mouse(mouse(MouseEventKind::Down(MouseButton::Left), col, 2));
+    assert_eq!(app.ui.view, ViewId::Events);
+    // A click outside any list or tab changes nothing.
+    app.mouse(mouse(MouseEventKind::Down(MouseButton::Left), 0, 0));
+    assert_eq!(app.ui.view, ViewId::Events);
 }
 
 fn golden(name: &str, lines: &[String]) {

@@ -240,7 +240,12 @@ pub fn render(app: &App, request: &str, f: &mut Frame, area: Rect) {
         let width = label.chars().count();
         let line = if b + width > inner_w && a > width {
             // No room on the right: the label goes on the left of the span.
-            vec![Span::raw(" ".repeat(a - width - 1)), Span::raw(label), Span::raw(" "), bar]
+            vec![
+                Span::raw(" ".repeat(a - width - 1)),
+                Span::raw(label),
+                Span::raw(" "),
+                bar,
+            ]
         } else {
             // Otherwise on the right, clipped at the border if need be.
             vec![Span::raw(" ".repeat(a)), bar, Span::raw(label)]

@@ -106,8 +106,16 @@ pub fn render(app: &App, f: &mut Frame, area: Rect) {
             .skip(take)
             .map(|s| s.evictions[tier.index()])
             .collect();
-        let [sa, sb] =
-            Layout::vertical([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(right);
+        let [la, sa, lb, sb] = Layout::vertical([
+            Constraint::Length(1),
+            Constraint::Fill(1),
+            Constraint::Length(1),
+            Constraint::Fill(1),
+        ])
+        .areas(right);
+        let label = |text: String| Paragraph::new(Span::styled(text, Style::new().fg(Color::DarkGray)));
+        f.render_widget(label(format!("active blocks, last {} s", active.len())), la);
+        f.render_widget(label(format!("evictions per second, last {} s", evict.len())), lb);
         let max_active = u64::from(p.capacity).max(1);
         f.render_widget(
             Sparkline::default()

@@ -123,7 +123,7 @@ pub fn render(app: &App, f: &mut Frame, area: Rect) {
         let w = vec![
             Constraint::Min(8),
             Constraint::Length(14),
-            Constraint::Length(7),
+            Constraint::Length(8),
             Constraint::Length(6),
             Constraint::Length(4),
             Constraint::Length(9),
