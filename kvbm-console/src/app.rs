@@ -261,6 +261,37 @@ impl Default for Ui {
     }
 }
 
+/// The open request's events, kept up to date in the update step so that
+/// drawing the detail does not scan the whole history (twice) per frame.
+/// Positions are absolute (events dropped from the history's front before
+/// them + their index), so drops do not shift them.
+#[derive(Debug, Clone)]
+pub struct DetailCache {
+    /// The request.
+    pub request: RequestId,
+    /// Absolute position the last scan reached.
+    pub end: u64,
+    /// Absolute positions of the request's events, oldest first.
+    pub positions: std::collections::VecDeque<u64>,
+}
+
+impl DetailCache {
+    /// Indices into `history` of the cached events still held.
+    pub fn indices(&self, history: &crate::model::History) -> Vec<usize> {
+        let base = history.dropped();
+        self.positions
+            .iter()
+            .filter(|&&p| p >= base)
+            .map(|&p| (p - base) as usize)
+            .collect()
+    }
+
+    /// Whether the cache is for `request` and current for `history`.
+    pub fn is_current(&self, request: &str, history: &crate::model::History) -> bool {
+        &*self.request == request && self.end == history.dropped() + history.len() as u64
+    }
+}
+
 /// See the module docs.
 pub struct App {
     /// What the engine did.
@@ -273,6 +304,8 @@ pub struct App {
     pub label: String,
     /// Set when the console should exit.
     pub quit: bool,
+    /// The open request's events (see [`DetailCache`]).
+    pub detail_cache: Option<DetailCache>,
 }
 
 impl App {
@@ -284,6 +317,7 @@ impl App {
             ui: Ui::default(),
             label: label.into(),
             quit: false,
+            detail_cache: None,
         };
         app.refresh_control();
         app
@@ -434,8 +468,43 @@ impl App {
         &self.ui.lists[self.ui.view.index()]
     }
 
+    /// Brings the detail's event indices up to date: only the new events
+    /// are scanned while the history just grew.
+    fn refresh_detail(&mut self) {
+        let Some(request) = self.ui.detail.clone() else {
+            self.detail_cache = None;
+            return;
+        };
+        let h = self.model.history();
+        let (base, end) = (h.dropped(), h.dropped() + h.len() as u64);
+        let mut cache = match self.detail_cache.take() {
+            // The history only moved forward: keep what is still held and
+            // scan the new events.
+            Some(mut c) if c.request == request && c.end <= end && c.end >= base => {
+                while c.positions.front().is_some_and(|&p| p < base) {
+                    c.positions.pop_front();
+                }
+                c
+            }
+            _ => DetailCache {
+                request: request.clone(),
+                end: base,
+                positions: Default::default(),
+            },
+        };
+        let from = (cache.end - base) as usize;
+        cache.positions.extend(
+            ui::detail::scan_events_of(self, &request, from)
+                .into_iter()
+                .map(|i| base + i as u64),
+        );
+        cache.end = end;
+        self.detail_cache = Some(cache);
+    }
+
     /// Keeps the selection in range and on the same slot after re-sorting.
     fn settle(&mut self) {
+        self.refresh_detail();
         let visible = ui::list_rows(self);
         if self.ui.detail.is_none() && self.ui.view == ViewId::Slots {
             let rows = self.slot_rows();

@@ -273,6 +273,61 @@ fn the_mouse_selects_rows_scrolls_and_switches_views() {
     assert_eq!(app.ui.view, ViewId::Events);
 }
 
+/// The detail's event list stays right while the live history drops its
+/// oldest events (the cache keeps absolute positions) and after a replay
+/// seeks back.
+#[test]
+fn the_detail_event_list_survives_history_drops_and_seeks() {
+    let cfg = ModelConfig {
+        history: 40,
+        ..ModelConfig::default()
+    };
+    let mut app = App::new(Model::new(cfg), Source::Fixed, "live");
+    let mut seq = 0;
+    let mut push = |app: &mut App, id: &str| {
+        app.model.apply(ev(
+            seq,
+            seq * 1000,
+            Some(id),
+            EventKind::TokensScheduled {
+                prefill: 0,
+                decode: 1,
+                computed: seq as u32,
+            },
+        ));
+        seq += 1;
+    };
+    push(&mut app, "a");
+    app.ui.detail = Some("a".into());
+    for round in 0..10 {
+        for i in 0..7 {
+            push(&mut app, if i % 3 == 0 { "a" } else { "b" });
+        }
+        app.tick();
+        let h = app.model.history();
+        let want = (0..h.len())
+            .filter(|&i| h.get(i).unwrap().request.as_deref() == Some("a"))
+            .count();
+        assert_eq!(app.list_len(), want, "round {round}");
+        let s = screen(&draw(&mut app, 160, 48));
+        assert!(s.contains(&format!("Events of a ({want})")), "{s}");
+    }
+    assert!(app.model.history().dropped() > 0);
+
+    let mut app = replay_app("preemption-heavy");
+    special(&mut app, KeyCode::End);
+    key(&mut app, '1');
+    special(&mut app, KeyCode::Enter);
+    let n_end = app.list_len();
+    for _ in 0..3 {
+        special(&mut app, KeyCode::Left);
+    }
+    let n_back = app.list_len();
+    special(&mut app, KeyCode::End);
+    assert_eq!(app.list_len(), n_end);
+    assert!(n_back <= n_end);
+}
+
 fn golden(name: &str, lines: &[String]) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/frames")

@@ -32,13 +32,14 @@ pub fn list_area(body: Rect) -> Rect {
     )
 }
 
-/// Indices into the history of `request`'s events, oldest first. The
-/// history is in time order, so the search starts at the slot's creation.
-pub fn events_of(app: &App, request: &str) -> Vec<usize> {
+/// Indices into the history of `request`'s events, oldest first, from
+/// index `from` on. The history is in time order, so the scan starts no
+/// earlier than the slot's creation.
+pub fn scan_events_of(app: &App, request: &str, from: usize) -> Vec<usize> {
     let h = app.model.history();
     let from_ns = app.model.state().slot(request).map_or(0, |s| s.created_ns);
     // Binary search on time over the history's indices.
-    let (mut lo, mut hi) = (0usize, h.len());
+    let (mut lo, mut hi) = (from, h.len().max(from));
     while lo < hi {
         let mid = (lo + hi) / 2;
         if h.get(mid).is_some_and(|e| e.ts_ns < from_ns) {
@@ -50,6 +51,16 @@ pub fn events_of(app: &App, request: &str) -> Vec<usize> {
     (lo..h.len())
         .filter(|&i| h.get(i).and_then(|e| e.request.as_deref()) == Some(request))
         .collect()
+}
+
+/// `request`'s events: the update step's cache when it is for this
+/// request (it is, whenever the detail is open), else a scan.
+pub fn events_of(app: &App, request: &str) -> Vec<usize> {
+    let h = app.model.history();
+    match &app.detail_cache {
+        Some(c) if c.is_current(request, h) => c.indices(h),
+        _ => scan_events_of(app, request, 0),
+    }
 }
 
 /// Rows in the detail's event list.

@@ -113,9 +113,13 @@ pub fn render(app: &App, f: &mut Frame, area: Rect) {
             Constraint::Fill(1),
         ])
         .areas(right);
-        let label = |text: String| Paragraph::new(Span::styled(text, Style::new().fg(Color::DarkGray)));
+        let label =
+            |text: String| Paragraph::new(Span::styled(text, Style::new().fg(Color::DarkGray)));
         f.render_widget(label(format!("active blocks, last {} s", active.len())), la);
-        f.render_widget(label(format!("evictions per second, last {} s", evict.len())), lb);
+        f.render_widget(
+            label(format!("evictions per second, last {} s", evict.len())),
+            lb,
+        );
         let max_active = u64::from(p.capacity).max(1);
         f.render_widget(
             Sparkline::default()
