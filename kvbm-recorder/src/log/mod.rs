@@ -231,7 +231,8 @@ pub struct LogConfig {
     pub segment_bytes: u64,
     /// A block is sealed before its records region (payloads plus a few
     /// bytes each) would grow past this size; a record larger than this
-    /// gets a block of its own, so `1` gives one record per block. Blocks
+    /// gets a block of its own, so `1` gives one record per block; at most
+    /// [`MAX_RECORD_BYTES`]. Blocks
     /// are also sealed on every flush, sync and rotation, so with
     /// [`FsyncPolicy::EveryRecord`] each block holds one record.
     pub block_bytes: u32,
@@ -274,10 +275,13 @@ impl LogConfig {
                 Self::MIN_SEGMENT_BYTES
             )));
         }
-        if self.block_bytes == 0 {
-            return Err(LogError::InvalidConfig(
-                "block_bytes must be at least 1".into(),
-            ));
+        // A block then never holds more than MAX_BLOCK_BYTES: it is sealed
+        // before reaching block_bytes unless one record alone exceeds it.
+        if self.block_bytes == 0 || self.block_bytes > MAX_RECORD_BYTES {
+            return Err(LogError::InvalidConfig(format!(
+                "block_bytes {} is not between 1 and {MAX_RECORD_BYTES}",
+                self.block_bytes
+            )));
         }
         if self.index_every_records == 0 || self.index_every_bytes == 0 {
             return Err(LogError::InvalidConfig(

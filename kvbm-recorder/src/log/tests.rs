@@ -322,6 +322,16 @@ fn writer_refuses_bad_input_without_writing() {
         LogWriter::create(dir.path().join("x"), tiny),
         Err(LogError::InvalidConfig(_))
     ));
+    for block_bytes in [0, MAX_RECORD_BYTES + 1] {
+        let cfg = LogConfig {
+            block_bytes,
+            ..small(FsyncPolicy::Never)
+        };
+        assert!(matches!(
+            LogWriter::create(dir.path().join("y"), cfg),
+            Err(LogError::InvalidConfig(_))
+        ));
+    }
 }
 
 #[test]
@@ -576,4 +586,22 @@ fn a_hostile_decompressed_size_is_refused_before_allocating() {
             "{err}"
         );
     }
+}
+
+#[test]
+fn a_record_of_the_maximum_size_fits_its_block() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = LogConfig {
+        block_bytes: MAX_RECORD_BYTES,
+        segment_bytes: 1 << 20,
+        ..small(FsyncPolicy::Never)
+    };
+    let mut w = LogWriter::create(dir.path(), cfg).expect("create");
+    w.append(1, 1, b"small").expect("append");
+    w.append(2, 2, &vec![9u8; MAX_RECORD_BYTES as usize])
+        .expect("append");
+    w.close().expect("close");
+    let r = LogReader::open(dir.path(), ReaderOptions::default()).expect("open");
+    let lens: Vec<usize> = r.iter().map(|x| x.expect("record").payload.len()).collect();
+    assert_eq!(lens, [5, MAX_RECORD_BYTES as usize]);
 }
