@@ -36,6 +36,12 @@ pub struct RecorderConfig {
     /// as if the tap had closed: for an embedding that stops its engine
     /// while other owners may still hold the engine's bus.
     pub stop: Option<Arc<AtomicBool>>,
+    /// While the tap is empty, hand what was appended to the OS (so that it
+    /// survives the recorder being killed) once this long has passed since
+    /// the last flush. Each flush ends a compressed block of the log, so
+    /// flushing on every idle poll would make blocks tiny; the fsync policy
+    /// still applies on top of this.
+    pub flush_every: Duration,
 }
 
 impl Default for RecorderConfig {
@@ -48,6 +54,7 @@ impl Default for RecorderConfig {
             snapshot_every_events: 100_000,
             idle_poll: Duration::from_micros(500),
             stop: None,
+            flush_every: Duration::from_millis(50),
         }
     }
 }
@@ -131,13 +138,13 @@ pub enum RecordError {
     #[error(transparent)]
     Log(#[from] LogError),
     /// A record that passed the log's checks did not decode.
-    #[error("record seq {seq} in {segment} at byte {offset}: {source}")]
+    #[error("record seq {seq} in {segment}, block at byte {offset}: {source}")]
     Decode {
         /// Its seq.
         seq: u64,
         /// Segment file.
         segment: String,
-        /// Byte offset.
+        /// Byte offset of the record's block.
         offset: u64,
         /// Why.
         #[source]
@@ -182,6 +189,7 @@ fn record(
         ..Recording::default()
     };
     let mut since_snapshot = 0u64;
+    let mut last_flush = std::time::Instant::now();
     let result: Result<(), RecordError> = loop {
         match tap.try_recv() {
             Ok(TapItem::Event(ev)) => {
@@ -223,8 +231,12 @@ fn record(
                 }
             }
             Err(TryRecvError::Empty) => {
-                if let Err(e) = writer.flush() {
-                    break Err(e.into());
+                // Also where an interval fsync falls due while idle.
+                if last_flush.elapsed() >= cfg.flush_every {
+                    if let Err(e) = writer.flush() {
+                        break Err(e.into());
+                    }
+                    last_flush = std::time::Instant::now();
                 }
                 if cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)) {
                     break Ok(());

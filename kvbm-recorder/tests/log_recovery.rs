@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use kvbm_recorder::log::{
     CorruptReason, FsyncPolicy, IndexSource, LogConfig, LogError, LogReader, LogWriter,
-    ReaderOptions, Record, SEGMENT_HEADER_LEN, SeekTo, SegmentStatus, index_file_name,
-    segment_file_name,
+    MAX_BLOCK_BYTES, ReaderOptions, Record, SEGMENT_HEADER_LEN, SeekTo, SegmentStatus,
+    index_file_name, segment_file_name,
 };
 use proptest::prelude::*;
 
@@ -27,7 +27,31 @@ fn config(fsync: FsyncPolicy, segment_bytes: u64) -> LogConfig {
         index_every_records: 8,
         index_every_bytes: 1 << 20,
         write_buffer_bytes: 512,
+        // A few records to a block, so that blocks and segments both turn
+        // over often.
+        block_bytes: 160,
     }
+}
+
+/// For each record, its block: the frame's offset and end in its segment,
+/// and the index of the block's first record. A block ends where the next
+/// one in the same segment starts, or at the end of the file.
+fn blocks_of(dir: &Path, records: &[Record]) -> Vec<(u64, u64, usize)> {
+    let same_block = |a: &Record, b: &Record| a.segment == b.segment && a.offset == b.offset;
+    let mut out = Vec::with_capacity(records.len());
+    let mut first = 0;
+    for (i, r) in records.iter().enumerate() {
+        if !same_block(&records[first], r) {
+            first = i;
+        }
+        let next = records[i..].iter().find(|n| !same_block(r, n));
+        let end = match next {
+            Some(n) if n.segment == r.segment => n.offset,
+            _ => fs::metadata(dir.join(&*r.segment)).expect("meta").len(),
+        };
+        out.push((r.offset, end, first));
+    }
+    out
 }
 
 /// A record as written: seq, ts_ns, payload.
@@ -213,21 +237,28 @@ fn round_trip_across_segments_with_each_fsync_policy() {
 fn torn_tail_at_every_offset_of_the_last_segment() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let orig = tmp.path().join("orig");
-    let written = write_log(&orig, config(FsyncPolicy::Never, 1024), 60, 10, 1);
+    let written = write_log(&orig, config(FsyncPolicy::Never, 1024), 75, 10, 1);
     let (records, _) = read_all(&orig, opts());
+    let blocks = blocks_of(&orig, &records);
     let last_path = segments_in(&orig).pop().expect("segments");
     let last_name = name_of(&last_path);
     let last_len = fs::metadata(&last_path).expect("meta").len();
-    // (seq, end of frame) of the last segment's records.
+    // (index, end of its block's frame) of the last segment's records.
     let in_last: Vec<(usize, u64)> = records
         .iter()
         .enumerate()
         .filter(|(_, r)| *r.segment == *last_name)
-        .map(|(i, r)| (i, r.offset + 24 + r.payload.len() as u64))
+        .map(|(i, _)| (i, blocks[i].1))
         .collect();
+    let blocks_in_last = {
+        let mut ends: Vec<u64> = in_last.iter().map(|(_, e)| *e).collect();
+        ends.dedup();
+        ends.len()
+    };
     assert!(
-        in_last.len() >= 3,
-        "the last segment should hold several records"
+        blocks_in_last >= 3 && in_last.len() > blocks_in_last,
+        "the last segment should hold several blocks of several records: {blocks_in_last} blocks, {} records",
+        in_last.len()
     );
     let before_last = in_last[0].0;
 
@@ -290,15 +321,16 @@ fn torn_tail_at_every_offset_of_the_last_segment() {
     }
 }
 
-/// Flips every bit position of chosen records: the reader yields every
-/// record before the damaged one, then `Corrupt` naming the segment and the
-/// record's offset.
+/// Flips a bit in every byte of the blocks of chosen records: the reader
+/// yields every record of the blocks before the damaged one, then `Corrupt`
+/// naming the segment and the block's offset.
 #[test]
 fn a_flipped_byte_mid_log_is_reported_with_segment_and_offset() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let orig = tmp.path().join("orig");
     let written = write_log(&orig, config(FsyncPolicy::Never, 1024), 120, 0, 1);
     let (records, _) = read_all(&orig, opts());
+    let blocks = blocks_of(&orig, &records);
     let segs = segments_in(&orig);
     assert!(segs.len() >= 3);
     let last_name = name_of(segs.last().expect("last"));
@@ -316,10 +348,13 @@ fn a_flipped_byte_mid_log_is_reported_with_segment_and_offset() {
         ("first record of the log", 0),
     ];
     let case = tmp.path().join("case");
-    for (what, i) in targets {
-        let r = &records[i];
-        let frame_len = 24 + r.payload.len() as u64;
-        for at in r.offset..r.offset + frame_len {
+    for (what, pick) in targets {
+        let r = &records[pick];
+        let (_, end, i) = blocks[pick];
+        if *r.segment == *last_name {
+            assert!(end < fs::metadata(orig.join(&last_name)).expect("meta").len());
+        }
+        for at in r.offset..end {
             copy_dir(&orig, &case);
             let path = case.join(&*r.segment);
             let mut bytes = fs::read(&path).expect("read");
@@ -579,7 +614,8 @@ fn a_payload_the_verifier_rejects_is_corruption_at_that_record() {
     };
     let (got, err) = read_all(dir, opts().with_verify(verify));
     assert_eq!(got.len(), 6);
-    let expected_offset = got[5].offset + 24 + got[5].payload.len() as u64;
+    let (all, _) = read_all(dir, opts());
+    let expected_offset = all[6].offset;
     match err {
         Some(LogError::Corrupt {
             segment,
@@ -668,9 +704,10 @@ fn mutate(rng: &mut Rng, b: &mut Vec<u8>) {
         6 if len >= 4 => {
             // A length-like field: small, huge, or just past the maximum.
             let at = rng.below(len - 3);
-            let v: u32 = match rng.below(3) {
+            let v: u32 = match rng.below(4) {
                 0 => rng.below(64) as u32,
                 1 => u32::MAX - rng.below(4) as u32,
+                2 => MAX_BLOCK_BYTES - 1 + rng.below(3) as u32,
                 _ => (16 << 20) + rng.below(2) as u32,
             };
             b[at..at + 4].copy_from_slice(&v.to_le_bytes());
@@ -694,9 +731,13 @@ struct Base {
     records: Known,
 }
 
-fn base(tmp: &Path, name: &str, n: u64, segment_bytes: u64) -> Base {
+fn base(tmp: &Path, name: &str, n: u64, segment_bytes: u64, block_bytes: u32) -> Base {
     let dir = tmp.join(name);
-    let mut w = LogWriter::create(&dir, config(FsyncPolicy::Never, segment_bytes)).expect("create");
+    let cfg = LogConfig {
+        block_bytes,
+        ..config(FsyncPolicy::Never, segment_bytes)
+    };
+    let mut w = LogWriter::create(&dir, cfg).expect("create");
     let mut records = BTreeMap::new();
     for i in 0..n {
         let (seq, ts) = (3 + i * 2, 50 + i);
@@ -721,10 +762,12 @@ fn base(tmp: &Path, name: &str, n: u64, segment_bytes: u64) -> Base {
     Base { files, records }
 }
 
-/// Fuzz material: two small valid logs (one segment; three segments with
-/// their index files), plus a valid segment header.
+/// Fuzz material: three small valid logs (one segment of one compressed
+/// block; one segment of a few blocks; several segments of small blocks
+/// with their index files), plus a valid segment header.
 struct Material {
     one: Base,
+    blocks: Base,
     two: Base,
     header: Vec<u8>,
     _tmp: tempfile::TempDir,
@@ -732,8 +775,9 @@ struct Material {
 
 fn material() -> Material {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let one = base(tmp.path(), "one", 6, 1 << 20);
-    let two = base(tmp.path(), "two", 8, 160);
+    let one = base(tmp.path(), "one", 24, 1 << 20, 1 << 16);
+    let blocks = base(tmp.path(), "blocks", 10, 1 << 20, 12);
+    let two = base(tmp.path(), "two", 8, 160, 8);
     assert!(
         two.files
             .iter()
@@ -744,6 +788,7 @@ fn material() -> Material {
     let header = one.files[0].1[..SEGMENT_HEADER_LEN as usize].to_vec();
     Material {
         one,
+        blocks,
         two,
         header,
         _tmp: tmp,
@@ -771,7 +816,11 @@ fn fuzz_case<'m>(rng: &mut Rng, m: &'m Material) -> (Files, Option<&'m Known>) {
             (vec![(segment_file_name(3), b)], None)
         }
         kind @ (2 | 3) => {
-            let src = if kind == 2 { &m.one } else { &m.two };
+            let src = match (kind, rng.below(2)) {
+                (2, 0) => &m.one,
+                (2, _) => &m.blocks,
+                _ => &m.two,
+            };
             let mut files = src.files.clone();
             let which = pick(rng, &files, ".kvlog");
             for _ in 0..1 + rng.below(3) {
@@ -996,10 +1045,14 @@ fn fuzz_recovery_on_disk() {
 }
 
 /// Exact expectations on random small logs: a cut anywhere in the last
-/// segment is a clean torn tail; a flip in a non-final record is corruption
-/// at that record.
+/// segment is a clean torn tail after the whole blocks before it; a flip in
+/// a block before the last is corruption at that block.
 fn small_log(dir: &Path, sizes: &[usize]) -> Vec<Record> {
-    let mut w = LogWriter::create(dir, config(FsyncPolicy::Never, 1 << 20)).expect("create");
+    let cfg = LogConfig {
+        block_bytes: 64,
+        ..config(FsyncPolicy::Never, 1 << 20)
+    };
+    let mut w = LogWriter::create(dir, cfg).expect("create");
     for (i, n) in sizes.iter().enumerate() {
         w.append(i as u64, i as u64, &vec![i as u8; *n])
             .expect("append");
@@ -1018,10 +1071,11 @@ proptest! {
         let seg = tmp.path().join(segment_file_name(0));
         let len = fs::metadata(&seg).expect("meta").len();
         let cut = SEGMENT_HEADER_LEN + ((len - SEGMENT_HEADER_LEN) as f64 * cut_frac) as u64;
+        let blocks = blocks_of(tmp.path(), &records);
         fs::OpenOptions::new().write(true).open(&seg).and_then(|f| f.set_len(cut)).expect("truncate");
         let (got, err) = read_all(tmp.path(), opts());
         prop_assert!(err.is_none());
-        let want: Vec<u64> = records.iter().filter(|r| r.offset + 24 + r.payload.len() as u64 <= cut).map(|r| r.seq).collect();
+        let want: Vec<u64> = records.iter().zip(&blocks).filter(|(_, b)| b.1 <= cut).map(|(r, _)| r.seq).collect();
         prop_assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), want);
     }
 
@@ -1029,14 +1083,19 @@ proptest! {
     fn prop_flip_before_the_last_record_is_corruption_there(sizes in prop::collection::vec(0usize..48, 2..8), pick in any::<prop::sample::Index>(), byte in any::<prop::sample::Index>(), bit in 0u8..8) {
         let tmp = tempfile::tempdir().expect("tempdir");
         let records = small_log(tmp.path(), &sizes);
-        let victim = &records[pick.index(records.len() - 1)];
-        let at = victim.offset + byte.index(24 + victim.payload.len()) as u64;
+        let blocks = blocks_of(tmp.path(), &records);
+        let last_block = blocks[records.len() - 1].2;
+        prop_assume!(last_block > 0);
+        let v = pick.index(last_block);
+        let victim = &records[v];
+        let (start, end, first) = blocks[v];
+        let at = start + byte.index((end - start) as usize) as u64;
         let seg = tmp.path().join(segment_file_name(0));
         let mut b = fs::read(&seg).expect("read");
         b[at as usize] ^= 1 << bit;
         fs::write(&seg, b).expect("write");
         let (got, err) = read_all(tmp.path(), opts());
-        prop_assert_eq!(got.len() as u64, victim.seq);
+        prop_assert_eq!(got.len(), first);
         let err = err.expect("an error");
         let name = segment_file_name(0);
         prop_assert_eq!(err.corrupt_at(), Some((name.as_str(), victim.offset)));

@@ -9,15 +9,20 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// First eight bytes of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"KVBMLOG\0";
-/// The segment format this build writes and reads.
-pub const FORMAT_VERSION: u16 = 1;
-/// Length of a version-1 segment header, in bytes.
+/// The segment format this build writes and reads: 2, compressed blocks of
+/// records (version 1, one frame per record, is not read any more).
+pub const FORMAT_VERSION: u16 = 2;
+/// Length of a segment header, in bytes.
 pub const SEGMENT_HEADER_LEN: u64 = 64;
-/// Length of a record frame's fixed header, in bytes.
-pub const FRAME_HEADER_LEN: u64 = 24;
-/// Largest payload a frame may carry (16 MiB). Checked by the writer before
+/// Length of a block frame's fixed header, in bytes.
+pub const FRAME_HEADER_LEN: u64 = 48;
+/// Largest payload a record may carry (16 MiB). Checked by the writer before
 /// writing and by every reader before it allocates or slices anything.
 pub const MAX_RECORD_BYTES: u32 = 16 << 20;
+/// Largest records region a block may hold, and largest body a frame may
+/// carry: one record of the maximum size and its entry header. Checked
+/// before anything is allocated for a block.
+pub const MAX_BLOCK_BYTES: u32 = MAX_RECORD_BYTES + 64;
 /// Extension of segment files.
 pub const SEGMENT_SUFFIX: &str = ".kvlog";
 /// Extension appended to a segment's file name for its sparse index.
@@ -52,12 +57,12 @@ pub(crate) enum HeaderError {
         len: u64,
     },
     BadMagic,
-    /// Version 1 layout, checksum does not match.
+    /// Checksum does not match.
     BadCrc {
         stored: u32,
         computed: u32,
     },
-    /// Version 1 declares a header length other than 64.
+    /// Declares a header length other than 64.
     BadHeaderLen(u16),
     /// A format version this build does not read.
     Unsupported(u16),
@@ -84,7 +89,7 @@ impl std::fmt::Display for HeaderError {
 }
 
 impl SegmentHeader {
-    /// A version-1 header for a segment created now.
+    /// A header of this build's format for a segment created now.
     pub fn new(schema_version: u32, engine_id: u64, first_seq: u64) -> Self {
         let created_unix_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -148,25 +153,58 @@ impl SegmentHeader {
     }
 }
 
-/// A record frame's fixed header, decoded but not yet checked.
+/// How a block's body is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Codec {
+    /// The body is the records region itself (compression did not pay).
+    Stored = 0,
+    /// The body is the records region compressed as one LZ4 block.
+    Lz4 = 1,
+}
+
+impl Codec {
+    pub(crate) fn from_byte(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(Self::Stored),
+            1 => Some(Self::Lz4),
+            _ => None,
+        }
+    }
+}
+
+/// A block frame's fixed header, decoded but not yet checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FrameHeader {
+    /// Bytes of the body on disk.
     pub len: u32,
     pub crc: u32,
-    pub seq: u64,
-    pub ts_ns: u64,
+    pub first_seq: u64,
+    pub last_seq: u64,
+    pub min_ts: u64,
+    pub max_ts: u64,
+    /// Bytes of the records region once decompressed.
+    pub raw_len: u32,
+    pub count: u16,
+    /// The codec byte as found; [`Codec::from_byte`] says whether it is known.
+    pub codec: u8,
 }
 
 impl FrameHeader {
-    /// Encodes a frame header for `payload`, computing its checksum. The
-    /// caller has checked `payload.len() <= MAX_RECORD_BYTES`.
-    pub(crate) fn encode(seq: u64, ts_ns: u64, payload: &[u8]) -> [u8; FRAME_HEADER_LEN as usize] {
+    /// Encodes a frame header for `body`, computing its checksum. The
+    /// caller has checked `body.len() <= MAX_BLOCK_BYTES`.
+    pub(crate) fn encode(&self, body: &[u8]) -> [u8; FRAME_HEADER_LEN as usize] {
         let mut b = [0u8; FRAME_HEADER_LEN as usize];
-        let len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
+        let len = u32::try_from(body.len()).unwrap_or(u32::MAX);
         b[0..4].copy_from_slice(&len.to_le_bytes());
-        b[8..16].copy_from_slice(&seq.to_le_bytes());
-        b[16..24].copy_from_slice(&ts_ns.to_le_bytes());
-        let crc = frame_crc(&b, payload);
+        b[8..16].copy_from_slice(&self.first_seq.to_le_bytes());
+        b[16..24].copy_from_slice(&self.last_seq.to_le_bytes());
+        b[24..32].copy_from_slice(&self.min_ts.to_le_bytes());
+        b[32..40].copy_from_slice(&self.max_ts.to_le_bytes());
+        b[40..44].copy_from_slice(&self.raw_len.to_le_bytes());
+        b[44..46].copy_from_slice(&self.count.to_le_bytes());
+        b[46] = self.codec;
+        // 47 reserved, zero.
+        let crc = frame_crc(&b, body);
         b[4..8].copy_from_slice(&crc.to_le_bytes());
         b
     }
@@ -175,8 +213,13 @@ impl FrameHeader {
         Self {
             len: u32_at(b, 0),
             crc: u32_at(b, 4),
-            seq: u64_at(b, 8),
-            ts_ns: u64_at(b, 16),
+            first_seq: u64_at(b, 8),
+            last_seq: u64_at(b, 16),
+            min_ts: u64_at(b, 24),
+            max_ts: u64_at(b, 32),
+            raw_len: u32_at(b, 40),
+            count: u16_at(b, 44),
+            codec: b[46],
         }
     }
 
@@ -184,14 +227,60 @@ impl FrameHeader {
     pub(crate) fn frame_len(&self) -> u64 {
         FRAME_HEADER_LEN + u64::from(self.len)
     }
+
+    /// Whether the fields of a frame whose checksum matched can describe a
+    /// real block; `Err` says which does not. Checked before the body is
+    /// decompressed, so that `raw_len` never sizes a buffer unchecked.
+    pub(crate) fn check(&self) -> Result<Codec, String> {
+        let Some(codec) = Codec::from_byte(self.codec) else {
+            return Err(format!("unknown codec {}", self.codec));
+        };
+        if self.count == 0 {
+            return Err("a block of no record".into());
+        }
+        if self.last_seq < self.first_seq
+            || self.last_seq - self.first_seq < u64::from(self.count) - 1
+        {
+            return Err(format!(
+                "{} records cannot span seq {}..={}",
+                self.count, self.first_seq, self.last_seq
+            ));
+        }
+        if self.min_ts > self.max_ts {
+            return Err(format!(
+                "smallest timestamp {} above the largest {}",
+                self.min_ts, self.max_ts
+            ));
+        }
+        if self.raw_len > MAX_BLOCK_BYTES {
+            return Err(format!(
+                "records region of {} bytes exceeds the maximum {MAX_BLOCK_BYTES}",
+                self.raw_len
+            ));
+        }
+        let possible = match codec {
+            Codec::Stored => self.raw_len == self.len,
+            // LZ4 cannot expand a byte of input into more than 255 bytes of
+            // output, so a larger claim is damage, refused before anything
+            // is allocated for it.
+            Codec::Lz4 => u64::from(self.raw_len) <= u64::from(self.len) * 255 + 64,
+        };
+        if !possible {
+            return Err(format!(
+                "a body of {} bytes cannot hold a records region of {} bytes",
+                self.len, self.raw_len
+            ));
+        }
+        Ok(codec)
+    }
 }
 
-/// CRC-32C over the frame header's length, seq and ts fields (bytes 0..4 and
-/// 8..24, skipping the checksum itself) followed by the payload.
-pub(crate) fn frame_crc(header: &[u8; FRAME_HEADER_LEN as usize], payload: &[u8]) -> u32 {
+/// CRC-32C over the frame header without its checksum field (bytes 0..4 and
+/// 8..48) followed by the body.
+pub(crate) fn frame_crc(header: &[u8; FRAME_HEADER_LEN as usize], body: &[u8]) -> u32 {
     let crc = crc32c::crc32c(&header[0..4]);
-    let crc = crc32c::crc32c_append(crc, &header[8..24]);
-    crc32c::crc32c_append(crc, payload)
+    let crc = crc32c::crc32c_append(crc, &header[8..]);
+    crc32c::crc32c_append(crc, body)
 }
 
 /// `00000000000000000042.kvlog`
@@ -259,23 +348,71 @@ mod tests {
 
     #[test]
     fn future_version_is_unsupported_not_corrupt() {
-        let mut b = SegmentHeader::new(1, 1, 0).encode();
-        b[8..10].copy_from_slice(&2u16.to_le_bytes());
-        assert_eq!(SegmentHeader::decode(&b), Err(HeaderError::Unsupported(2)));
+        for v in [1u16, 3] {
+            // Version 1 (one frame per record) is not read any more either.
+            let mut b = SegmentHeader::new(1, 1, 0).encode();
+            b[8..10].copy_from_slice(&v.to_le_bytes());
+            assert_eq!(SegmentHeader::decode(&b), Err(HeaderError::Unsupported(v)));
+        }
+    }
+
+    fn header() -> FrameHeader {
+        FrameHeader {
+            len: 0,
+            crc: 0,
+            first_seq: 5,
+            last_seq: 9,
+            min_ts: 6,
+            max_ts: 60,
+            raw_len: 5,
+            count: 3,
+            codec: Codec::Stored as u8,
+        }
     }
 
     #[test]
-    fn frame_crc_covers_every_header_field_and_the_payload() {
-        let payload = b"hello";
-        let h = FrameHeader::encode(5, 6, payload);
-        let good = FrameHeader::decode(&h);
-        assert_eq!(frame_crc(&h, payload), good.crc);
-        for i in (0..4).chain(8..24) {
-            let mut d = h;
+    fn frame_crc_covers_every_header_field_and_the_body() {
+        let body = b"hello";
+        let hb = header().encode(body);
+        let good = FrameHeader::decode(&hb);
+        assert_eq!(good.len, 5);
+        assert_eq!(good.check(), Ok(Codec::Stored));
+        assert_eq!(frame_crc(&hb, body), good.crc);
+        for i in (0..4).chain(8..FRAME_HEADER_LEN as usize) {
+            let mut d = hb;
             d[i] ^= 1;
-            assert_ne!(frame_crc(&d, payload), good.crc, "byte {i} not covered");
+            assert_ne!(frame_crc(&d, body), good.crc, "byte {i} not covered");
         }
-        assert_ne!(frame_crc(&h, b"hellp"), good.crc);
+        assert_ne!(frame_crc(&hb, b"hellp"), good.crc);
+    }
+
+    #[test]
+    fn impossible_block_headers_are_refused() {
+        let ok = FrameHeader { len: 5, ..header() };
+        assert!(ok.check().is_ok());
+        let bad = [
+            FrameHeader { codec: 7, ..ok },
+            FrameHeader { count: 0, ..ok },
+            FrameHeader { last_seq: 4, ..ok },
+            FrameHeader { count: 6, ..ok },
+            FrameHeader { min_ts: 61, ..ok },
+            FrameHeader { raw_len: 6, ..ok },
+            FrameHeader {
+                raw_len: MAX_BLOCK_BYTES + 1,
+                codec: Codec::Lz4 as u8,
+                len: u32::MAX,
+                ..ok
+            },
+            // A hostile size claim from a tiny body.
+            FrameHeader {
+                raw_len: 16 << 20,
+                codec: Codec::Lz4 as u8,
+                ..ok
+            },
+        ];
+        for h in bad {
+            assert!(h.check().is_err(), "{h:?}");
+        }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Sparse per-segment index: which records start where, so a reader can
+//! Sparse per-segment index: which blocks start where, so a reader can
 //! jump near a sequence number or a time and scan forward from there.
 //!
 //! The index is derived data. The writer builds it while appending and stores
@@ -19,30 +19,32 @@ use super::format::{
 };
 
 const INDEX_MAGIC: [u8; 8] = *b"KVBMIDX\0";
-const INDEX_VERSION: u16 = 1;
+/// 2: entries point at blocks (version-2 segments); 1 pointed at records.
+const INDEX_VERSION: u16 = 2;
 const INDEX_HEADER_LEN: usize = 88;
 const ENTRY_LEN: usize = 32;
 /// An index file larger than this is not read (it would describe some eight
 /// million entries, far more than any segment the writer produces).
 const MAX_INDEX_FILE: u64 = 256 << 20;
 
-/// One sparse index point: the record at `offset` in its segment.
+/// One sparse index point: the block at `offset` in its segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexEntry {
-    /// The record's sequence number.
+    /// The sequence number of the block's first record.
     pub seq: u64,
-    /// The record's timestamp.
+    /// The smallest timestamp in the block.
     pub ts_ns: u64,
-    /// The largest `ts_ns` of the records before this one in the same
+    /// The largest `ts_ns` of the records before this block in the same
     /// segment (0 for the first). Seeking by time uses it, so timestamps
     /// need not be monotonic for a time seek to be exact.
     pub ts_max_before: u64,
-    /// Byte offset of the record's frame in the segment file.
+    /// Byte offset of the block's frame in the segment file.
     pub offset: u64,
 }
 
-/// The last record of a segment, so an index file can be checked against the
-/// segment it describes without scanning it.
+/// The last block of a segment (its last seq, offset and checksum), so an
+/// index file can be checked against the segment it describes without
+/// scanning it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct LastRecord {
     pub seq: u64,
@@ -54,7 +56,7 @@ pub(crate) struct LastRecord {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct SegmentIndex {
     pub records: u64,
-    /// End of the last good record (the header's end when there is none).
+    /// End of the last good block (the header's end when there is none).
     pub valid_len: u64,
     pub last: Option<LastRecord>,
     pub min_ts: u64,
@@ -75,7 +77,7 @@ impl SegmentIndex {
     }
 
     /// The entry to start a scan from for the first record with
-    /// `seq >= target`: the last entry whose seq is `<= target`.
+    /// `seq >= target`: the last entry whose first seq is `<= target`.
     pub(crate) fn start_for_seq(&self, target: u64) -> Option<&IndexEntry> {
         let n = self.entries.partition_point(|e| e.seq <= target);
         self.entries.get(n.checked_sub(1)?)
@@ -91,9 +93,9 @@ impl SegmentIndex {
     }
 }
 
-/// Builds a [`SegmentIndex`] record by record, taking an entry for the first
-/// record and then every `every_records` records or `every_bytes` bytes,
-/// whichever comes first.
+/// Builds a [`SegmentIndex`] block by block, taking an entry for the first
+/// block and then for the first block that starts at least `every_records`
+/// records or `every_bytes` bytes after the previous entry.
 #[derive(Debug)]
 pub(crate) struct IndexBuilder {
     every_records: u64,
@@ -121,27 +123,27 @@ impl IndexBuilder {
             || self.since_bytes >= self.every_bytes
         {
             idx.entries.push(IndexEntry {
-                seq: h.seq,
-                ts_ns: h.ts_ns,
+                seq: h.first_seq,
+                ts_ns: h.min_ts,
                 ts_max_before: if idx.records == 0 { 0 } else { idx.max_ts },
                 offset,
             });
             self.since_records = 0;
             self.since_bytes = 0;
         }
-        self.since_records += 1;
+        self.since_records += u64::from(h.count);
         self.since_bytes += h.frame_len();
         if idx.records == 0 {
-            idx.min_ts = h.ts_ns;
-            idx.max_ts = h.ts_ns;
+            idx.min_ts = h.min_ts;
+            idx.max_ts = h.max_ts;
         } else {
-            idx.min_ts = idx.min_ts.min(h.ts_ns);
-            idx.max_ts = idx.max_ts.max(h.ts_ns);
+            idx.min_ts = idx.min_ts.min(h.min_ts);
+            idx.max_ts = idx.max_ts.max(h.max_ts);
         }
-        idx.records += 1;
+        idx.records += u64::from(h.count);
         idx.valid_len = offset + h.frame_len();
         idx.last = Some(LastRecord {
-            seq: h.seq,
+            seq: h.last_seq,
             offset,
             crc: h.crc,
         });
@@ -322,15 +324,18 @@ pub(crate) fn load<R: Read + Seek>(
         Ok(idx) => idx,
         Err(why) => return Ok(Err(why)),
     };
-    // The last record must be on disk exactly as the index remembers it;
+    // The last block must be on disk exactly as the index remembers it;
     // this catches an index left over from an earlier life of the segment.
     if let Some(last) = idx.last {
         let mut h = [0u8; FRAME_HEADER_LEN as usize];
         segment.seek(SeekFrom::Start(last.offset))?;
         segment.read_exact(&mut h)?;
         let f = FrameHeader::decode(&h);
-        if f.seq != last.seq || f.crc != last.crc || last.offset + f.frame_len() != idx.valid_len {
-            return Ok(Err("last record does not match the segment".into()));
+        if f.last_seq != last.seq
+            || f.crc != last.crc
+            || last.offset + f.frame_len() != idx.valid_len
+        {
+            return Ok(Err("last block does not match the segment".into()));
         }
     }
     Ok(Ok(idx))
@@ -352,8 +357,20 @@ pub(crate) fn store(dir: &Path, header: &SegmentHeader, idx: &SegmentIndex) -> i
 mod tests {
     use super::*;
 
+    /// A one-record block's frame header with a body of `len` bytes.
     fn frame(seq: u64, ts: u64, len: usize) -> FrameHeader {
-        FrameHeader::decode(&FrameHeader::encode(seq, ts, &vec![7u8; len]))
+        let h = FrameHeader {
+            len: 0,
+            crc: 0,
+            first_seq: seq,
+            last_seq: seq,
+            min_ts: ts,
+            max_ts: ts,
+            raw_len: len as u32,
+            count: 1,
+            codec: 0,
+        };
+        FrameHeader::decode(&h.encode(&vec![7u8; len]))
     }
 
     fn build(n: u64, every: u32) -> (SegmentHeader, SegmentIndex) {
@@ -383,7 +400,7 @@ mod tests {
         let mut b = IndexBuilder::new(u32::MAX, 100);
         let mut off = SEGMENT_HEADER_LEN;
         for i in 0..10 {
-            let f = frame(i, i, 26); // 50-byte frames: an entry every 2 records
+            let f = frame(i, i, 2); // 50-byte frames: an entry every 2 records
             b.push(&f, off);
             off += f.frame_len();
         }

@@ -1,5 +1,6 @@
 //! The durable log: an append-only, crash-safe store of opaque records on
-//! disk, with a sparse index for seeking and optional snapshots.
+//! disk, gathered into compressed blocks, with a sparse index for seeking
+//! and optional snapshots.
 //!
 //! # What it is for
 //!
@@ -9,15 +10,18 @@
 //!
 //! - a record that was fsynced is there after a crash, and so is every record
 //!   before it; after the process is killed (not the machine), every record
-//!   handed to the OS is there too;
+//!   handed to the OS is there too (records reach the OS a block at a
+//!   time: on `flush`, `sync`, a full block, or per the fsync policy);
 //! - a crash mid-write leaves at most a *torn tail*, which readers skip and
 //!   [`LogWriter::open_append`] truncates;
 //! - damage anywhere else is *corruption*, reported with the segment file and
-//!   byte offset ([`LogError::Corrupt`]), with every record before it still
-//!   readable;
+//!   byte offset of the damaged block ([`LogError::Corrupt`]), with every
+//!   record of the blocks before it still readable;
 //! - reading never panics, whatever the bytes on disk, and never sizes a
 //!   buffer from a length field before checking it against the maximum and
-//!   against the bytes actually there.
+//!   against the bytes actually there (a block's decompressed size
+//!   included: it is checked against [`MAX_BLOCK_BYTES`] and against what
+//!   the compressed body could possibly expand to).
 //!
 //! # What it must not do
 //!
@@ -27,7 +31,7 @@
 //! - Trust derived data. Index files and snapshots are conveniences that a
 //!   reader checks and, when they do not hold up, rebuilds (the index) or
 //!   skips (a snapshot). Only segment files are the source of truth.
-//! - Destroy data it is not sure about. Only a bad record with nothing valid
+//! - Destroy data it is not sure about. Only a bad block with nothing valid
 //!   after it, at the very end of the last segment, is truncated; anything
 //!   else is reported and left alone.
 //! - Spawn threads. The fsync interval is checked when appending and
@@ -47,10 +51,10 @@
 //!
 //! Segments are named, Kafka style, by the sequence number of the first
 //! record they hold, zero-padded to 20 digits so that names sort in log
-//! order. A segment is created when its first record is appended, and a new
-//! one is started when the next record would take the current one past
-//! [`LogConfig::segment_bytes`] (a segment always holds at least one record,
-//! so one record larger than the limit gets a segment of its own).
+//! order. A segment is created when its first block is written, and a new
+//! one is started when the next block would take the current one past
+//! [`LogConfig::segment_bytes`] (a segment always holds at least one block,
+//! so one block larger than the limit gets a segment of its own).
 //!
 //! **Segment header**, 64 bytes, written in one call when the segment is
 //! created:
@@ -58,7 +62,7 @@
 //! | bytes  | field |
 //! |--------|-------|
 //! | 0..8   | magic `KVBMLOG\0` |
-//! | 8..10  | format version, `u16` = 1 |
+//! | 8..10  | format version, `u16` = 2 (1, one frame per record, is refused with [`LogError::UnsupportedVersion`]) |
 //! | 10..12 | header length, `u16` = 64 |
 //! | 12..16 | schema version of the payloads, `u32`, as the caller passed it |
 //! | 16..24 | engine id, `u64` |
@@ -67,20 +71,40 @@
 //! | 40..60 | reserved, zero |
 //! | 60..64 | CRC-32C of bytes 0..60 |
 //!
-//! **Record frame**, 24 bytes of header then the payload, back to back from
-//! byte 64 to the end of the segment (no padding, no trailer):
+//! **Block frame**, 48 bytes of header then the body, back to back from
+//! byte 64 to the end of the segment (no padding, no trailer). A block holds
+//! one or more consecutive records; the writer seals one when the next record
+//! would take its records region past [`LogConfig::block_bytes`] (64 KiB
+//! less a little by default), at 65,535 records, and on every flush, sync,
+//! rotation or close (so with [`FsyncPolicy::EveryRecord`] a block holds one
+//! record):
 //!
 //! | bytes  | field |
 //! |--------|-------|
-//! | 0..4   | payload length `n`, `u32`, at most [`MAX_RECORD_BYTES`] (16 MiB) |
-//! | 4..8   | CRC-32C over bytes 0..4, then 8..24, then the payload |
-//! | 8..16  | seq, `u64`, strictly increasing across the whole log |
-//! | 16..24 | ts_ns, `u64`, as the caller passed it (not required monotonic) |
-//! | 24..24+n | payload |
+//! | 0..4   | body length `n`, `u32`, at most [`MAX_BLOCK_BYTES`] (16 MiB + 64) |
+//! | 4..8   | CRC-32C over bytes 0..4, then 8..48, then the body |
+//! | 8..16  | first seq, `u64` |
+//! | 16..24 | last seq, `u64`; seqs are strictly increasing across the whole log |
+//! | 24..32 | smallest ts_ns of its records, `u64` (timestamps are stored as the caller passed them, not required monotonic) |
+//! | 32..40 | largest ts_ns of its records, `u64` |
+//! | 40..44 | length of the records region, `u32`, at most [`MAX_BLOCK_BYTES`] |
+//! | 44..46 | record count, `u16`, at least 1 |
+//! | 46     | codec: 0 the body is the records region; 1 the body is the region compressed as one LZ4 block (the writer stores it uncompressed when LZ4 would not make it smaller) |
+//! | 47     | reserved, zero |
+//! | 48..48+n | body |
 //!
-//! The checksum covers the length and the sequence number, so a frame whose
+//! The **records region** is, per record, three LEB128 varints (seq minus the
+//! previous record's, 0 for the first; ts_ns minus the previous record's,
+//! wrapping, zigzag-encoded, the first against 0; payload length, at most
+//! [`MAX_RECORD_BYTES`]) then the payload. A reader checks it against the
+//! header: the count, the first and last seq, each timestamp inside the
+//! header's range, no byte left over.
+//!
+//! The checksum covers the lengths, the seqs and the codec, so a frame whose
 //! length field is damaged fails its check rather than being misread, and an
-//! all-zero region (what a power loss can leave) is never a valid frame.
+//! all-zero region (what a power loss can leave) is never a valid frame. The
+//! header's seqs and timestamps let scanning, indexing and recovery work
+//! without decompressing anything.
 //!
 //! **Index file** `<segment>.idx`, written (temporary file, then rename) when
 //! the segment is sealed or the log closed; not fsynced, since it is derived:
@@ -88,20 +112,21 @@
 //! | bytes  | field |
 //! |--------|-------|
 //! | 0..8   | magic `KVBMIDX\0` |
-//! | 8..10  | version, `u16` = 1; 10..12 reserved |
+//! | 8..10  | version, `u16` = 2; 10..12 reserved |
 //! | 12..16 | entry count `k`, `u32` |
 //! | 16..24 | the segment's first seq |
 //! | 24..28 | the segment header's CRC (ties the index to that very file); 28..32 reserved |
 //! | 32..40 | bytes of the segment it covers (must equal the file's length) |
 //! | 40..48 | record count |
-//! | 48..56, 56..64, 64..68 | last record's seq, offset and frame CRC (checked against the segment on load); 68..72 reserved |
+//! | 48..56, 56..64, 64..68 | last block's last seq, offset and frame CRC (checked against the segment on load); 68..72 reserved |
 //! | 72..80, 80..88 | smallest and largest ts_ns in the segment |
-//! | 88..88+32k | entries: seq, ts_ns, largest ts_ns before this record in the segment, byte offset (`u64` each) |
+//! | 88..88+32k | entries, one per indexed block: its first seq, its smallest ts_ns, the largest ts_ns before the block in the segment, its byte offset (`u64` each) |
 //! | last 4 | CRC-32C of everything before |
 //!
-//! An entry is taken for a segment's first record and then every
-//! [`LogConfig::index_every_records`] records or
-//! [`LogConfig::index_every_bytes`] bytes, whichever comes first.
+//! An entry is taken for a segment's first block and then for the first block
+//! that starts at least [`LogConfig::index_every_records`] records or
+//! [`LogConfig::index_every_bytes`] bytes after the previous entry (with the
+//! defaults, every block of a busy log).
 //!
 //! **Snapshot** `snapshot-<seq>.bin`: magic `KVBMSNAP`, version `u16` = 1,
 //! header length `u16` = 56, schema version `u32`, engine id, seq, ts_ns and
@@ -113,15 +138,19 @@
 //! Readers and [`LogWriter::open_append`] read each segment frame by frame
 //! (streaming, through a `BufReader`). A frame is *bad* if its header is
 //! incomplete, its length exceeds the maximum or what remains of the file,
-//! or its checksum fails. A frame with a good checksum whose seq does not
-//! increase (or, first in its segment, differs from the header) is
-//! corruption outright: it was written whole. For a bad frame:
+//! or its checksum fails. A frame with a good checksum whose header cannot
+//! describe a block, or whose first seq does not follow the previous block
+//! (or, first in its segment, differs from the segment header) is corruption
+//! outright: it was written whole. So is a block whose body, checksum and
+//! all, does not decompress to a records region that matches its header;
+//! that is found when it is read. For a bad frame:
 //!
 //! - in any segment but the last: corruption;
 //! - in the last segment: the rest of the file is searched, byte by byte,
 //!   for a frame that fits, passes its checksum and continues the sequence
 //!   (trying first where the bad frame's length points). If one exists the
-//!   bad frame is corruption in the middle; if none does it is a torn tail.
+//!   bad frame is corruption in the middle; if none does it is a torn tail,
+//!   and every record of the blocks before it is kept.
 //!
 //! The same holds for a segment header: a short or garbled header in the last
 //! segment with nothing valid after it is a crash while creating that
@@ -131,8 +160,9 @@
 //!
 //! # Durability ([`FsyncPolicy`])
 //!
-//! Appends go through a `BufWriter`. `EveryRecord` flushes and fsyncs
-//! (`fdatasync`) before `append` returns. `Interval(d)` fsyncs when at least
+//! Appends gather in the open block (memory), and sealed blocks go through a
+//! `BufWriter`. `EveryRecord` seals, flushes and fsyncs (`fdatasync`) before
+//! `append` returns. `Interval(d)` fsyncs when at least
 //! `d` has passed since the last fsync, checked in `append` and `flush` (so
 //! an idle writer does not fsync; call `flush` periodically or `sync`).
 //! `Never` leaves it to the OS. With any policy but `Never`, creating a
@@ -147,11 +177,13 @@
 //! moment (records appended later are not seen; reopen to see them). It uses
 //! each segment's index file when it checks out and scans the segment
 //! otherwise (in memory only: a reader never writes). Iteration checks every
-//! frame again, so corruption in a segment whose index was trusted is still
-//! reported, when it is reached. Seeking by seq or time starts at the
-//! nearest index entry and scans forward. [`LogReader::from_files`] reads the
+//! frame again and decompresses each block, so corruption in a segment whose
+//! index was trusted is still reported, when it is reached. Seeking by seq
+//! or time starts at the nearest index entry (a block) and scans forward;
+//! blocks that end before the target are checked but not decompressed. [`LogReader::from_files`] reads the
 //! same files from memory through the same code (the fuzz tests use it).
 
+mod block;
 mod format;
 mod index;
 mod reader;
@@ -166,8 +198,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use format::{
-    FORMAT_VERSION, FRAME_HEADER_LEN, MAX_RECORD_BYTES, SEGMENT_HEADER_LEN, SegmentHeader,
-    index_file_name, parse_segment_file_name, segment_file_name,
+    FORMAT_VERSION, FRAME_HEADER_LEN, MAX_BLOCK_BYTES, MAX_RECORD_BYTES, SEGMENT_HEADER_LEN,
+    SegmentHeader, index_file_name, parse_segment_file_name, segment_file_name,
 };
 pub use index::IndexEntry;
 pub use reader::{
@@ -195,8 +227,15 @@ pub struct LogConfig {
     pub schema_version: u32,
     /// The engine whose events the log holds; stored in every header.
     pub engine_id: u64,
-    /// A segment is rotated before a record would take it past this size.
+    /// A segment is rotated before a block would take it past this size.
     pub segment_bytes: u64,
+    /// A block is sealed before its records region (payloads plus a few
+    /// bytes each) would grow past this size; a record larger than this
+    /// gets a block of its own, so `1` gives one record per block; at most
+    /// [`MAX_RECORD_BYTES`]. Blocks
+    /// are also sealed on every flush, sync and rotation, so with
+    /// [`FsyncPolicy::EveryRecord`] each block holds one record.
+    pub block_bytes: u32,
     /// When to fsync.
     pub fsync: FsyncPolicy,
     /// An index entry at least every this many records.
@@ -213,6 +252,9 @@ impl Default for LogConfig {
             schema_version: 0,
             engine_id: 0,
             segment_bytes: 64 << 20,
+            // Just under 64 KiB, where LZ4's faster 16-bit match table
+            // still covers the whole block.
+            block_bytes: 60 << 10,
             fsync: FsyncPolicy::Interval(Duration::from_millis(100)),
             index_every_records: 64,
             index_every_bytes: 64 << 10,
@@ -233,6 +275,14 @@ impl LogConfig {
                 Self::MIN_SEGMENT_BYTES
             )));
         }
+        // A block then never holds more than MAX_BLOCK_BYTES: it is sealed
+        // before reaching block_bytes unless one record alone exceeds it.
+        if self.block_bytes == 0 || self.block_bytes > MAX_RECORD_BYTES {
+            return Err(LogError::InvalidConfig(format!(
+                "block_bytes {} is not between 1 and {MAX_RECORD_BYTES}",
+                self.block_bytes
+            )));
+        }
         if self.index_every_records == 0 || self.index_every_bytes == 0 {
             return Err(LogError::InvalidConfig(
                 "index_every_records and index_every_bytes must be at least 1".into(),
@@ -247,7 +297,10 @@ impl LogConfig {
 pub struct LogStats {
     /// Records appended.
     pub records: u64,
-    /// Bytes written to segments: frames plus segment headers.
+    /// Blocks written.
+    pub blocks: u64,
+    /// Bytes written to segments: block frames plus segment headers (a
+    /// block counts when it is sealed).
     pub bytes: u64,
     /// Segments created.
     pub segments: u64,
@@ -299,7 +352,7 @@ pub enum CorruptReason {
         /// Bytes left in the segment.
         available: u64,
     },
-    /// The length field exceeds [`MAX_RECORD_BYTES`].
+    /// The length field exceeds [`MAX_BLOCK_BYTES`].
     #[error("frame length {len} exceeds the maximum {max}")]
     TooLarge {
         /// The length field.
@@ -315,7 +368,12 @@ pub enum CorruptReason {
         /// Over the bytes read.
         computed: u32,
     },
-    /// A whole, checksummed frame whose seq does not follow its predecessor.
+    /// A whole, checksummed block whose header cannot describe a block, or
+    /// whose body does not decompress to records that match it.
+    #[error("bad block: {0}")]
+    BadBlock(String),
+    /// A whole, checksummed block whose first seq does not follow its
+    /// predecessor.
     #[error("sequence number {seq} does not follow {prev}")]
     SeqNotIncreasing {
         /// This frame's.
@@ -323,7 +381,8 @@ pub enum CorruptReason {
         /// The previous record's.
         prev: u64,
     },
-    /// The segment's first record is not the one its header announces.
+    /// The segment's first block does not start with the seq its header
+    /// announces.
     #[error("first record has seq {seq}, the segment header says {expected}")]
     FirstSeqMismatch {
         /// The record's.

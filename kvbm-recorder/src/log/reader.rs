@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::format::{FrameHeader, SEGMENT_HEADER_LEN, SegmentHeader};
+use super::block::{self, BlockCursor, Entry};
+use super::format::{Codec, SEGMENT_HEADER_LEN, SegmentHeader};
 use super::index::{self, SegmentIndex};
 use super::scan::{self, ScanParams, SegmentEnd, Step};
 use super::snapshot::{self, Snapshot};
@@ -38,7 +39,8 @@ pub struct Record {
     pub payload: Vec<u8>,
     /// Segment file name it was read from.
     pub segment: Arc<str>,
-    /// Byte offset of its frame in that file.
+    /// Byte offset of its block's frame in that file (records of one block
+    /// share it).
     pub offset: u64,
 }
 
@@ -53,7 +55,7 @@ pub struct RecordRef<'a> {
     pub payload: &'a [u8],
     /// Segment file name it was read from.
     pub segment: &'a Arc<str>,
-    /// Byte offset of its frame in that file.
+    /// Byte offset of its block's frame in that file.
     pub offset: u64,
 }
 
@@ -286,8 +288,8 @@ impl LogReader {
     }
 
     /// Records from `at`: jumps to the nearest index entry at or before it
-    /// and scans forward, skipping (but still checking) the records before
-    /// it.
+    /// and scans forward, skipping the records before it (the blocks they
+    /// are in are still checked).
     pub fn iter_from(&self, at: SeekTo) -> LogIter<'_> {
         match at {
             SeekTo::Seq(target) => {
@@ -496,24 +498,34 @@ fn summarize(dir: Option<&Path>, segments: Vec<SegmentInfo>) -> LogInfo {
     }
 }
 
-/// A frame read by [`LogIter::advance`]: its header, offset and segment
-/// name (the payload is in the iterator's buffer).
-type Advanced<'r> = (FrameHeader, u64, &'r Arc<str>);
+/// A record found by [`LogIter::advance`]: where it lies in the block's
+/// records region, its block's offset and its segment's name.
+type Advanced<'r> = (Entry, u64, &'r Arc<str>);
 
 /// Iterates records in log order. Yields every good record, then at most one
-/// error (damage, or an I/O error), then nothing. Each frame's bounds and
-/// checksum are checked, then its order, then the reader's verify callback.
-/// [`LogIter::next_ref`] lends each record without copying it; the
-/// `Iterator` impl hands out owned records.
+/// error (damage, or an I/O error), then nothing. Each block frame's bounds,
+/// checksum and header are checked, then its order, then its body is
+/// decompressed and each record in it checked against the header, then the
+/// reader's verify callback runs on the record. [`LogIter::next_ref`] lends
+/// each record without copying it; the `Iterator` impl hands out owned
+/// records.
 #[derive(Debug)]
 pub struct LogIter<'r> {
     reader: &'r LogReader,
     seg: usize,
+    /// Offset of the next frame to read.
     pos: u64,
     file: Option<StoreFile>,
     prev_seq: Option<u64>,
     skip: Option<SeekTo>,
+    /// The current block's body as read.
     buf: Vec<u8>,
+    /// The current block's records region when the body is compressed.
+    raw: Vec<u8>,
+    codec: Codec,
+    cursor: BlockCursor,
+    /// Offset of the current block's frame.
+    block_offset: u64,
     done: bool,
 }
 
@@ -527,20 +539,32 @@ impl<'r> LogIter<'r> {
             prev_seq: None,
             skip,
             buf: Vec::new(),
+            raw: Vec::new(),
+            codec: Codec::Stored,
+            cursor: BlockCursor::default(),
+            block_offset: 0,
             done: false,
+        }
+    }
+
+    /// The current block's records region.
+    fn region(&self) -> &[u8] {
+        match self.codec {
+            Codec::Stored => &self.buf,
+            Codec::Lz4 => &self.raw,
         }
     }
 
     /// The next record, borrowed from the iterator.
     pub fn next_ref(&mut self) -> Option<Result<RecordRef<'_>, LogError>> {
-        let (h, offset, segment) = match self.advance()? {
+        let (e, offset, segment) = match self.advance()? {
             Ok(x) => x,
             Err(e) => return Some(Err(e)),
         };
         Some(Ok(RecordRef {
-            seq: h.seq,
-            ts_ns: h.ts_ns,
-            payload: &self.buf,
+            seq: e.seq,
+            ts_ns: e.ts_ns,
+            payload: &self.region()[e.start..e.end],
             segment,
             offset,
         }))
@@ -549,15 +573,63 @@ impl<'r> LogIter<'r> {
     fn fail(&mut self, e: LogError) -> Option<Result<Advanced<'r>, LogError>> {
         self.done = true;
         self.file = None;
+        self.cursor = BlockCursor::default();
         Some(Err(e))
     }
 
-    /// Reads frames until one is to be yielded; its payload is in `buf`.
+    fn corrupt(
+        &mut self,
+        offset: u64,
+        reason: CorruptReason,
+    ) -> Option<Result<Advanced<'r>, LogError>> {
+        let segment = self
+            .reader
+            .segments
+            .get(self.seg)
+            .map_or_else(String::new, |s| s.name.to_string());
+        self.fail(LogError::Corrupt {
+            segment,
+            offset,
+            reason,
+        })
+    }
+
+    /// Reads records, and frames when the current block is used up, until
+    /// one is to be yielded.
     fn advance(&mut self) -> Option<Result<Advanced<'r>, LogError>> {
         let reader: &'r LogReader = self.reader;
         loop {
             if self.done {
                 return None;
+            }
+            if self.cursor.left() > 0 {
+                let mut cursor = self.cursor;
+                let next = cursor.next(self.region());
+                self.cursor = cursor;
+                let e = match next {
+                    Ok(Some(e)) => e,
+                    Ok(None) => continue,
+                    Err(why) => {
+                        return self.corrupt(self.block_offset, CorruptReason::BadBlock(why));
+                    }
+                };
+                if let Some(target) = self.skip {
+                    let reached = match target {
+                        SeekTo::Seq(s) => e.seq >= s,
+                        SeekTo::TimeNs(t) => e.ts_ns >= t,
+                    };
+                    if !reached {
+                        continue;
+                    }
+                    self.skip = None;
+                }
+                if let Some(verify) = &reader.opts.verify
+                    && let Err(why) = verify(&self.region()[e.start..e.end])
+                {
+                    return self.corrupt(self.block_offset, CorruptReason::Verify(why));
+                }
+                let seg = &reader.segments[self.seg];
+                return Some(Ok((e, self.block_offset, &seg.name)));
             }
             let Some(seg) = reader.segments.get(self.seg) else {
                 self.done = true;
@@ -606,52 +678,40 @@ impl<'r> LogIter<'r> {
             let Some(file) = self.file.as_mut() else {
                 continue;
             };
-            let h = match scan::read_frame(file, self.pos, end, &mut self.buf) {
+            let offset = self.pos;
+            let h = match scan::read_frame(file, offset, end, &mut self.buf) {
                 Err(e) => return self.fail(io_err(&seg.path)(e)),
                 Ok(Step::End) => {
                     self.pos = end;
                     continue;
                 }
-                Ok(Step::Bad { reason, .. }) => {
-                    let offset = self.pos;
-                    return self.fail(LogError::Corrupt {
-                        segment: seg.name.to_string(),
-                        offset,
-                        reason,
-                    });
-                }
+                Ok(Step::Bad { reason, .. }) => return self.corrupt(offset, reason),
                 Ok(Step::Frame(h)) => h,
             };
-            let offset = self.pos;
-            if let Some(reason) = scan::check_seq(&h, offset, &header, self.prev_seq) {
-                return self.fail(LogError::Corrupt {
-                    segment: seg.name.to_string(),
-                    offset,
-                    reason,
-                });
+            if let Some(reason) = scan::check_frame(&h, offset, &header, self.prev_seq) {
+                return self.corrupt(offset, reason);
             }
             self.pos += h.frame_len();
-            self.prev_seq = Some(h.seq);
-            if let Some(target) = self.skip {
-                let reached = match target {
-                    SeekTo::Seq(s) => h.seq >= s,
-                    SeekTo::TimeNs(t) => h.ts_ns >= t,
-                };
-                if !reached {
-                    continue;
-                }
-                self.skip = None;
+            self.prev_seq = Some(h.last_seq);
+            // A block that ends before the seek target is checked (bounds,
+            // checksum, header, order) but not decompressed.
+            let before_target = match self.skip {
+                Some(SeekTo::Seq(s)) => h.last_seq < s,
+                Some(SeekTo::TimeNs(t)) => h.max_ts < t,
+                None => false,
+            };
+            if before_target {
+                continue;
             }
-            if let Some(verify) = &reader.opts.verify
-                && let Err(why) = verify(&self.buf)
+            // `check_frame` passed, so the codec is known.
+            self.codec = Codec::from_byte(h.codec).unwrap_or(Codec::Stored);
+            if self.codec == Codec::Lz4
+                && let Err(why) = block::decompress(&h, &self.buf, &mut self.raw)
             {
-                return self.fail(LogError::Corrupt {
-                    segment: seg.name.to_string(),
-                    offset,
-                    reason: CorruptReason::Verify(why),
-                });
+                return self.corrupt(offset, CorruptReason::BadBlock(why));
             }
-            return Some(Ok((h, offset, &seg.name)));
+            self.block_offset = offset;
+            self.cursor = BlockCursor::new(&h);
         }
     }
 }
@@ -660,16 +720,14 @@ impl Iterator for LogIter<'_> {
     type Item = Result<Record, LogError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let (h, offset, segment) = match self.advance()? {
+        let (e, offset, segment) = match self.advance()? {
             Ok(x) => x,
             Err(e) => return Some(Err(e)),
         };
-        // Hand the buffer over instead of copying it; the next frame gets a
-        // fresh one of its own size.
         Some(Ok(Record {
-            seq: h.seq,
-            ts_ns: h.ts_ns,
-            payload: std::mem::take(&mut self.buf),
+            seq: e.seq,
+            ts_ns: e.ts_ns,
+            payload: self.region()[e.start..e.end].to_vec(),
             segment: Arc::clone(segment),
             offset,
         }))

@@ -5,21 +5,23 @@
 //! buffered file in production and on bytes in memory in tests. Bounds are
 //! checked against the segment's length before anything is read or
 //! allocated: a length field never sizes a buffer until it is known to be at
-//! most [`MAX_RECORD_BYTES`] and to fit in what remains of the file.
+//! most [`MAX_BLOCK_BYTES`] and to fit in what remains of the file. Frames are
+//! checked (bounds, checksum, header fields, order) but not decompressed:
+//! that is the reader's, record by record.
 
 use std::io::{self, Read, Seek, SeekFrom};
 
 use super::CorruptReason;
 use super::format::{
-    FRAME_HEADER_LEN, FrameHeader, HeaderError, MAX_RECORD_BYTES, SEGMENT_HEADER_LEN,
-    SegmentHeader, frame_crc,
+    FRAME_HEADER_LEN, FrameHeader, HeaderError, MAX_BLOCK_BYTES, SEGMENT_HEADER_LEN, SegmentHeader,
+    frame_crc,
 };
 use super::index::IndexBuilder;
 
 /// What reading one frame at a position found.
 #[derive(Debug)]
 pub(crate) enum Step {
-    /// A complete frame whose checksum matches; its payload is in the buffer.
+    /// A complete frame whose checksum matches; its body is in the buffer.
     Frame(FrameHeader),
     /// Exactly at the end: no bytes left.
     End,
@@ -33,7 +35,7 @@ pub(crate) enum Step {
 }
 
 /// Reads the frame at `pos` (the reader is positioned there) without reading
-/// past `end`. The payload is left in `buf`.
+/// past `end`. The body is left in `buf`, still compressed.
 pub(crate) fn read_frame<R: Read>(
     r: &mut R,
     pos: u64,
@@ -56,11 +58,11 @@ pub(crate) fn read_frame<R: Read>(
     let mut hb = [0u8; FRAME_HEADER_LEN as usize];
     r.read_exact(&mut hb)?;
     let h = FrameHeader::decode(&hb);
-    if h.len > MAX_RECORD_BYTES {
+    if h.len > MAX_BLOCK_BYTES {
         return Ok(Step::Bad {
             reason: CorruptReason::TooLarge {
                 len: h.len,
-                max: MAX_RECORD_BYTES,
+                max: MAX_BLOCK_BYTES,
             },
             next: None,
         });
@@ -144,8 +146,8 @@ pub(crate) struct ScanParams {
     pub index_every_bytes: u64,
 }
 
-/// Reads a whole segment: its header, then every frame, building its index,
-/// until the end or the first bad frame, and says how it ends.
+/// Reads a whole segment: its header, then every block frame, building its
+/// index, until the end or the first bad frame, and says how it ends.
 pub(crate) fn scan_segment<R: Read + Seek>(
     r: &mut R,
     file_len: u64,
@@ -184,7 +186,7 @@ pub(crate) fn scan_segment<R: Read + Seek>(
         match read_frame(r, pos, file_len, &mut buf)? {
             Step::End => break SegmentEnd::Clean,
             Step::Frame(h) => {
-                if let Some(reason) = check_seq(&h, pos, &header, prev) {
+                if let Some(reason) = check_frame(&h, pos, &header, prev) {
                     // A frame with a good checksum was written whole, so this
                     // is never a torn write.
                     break SegmentEnd::Corrupt {
@@ -193,7 +195,7 @@ pub(crate) fn scan_segment<R: Read + Seek>(
                     };
                 }
                 builder.push(&h, pos);
-                prev = Some(h.seq);
+                prev = Some(h.last_seq);
                 pos += h.frame_len();
             }
             Step::Bad { reason, next } => {
@@ -208,21 +210,30 @@ pub(crate) fn scan_segment<R: Read + Seek>(
     })
 }
 
-/// The order checks every reader applies to a frame with a good checksum.
-pub(crate) fn check_seq(
+/// The checks every reader applies to a frame with a good checksum: its
+/// header fields can describe a block, and its records follow the ones
+/// before. A frame failing them was written whole, so this is never a torn
+/// write.
+pub(crate) fn check_frame(
     h: &FrameHeader,
     pos: u64,
     header: &SegmentHeader,
     prev: Option<u64>,
 ) -> Option<CorruptReason> {
-    if pos == SEGMENT_HEADER_LEN && h.seq != header.first_seq {
+    if let Err(why) = h.check() {
+        return Some(CorruptReason::BadBlock(why));
+    }
+    if pos == SEGMENT_HEADER_LEN && h.first_seq != header.first_seq {
         return Some(CorruptReason::FirstSeqMismatch {
-            seq: h.seq,
+            seq: h.first_seq,
             expected: header.first_seq,
         });
     }
     match prev {
-        Some(prev) if h.seq <= prev => Some(CorruptReason::SeqNotIncreasing { seq: h.seq, prev }),
+        Some(prev) if h.first_seq <= prev => Some(CorruptReason::SeqNotIncreasing {
+            seq: h.first_seq,
+            prev,
+        }),
         _ => None,
     }
 }
@@ -326,9 +337,9 @@ fn valid_frame_at<R: Read + Seek>(
         Err(_) => return Ok(false),
     };
     let h = FrameHeader::decode(&hb);
-    if h.len > MAX_RECORD_BYTES
+    if h.len > MAX_BLOCK_BYTES
         || h.frame_len() > end - at
-        || after_seq.is_some_and(|prev| h.seq <= prev)
+        || after_seq.is_some_and(|prev| h.first_seq <= prev)
     {
         return Ok(false);
     }
@@ -336,8 +347,8 @@ fn valid_frame_at<R: Read + Seek>(
     if bytes.len() as u64 != h.frame_len() {
         return Ok(false);
     }
-    let payload = bytes.get(FRAME_HEADER_LEN as usize..).unwrap_or_default();
-    Ok(frame_crc(&hb, payload) == h.crc)
+    let body = bytes.get(FRAME_HEADER_LEN as usize..).unwrap_or_default();
+    Ok(frame_crc(&hb, body) == h.crc && h.check().is_ok())
 }
 
 /// A sliding window over the file for the corruption check: holds bytes

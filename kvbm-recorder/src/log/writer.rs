@@ -1,5 +1,6 @@
-//! The appending side of the log: framing, rotation, fsync policy, index
-//! sidecars, snapshots, and crash recovery on open.
+//! The appending side of the log: gathering records into blocks,
+//! compressing and framing them, rotation, fsync policy, index sidecars,
+//! snapshots, and crash recovery on open.
 //!
 //! One writer per directory. Nothing enforces that (an advisory lock would
 //! outlive a SIGKILL'd holder on some platforms and need more than `std`);
@@ -10,9 +11,12 @@ use std::io::{BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use lz4_flex::block::CompressTable;
+
+use super::block::{self, BlockBuilder, ENTRY_HEADER_MAX};
 use super::format::{
-    FRAME_HEADER_LEN, FrameHeader, MAX_RECORD_BYTES, SEGMENT_HEADER_LEN, SegmentHeader,
-    index_file_name, segment_file_name,
+    Codec, FRAME_HEADER_LEN, MAX_RECORD_BYTES, SEGMENT_HEADER_LEN, SegmentHeader, index_file_name,
+    segment_file_name,
 };
 use super::index::{self, IndexBuilder};
 use super::scan::{ScanParams, SegmentEnd, scan_segment};
@@ -35,11 +39,15 @@ struct Active {
 
 /// Appends records to a log directory. See the module docs for the format
 /// and the durability each [`FsyncPolicy`] gives.
-#[derive(Debug)]
 pub struct LogWriter {
     dir: PathBuf,
     cfg: LogConfig,
     active: Option<Active>,
+    /// Records appended since the last block was sealed.
+    block: BlockBuilder,
+    /// The compressed body of the block being sealed (kept for its buffer).
+    compressed: Vec<u8>,
+    table: CompressTable,
     last_seq: Option<u64>,
     flushed_seq: Option<u64>,
     durable_seq: Option<u64>,
@@ -218,6 +226,9 @@ impl LogWriter {
             dir,
             cfg,
             active: None,
+            block: BlockBuilder::default(),
+            compressed: Vec::new(),
+            table: CompressTable::small(),
             last_seq: None,
             flushed_seq: None,
             durable_seq: None,
@@ -235,8 +246,8 @@ impl LogWriter {
     /// nothing is written); `ts_ns` is stored as given. The payload is opaque
     /// and at most [`MAX_RECORD_BYTES`]. With [`FsyncPolicy::EveryRecord`]
     /// the record is on stable storage when this returns; otherwise it may
-    /// sit in the write buffer until the next `flush`, `sync`, rotation or
-    /// a full buffer.
+    /// sit in the open block (in memory) or the write buffer until the next
+    /// `flush`, `sync`, full block or full buffer.
     pub fn append(&mut self, seq: u64, ts_ns: u64, payload: &[u8]) -> Result<(), LogError> {
         self.usable()?;
         if let Some(last) = self.last_seq
@@ -250,23 +261,15 @@ impl LogWriter {
                 max: MAX_RECORD_BYTES as usize,
             });
         }
-        let frame_len = FRAME_HEADER_LEN + payload.len() as u64;
-        let rotate = self.active.as_ref().is_some_and(|a| {
-            a.index.index().records > 0 && a.len + frame_len > self.cfg.segment_bytes
-        });
-        let result = (|| -> Result<(), LogError> {
-            if rotate {
-                self.seal_active()?;
-            }
-            if self.active.is_none() {
-                self.start_segment(seq)?;
-            }
-            self.write_frame(seq, ts_ns, payload)
-        })();
-        if let Err(e) = &result {
-            self.poisoned = Some(e.to_string());
+        let entry = ENTRY_HEADER_MAX + payload.len();
+        let full = !self.block.is_empty()
+            && (self.block.is_full()
+                || self.block.raw_len() + entry > self.cfg.block_bytes as usize);
+        if full {
+            self.seal_block_or_poison()?;
         }
-        result?;
+        self.block.push(seq, ts_ns, payload);
+        self.stats.records += 1;
         self.last_seq = Some(seq);
         self.unsynced = true;
         let due = match self.cfg.fsync {
@@ -280,19 +283,56 @@ impl LogWriter {
         Ok(())
     }
 
-    fn write_frame(&mut self, seq: u64, ts_ns: u64, payload: &[u8]) -> Result<(), LogError> {
+    fn seal_block_or_poison(&mut self) -> Result<(), LogError> {
+        let result = self.seal_block();
+        if let Err(e) = &result {
+            self.poisoned = Some(e.to_string());
+        }
+        result
+    }
+
+    /// Compresses the open block and writes its frame into the active
+    /// segment (rotating first if the frame would take the segment past its
+    /// size, creating the segment if there is none). Nothing when the block
+    /// is empty.
+    fn seal_block(&mut self) -> Result<(), LogError> {
+        if self.block.is_empty() {
+            return Ok(());
+        }
+        let (_, raw) = self.block.header(Codec::Stored);
+        let codec = block::compress(raw, &mut self.compressed, &mut self.table);
+        let body_len = match codec {
+            Codec::Stored => self.block.raw_len(),
+            Codec::Lz4 => self.compressed.len(),
+        };
+        let frame_len = FRAME_HEADER_LEN + body_len as u64;
+        let rotate = self.active.as_ref().is_some_and(|a| {
+            a.index.index().records > 0 && a.len + frame_len > self.cfg.segment_bytes
+        });
+        if rotate {
+            self.seal_active()?;
+        }
+        if self.active.is_none() {
+            self.start_segment(self.block.first_seq())?;
+        }
+        let (header, raw) = self.block.header(codec);
+        let body: &[u8] = match codec {
+            Codec::Stored => raw,
+            Codec::Lz4 => &self.compressed,
+        };
         let Some(a) = self.active.as_mut() else {
             return Err(LogError::Poisoned("no active segment".into()));
         };
-        let hb = FrameHeader::encode(seq, ts_ns, payload);
+        let hb = header.encode(body);
         let offset = a.len;
         a.out.write_all(&hb).map_err(io_err(&a.path))?;
-        a.out.write_all(payload).map_err(io_err(&a.path))?;
-        let h = FrameHeader::decode(&hb);
+        a.out.write_all(body).map_err(io_err(&a.path))?;
+        let h = super::format::FrameHeader::decode(&hb);
         a.index.push(&h, offset);
-        a.len += h.frame_len();
-        self.stats.records += 1;
-        self.stats.bytes += h.frame_len();
+        a.len += frame_len;
+        self.stats.blocks += 1;
+        self.stats.bytes += frame_len;
+        self.block.clear();
         Ok(())
     }
 
@@ -329,19 +369,20 @@ impl LogWriter {
 
     /// Finishes the active segment: flush, fsync unless the policy is
     /// `Never` (so a later segment never exists on disk before an earlier
-    /// one is complete), then store its index.
+    /// one is complete), then store its index. Called while sealing a block
+    /// that goes to the next segment, so the records of the open block are
+    /// not in this one.
     fn seal_active(&mut self) -> Result<(), LogError> {
         let Some(mut a) = self.active.take() else {
             return Ok(());
         };
         a.out.flush().map_err(io_err(&a.path))?;
-        self.flushed_seq = self.last_seq;
+        let sealed = a.index.index().last.map(|l| l.seq);
+        self.flushed_seq = sealed;
         if self.cfg.fsync != FsyncPolicy::Never {
             a.out.get_ref().sync_data().map_err(io_err(&a.path))?;
             self.stats.fsyncs += 1;
-            self.durable_seq = self.last_seq;
-            self.unsynced = false;
-            self.last_sync = Instant::now();
+            self.durable_seq = sealed;
         }
         if let Err(e) = index::store(&self.dir, &a.header, a.index.index()) {
             // Derived data: a reader rebuilds it. Not worth failing appends.
@@ -350,9 +391,11 @@ impl LogWriter {
         Ok(())
     }
 
-    /// Hands buffered records to the OS (they then survive the process being
-    /// killed, not a power loss), and with [`FsyncPolicy::Interval`] fsyncs
-    /// if the interval has passed.
+    /// Seals the open block and hands buffered records to the OS (they then
+    /// survive the process being killed, not a power loss), and with
+    /// [`FsyncPolicy::Interval`] fsyncs if the interval has passed. Each
+    /// flush ends a block, so flushing after every few records makes blocks
+    /// small and compression poor.
     pub fn flush(&mut self) -> Result<(), LogError> {
         self.usable()?;
         let result = self.flush_inner();
@@ -370,6 +413,7 @@ impl LogWriter {
     }
 
     fn flush_inner(&mut self) -> Result<(), LogError> {
+        self.seal_block()?;
         if let Some(a) = self.active.as_mut() {
             a.out.flush().map_err(io_err(&a.path))?;
         }
@@ -472,8 +516,10 @@ impl LogWriter {
     }
 
     /// After a failed write the buffer may end in part of a frame; drop it
-    /// rather than let `BufWriter` flush it on drop.
+    /// rather than let `BufWriter` flush it on drop. The open block goes too:
+    /// its records were never handed to the OS.
     fn discard_buffer(&mut self) {
+        self.block.clear();
         if let Some(a) = self.active.take() {
             let (_file, _unwritten) = a.out.into_parts();
         }
@@ -523,6 +569,23 @@ impl LogWriter {
     /// The configuration in use.
     pub fn config(&self) -> &LogConfig {
         &self.cfg
+    }
+}
+
+impl std::fmt::Debug for LogWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogWriter")
+            .field("dir", &self.dir)
+            .field("cfg", &self.cfg)
+            .field("active", &self.active)
+            .field("block", &self.block)
+            .field("last_seq", &self.last_seq)
+            .field("flushed_seq", &self.flushed_seq)
+            .field("durable_seq", &self.durable_seq)
+            .field("stats", &self.stats)
+            .field("poisoned", &self.poisoned)
+            .field("closed", &self.closed)
+            .finish_non_exhaustive()
     }
 }
 
