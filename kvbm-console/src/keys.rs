@@ -194,6 +194,16 @@ impl Key {
         code_eq && ev_ctrl == self.ctrl
     }
 
+    /// The terminal event this key sends.
+    pub fn event(&self) -> KeyEvent {
+        let mods = if self.ctrl {
+            KeyModifiers::CONTROL
+        } else {
+            KeyModifiers::NONE
+        };
+        KeyEvent::new(self.code, mods)
+    }
+
     /// How the help writes it.
     pub fn label(&self) -> String {
         let base = match self.code {
@@ -245,210 +255,46 @@ const fn b(keys: &'static [Key], action: Action, scope: Scope, help: &'static st
 
 /// The table. Earlier rows win when two could match, so scoped rows come
 /// before the global ones they shadow.
+#[rustfmt::skip]
 pub const BINDINGS: &[Binding] = &[
     // Replay first: Space plays there and freezes live.
     b(&[k(' ')], Action::PlayPause, Scope::Replay, "play / pause"),
-    b(
-        &[k('+'), k(']')],
-        Action::Faster,
-        Scope::Replay,
-        "faster (up to 64×)",
-    ),
-    b(
-        &[k('-'), k('[')],
-        Action::Slower,
-        Scope::Replay,
-        "slower (down to 0.25×)",
-    ),
-    b(
-        &[code(KeyCode::Left), k('H')],
-        Action::SeekBack,
-        Scope::Replay,
-        "seek back 10 s",
-    ),
-    b(
-        &[code(KeyCode::Right), k('L')],
-        Action::SeekForward,
-        Scope::Replay,
-        "seek forward 10 s",
-    ),
-    b(
-        &[code(KeyCode::Home)],
-        Action::JumpStart,
-        Scope::Replay,
-        "jump to the start",
-    ),
-    b(
-        &[code(KeyCode::End)],
-        Action::JumpEnd,
-        Scope::Replay,
-        "jump to the end",
-    ),
-    b(
-        &[k('.')],
-        Action::StepForward,
-        Scope::Replay,
-        "one event forward",
-    ),
+    b(&[k('+'), k(']')], Action::Faster, Scope::Replay, "faster (up to 64×)"),
+    b(&[k('-'), k('[')], Action::Slower, Scope::Replay, "slower (down to 0.25×)"),
+    b(&[code(KeyCode::Left), k('H')], Action::SeekBack, Scope::Replay, "seek back 10 s"),
+    b(&[code(KeyCode::Right), k('L')], Action::SeekForward, Scope::Replay, "seek forward 10 s"),
+    b(&[code(KeyCode::Home)], Action::JumpStart, Scope::Replay, "jump to the start"),
+    b(&[code(KeyCode::End)], Action::JumpEnd, Scope::Replay, "jump to the end"),
+    b(&[k('.')], Action::StepForward, Scope::Replay, "one event forward"),
     b(&[k(',')], Action::StepBack, Scope::Replay, "one event back"),
-    b(
-        &[k(' ')],
-        Action::Freeze,
-        Scope::Live,
-        "freeze / unfreeze the view (the engine runs on)",
-    ),
-    b(
-        &[k('s')],
-        Action::Sort,
-        Scope::Slots,
-        "sort by the next column",
-    ),
+    b(&[k(' ')], Action::Freeze, Scope::Live, "freeze / unfreeze the view (the engine runs on)"),
+    b(&[k('s')], Action::Sort, Scope::Slots, "sort by the next column"),
     b(&[k('r')], Action::Reverse, Scope::Slots, "reverse the sort"),
-    b(
-        &[k('b')],
-        Action::BreakOnSelected,
-        Scope::Slots,
-        "break on the selected request",
-    ),
-    b(
-        &[k('a')],
-        Action::AddBreakpoint,
-        Scope::Breakpoints,
-        "add a breakpoint (type a spec)",
-    ),
-    b(
-        &[k('d'), code(KeyCode::Delete)],
-        Action::DeleteBreakpoint,
-        Scope::Breakpoints,
-        "clear the selected breakpoint",
-    ),
-    b(
-        &[k('D')],
-        Action::ClearBreakpoints,
-        Scope::Breakpoints,
-        "clear every breakpoint",
-    ),
-    b(
-        &[k('r')],
-        Action::Resume,
-        Scope::Breakpoints,
-        "resume the first (or selected) paused call",
-    ),
-    b(
-        &[k('R')],
-        Action::ResumeAll,
-        Scope::Breakpoints,
-        "resume every paused call",
-    ),
-    b(
-        &[k('n')],
-        Action::Step,
-        Scope::Breakpoints,
-        "step: resume, pause at the next call",
-    ),
-    b(
-        &[k('j'), code(KeyCode::Down)],
-        Action::Down,
-        Scope::List,
-        "down",
-    ),
+    b(&[k('b')], Action::BreakOnSelected, Scope::Slots, "break on the selected request (again: clear)"),
+    b(&[k('a')], Action::AddBreakpoint, Scope::Breakpoints, "add a breakpoint (type a spec)"),
+    b(&[k('d'), code(KeyCode::Delete)], Action::DeleteBreakpoint, Scope::Breakpoints, "clear the selected breakpoint"),
+    b(&[k('D')], Action::ClearBreakpoints, Scope::Breakpoints, "clear every breakpoint"),
+    b(&[k('r')], Action::Resume, Scope::Breakpoints, "resume the first (or selected) paused call"),
+    b(&[k('R')], Action::ResumeAll, Scope::Breakpoints, "resume every paused call"),
+    b(&[k('n')], Action::Step, Scope::Breakpoints, "step: resume, pause at the next call"),
+    b(&[k('j'), code(KeyCode::Down)], Action::Down, Scope::List, "down"),
     b(&[k('k'), code(KeyCode::Up)], Action::Up, Scope::List, "up"),
-    b(
-        &[ctrl('d'), code(KeyCode::PageDown)],
-        Action::PageDown,
-        Scope::List,
-        "page down",
-    ),
-    b(
-        &[ctrl('u'), code(KeyCode::PageUp)],
-        Action::PageUp,
-        Scope::List,
-        "page up",
-    ),
-    b(
-        &[k('g'), code(KeyCode::Home)],
-        Action::Top,
-        Scope::List,
-        "first row",
-    ),
-    b(
-        &[k('G'), code(KeyCode::End)],
-        Action::Bottom,
-        Scope::List,
-        "last row (the event log follows)",
-    ),
-    b(
-        &[code(KeyCode::Enter)],
-        Action::Open,
-        Scope::List,
-        "open the selected request",
-    ),
-    b(
-        &[k('/')],
-        Action::Filter,
-        Scope::List,
-        "filter by substring or /regex/",
-    ),
-    b(
-        &[code(KeyCode::Tab), k('l')],
-        Action::NextView,
-        Scope::Global,
-        "next view",
-    ),
-    b(
-        &[code(KeyCode::BackTab), k('h')],
-        Action::PrevView,
-        Scope::Global,
-        "previous view",
-    ),
-    b(
-        &[k('1')],
-        Action::View(ViewId::Slots),
-        Scope::Global,
-        "slots",
-    ),
-    b(
-        &[k('2')],
-        Action::View(ViewId::Transfers),
-        Scope::Global,
-        "transfers",
-    ),
-    b(
-        &[k('3')],
-        Action::View(ViewId::Pools),
-        Scope::Global,
-        "pools",
-    ),
-    b(
-        &[k('4')],
-        Action::View(ViewId::Histograms),
-        Scope::Global,
-        "histograms",
-    ),
-    b(
-        &[k('5')],
-        Action::View(ViewId::Breakpoints),
-        Scope::Global,
-        "breakpoints",
-    ),
-    b(
-        &[k('6')],
-        Action::View(ViewId::Events),
-        Scope::Global,
-        "event log",
-    ),
-    b(
-        &[code(KeyCode::Esc)],
-        Action::Back,
-        Scope::Global,
-        "back: close the detail, a popup or the filter",
-    ),
-    b(
-        &[k('w')],
-        Action::Warnings,
-        Scope::Global,
-        "warnings (lints)",
-    ),
+    b(&[ctrl('d'), code(KeyCode::PageDown)], Action::PageDown, Scope::List, "page down"),
+    b(&[ctrl('u'), code(KeyCode::PageUp)], Action::PageUp, Scope::List, "page up"),
+    b(&[k('g'), code(KeyCode::Home)], Action::Top, Scope::List, "first row"),
+    b(&[k('G'), code(KeyCode::End)], Action::Bottom, Scope::List, "last row (the event log follows)"),
+    b(&[code(KeyCode::Enter)], Action::Open, Scope::List, "open the selected request"),
+    b(&[k('/')], Action::Filter, Scope::List, "filter by substring or /regex/"),
+    b(&[code(KeyCode::Tab), k('l')], Action::NextView, Scope::Global, "next view"),
+    b(&[code(KeyCode::BackTab), k('h')], Action::PrevView, Scope::Global, "previous view"),
+    b(&[k('1')], Action::View(ViewId::Slots), Scope::Global, "slots"),
+    b(&[k('2')], Action::View(ViewId::Transfers), Scope::Global, "transfers"),
+    b(&[k('3')], Action::View(ViewId::Pools), Scope::Global, "pools"),
+    b(&[k('4')], Action::View(ViewId::Histograms), Scope::Global, "histograms"),
+    b(&[k('5')], Action::View(ViewId::Breakpoints), Scope::Global, "breakpoints"),
+    b(&[k('6')], Action::View(ViewId::Events), Scope::Global, "event log"),
+    b(&[code(KeyCode::Esc)], Action::Back, Scope::Global, "back: close the detail, a popup or the filter"),
+    b(&[k('w')], Action::Warnings, Scope::Global, "warnings (lints)"),
     b(&[k('?')], Action::Help, Scope::Global, "this help"),
     b(&[k('q'), ctrl('c')], Action::Quit, Scope::Global, "quit"),
 ];
@@ -514,14 +360,7 @@ pub fn help(ctx: Context) -> Vec<(&'static str, Vec<(String, &'static str)>)> {
                 .keys
                 .iter()
                 .filter(|key| {
-                    let ev = KeyEvent::new(
-                        key.code,
-                        if key.ctrl {
-                            KeyModifiers::CONTROL
-                        } else {
-                            KeyModifiers::NONE
-                        },
-                    );
+                    let ev = key.event();
                     // Shadowed by an earlier binding that is on now?
                     !BINDINGS[..i]
                         .iter()
@@ -618,17 +457,10 @@ mod tests {
                     .flat_map(|(_, r)| r.iter().map(|(_, h)| *h))
                     .collect();
                 for bnd in BINDINGS.iter().filter(|b| c.has(b.scope)) {
-                    let reachable = bnd.keys.iter().any(|key| {
-                        let ev = KeyEvent::new(
-                            key.code,
-                            if key.ctrl {
-                                KeyModifiers::CONTROL
-                            } else {
-                                KeyModifiers::NONE
-                            },
-                        );
-                        dispatch(&ev, c) == Some(bnd.action)
-                    });
+                    let reachable = bnd
+                        .keys
+                        .iter()
+                        .any(|key| dispatch(&key.event(), c) == Some(bnd.action));
                     assert_eq!(
                         listed.contains(&bnd.help),
                         reachable,
