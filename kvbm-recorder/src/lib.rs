@@ -5,6 +5,7 @@
 pub mod analysis;
 pub mod convert;
 pub mod log;
+pub mod protocol;
 pub mod recorder;
 pub mod ring;
 
