@@ -3,10 +3,12 @@
 //! checks, exports and diffs.
 
 pub mod analysis;
+pub mod client;
 pub mod convert;
 pub mod log;
 pub mod protocol;
 pub mod recorder;
 pub mod ring;
+pub mod server;
 
 pub use kvbm_schema::SCHEMA_VERSION;

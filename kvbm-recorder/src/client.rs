@@ -1,0 +1,1 @@
+//! A client of the attach server (see [`crate::protocol`]).

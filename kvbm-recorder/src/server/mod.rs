@@ -1,0 +1,1 @@
+//! The attach server (see [`crate::protocol`]).
