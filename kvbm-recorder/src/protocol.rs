@@ -18,6 +18,10 @@
 //!   `POST /resume` with `{"pause_id":N}` or `{}` (all);
 //!   `POST /step`. A request with [`CLIENT_HEADER`] naming a connected
 //!   WebSocket client makes that client the owner of what it sets.
+//!   Apart from `POST /breakpoints`, control endpoints answer with the
+//!   [`ControlResult`] as JSON (`{"done":true}`, `{"count":2}`); an id that
+//!   names no breakpoint (`DELETE`) or no paused call (`/resume`) is a
+//!   `404 not_found`.
 //! - `GET /events?since=SEQ&version=1` upgrades to a WebSocket (below).
 //!
 //! With a token configured, requests need `Authorization: Bearer TOKEN`
@@ -62,7 +66,8 @@ pub const CLIENT_HEADER: &str = "x-kvbm-client";
 pub struct ApiError {
     /// A stable machine-readable code (`bad_request`, `unauthorized`,
     /// `not_found`, `protocol_mismatch`, `too_many_clients`,
-    /// `payload_too_large`, `no_breakpoints`, `refused`).
+    /// `payload_too_large`, `no_breakpoints`, `refused`,
+    /// `method_not_allowed`, `shutting_down`, `internal`).
     pub code: String,
     /// What was wrong, for a person.
     pub message: String,

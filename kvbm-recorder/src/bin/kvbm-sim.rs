@@ -3,17 +3,31 @@
 //! ```sh
 //! kvbm-sim --trace ../shared/data/mooncake/synthetic_trace.jsonl --block-size 512 --json
 //! kvbm-sim --requests 200 --rate 20 --prompt-len 2048 --shared-prefix-ratio 0.5
+//! # serve the attach protocol while it runs (and after, until Ctrl-C):
+//! kvbm-sim --requests 5000 --rate 6 --real-time 1 --serve 127.0.0.1:7070
 //! ```
+//!
+//! With `--serve ADDR` the engine runs with breakpoints installed and an
+//! attach server (see `kvbm_recorder::server`) on ADDR; the first line on
+//! stdout is `serving on http://HOST:PORT` (the real port when ADDR ends in
+//! `:0`). Anything but 127.0.0.1 and ::1 needs `--token` (or `KVBM_TOKEN`).
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
+use kvbm_core::hooks::{Breakpoints, HookSet};
 use kvbm_core::leader::OffloadMode;
 use kvbm_core::sim::{Pacing, SimConfig, SimReport, Simulator, WorkerModel};
 use kvbm_core::workload::{
     LengthDist, MooncakeOptions, SyntheticConfig, generate, parse_mooncake_lenient,
 };
-use std::io::BufReader;
+use kvbm_recorder::ring::{RingBuffer, RingConfig};
+use kvbm_recorder::server::{Engine, FeederConfig, Server, ServerConfig, spawn_feeder};
+use std::io::{BufReader, Write};
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Mode {
@@ -92,6 +106,34 @@ struct Args {
     /// Print one JSON object instead of a readable summary.
     #[arg(long)]
     json: bool,
+    /// Serve the attach protocol on this address while the engine runs
+    /// (port 0 picks a free port), with breakpoints installed.
+    #[arg(long)]
+    serve: Option<SocketAddr>,
+    /// Bearer token for the server (needed off loopback; then required on
+    /// every request). Defaults to the KVBM_TOKEN environment variable.
+    #[arg(long, requires = "serve")]
+    token: Option<String>,
+    /// With a token: let read-only requests through without it.
+    #[arg(long, requires = "serve")]
+    open_read: bool,
+    /// Most WebSocket clients at once.
+    #[arg(long, default_value_t = 64, requires = "serve")]
+    max_clients: usize,
+    /// Keep a client's breakpoints (and its paused calls paused) when it
+    /// disconnects.
+    #[arg(long, requires = "serve")]
+    keep_breakpoints_on_disconnect: bool,
+    /// After the workload ends, keep serving this many seconds, then exit
+    /// (default: until Ctrl-C).
+    #[arg(long, requires = "serve")]
+    linger_s: Option<f64>,
+    /// Events the server's ring keeps.
+    #[arg(long, default_value_t = 1 << 20, requires = "serve")]
+    ring: usize,
+    /// Seconds a paused call waits before it resumes by itself.
+    #[arg(long, default_value_t = 60, requires = "serve")]
+    bp_deadline_s: u64,
 }
 
 fn main() -> Result<()> {
@@ -184,13 +226,124 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     let sim = Simulator::new(cfg, workload, rt.handle())?;
-    let report = sim.run();
-    if a.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        print_summary(&report);
-    }
+    let report = match a.serve {
+        Some(addr) => serve(&a, addr, sim)?,
+        None => sim.run(),
+    };
+    print_report(&report, a.json)?;
     Ok(())
+}
+
+fn print_report(report: &SimReport, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        print_summary(report);
+    }
+    std::io::stdout().flush()?;
+    Ok(())
+}
+
+/// Runs the engine with breakpoints and an attach server; returns the
+/// report once the engine finished and the server stopped (Ctrl-C, or
+/// `--linger-s` after the workload).
+fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
+    if let Some(l) = a.linger_s
+        && !(l.is_finite() && l >= 0.0)
+    {
+        bail!("--linger-s must be a non-negative number");
+    }
+    let token = a
+        .token
+        .clone()
+        .or_else(|| std::env::var("KVBM_TOKEN").ok().filter(|t| !t.is_empty()));
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvbm-server")
+        .enable_all()
+        .build()?;
+    let emitter = sim.emitter().clone();
+    let bps = Arc::new(Breakpoints::new(
+        Some(emitter.clone()),
+        Duration::from_secs(a.bp_deadline_s.max(1)),
+    ));
+    sim.leader_mut().set_hooks(
+        HookSet::none()
+            .with_emitter(emitter.clone())
+            .with_breakpoints(bps.clone()),
+    );
+    let ring = Arc::new(RingBuffer::new(RingConfig::with_capacity(a.ring)).context("--ring")?);
+    let tap = emitter
+        .bus()
+        .take_tap()
+        .context("the engine's tap was already taken")?;
+    let bus = emitter.clone();
+    let engine = Engine::new(ring.clone(), Some(bps.clone()), emitter.engine())
+        .with_bus_counters(move || bus.bus().counters());
+    let feeder = spawn_feeder(tap, ring, engine.signal(), FeederConfig::default())
+        .context("starting the feeder")?;
+    let cfg = ServerConfig {
+        addr,
+        token,
+        open_read: a.open_read,
+        max_clients: a.max_clients,
+        release_on_disconnect: !a.keep_breakpoints_on_disconnect,
+        ..ServerConfig::default()
+    };
+    let server = server_rt.block_on(Server::bind(cfg, engine))?;
+    println!("serving on http://{}", server.local_addr());
+    std::io::stdout().flush()?;
+    let handle = {
+        let _g = server_rt.enter();
+        server.spawn()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let engine_thread = std::thread::Builder::new()
+        .name("kvbm-sim-engine".into())
+        .spawn(move || {
+            while !stop2.load(Ordering::Relaxed) && sim.step() {}
+            sim.finish()
+        })?;
+    let interrupted = server_rt.block_on(async {
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let finished = async {
+            while !engine_thread.is_finished() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::select! {
+            _ = &mut ctrl_c => true,
+            _ = finished => {
+                match a.linger_s {
+                    Some(s) => tokio::select! {
+                        _ = &mut ctrl_c => {}
+                        _ = tokio::time::sleep(Duration::from_secs_f64(s)) => {}
+                    },
+                    None => {
+                        eprintln!("workload finished; serving until Ctrl-C");
+                        let _ = (&mut ctrl_c).await;
+                    }
+                }
+                false
+            }
+        }
+    });
+    if interrupted {
+        stop.store(true, Ordering::Relaxed);
+    }
+    // No client can set a breakpoint once the server is down; then nothing
+    // may stay paused.
+    let served = server_rt.block_on(handle.shutdown());
+    bps.clear_all();
+    bps.resume_all();
+    let report = engine_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+    feeder.stop();
+    served?;
+    Ok(report)
 }
 
 fn print_summary(r: &SimReport) {
