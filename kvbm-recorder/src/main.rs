@@ -5,13 +5,16 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use kvbm_core::events::Event;
 use kvbm_core::leader::OffloadMode;
+use kvbm_core::reducer::EngineState;
 use kvbm_core::sim::{SimConfig, Simulator};
 use kvbm_core::workload::{
     LengthDist, MooncakeOptions, SyntheticConfig, generate, parse_mooncake_lenient,
 };
 use kvbm_recorder::analysis::{self, ReplayMode, Replayer};
-use kvbm_recorder::log::FsyncPolicy;
-use kvbm_recorder::recorder::{self, RecorderConfig};
+use kvbm_recorder::client::{Client, ClientConfig, ClientCounters, ClientEvent};
+use kvbm_recorder::convert::Encoder;
+use kvbm_recorder::log::{FsyncPolicy, LogConfig, LogWriter};
+use kvbm_recorder::recorder::{self, GapAt, RecorderConfig, Recording};
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -47,11 +50,31 @@ enum Format {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the simulated engine in-process and record every event.
+    /// Run the simulated engine in-process and record every event; or,
+    /// with `--from`, record a running engine through its attach server.
     Record {
         /// Log directory to create.
         #[arg(long)]
         out: PathBuf,
+        /// Record from this attach server (`http://HOST:PORT`, e.g. a
+        /// `kvbm-sim --serve`) instead of running the simulator. Stops on
+        /// Ctrl-C, `--events` or `--duration-s`; survives reconnections
+        /// without duplicates, and writes the server's gaps to the sidecar.
+        #[arg(long, conflicts_with_all = ["trace", "scenario"])]
+        from: Option<String>,
+        /// `--from`: the server's bearer token.
+        #[arg(long, requires = "from")]
+        token: Option<String>,
+        /// `--from`: stop after this many events.
+        #[arg(long, requires = "from")]
+        events: Option<u64>,
+        /// `--from`: stop after this many seconds.
+        #[arg(long, requires = "from")]
+        duration_s: Option<f64>,
+        /// `--from`: the first sequence number wanted (default 0, so
+        /// events the server no longer holds are reported, not skipped).
+        #[arg(long, requires = "from")]
+        since: Option<u64>,
         /// A Mooncake JSONL trace; without it, a synthetic workload.
         #[arg(long)]
         trace: Option<PathBuf>,
@@ -242,6 +265,33 @@ fn run(cli: Cli) -> Result<i32> {
     match cli.command {
         Command::Record {
             out,
+            from: Some(url),
+            token,
+            events,
+            duration_s,
+            since,
+            fsync,
+            fsync_ms,
+            segment_bytes,
+            ..
+        } => record_from(
+            &url,
+            &out,
+            RemoteLimits {
+                token,
+                events,
+                duration_s,
+                since: since.unwrap_or(0),
+            },
+            log_config(fsync, fsync_ms, segment_bytes),
+        ),
+        Command::Record {
+            out,
+            from: None,
+            token: _,
+            events: _,
+            duration_s: _,
+            since: _,
             trace,
             scenario,
             max_requests,
@@ -340,14 +390,11 @@ fn run(cli: Cli) -> Result<i32> {
                 .bus()
                 .take_tap()
                 .context("the simulator's tap was already taken")?;
-            let mut rcfg = RecorderConfig::default();
-            rcfg.log.engine_id = u64::from(sim.emitter().engine());
-            rcfg.log.segment_bytes = segment_bytes;
-            rcfg.log.fsync = match fsync {
-                Fsync::Every => FsyncPolicy::EveryRecord,
-                Fsync::Interval => FsyncPolicy::Interval(Duration::from_millis(fsync_ms)),
-                Fsync::Never => FsyncPolicy::Never,
+            let mut rcfg = RecorderConfig {
+                log: log_config(fsync, fsync_ms, segment_bytes),
+                ..RecorderConfig::default()
             };
+            rcfg.log.engine_id = u64::from(sim.emitter().engine());
             let handle = recorder::spawn_recorder(tap, out.clone(), rcfg, None)?;
             let report = sim.run();
             drop(rt); // closes the bus: the recorder drains and stops
@@ -451,7 +498,10 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Check { log } => {
             let (events, damage) = load(&log)?;
             let side = recorder::read_sidecar(&log);
-            let report = recorder::check_recording(&events, side.as_ref(), damage.is_none());
+            // A recording from an attach server stops while the engine
+            // runs on: transfers still in flight at its end are not lost.
+            let complete = damage.is_none() && sidecar_stream_complete(&log);
+            let report = recorder::check_recording(&events, side.as_ref(), complete);
             if let Some(d) = damage {
                 println!("damaged log: {d}");
                 return Ok(2);
@@ -516,6 +566,248 @@ fn run(cli: Cli) -> Result<i32> {
             }
         }
     }
+}
+
+fn log_config(fsync: Fsync, fsync_ms: u64, segment_bytes: u64) -> LogConfig {
+    LogConfig {
+        segment_bytes,
+        fsync: match fsync {
+            Fsync::Every => FsyncPolicy::EveryRecord,
+            Fsync::Interval => FsyncPolicy::Interval(Duration::from_millis(fsync_ms)),
+            Fsync::Never => FsyncPolicy::Never,
+        },
+        ..RecorderConfig::default().log
+    }
+}
+
+/// The sidecar key a remote recording sets to `false`: the stream was cut
+/// while the engine ran on (absent: complete, as for an in-process run).
+const STREAM_COMPLETE_KEY: &str = "stream_complete";
+
+fn sidecar_stream_complete(dir: &Path) -> bool {
+    std::fs::read(dir.join(recorder::SIDECAR))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v.get(STREAM_COMPLETE_KEY)?.as_bool())
+        .unwrap_or(true)
+}
+
+/// When `record --from` stops.
+struct RemoteLimits {
+    token: Option<String>,
+    events: Option<u64>,
+    duration_s: Option<f64>,
+    since: u64,
+}
+
+/// The log being written from a remote stream: the same writer, snapshots
+/// and sidecar as the in-process recorder.
+struct RemoteLog {
+    writer: LogWriter,
+    enc: Encoder,
+    state: EngineState,
+    rec: Recording,
+    since_snapshot: u64,
+    snapshot_every: u64,
+    /// Events the server no longer held when the recording started (a gap
+    /// before the first event written): not a loss inside the recording.
+    missed_before_start: u64,
+}
+
+impl RemoteLog {
+    fn create(dir: &Path, mut cfg: LogConfig, engine: u32) -> Result<Self> {
+        cfg.engine_id = u64::from(engine);
+        let writer = LogWriter::create(dir, cfg.clone())
+            .with_context(|| format!("creating log {}", dir.display()))?;
+        Ok(RemoteLog {
+            writer,
+            enc: Encoder::new(),
+            state: EngineState::default(),
+            rec: Recording {
+                engine,
+                schema_version: cfg.schema_version,
+                ..Recording::default()
+            },
+            since_snapshot: 0,
+            snapshot_every: RecorderConfig::default().snapshot_every_events,
+            missed_before_start: 0,
+        })
+    }
+
+    fn append(&mut self, ev: &Event) -> Result<()> {
+        let bytes = self.enc.encode(ev);
+        self.writer.append(ev.seq, ev.ts_ns, bytes)?;
+        let rec = &mut self.rec;
+        rec.payload_bytes += bytes.len() as u64;
+        rec.events += 1;
+        rec.first_seq.get_or_insert(ev.seq);
+        rec.last_seq = Some(ev.seq);
+        self.state.apply(ev);
+        self.since_snapshot += 1;
+        if self.snapshot_every > 0 && self.since_snapshot >= self.snapshot_every {
+            self.since_snapshot = 0;
+            if let Ok(json) = serde_json::to_vec(&self.state)
+                && self.writer.write_snapshot(ev.seq, ev.ts_ns, &json).is_ok()
+            {
+                self.rec.snapshots += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn gap(&mut self, dropped: u64) {
+        let rec = &mut self.rec;
+        if rec.last_seq.is_none() {
+            self.missed_before_start += dropped;
+            return;
+        }
+        rec.lost += dropped;
+        if rec.gaps.len() < recorder::MAX_GAPS {
+            rec.gaps.push(GapAt {
+                after_seq: rec.last_seq,
+                dropped,
+            });
+        } else if let Some(last) = rec.gaps.last_mut() {
+            last.dropped += dropped;
+        }
+    }
+
+    fn finish(self, dir: &Path, url: &str, counters: ClientCounters) -> Result<(Recording, u64)> {
+        let closed = self.writer.close();
+        let mut v = serde_json::to_value(&self.rec)?;
+        if let Some(o) = v.as_object_mut() {
+            o.insert("source".into(), url.into());
+            o.insert(STREAM_COMPLETE_KEY.into(), false.into());
+            o.insert(
+                "missed_before_start".into(),
+                self.missed_before_start.into(),
+            );
+            o.insert("client".into(), serde_json::to_value(counters)?);
+        }
+        let path = dir.join(recorder::SIDECAR);
+        std::fs::write(&path, serde_json::to_vec_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        closed?;
+        Ok((self.rec, self.missed_before_start))
+    }
+}
+
+/// `record --from URL`: records a running engine through its attach
+/// server until Ctrl-C or a limit.
+fn record_from(url: &str, out: &Path, limits: RemoteLimits, log: LogConfig) -> Result<i32> {
+    let mut cfg = ClientConfig::new(url)?.with_since(limits.since);
+    cfg.token = limits.token;
+    if let Some(d) = limits.duration_s
+        && !(d.is_finite() && d > 0.0)
+    {
+        bail!("--duration-s must be a positive number");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut client = Client::spawn(cfg, rt.handle())?;
+    let handle = client.handle();
+    let deadline = limits
+        .duration_s
+        .map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d));
+    let mut log_out: Option<RemoteLog> = None;
+    let outcome: Result<&str> = rt.block_on(async {
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let until = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(until);
+        let mut flush = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            tokio::select! {
+                ev = client.recv() => match ev {
+                    None => return Ok("the client stopped"),
+                    Some(ClientEvent::Connected(h)) => {
+                        eprintln!(
+                            "connected to {url} (engine {}, holding seq {:?}..={:?})",
+                            h.engine, h.first_seq, h.last_seq
+                        );
+                        match &log_out {
+                            None => log_out = Some(RemoteLog::create(out, log.clone(), h.engine)?),
+                            Some(l) if l.rec.engine != h.engine => bail!(
+                                "the server now serves engine {}, not engine {}",
+                                h.engine,
+                                l.rec.engine
+                            ),
+                            Some(_) => {}
+                        }
+                    }
+                    Some(ClientEvent::Events(events)) => {
+                        let Some(l) = log_out.as_mut() else {
+                            bail!("events before the server's hello");
+                        };
+                        for ev in &events {
+                            l.append(ev)?;
+                            if limits.events.is_some_and(|n| l.rec.events >= n) {
+                                return Ok("--events reached");
+                            }
+                        }
+                    }
+                    Some(ClientEvent::Gap(g)) => {
+                        eprintln!(
+                            "gap: events {}..={} will not arrive ({:?}{})",
+                            g.from_seq,
+                            g.to_seq,
+                            g.reason,
+                            if g.announced { "" } else { ", unannounced" }
+                        );
+                        if let Some(l) = log_out.as_mut() {
+                            l.gap(g.len());
+                        }
+                    }
+                    Some(ClientEvent::Disconnected { error, failures, retry_in }) => {
+                        eprintln!(
+                            "disconnected ({error}); retry {} in {:.1} s",
+                            failures + 1,
+                            retry_in.as_secs_f64()
+                        );
+                    }
+                    Some(ClientEvent::Failed(e)) => return Err(e.into()),
+                    Some(ClientEvent::Live | ClientEvent::Breakpoints(_)) => {}
+                },
+                _ = &mut until => return Ok("--duration-s reached"),
+                _ = &mut ctrl_c => return Ok("interrupted"),
+                _ = flush.tick() => {
+                    if let Some(l) = log_out.as_mut() {
+                        l.writer.flush()?;
+                    }
+                }
+            }
+        }
+    });
+    drop(client);
+    let counters = handle.counters();
+    let Some(l) = log_out else {
+        outcome?;
+        bail!("never connected to {url}; nothing recorded");
+    };
+    let (rec, missed) = l.finish(out, url, counters)?;
+    let why = outcome?;
+    println!(
+        "recorded {} events ({} lost in gaps, {} duplicates dropped, {} reconnections) from {url} into {} ({why})",
+        rec.events,
+        rec.lost,
+        counters.duplicates,
+        counters.connects.saturating_sub(1),
+        out.display()
+    );
+    if missed > 0 {
+        println!(
+            "the server no longer held the {missed} events before seq {:?}",
+            rec.first_seq
+        );
+    }
+    Ok(0)
 }
 
 #[cfg(test)]
