@@ -306,6 +306,9 @@ pub struct App {
     pub quit: bool,
     /// The open request's events (see [`DetailCache`]).
     pub detail_cache: Option<DetailCache>,
+    /// For a console attached to a remote engine: the connection state,
+    /// shown in the header's mode badge instead of `LIVE`. `None` otherwise.
+    pub remote: Option<Arc<crate::remote::RemoteStatus>>,
 }
 
 impl App {
@@ -318,6 +321,7 @@ impl App {
             label: label.into(),
             quit: false,
             detail_cache: None,
+            remote: None,
         };
         app.refresh_control();
         app

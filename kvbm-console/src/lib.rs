@@ -8,6 +8,8 @@
 //! - [`app`]: the UI state and the update step; [`keys`]: the key table
 //!   that dispatches keys and writes the help.
 //! - [`ui`]: the views, drawn from `&App`.
+//! - [`remote`]: a remote engine through the attach server, fed into a
+//!   local ring that a [`source::LiveSource`] reads;
 //! - [`run`]: the terminal and the `tokio::select!` loop;
 //!   [`embedded`]: the simulated engine behind `demo`.
 
@@ -18,6 +20,7 @@ pub mod fmt;
 pub mod keys;
 pub mod lints;
 pub mod model;
+pub mod remote;
 pub mod run;
 pub mod source;
 pub mod ui;

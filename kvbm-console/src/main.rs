@@ -2,6 +2,7 @@
 //!
 //! - `demo`: the console on an embedded simulated engine, running in real
 //!   time with recording on.
+//! - `attach URL`: the console on a remote engine's attach server.
 //! - `replay DIR`: the console on a recorded log.
 //! - `walkthrough`: seed 002's story through the real pipelines, as text.
 
@@ -10,9 +11,11 @@ use clap::{Parser, Subcommand};
 use kvbm_console::app::{App, Source};
 use kvbm_console::embedded::{DemoArgs, Embedded};
 use kvbm_console::model::{Model, ModelConfig};
+use kvbm_console::remote::Remote;
 use kvbm_console::run::{Term, run};
 use kvbm_console::source::{LiveSource, ReplaySource};
 use kvbm_console::walkthrough;
+use kvbm_recorder::client::{ClientConfig, ConnState};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -53,6 +56,21 @@ enum Command {
     Demo {
         #[command(flatten)]
         engine: DemoArgs,
+        #[command(flatten)]
+        view: ViewArgs,
+    },
+    /// The console on a remote engine, through its attach server
+    /// (`kvbm-sim --serve`): `attach http://127.0.0.1:PORT`.
+    Attach {
+        /// The server, `http://HOST:PORT`.
+        url: String,
+        /// The server's bearer token (needed for breakpoints when it is
+        /// bound beyond loopback).
+        #[arg(long)]
+        token: Option<String>,
+        /// Events the local ring keeps.
+        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..=50_000_000))]
+        ring: u64,
         #[command(flatten)]
         view: ViewArgs,
     },
@@ -120,6 +138,38 @@ fn main() -> Result<()> {
                 );
             }
             Ok(())
+        }
+        Command::Attach {
+            url,
+            token,
+            ring,
+            view,
+        } => {
+            let mut cfg = ClientConfig::new(&url)?;
+            cfg.token = token;
+            let remote = Remote::start(cfg, ring as usize, rt.handle())?;
+            let control = remote.control();
+            let status = remote.status();
+            let mut app = remote.app(Model::new(view.model()));
+            let mut term = Term::enter()?;
+            let mut said_failed = false;
+            rt.block_on(run(&mut app, &mut term, |app| {
+                if let Some(e) = control.take_error() {
+                    app.ui.message = Some(kvbm_console::app::Message {
+                        text: e,
+                        error: true,
+                    });
+                }
+                if let ConnState::Failed { error } = status.state()
+                    && !said_failed
+                {
+                    said_failed = true;
+                    app.ui.message = Some(kvbm_console::app::Message {
+                        text: error,
+                        error: true,
+                    });
+                }
+            }))
         }
         Command::Replay { log, play, view } => {
             let read = kvbm_recorder::recorder::read_events(&log, |_| {})

@@ -200,6 +200,21 @@ fn header(app: &App, f: &mut Frame, area: Rect) {
                     l.lagged(),
                     c.lost,
                 )
+            } else if let Some(r) = &app.remote {
+                // Attached to a remote engine: the connection state.
+                use kvbm_recorder::client::ConnState;
+                let state = r.state();
+                let bg = match state {
+                    ConnState::Connected { .. } => Color::Green,
+                    ConnState::Connecting { .. } | ConnState::Reconnecting { .. } => Color::Yellow,
+                    ConnState::Failed { .. } | ConnState::Stopped => Color::Red,
+                };
+                (
+                    state.describe(std::time::Instant::now()),
+                    Style::new().fg(Color::Black).bg(bg),
+                    l.lagged(),
+                    c.lost,
+                )
             } else {
                 (
                     "LIVE".to_string(),

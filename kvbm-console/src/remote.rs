@@ -1,0 +1,305 @@
+//! The console attached to a remote engine (`kvbm-console attach URL`).
+//!
+//! [`Remote::start`] runs a [`kvbm_recorder::client::Client`] on the
+//! runtime and a forwarding task that pushes what it receives into a local
+//! bounded [`RingBuffer`]: events with [`RingBuffer::push`], the server's
+//! gaps with [`RingBuffer::record_gap`] (so they show as "dropped"). The
+//! console reads that ring with the ordinary [`LiveSource`], so every view
+//! works unchanged. The breakpoint views the server pushes are cached for
+//! [`RemoteControl`], which implements [`Control`] over the connection.
+//! [`RemoteStatus`] (set as [`App::remote`]) puts the connection state in
+//! the header's mode badge: `ATTACHED`, `RECONNECTING (attempt 3, next in
+//! 0.8 s)`, `DETACHED (failed)`.
+//!
+//! Breakpoints set from the console belong to its connection: when the
+//! connection drops, the server removes them and resumes their paused
+//! calls (the engine is never left paused by a console that went away), so
+//! the cache is emptied on a disconnect and read again on connect.
+
+use crate::app::{App, Source};
+use crate::model::Model;
+use crate::source::{Control, LiveSource};
+use kvbm_core::hooks::{BreakpointInfo, BreakpointSpec, PausedCall};
+use kvbm_recorder::client::{
+    Client, ClientConfig, ClientCounters, ClientEvent, ClientHandle, ConnState, ControlError,
+};
+use kvbm_recorder::protocol::{BreakpointsView, ControlCommand, ControlResult};
+use kvbm_recorder::ring::{RingBuffer, RingConfig};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How long a key's control command waits for the server's reply.
+pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A remote engine, attached; see the module docs. Dropping it
+/// disconnects (the forwarding task and the client stop).
+pub struct Remote {
+    ring: Arc<RingBuffer>,
+    status: Arc<RemoteStatus>,
+    control: Arc<RemoteControl>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Remote {
+    /// Connects (in the background) and starts filling a ring of
+    /// `ring_capacity` events.
+    pub fn start(
+        cfg: ClientConfig,
+        ring_capacity: usize,
+        rt: &tokio::runtime::Handle,
+    ) -> anyhow::Result<Remote> {
+        let ring = Arc::new(RingBuffer::new(RingConfig::with_capacity(ring_capacity))?);
+        let url = cfg.endpoint.to_string();
+        let client = Client::spawn(cfg, rt)?;
+        let handle = client.handle();
+        let view = Arc::new(Mutex::new(BreakpointsView::default()));
+        let control = Arc::new(RemoteControl {
+            handle: handle.clone(),
+            view: view.clone(),
+            timeout: CONTROL_TIMEOUT,
+            last_error: Mutex::new(None),
+            errors: AtomicU64::new(0),
+        });
+        let status = Arc::new(RemoteStatus { url, handle });
+        let task = rt.spawn(forward(client, ring.clone(), view));
+        Ok(Remote {
+            ring,
+            status,
+            control,
+            task,
+        })
+    }
+
+    /// The local ring the events land in.
+    pub fn ring(&self) -> &Arc<RingBuffer> {
+        &self.ring
+    }
+
+    /// The connection's status, for the header.
+    pub fn status(&self) -> Arc<RemoteStatus> {
+        self.status.clone()
+    }
+
+    /// The breakpoint control over the connection.
+    pub fn control(&self) -> Arc<RemoteControl> {
+        self.control.clone()
+    }
+
+    /// A live source reading the ring, with the remote control.
+    pub fn source(&self) -> LiveSource {
+        LiveSource::new(
+            self.ring.clone(),
+            Some(self.control.clone() as Arc<dyn Control>),
+        )
+    }
+
+    /// A console on this engine: [`Source::Live`] over [`Remote::source`],
+    /// labelled with the URL, the status in the header.
+    pub fn app(&self, model: Model) -> App {
+        let mut app = App::new(
+            model,
+            Source::Live(self.source()),
+            self.status.url().to_string(),
+        );
+        app.remote = Some(self.status());
+        app
+    }
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Moves what the client receives into the ring and the breakpoint cache.
+async fn forward(mut client: Client, ring: Arc<RingBuffer>, view: Arc<Mutex<BreakpointsView>>) {
+    let handle = client.handle();
+    while let Some(ev) = client.recv().await {
+        match ev {
+            ClientEvent::Events(events) => {
+                for e in events {
+                    ring.push(e);
+                }
+            }
+            ClientEvent::Gap(g) => ring.record_gap(g.len()),
+            ClientEvent::Breakpoints(v) => *lock(&view) = v,
+            ClientEvent::Connected(_) => {
+                *lock(&view) = BreakpointsView::default();
+                // Read the server's breakpoints now rather than at its next
+                // push (there is none while nothing is set).
+                let (h, v) = (handle.clone(), view.clone());
+                tokio::spawn(async move {
+                    if let Ok(ControlResult::List(list)) = h.control(ControlCommand::List).await {
+                        *lock(&v) = list;
+                    }
+                });
+            }
+            ClientEvent::Disconnected { .. } | ClientEvent::Failed(_) => {
+                // The server released this connection's breakpoints.
+                *lock(&view) = BreakpointsView::default();
+            }
+            ClientEvent::Live => {}
+        }
+    }
+}
+
+/// The connection state, for display.
+pub struct RemoteStatus {
+    url: String,
+    handle: ClientHandle,
+}
+
+impl RemoteStatus {
+    /// The server's URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Where the connection stands.
+    pub fn state(&self) -> ConnState {
+        self.handle.state()
+    }
+
+    /// The header's badge text, e.g. `ATTACHED`.
+    pub fn badge(&self, now: Instant) -> String {
+        self.handle.state().describe(now)
+    }
+
+    /// The client's counters.
+    pub fn counters(&self) -> ClientCounters {
+        self.handle.counters()
+    }
+}
+
+/// [`Control`] over the attach connection. Reads (`breakpoints`, `paused`)
+/// come from the cache of what the server pushed; commands are sent and
+/// their reply awaited for at most [`CONTROL_TIMEOUT`] on a std channel
+/// (never a tokio primitive, so calling it inside the runtime cannot
+/// panic); after a change the cache is read again from the server so the
+/// screen shows it at once. A failure is kept for
+/// [`RemoteControl::take_error`] and counted.
+pub struct RemoteControl {
+    handle: ClientHandle,
+    view: Arc<Mutex<BreakpointsView>>,
+    timeout: Duration,
+    last_error: Mutex<Option<String>>,
+    errors: AtomicU64,
+}
+
+impl RemoteControl {
+    /// Sends one command and waits for its reply.
+    pub fn call(&self, command: ControlCommand) -> Result<ControlResult, ControlError> {
+        let r = self.handle.control_blocking(command, self.timeout);
+        if let Err(e) = &r {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+            *lock(&self.last_error) = Some(format!("remote control: {e}"));
+        }
+        r
+    }
+
+    /// The last command failure, once.
+    pub fn take_error(&self) -> Option<String> {
+        lock(&self.last_error).take()
+    }
+
+    /// Commands that failed since the start.
+    pub fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
+    }
+
+    /// Reads the server's breakpoints into the cache.
+    pub fn refresh(&self) {
+        if let Ok(ControlResult::List(v)) = self.call(ControlCommand::List) {
+            *lock(&self.view) = v;
+        }
+    }
+
+    fn changed<T>(
+        &self,
+        r: Result<ControlResult, ControlError>,
+        f: impl Fn(ControlResult) -> Option<T>,
+    ) -> Option<T> {
+        let ok = r.ok()?;
+        let out = f(ok.clone());
+        if out.is_none() {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+            *lock(&self.last_error) = Some(format!("remote control: unexpected reply {ok:?}"));
+        }
+        self.refresh();
+        out
+    }
+}
+
+impl Control for RemoteControl {
+    fn breakpoints(&self) -> Vec<BreakpointInfo> {
+        lock(&self.view).breakpoints.clone()
+    }
+
+    fn paused(&self) -> Vec<PausedCall> {
+        lock(&self.view).paused.clone()
+    }
+
+    fn add(&self, spec: BreakpointSpec) -> Result<u64, String> {
+        match self.call(ControlCommand::Add { spec }) {
+            Ok(ControlResult::Added(id)) => {
+                self.refresh();
+                Ok(id)
+            }
+            Ok(other) => Err(format!("unexpected reply {other:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn clear(&self, id: u64) -> bool {
+        let r = self.call(ControlCommand::Clear { id });
+        self.changed(r, |r| match r {
+            ControlResult::Done(b) => Some(b),
+            _ => None,
+        })
+        .unwrap_or(false)
+    }
+
+    fn clear_all(&self) -> usize {
+        let r = self.call(ControlCommand::ClearAll);
+        self.changed(r, |r| match r {
+            ControlResult::Count(n) => Some(n as usize),
+            _ => None,
+        })
+        .unwrap_or(0)
+    }
+
+    fn resume(&self, pause_id: u64) -> bool {
+        let r = self.call(ControlCommand::Resume {
+            pause_id: Some(pause_id),
+        });
+        self.changed(r, |r| match r {
+            ControlResult::Done(b) => Some(b),
+            _ => None,
+        })
+        .unwrap_or(false)
+    }
+
+    fn resume_all(&self) -> usize {
+        let r = self.call(ControlCommand::Resume { pause_id: None });
+        self.changed(r, |r| match r {
+            ControlResult::Count(n) => Some(n as usize),
+            _ => None,
+        })
+        .unwrap_or(0)
+    }
+
+    fn step(&self) -> bool {
+        let r = self.call(ControlCommand::Step);
+        self.changed(r, |r| match r {
+            ControlResult::Done(b) => Some(b),
+            _ => None,
+        })
+        .unwrap_or(false)
+    }
+}
