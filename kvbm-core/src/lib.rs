@@ -27,6 +27,7 @@ pub mod slot;
 pub mod storage;
 pub mod tier;
 pub mod tokens;
+pub mod tracing_layer;
 pub mod transfer;
 pub mod workload;
 
