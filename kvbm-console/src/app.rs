@@ -237,6 +237,9 @@ pub struct Ui {
     pub size: Rect,
     /// The engine's breakpoints, if it takes commands.
     pub control: Option<ControlView>,
+    /// Set when the source has no per-request slots (vLLM KV events): the
+    /// Slots view says so instead of "no requests yet".
+    pub no_slots_reason: Option<String>,
 }
 
 impl Default for Ui {
@@ -257,6 +260,7 @@ impl Default for Ui {
             message: None,
             size: Rect::new(0, 0, 80, 24),
             control: None,
+            no_slots_reason: None,
         }
     }
 }

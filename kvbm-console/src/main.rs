@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use kvbm_console::app::{App, Source};
 use kvbm_console::embedded::{DemoArgs, Embedded};
 use kvbm_console::model::{Model, ModelConfig};
-use kvbm_console::remote::Remote;
+use kvbm_console::remote::{Remote, ZmqRemote};
 use kvbm_console::run::{Term, run};
 use kvbm_console::source::{LiveSource, ReplaySource};
 use kvbm_console::walkthrough;
@@ -60,10 +60,17 @@ enum Command {
         view: ViewArgs,
     },
     /// The console on a remote engine, through its attach server
-    /// (`kvbm-sim --serve`): `attach http://127.0.0.1:PORT`.
+    /// (`kvbm-sim --serve`): `attach http://127.0.0.1:PORT`; or on vLLM's
+    /// KV-event publisher: `attach zmq://127.0.0.1:5557` (block events and
+    /// per-tier gauges; no requests, no breakpoints).
     Attach {
-        /// The server, `http://HOST:PORT`.
+        /// The server, `http://HOST:PORT`, or a vLLM KV-event publisher,
+        /// `zmq://HOST:PORT`.
         url: String,
+        /// `zmq://` only: the publisher's replay endpoint (`zmq://HOST:PORT`),
+        /// asked for the batches a sequence gap skipped.
+        #[arg(long)]
+        replay_endpoint: Option<String>,
         /// The server's bearer token (needed for breakpoints when it is
         /// bound beyond loopback).
         #[arg(long)]
@@ -141,10 +148,59 @@ fn main() -> Result<()> {
         }
         Command::Attach {
             url,
+            replay_endpoint,
+            ring,
+            view,
+            ..
+        } if kvbm_recorder::vllm::is_zmq_url(&url) => {
+            use kvbm_recorder::vllm::{ZmqConfig, ZmqEndpoint, ZmqState};
+            let mut cfg = ZmqConfig::new(ZmqEndpoint::parse(&url).map_err(anyhow::Error::msg)?);
+            cfg.replay = replay_endpoint
+                .as_deref()
+                .map(ZmqEndpoint::parse)
+                .transpose()
+                .map_err(anyhow::Error::msg)?;
+            let remote = ZmqRemote::start(cfg, ring as usize, rt.handle())?;
+            let handle = remote.handle().clone();
+            let mut app = remote.app(Model::new(view.model()));
+            let mut term = Term::enter()?;
+            let mut said_error: Option<String> = None;
+            let mut said_stopped = false;
+            rt.block_on(run(&mut app, &mut term, |app| {
+                if handle.state() == ZmqState::Stopped && !said_stopped {
+                    said_stopped = true;
+                    let why = handle.counters().last_error.unwrap_or_default();
+                    app.ui.message = Some(kvbm_console::app::Message {
+                        text: format!("the zmq source stopped {why}"),
+                        error: true,
+                    });
+                    return;
+                }
+                let c = handle.counters();
+                if c.last_error.is_some() && c.last_error != said_error {
+                    said_error = c.last_error.clone();
+                    app.ui.message = Some(kvbm_console::app::Message {
+                        text: format!(
+                            "{} malformed message(s) skipped: {}",
+                            c.malformed,
+                            c.last_error.unwrap_or_default()
+                        ),
+                        error: true,
+                    });
+                }
+            }))
+        }
+        Command::Attach {
+            url,
+            replay_endpoint,
             token,
             ring,
             view,
         } => {
+            anyhow::ensure!(
+                replay_endpoint.is_none(),
+                "--replay-endpoint is for a zmq:// source"
+            );
             let mut cfg = ClientConfig::new(&url)?;
             cfg.token = token;
             let remote = Remote::start(cfg, ring as usize, rt.handle())?;

@@ -303,3 +303,146 @@ impl Control for RemoteControl {
         .unwrap_or(false)
     }
 }
+
+/// The console on vLLM's KV-event ZMQ stream (`kvbm-console attach
+/// zmq://HOST:PORT`): a [`kvbm_recorder::vllm::ZmqSource`] whose kvbm
+/// events (block registrations, evictions, per-tier gauges) are pushed into
+/// a local ring, read by the ordinary [`LiveSource`]; the publisher's
+/// unrecovered gaps are recorded in the ring as losses (one per missed
+/// publisher batch). There are no breakpoints and no requests: the app's
+/// [`crate::app::Ui::no_slots_reason`] says so in the Slots view.
+/// Dropping it unsubscribes.
+pub struct ZmqRemote {
+    ring: Arc<RingBuffer>,
+    handle: kvbm_recorder::vllm::ZmqHandle,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ZmqRemote {
+    /// Subscribes (in the background) and starts filling a ring of
+    /// `ring_capacity` events.
+    pub fn start(
+        cfg: kvbm_recorder::vllm::ZmqConfig,
+        ring_capacity: usize,
+        rt: &tokio::runtime::Handle,
+    ) -> anyhow::Result<ZmqRemote> {
+        let ring = Arc::new(RingBuffer::new(RingConfig::with_capacity(ring_capacity))?);
+        let mut src = kvbm_recorder::vllm::ZmqSource::spawn(cfg, rt);
+        let handle = src.handle();
+        let r = ring.clone();
+        let task = rt.spawn(async move {
+            while let Some(item) = src.recv().await {
+                forward_zmq(&r, item);
+            }
+        });
+        Ok(ZmqRemote { ring, handle, task })
+    }
+
+    /// The local ring the events land in.
+    pub fn ring(&self) -> &Arc<RingBuffer> {
+        &self.ring
+    }
+
+    /// The source's state and counters.
+    pub fn handle(&self) -> &kvbm_recorder::vllm::ZmqHandle {
+        &self.handle
+    }
+
+    /// A live source reading the ring (no control).
+    pub fn source(&self) -> LiveSource {
+        LiveSource::new(self.ring.clone(), None)
+    }
+
+    /// A console on this stream, labelled with the URL, its Slots view
+    /// saying that the source has no slots.
+    pub fn app(&self, model: Model) -> App {
+        let mut app = App::new(
+            model,
+            Source::Live(self.source()),
+            self.handle.url().to_string(),
+        );
+        app.ui.no_slots_reason = Some(kvbm_recorder::vllm::NO_SLOTS_REASON.to_string());
+        app
+    }
+}
+
+impl Drop for ZmqRemote {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Moves one item of the ZMQ source into the ring.
+pub fn forward_zmq(ring: &RingBuffer, item: kvbm_recorder::vllm::ZmqItem) {
+    use kvbm_recorder::vllm::ZmqItem;
+    match item {
+        ZmqItem::Events(events) => {
+            for e in events {
+                ring.push(e);
+            }
+        }
+        g @ ZmqItem::Gap { .. } => ring.record_gap(g.missed()),
+        ZmqItem::Restart { .. } => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbm_core::tier::Tier;
+    use kvbm_recorder::vllm::{
+        KvBatch, KvEvent, NO_SLOTS_REASON, Translator, TranslatorConfig, ZmqItem,
+    };
+    use ratatui::Terminal;
+    use ratatui::backend::TestBackend;
+
+    #[test]
+    fn zmq_items_reach_the_views_and_slots_say_there_are_none() {
+        let ring = Arc::new(RingBuffer::with_capacity(1000).unwrap());
+        let mut tr = Translator::new(TranslatorConfig::default());
+        let mut evs = Vec::new();
+        tr.batch(
+            &KvBatch {
+                ts: 1.0,
+                events: vec![KvEvent::Stored {
+                    block_hashes: vec![1, 2, 3],
+                    parent: None,
+                    num_tokens: 48,
+                    block_size: Some(16),
+                    tier: Tier::Device,
+                }],
+                bad_events: 0,
+                dp_rank: None,
+            },
+            &mut evs,
+        );
+        forward_zmq(&ring, ZmqItem::Events(evs));
+        forward_zmq(
+            &ring,
+            ZmqItem::Gap {
+                from_seq: 4,
+                to_seq: 6,
+            },
+        );
+        assert_eq!(ring.counters().lost, 3);
+        let mut app = App::new(
+            Model::new(crate::model::ModelConfig::default()),
+            Source::Live(LiveSource::new(ring.clone(), None)),
+            "zmq://127.0.0.1:5557",
+        );
+        app.ui.no_slots_reason = Some(NO_SLOTS_REASON.to_string());
+        app.pull(std::time::Instant::now());
+        app.tick();
+        assert_eq!(app.model.state().pool(Tier::Device).active, 3);
+        assert_eq!(app.model.state().pool(Tier::Device).registered.len(), 3);
+        app.resize(160, 30);
+        let mut t = Terminal::new(TestBackend::new(160, 30)).unwrap();
+        t.draw(|f| crate::ui::render(&app, f)).unwrap();
+        let buf = t.backend().buffer();
+        let text: String = (0..30)
+            .map(|y| (0..160).map(|x| buf[(x, y)].symbol()).collect::<String>() + "\n")
+            .collect();
+        assert!(text.contains("this source has no slots"), "{text}");
+        assert!(!text.contains("no requests yet"), "{text}");
+    }
+}

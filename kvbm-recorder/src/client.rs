@@ -78,6 +78,15 @@ pub enum UrlError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A ZeroMQ KV-event stream (`zmq://` or `tcp://`): read by
+    /// [`crate::vllm::ZmqSource`], not by this client.
+    #[error(
+        "`{url}` is a ZeroMQ KV-event stream, not an attach server (`attach` and `record --from` read it with the vLLM source)"
+    )]
+    ZmqStream {
+        /// What was given.
+        url: String,
+    },
     /// A scheme kvbm knows of but does not read yet.
     #[error("`{url}`: {scheme}:// sources are not supported yet ({what})")]
     NotSupportedYet {
@@ -111,11 +120,14 @@ impl Endpoint {
         };
         match scheme.to_ascii_lowercase().as_str() {
             "http" | "ws" => {}
-            "zmq" | "tcp" | "ipc" => {
+            "zmq" | "tcp" => {
+                return Err(UrlError::ZmqStream { url: s.to_string() });
+            }
+            "ipc" => {
                 return Err(UrlError::NotSupportedYet {
                     url: s.to_string(),
                     scheme: scheme.to_ascii_lowercase(),
-                    what: "vLLM's KV-event ZMQ stream",
+                    what: "ZeroMQ ipc:// transport",
                 });
             }
             "https" | "wss" => {
@@ -1365,8 +1377,11 @@ mod tests {
             assert!(e.to_string().contains(why), "{bad}: {e}");
         }
         let z = Endpoint::parse("zmq://127.0.0.1:5557").unwrap_err();
-        assert!(matches!(z, UrlError::NotSupportedYet { .. }));
-        assert!(z.to_string().contains("not supported yet"), "{z}");
+        assert!(matches!(z, UrlError::ZmqStream { .. }));
+        assert!(z.to_string().contains("not an attach server"), "{z}");
+        let i = Endpoint::parse("ipc:///tmp/kv").unwrap_err();
+        assert!(matches!(i, UrlError::NotSupportedYet { .. }));
+        assert!(i.to_string().contains("not supported yet"), "{i}");
     }
 
     #[test]

@@ -10,5 +10,6 @@ pub mod protocol;
 pub mod recorder;
 pub mod ring;
 pub mod server;
+pub mod vllm;
 
 pub use kvbm_schema::SCHEMA_VERSION;

@@ -11,7 +11,7 @@ use kvbm_core::workload::{
     LengthDist, MooncakeOptions, SyntheticConfig, generate, parse_mooncake_lenient,
 };
 use kvbm_recorder::analysis::{self, ReplayMode, Replayer};
-use kvbm_recorder::client::{Client, ClientConfig, ClientCounters, ClientEvent};
+use kvbm_recorder::client::{Client, ClientConfig, ClientEvent};
 use kvbm_recorder::convert::Encoder;
 use kvbm_recorder::log::{FsyncPolicy, LogConfig, LogWriter};
 use kvbm_recorder::recorder::{self, GapAt, RecorderConfig, Recording};
@@ -48,6 +48,8 @@ enum Format {
     Chrome,
 }
 
+// Parsed once per run: the size of the `record` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the simulated engine in-process and record every event; or,
@@ -60,8 +62,15 @@ enum Command {
         /// `kvbm-sim --serve`) instead of running the simulator. Stops on
         /// Ctrl-C, `--events` or `--duration-s`; survives reconnections
         /// without duplicates, and writes the server's gaps to the sidecar.
+        /// Or from vLLM's KV-event publisher, `zmq://HOST:PORT`: its block
+        /// events become BlockRegistered / BlockEvicted / PoolGauge, its
+        /// sequence gaps the sidecar's losses (counted in publisher batches).
         #[arg(long, conflicts_with_all = ["trace", "scenario"])]
         from: Option<String>,
+        /// `--from zmq://`: the publisher's replay endpoint
+        /// (`zmq://HOST:PORT`), asked for the batches a gap skipped.
+        #[arg(long, requires = "from")]
+        replay_endpoint: Option<String>,
         /// `--from`: the server's bearer token.
         #[arg(long, requires = "from")]
         token: Option<String>,
@@ -266,6 +275,30 @@ fn run(cli: Cli) -> Result<i32> {
         Command::Record {
             out,
             from: Some(url),
+            replay_endpoint,
+            token: _,
+            events,
+            duration_s,
+            fsync,
+            fsync_ms,
+            segment_bytes,
+            ..
+        } if kvbm_recorder::vllm::is_zmq_url(&url) => record_from_zmq(
+            &url,
+            replay_endpoint.as_deref(),
+            &out,
+            RemoteLimits {
+                token: None,
+                events,
+                duration_s,
+                since: 0,
+            },
+            log_config(fsync, fsync_ms, segment_bytes),
+        ),
+        Command::Record {
+            out,
+            from: Some(url),
+            replay_endpoint,
             token,
             events,
             duration_s,
@@ -274,20 +307,26 @@ fn run(cli: Cli) -> Result<i32> {
             fsync_ms,
             segment_bytes,
             ..
-        } => record_from(
-            &url,
-            &out,
-            RemoteLimits {
-                token,
-                events,
-                duration_s,
-                since: since.unwrap_or(0),
-            },
-            log_config(fsync, fsync_ms, segment_bytes),
-        ),
+        } => {
+            if replay_endpoint.is_some() {
+                bail!("--replay-endpoint is for a zmq:// source");
+            }
+            record_from(
+                &url,
+                &out,
+                RemoteLimits {
+                    token,
+                    events,
+                    duration_s,
+                    since: since.unwrap_or(0),
+                },
+                log_config(fsync, fsync_ms, segment_bytes),
+            )
+        }
         Command::Record {
             out,
             from: None,
+            replay_endpoint: _,
             token: _,
             events: _,
             duration_s: _,
@@ -672,7 +711,12 @@ impl RemoteLog {
         }
     }
 
-    fn finish(self, dir: &Path, url: &str, counters: ClientCounters) -> Result<(Recording, u64)> {
+    fn finish(
+        self,
+        dir: &Path,
+        url: &str,
+        counters: serde_json::Value,
+    ) -> Result<(Recording, u64)> {
         let closed = self.writer.close();
         let mut v = serde_json::to_value(&self.rec)?;
         if let Some(o) = v.as_object_mut() {
@@ -682,7 +726,7 @@ impl RemoteLog {
                 "missed_before_start".into(),
                 self.missed_before_start.into(),
             );
-            o.insert("client".into(), serde_json::to_value(counters)?);
+            o.insert("client".into(), counters);
         }
         let path = dir.join(recorder::SIDECAR);
         std::fs::write(&path, serde_json::to_vec_pretty(&v)?)
@@ -791,7 +835,7 @@ fn record_from(url: &str, out: &Path, limits: RemoteLimits, log: LogConfig) -> R
         outcome?;
         bail!("never connected to {url}; nothing recorded");
     };
-    let (rec, missed) = l.finish(out, url, counters)?;
+    let (rec, missed) = l.finish(out, url, serde_json::to_value(counters)?)?;
     let why = outcome?;
     println!(
         "recorded {} events ({} lost in gaps, {} duplicates dropped, {} reconnections) from {url} into {} ({why})",
@@ -807,6 +851,104 @@ fn record_from(url: &str, out: &Path, limits: RemoteLimits, log: LogConfig) -> R
             rec.first_seq
         );
     }
+    Ok(0)
+}
+
+/// `record --from zmq://HOST:PORT`: records vLLM's KV-event stream until
+/// Ctrl-C or a limit. Engine id 0; the publisher's unrecovered gaps are the
+/// sidecar's losses (in publisher batches), its counters the sidecar's
+/// `client`.
+fn record_from_zmq(
+    url: &str,
+    replay: Option<&str>,
+    out: &Path,
+    limits: RemoteLimits,
+    log: LogConfig,
+) -> Result<i32> {
+    use kvbm_recorder::vllm::{ZmqConfig, ZmqEndpoint, ZmqItem, ZmqSource};
+    let endpoint = ZmqEndpoint::parse(url).map_err(anyhow::Error::msg)?;
+    let mut cfg = ZmqConfig::new(endpoint);
+    cfg.replay = replay
+        .map(ZmqEndpoint::parse)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    if let Some(d) = limits.duration_s
+        && !(d.is_finite() && d > 0.0)
+    {
+        bail!("--duration-s must be a positive number");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut l = RemoteLog::create(out, log, cfg.translator.engine)?;
+    let mut src = ZmqSource::spawn(cfg, rt.handle());
+    let handle = src.handle();
+    let deadline = limits
+        .duration_s
+        .map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d));
+    eprintln!("subscribing to {url}");
+    let outcome: Result<&str> = rt.block_on(async {
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let until = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(until);
+        let mut flush = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            tokio::select! {
+                item = src.recv() => match item {
+                    None => return Ok("the source stopped"),
+                    Some(ZmqItem::Events(events)) => {
+                        for ev in &events {
+                            l.append(ev)?;
+                            if limits.events.is_some_and(|n| l.rec.events >= n) {
+                                return Ok("--events reached");
+                            }
+                        }
+                    }
+                    Some(g @ ZmqItem::Gap { .. }) => {
+                        if let ZmqItem::Gap { from_seq, to_seq } = g {
+                            eprintln!("gap: publisher batches {from_seq}..={to_seq} missed");
+                        }
+                        // Counted as lost even before the first event: the
+                        // publisher's seq says they existed.
+                        l.rec.lost += g.missed();
+                        if l.rec.gaps.len() < recorder::MAX_GAPS {
+                            l.rec.gaps.push(GapAt {
+                                after_seq: l.rec.last_seq,
+                                dropped: g.missed(),
+                            });
+                        }
+                    }
+                    Some(ZmqItem::Restart { last_seq, new_seq }) => {
+                        eprintln!("publisher restarted (seq {last_seq} then {new_seq}); its live blocks are evicted");
+                    }
+                },
+                _ = &mut until => return Ok("--duration-s reached"),
+                _ = &mut ctrl_c => return Ok("interrupted"),
+                _ = flush.tick() => l.writer.flush()?,
+            }
+        }
+    });
+    drop(src);
+    let counters = handle.counters();
+    let (rec, _) = l.finish(out, url, serde_json::to_value(&counters)?)?;
+    let why = outcome?;
+    println!(
+        "recorded {} events ({} publisher batches lost in {} gaps, {} replayed, {} malformed, {} restarts) from {url} into {} ({why})",
+        rec.events,
+        rec.lost,
+        counters.gaps,
+        counters.replayed,
+        counters.malformed,
+        counters.restarts,
+        out.display()
+    );
     Ok(0)
 }
 

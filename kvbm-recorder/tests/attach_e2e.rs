@@ -114,7 +114,7 @@ fn record_from_a_served_sim_then_check_passes() {
 fn record_from_refuses_bad_and_unsupported_urls_clearly() {
     let dir = tempfile::tempdir().unwrap();
     for (url, says) in [
-        ("zmq://127.0.0.1:5557", "not supported yet"),
+        ("ipc:///tmp/kvbm-events.sock", "not supported yet"),
         ("127.0.0.1:80", "expected http://HOST:PORT"),
         ("https://h:1", "TLS is not supported"),
     ] {

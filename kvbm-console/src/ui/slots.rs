@@ -73,7 +73,9 @@ pub fn render(app: &App, f: &mut Frame, area: Rect) {
     );
     let block = panel(title);
     if rows.is_empty() {
-        let msg = if app.ui.filter.is_some() {
+        let msg = if let Some(why) = &app.ui.no_slots_reason {
+            why.as_str()
+        } else if app.ui.filter.is_some() {
             "no request matches the filter (Esc clears it)"
         } else {
             "no requests yet"
