@@ -351,7 +351,8 @@ pub struct DirectionTotals {
 }
 
 impl DirectionTotals {
-    pub(super) fn new(direction: Direction) -> Self {
+    /// All-zero totals for `direction` (nothing seen yet).
+    pub fn new(direction: Direction) -> Self {
         DirectionTotals {
             direction,
             planned: 0,

@@ -10,25 +10,6 @@ fn dir_label(d: Direction) -> String {
     format!("{}->{}", d.src.short_name(), d.dst.short_name())
 }
 
-fn zero_totals(direction: Direction) -> DirectionTotals {
-    DirectionTotals {
-        direction,
-        planned: 0,
-        promoted: 0,
-        completed: 0,
-        completed_blocks: 0,
-        skipped: 0,
-        cancelled: 0,
-        failed: 0,
-        batches_dispatched: 0,
-        batches: 0,
-        batches_failed: 0,
-        blocks: 0,
-        bytes: 0,
-        elapsed_ns: 0,
-    }
-}
-
 /// Escapes a label value (backslash, quote, newline).
 fn esc(s: &str) -> String {
     let mut o = String::with_capacity(s.len());
@@ -319,7 +300,7 @@ pub(super) fn render(state: &AppState) -> String {
     ]
     .into_iter()
     .filter(|d| st.direction(*d).is_none())
-    .map(zero_totals)
+    .map(DirectionTotals::new)
     .collect();
     dirs.extend(st.direction_totals().iter().cloned());
     dirs.sort_by_key(|d| d.direction);
