@@ -752,19 +752,12 @@ fn record_from(url: &str, out: &Path, limits: RemoteLimits, log: LogConfig) -> R
         .build()?;
     let mut client = Client::spawn(cfg, rt.handle())?;
     let handle = client.handle();
-    let deadline = limits
-        .duration_s
-        .map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d));
+    let deadline = deadline_of(limits.duration_s);
     let mut log_out: Option<RemoteLog> = None;
     let outcome: Result<&str> = rt.block_on(async {
         let ctrl_c = tokio::signal::ctrl_c();
         tokio::pin!(ctrl_c);
-        let until = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        };
+        let until = stop_at(deadline);
         tokio::pin!(until);
         let mut flush = tokio::time::interval(Duration::from_millis(50));
         loop {
@@ -884,19 +877,12 @@ fn record_from_zmq(
     let mut l = RemoteLog::create(out, log, cfg.translator.engine)?;
     let mut src = ZmqSource::spawn(cfg, rt.handle());
     let handle = src.handle();
-    let deadline = limits
-        .duration_s
-        .map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d));
+    let deadline = deadline_of(limits.duration_s);
     eprintln!("subscribing to {url}");
     let outcome: Result<&str> = rt.block_on(async {
         let ctrl_c = tokio::signal::ctrl_c();
         tokio::pin!(ctrl_c);
-        let until = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        };
+        let until = stop_at(deadline);
         tokio::pin!(until);
         let mut flush = tokio::time::interval(Duration::from_millis(50));
         loop {
@@ -950,6 +936,19 @@ fn record_from_zmq(
         out.display()
     );
     Ok(0)
+}
+
+/// When `--duration-s` runs out, counted from now.
+fn deadline_of(duration_s: Option<f64>) -> Option<tokio::time::Instant> {
+    duration_s.map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d))
+}
+
+/// Resolves at `deadline`, or never without one.
+async fn stop_at(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
 }
 
 #[cfg(test)]
