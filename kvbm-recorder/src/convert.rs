@@ -1,6 +1,8 @@
 //! Conversion between kvbm-core's [`Event`]s and the flatbuffers
-//! [`EventRecord`](kvbm_schema::EventRecord)s of `schema/kvbm_events.fbs`:
-//! the one place where the in-memory vocabulary meets the on-disk one.
+//! [`EventRecord`](kvbm_schema::EventRecord)s of `schema/kvbm_events.fbs`,
+//! one event per record: what the attach protocol sends. (The durable log
+//! stores blocks of events column by column instead: [`crate::columnar`],
+//! which shares this module's enum conversions.)
 //!
 //! - [`encode`] (or an [`Encoder`]) writes an event into a reused
 //!   [`FlatBufferBuilder`] and returns the finished record, file identifier
@@ -114,6 +116,15 @@ pub enum DecodeError {
         state: &'static str,
         /// The count found.
         tokens: u64,
+    },
+    /// A field that must be zero in this position (so that every event
+    /// has one encoding) is not.
+    #[error("{field}: {value} where only 0 is allowed")]
+    UnexpectedValue {
+        /// Where it was found.
+        field: &'static str,
+        /// The value found.
+        value: u64,
     },
     /// A token count does not fit this platform's `usize`.
     #[error("{field}: token count {tokens} does not fit in usize")]
@@ -501,7 +512,7 @@ fn encode_kind(
     }
 }
 
-fn encode_state(s: SlotState) -> fb::SlotState {
+pub(crate) fn encode_state(s: SlotState) -> fb::SlotState {
     use fb::SlotStateKind as S;
     let (state, tokens) = match s {
         SlotState::Initialized => (S::Initialized, 0),
@@ -520,7 +531,7 @@ fn encode_state(s: SlotState) -> fb::SlotState {
     fb::SlotState::new(state, tokens)
 }
 
-fn tier_to_fb(t: Tier) -> fb::Tier {
+pub(crate) fn tier_to_fb(t: Tier) -> fb::Tier {
     match t {
         Tier::Device => fb::Tier::Device,
         Tier::Host => fb::Tier::Host,
@@ -528,11 +539,11 @@ fn tier_to_fb(t: Tier) -> fb::Tier {
     }
 }
 
-fn direction_to_fb(d: Direction) -> fb::Direction {
+pub(crate) fn direction_to_fb(d: Direction) -> fb::Direction {
     fb::Direction::new(tier_to_fb(d.src), tier_to_fb(d.dst))
 }
 
-fn entry_to_fb(e: EntryPoint) -> fb::EntryPoint {
+pub(crate) fn entry_to_fb(e: EntryPoint) -> fb::EntryPoint {
     match e {
         EntryPoint::CreateSlot => fb::EntryPoint::CreateSlot,
         EntryPoint::GetNumNewMatchedTokens => fb::EntryPoint::GetNumNewMatchedTokens,
@@ -543,14 +554,14 @@ fn entry_to_fb(e: EntryPoint) -> fb::EntryPoint {
     }
 }
 
-fn phase_to_fb(p: HookPhase) -> fb::HookPhase {
+pub(crate) fn phase_to_fb(p: HookPhase) -> fb::HookPhase {
     match p {
         HookPhase::Will => fb::HookPhase::Will,
         HookPhase::Finished => fb::HookPhase::Finished,
     }
 }
 
-fn cause_to_fb(c: ResumeCause) -> fb::ResumeCause {
+pub(crate) fn cause_to_fb(c: ResumeCause) -> fb::ResumeCause {
     match c {
         ResumeCause::Resume => fb::ResumeCause::Resume,
         ResumeCause::Step => fb::ResumeCause::Step,
@@ -746,7 +757,10 @@ fn decode_kind(rec: &fb::EventRecord<'_>) -> Result<EventKind, DecodeError> {
     })
 }
 
-fn decode_state(s: &fb::SlotState, field: &'static str) -> Result<SlotState, DecodeError> {
+pub(crate) fn decode_state(
+    s: &fb::SlotState,
+    field: &'static str,
+) -> Result<SlotState, DecodeError> {
     use fb::SlotStateKind as S;
     let tokens = s.tokens();
     let count =
@@ -782,7 +796,7 @@ fn decode_state(s: &fb::SlotState, field: &'static str) -> Result<SlotState, Dec
     Ok(state)
 }
 
-fn tier_from_fb(t: fb::Tier, field: &'static str) -> Result<Tier, DecodeError> {
+pub(crate) fn tier_from_fb(t: fb::Tier, field: &'static str) -> Result<Tier, DecodeError> {
     match t {
         fb::Tier::Device => Ok(Tier::Device),
         fb::Tier::Host => Ok(Tier::Host),
@@ -795,14 +809,20 @@ fn tier_from_fb(t: fb::Tier, field: &'static str) -> Result<Tier, DecodeError> {
     }
 }
 
-fn direction_from_fb(d: &fb::Direction, field: &'static str) -> Result<Direction, DecodeError> {
+pub(crate) fn direction_from_fb(
+    d: &fb::Direction,
+    field: &'static str,
+) -> Result<Direction, DecodeError> {
     Ok(Direction {
         src: tier_from_fb(d.src(), field)?,
         dst: tier_from_fb(d.dst(), field)?,
     })
 }
 
-fn entry_from_fb(e: fb::EntryPoint, field: &'static str) -> Result<EntryPoint, DecodeError> {
+pub(crate) fn entry_from_fb(
+    e: fb::EntryPoint,
+    field: &'static str,
+) -> Result<EntryPoint, DecodeError> {
     match e {
         fb::EntryPoint::CreateSlot => Ok(EntryPoint::CreateSlot),
         fb::EntryPoint::GetNumNewMatchedTokens => Ok(EntryPoint::GetNumNewMatchedTokens),
@@ -818,7 +838,10 @@ fn entry_from_fb(e: fb::EntryPoint, field: &'static str) -> Result<EntryPoint, D
     }
 }
 
-fn phase_from_fb(p: fb::HookPhase, field: &'static str) -> Result<HookPhase, DecodeError> {
+pub(crate) fn phase_from_fb(
+    p: fb::HookPhase,
+    field: &'static str,
+) -> Result<HookPhase, DecodeError> {
     match p {
         fb::HookPhase::Will => Ok(HookPhase::Will),
         fb::HookPhase::Finished => Ok(HookPhase::Finished),
@@ -830,7 +853,10 @@ fn phase_from_fb(p: fb::HookPhase, field: &'static str) -> Result<HookPhase, Dec
     }
 }
 
-fn cause_from_fb(c: fb::ResumeCause, field: &'static str) -> Result<ResumeCause, DecodeError> {
+pub(crate) fn cause_from_fb(
+    c: fb::ResumeCause,
+    field: &'static str,
+) -> Result<ResumeCause, DecodeError> {
     match c {
         fb::ResumeCause::Resume => Ok(ResumeCause::Resume),
         fb::ResumeCause::Step => Ok(ResumeCause::Step),
@@ -846,7 +872,7 @@ fn cause_from_fb(c: fb::ResumeCause, field: &'static str) -> Result<ResumeCause,
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::collection::vec;
     use proptest::prelude::*;
@@ -897,14 +923,14 @@ mod tests {
     }
 
     // Any unicode, empty included: reasons and errors are free text.
-    fn text() -> impl Strategy<Value = String> {
+    pub(crate) fn text() -> impl Strategy<Value = String> {
         prop_oneof![".{0,40}", any::<String>()]
     }
 
     /// Any event kind, every variant equally likely, with random fields.
     /// Each arm is boxed: the unboxed union of twenty nested strategy types
     /// needs more than a test thread's 2 MiB of stack in a debug build.
-    fn event_kind() -> BoxedStrategy<EventKind> {
+    pub(crate) fn event_kind() -> BoxedStrategy<EventKind> {
         use EventKind as K;
         Union::new(vec![
             (any::<u32>(), any::<u32>())
@@ -1058,7 +1084,7 @@ mod tests {
     }
 
     /// Any event: random envelope, no request or any request id, any kind.
-    fn event() -> BoxedStrategy<Event> {
+    pub(crate) fn event() -> BoxedStrategy<Event> {
         (
             any::<u32>(),
             any::<u64>(),
@@ -1080,7 +1106,7 @@ mod tests {
 
     /// A corruption of a valid record.
     #[derive(Debug, Clone)]
-    enum Mutation {
+    pub(crate) enum Mutation {
         /// XOR these bytes at these positions (taken modulo the length).
         Flip(Vec<(usize, u8)>),
         /// Keep only this many bytes (modulo the length).
@@ -1092,7 +1118,7 @@ mod tests {
         Offset(usize, u32),
     }
 
-    fn mutation() -> impl Strategy<Value = Mutation> {
+    pub(crate) fn mutation() -> impl Strategy<Value = Mutation> {
         prop_oneof![
             vec((any::<usize>(), 1..=255u8), 1..6).prop_map(Mutation::Flip),
             any::<usize>().prop_map(Mutation::Truncate),
@@ -1101,7 +1127,7 @@ mod tests {
         ]
     }
 
-    fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
+    pub(crate) fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
         let len = bytes.len();
         match m {
             Mutation::Flip(flips) => {
@@ -1182,7 +1208,7 @@ mod tests {
 
     /// One event of every kind, with values that are not the defaults (so
     /// every field is actually stored).
-    fn sample_events() -> Vec<Event> {
+    pub(crate) fn sample_events() -> Vec<Event> {
         let d = Direction::HOST_TO_DISK;
         let kinds = vec![
             EventKind::SlotCreated {

@@ -4,6 +4,7 @@
 
 pub mod analysis;
 pub mod client;
+pub mod columnar;
 pub mod convert;
 pub mod log;
 pub mod protocol;

@@ -3,7 +3,9 @@
 //! `schema/kvbm_events.fbs` defines one flatbuffers record, [`EventRecord`],
 //! per `kvbm_core::events::Event`: the envelope (engine, sequence number,
 //! timestamp, iteration, request id) and an [`EventKind`] union with one
-//! table per event kind. This crate is the Rust that `flatc` 25.12.19
+//! table per event kind; and one durable-log block, [`EventBlock`], which
+//! holds a run of events column by column (fixed-size kinds as rows of
+//! structs). This crate is the Rust that `flatc` 25.12.19
 //! generates from it (`src/generated/`, committed, rebuilt by
 //! `schema/regen.sh`; CI fails when the two drift apart), re-exported at the
 //! crate root, plus the constants a reader and writer agree on.

@@ -910,6 +910,2211 @@ impl<'a> SlotState {
 
 }
 
+// struct SlotCreatedRow, aligned to 4
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct SlotCreatedRow(pub [u8; 8]);
+impl Default for SlotCreatedRow { 
+  fn default() -> Self { 
+    Self([0; 8])
+  }
+}
+impl ::core::fmt::Debug for SlotCreatedRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("SlotCreatedRow")
+      .field("prompt_tokens", &self.prompt_tokens())
+      .field("max_output_tokens", &self.max_output_tokens())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for SlotCreatedRow {}
+impl<'a> ::flatbuffers::Follow<'a> for SlotCreatedRow {
+  type Inner = &'a SlotCreatedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a SlotCreatedRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a SlotCreatedRow {
+  type Inner = &'a SlotCreatedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<SlotCreatedRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for SlotCreatedRow {
+    type Output = SlotCreatedRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const SlotCreatedRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(4)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for SlotCreatedRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> SlotCreatedRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    prompt_tokens: u32,
+    max_output_tokens: u32,
+  ) -> Self {
+    let mut s = Self([0; 8]);
+    s.set_prompt_tokens(prompt_tokens);
+    s.set_max_output_tokens(max_output_tokens);
+    s
+  }
+
+  pub fn prompt_tokens(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_prompt_tokens(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn max_output_tokens(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[4..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_max_output_tokens(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[4..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct SlotTransitionRow, aligned to 8
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct SlotTransitionRow(pub [u8; 32]);
+impl Default for SlotTransitionRow { 
+  fn default() -> Self { 
+    Self([0; 32])
+  }
+}
+impl ::core::fmt::Debug for SlotTransitionRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("SlotTransitionRow")
+      .field("from", &self.from())
+      .field("to", &self.to())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for SlotTransitionRow {}
+impl<'a> ::flatbuffers::Follow<'a> for SlotTransitionRow {
+  type Inner = &'a SlotTransitionRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a SlotTransitionRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a SlotTransitionRow {
+  type Inner = &'a SlotTransitionRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<SlotTransitionRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for SlotTransitionRow {
+    type Output = SlotTransitionRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const SlotTransitionRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(8)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for SlotTransitionRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> SlotTransitionRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    from: &SlotState,
+    to: &SlotState,
+  ) -> Self {
+    let mut s = Self([0; 32]);
+    s.set_from(from);
+    s.set_to(to);
+    s
+  }
+
+  pub fn from(&self) -> &SlotState {
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid struct in this slot
+    unsafe { &*(self.0[0..].as_ptr() as *const SlotState) }
+  }
+
+  #[allow(clippy::identity_op)]
+  pub fn set_from(&mut self, x: &SlotState) {
+    self.0[0..0 + 16].copy_from_slice(&x.0)
+  }
+
+  pub fn to(&self) -> &SlotState {
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid struct in this slot
+    unsafe { &*(self.0[16..].as_ptr() as *const SlotState) }
+  }
+
+  #[allow(clippy::identity_op)]
+  pub fn set_to(&mut self, x: &SlotState) {
+    self.0[16..16 + 16].copy_from_slice(&x.0)
+  }
+
+}
+
+// struct MatchResultRow, aligned to 4
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct MatchResultRow(pub [u8; 16]);
+impl Default for MatchResultRow { 
+  fn default() -> Self { 
+    Self([0; 16])
+  }
+}
+impl ::core::fmt::Debug for MatchResultRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("MatchResultRow")
+      .field("tier", &self.tier())
+      .field("looked_up", &self.looked_up())
+      .field("hit_blocks", &self.hit_blocks())
+      .field("hit_tokens", &self.hit_tokens())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for MatchResultRow {}
+impl<'a> ::flatbuffers::Follow<'a> for MatchResultRow {
+  type Inner = &'a MatchResultRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a MatchResultRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a MatchResultRow {
+  type Inner = &'a MatchResultRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<MatchResultRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for MatchResultRow {
+    type Output = MatchResultRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const MatchResultRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(4)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for MatchResultRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> MatchResultRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    tier: Tier,
+    looked_up: u32,
+    hit_blocks: u32,
+    hit_tokens: u32,
+  ) -> Self {
+    let mut s = Self([0; 16]);
+    s.set_tier(tier);
+    s.set_looked_up(looked_up);
+    s.set_hit_blocks(hit_blocks);
+    s.set_hit_tokens(hit_tokens);
+    s
+  }
+
+  pub fn tier(&self) -> Tier {
+    let mut mem = ::core::mem::MaybeUninit::<<Tier as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_tier(&mut self, x: Tier) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn looked_up(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[4..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_looked_up(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[4..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn hit_blocks(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[8..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_hit_blocks(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[8..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn hit_tokens(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[12..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_hit_tokens(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[12..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct BlocksReleasedRow, aligned to 4
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct BlocksReleasedRow(pub [u8; 8]);
+impl Default for BlocksReleasedRow { 
+  fn default() -> Self { 
+    Self([0; 8])
+  }
+}
+impl ::core::fmt::Debug for BlocksReleasedRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("BlocksReleasedRow")
+      .field("tier", &self.tier())
+      .field("count", &self.count())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for BlocksReleasedRow {}
+impl<'a> ::flatbuffers::Follow<'a> for BlocksReleasedRow {
+  type Inner = &'a BlocksReleasedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a BlocksReleasedRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a BlocksReleasedRow {
+  type Inner = &'a BlocksReleasedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<BlocksReleasedRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for BlocksReleasedRow {
+    type Output = BlocksReleasedRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const BlocksReleasedRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(4)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for BlocksReleasedRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> BlocksReleasedRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    tier: Tier,
+    count: u32,
+  ) -> Self {
+    let mut s = Self([0; 8]);
+    s.set_tier(tier);
+    s.set_count(count);
+    s
+  }
+
+  pub fn tier(&self) -> Tier {
+    let mut mem = ::core::mem::MaybeUninit::<<Tier as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_tier(&mut self, x: Tier) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn count(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[4..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_count(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[4..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct BlockRegisteredRow, aligned to 8
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct BlockRegisteredRow(pub [u8; 24]);
+impl Default for BlockRegisteredRow { 
+  fn default() -> Self { 
+    Self([0; 24])
+  }
+}
+impl ::core::fmt::Debug for BlockRegisteredRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("BlockRegisteredRow")
+      .field("tier", &self.tier())
+      .field("has_duplicate", &self.has_duplicate())
+      .field("block", &self.block())
+      .field("duplicate_of", &self.duplicate_of())
+      .field("sequence_hash", &self.sequence_hash())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for BlockRegisteredRow {}
+impl<'a> ::flatbuffers::Follow<'a> for BlockRegisteredRow {
+  type Inner = &'a BlockRegisteredRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a BlockRegisteredRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a BlockRegisteredRow {
+  type Inner = &'a BlockRegisteredRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<BlockRegisteredRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for BlockRegisteredRow {
+    type Output = BlockRegisteredRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const BlockRegisteredRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(8)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for BlockRegisteredRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> BlockRegisteredRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    tier: Tier,
+    has_duplicate: bool,
+    block: u32,
+    duplicate_of: u32,
+    sequence_hash: u64,
+  ) -> Self {
+    let mut s = Self([0; 24]);
+    s.set_tier(tier);
+    s.set_has_duplicate(has_duplicate);
+    s.set_block(block);
+    s.set_duplicate_of(duplicate_of);
+    s.set_sequence_hash(sequence_hash);
+    s
+  }
+
+  pub fn tier(&self) -> Tier {
+    let mut mem = ::core::mem::MaybeUninit::<<Tier as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_tier(&mut self, x: Tier) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn has_duplicate(&self) -> bool {
+    let mut mem = ::core::mem::MaybeUninit::<<bool as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[1..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<bool as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_has_duplicate(&mut self, x: bool) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[1..].as_mut_ptr(),
+        ::core::mem::size_of::<<bool as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn block(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[4..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_block(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[4..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn duplicate_of(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[8..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_duplicate_of(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[8..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn sequence_hash(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[16..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_sequence_hash(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[16..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct BlockEvictedRow, aligned to 8
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct BlockEvictedRow(pub [u8; 16]);
+impl Default for BlockEvictedRow { 
+  fn default() -> Self { 
+    Self([0; 16])
+  }
+}
+impl ::core::fmt::Debug for BlockEvictedRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("BlockEvictedRow")
+      .field("tier", &self.tier())
+      .field("block", &self.block())
+      .field("sequence_hash", &self.sequence_hash())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for BlockEvictedRow {}
+impl<'a> ::flatbuffers::Follow<'a> for BlockEvictedRow {
+  type Inner = &'a BlockEvictedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a BlockEvictedRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a BlockEvictedRow {
+  type Inner = &'a BlockEvictedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<BlockEvictedRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for BlockEvictedRow {
+    type Output = BlockEvictedRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const BlockEvictedRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(8)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for BlockEvictedRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> BlockEvictedRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    tier: Tier,
+    block: u32,
+    sequence_hash: u64,
+  ) -> Self {
+    let mut s = Self([0; 16]);
+    s.set_tier(tier);
+    s.set_block(block);
+    s.set_sequence_hash(sequence_hash);
+    s
+  }
+
+  pub fn tier(&self) -> Tier {
+    let mut mem = ::core::mem::MaybeUninit::<<Tier as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_tier(&mut self, x: Tier) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn block(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[4..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_block(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[4..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn sequence_hash(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[8..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_sequence_hash(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[8..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct TransferRow, aligned to 8
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct TransferRow(pub [u8; 16]);
+impl Default for TransferRow { 
+  fn default() -> Self { 
+    Self([0; 16])
+  }
+}
+impl ::core::fmt::Debug for TransferRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("TransferRow")
+      .field("transfer", &self.transfer())
+      .field("direction", &self.direction())
+      .field("blocks", &self.blocks())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for TransferRow {}
+impl<'a> ::flatbuffers::Follow<'a> for TransferRow {
+  type Inner = &'a TransferRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a TransferRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a TransferRow {
+  type Inner = &'a TransferRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<TransferRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for TransferRow {
+    type Output = TransferRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const TransferRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(8)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for TransferRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> TransferRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    transfer: u64,
+    direction: &Direction,
+    blocks: u32,
+  ) -> Self {
+    let mut s = Self([0; 16]);
+    s.set_transfer(transfer);
+    s.set_direction(direction);
+    s.set_blocks(blocks);
+    s
+  }
+
+  pub fn transfer(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_transfer(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn direction(&self) -> &Direction {
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid struct in this slot
+    unsafe { &*(self.0[8..].as_ptr() as *const Direction) }
+  }
+
+  #[allow(clippy::identity_op)]
+  pub fn set_direction(&mut self, x: &Direction) {
+    self.0[8..8 + 2].copy_from_slice(&x.0)
+  }
+
+  pub fn blocks(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[12..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_blocks(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[12..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct TransferCancelledRow, aligned to 8
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct TransferCancelledRow(pub [u8; 16]);
+impl Default for TransferCancelledRow { 
+  fn default() -> Self { 
+    Self([0; 16])
+  }
+}
+impl ::core::fmt::Debug for TransferCancelledRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("TransferCancelledRow")
+      .field("transfer", &self.transfer())
+      .field("direction", &self.direction())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for TransferCancelledRow {}
+impl<'a> ::flatbuffers::Follow<'a> for TransferCancelledRow {
+  type Inner = &'a TransferCancelledRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a TransferCancelledRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a TransferCancelledRow {
+  type Inner = &'a TransferCancelledRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<TransferCancelledRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for TransferCancelledRow {
+    type Output = TransferCancelledRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const TransferCancelledRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(8)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for TransferCancelledRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> TransferCancelledRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    transfer: u64,
+    direction: &Direction,
+  ) -> Self {
+    let mut s = Self([0; 16]);
+    s.set_transfer(transfer);
+    s.set_direction(direction);
+    s
+  }
+
+  pub fn transfer(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_transfer(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn direction(&self) -> &Direction {
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid struct in this slot
+    unsafe { &*(self.0[8..].as_ptr() as *const Direction) }
+  }
+
+  #[allow(clippy::identity_op)]
+  pub fn set_direction(&mut self, x: &Direction) {
+    self.0[8..8 + 2].copy_from_slice(&x.0)
+  }
+
+}
+
+// struct BatchCompletedRow, aligned to 8
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct BatchCompletedRow(pub [u8; 32]);
+impl Default for BatchCompletedRow { 
+  fn default() -> Self { 
+    Self([0; 32])
+  }
+}
+impl ::core::fmt::Debug for BatchCompletedRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("BatchCompletedRow")
+      .field("batch", &self.batch())
+      .field("direction", &self.direction())
+      .field("ok", &self.ok())
+      .field("blocks", &self.blocks())
+      .field("bytes", &self.bytes())
+      .field("elapsed_ns", &self.elapsed_ns())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for BatchCompletedRow {}
+impl<'a> ::flatbuffers::Follow<'a> for BatchCompletedRow {
+  type Inner = &'a BatchCompletedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a BatchCompletedRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a BatchCompletedRow {
+  type Inner = &'a BatchCompletedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<BatchCompletedRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for BatchCompletedRow {
+    type Output = BatchCompletedRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const BatchCompletedRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(8)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for BatchCompletedRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> BatchCompletedRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    batch: u64,
+    direction: &Direction,
+    ok: bool,
+    blocks: u32,
+    bytes: u64,
+    elapsed_ns: u64,
+  ) -> Self {
+    let mut s = Self([0; 32]);
+    s.set_batch(batch);
+    s.set_direction(direction);
+    s.set_ok(ok);
+    s.set_blocks(blocks);
+    s.set_bytes(bytes);
+    s.set_elapsed_ns(elapsed_ns);
+    s
+  }
+
+  pub fn batch(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_batch(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn direction(&self) -> &Direction {
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid struct in this slot
+    unsafe { &*(self.0[8..].as_ptr() as *const Direction) }
+  }
+
+  #[allow(clippy::identity_op)]
+  pub fn set_direction(&mut self, x: &Direction) {
+    self.0[8..8 + 2].copy_from_slice(&x.0)
+  }
+
+  pub fn ok(&self) -> bool {
+    let mut mem = ::core::mem::MaybeUninit::<<bool as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[10..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<bool as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_ok(&mut self, x: bool) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[10..].as_mut_ptr(),
+        ::core::mem::size_of::<<bool as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn blocks(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[12..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_blocks(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[12..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn bytes(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[16..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_bytes(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[16..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn elapsed_ns(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[24..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_elapsed_ns(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[24..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct PoolGaugeRow, aligned to 4
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct PoolGaugeRow(pub [u8; 20]);
+impl Default for PoolGaugeRow { 
+  fn default() -> Self { 
+    Self([0; 20])
+  }
+}
+impl ::core::fmt::Debug for PoolGaugeRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("PoolGaugeRow")
+      .field("tier", &self.tier())
+      .field("capacity", &self.capacity())
+      .field("active", &self.active())
+      .field("inactive", &self.inactive())
+      .field("empty", &self.empty())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for PoolGaugeRow {}
+impl<'a> ::flatbuffers::Follow<'a> for PoolGaugeRow {
+  type Inner = &'a PoolGaugeRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a PoolGaugeRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a PoolGaugeRow {
+  type Inner = &'a PoolGaugeRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<PoolGaugeRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for PoolGaugeRow {
+    type Output = PoolGaugeRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const PoolGaugeRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(4)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for PoolGaugeRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> PoolGaugeRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    tier: Tier,
+    capacity: u32,
+    active: u32,
+    inactive: u32,
+    empty: u32,
+  ) -> Self {
+    let mut s = Self([0; 20]);
+    s.set_tier(tier);
+    s.set_capacity(capacity);
+    s.set_active(active);
+    s.set_inactive(inactive);
+    s.set_empty(empty);
+    s
+  }
+
+  pub fn tier(&self) -> Tier {
+    let mut mem = ::core::mem::MaybeUninit::<<Tier as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_tier(&mut self, x: Tier) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<Tier as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn capacity(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[4..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_capacity(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[4..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn active(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[8..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_active(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[8..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn inactive(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[12..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_inactive(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[12..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn empty(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[16..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_empty(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[16..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct HookCallRow, aligned to 1
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct HookCallRow(pub [u8; 2]);
+impl Default for HookCallRow { 
+  fn default() -> Self { 
+    Self([0; 2])
+  }
+}
+impl ::core::fmt::Debug for HookCallRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("HookCallRow")
+      .field("entry", &self.entry())
+      .field("phase", &self.phase())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for HookCallRow {}
+impl<'a> ::flatbuffers::Follow<'a> for HookCallRow {
+  type Inner = &'a HookCallRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a HookCallRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a HookCallRow {
+  type Inner = &'a HookCallRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<HookCallRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for HookCallRow {
+    type Output = HookCallRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const HookCallRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(1)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for HookCallRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> HookCallRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    entry: EntryPoint,
+    phase: HookPhase,
+  ) -> Self {
+    let mut s = Self([0; 2]);
+    s.set_entry(entry);
+    s.set_phase(phase);
+    s
+  }
+
+  pub fn entry(&self) -> EntryPoint {
+    let mut mem = ::core::mem::MaybeUninit::<<EntryPoint as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<EntryPoint as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_entry(&mut self, x: EntryPoint) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<EntryPoint as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn phase(&self) -> HookPhase {
+    let mut mem = ::core::mem::MaybeUninit::<<HookPhase as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[1..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<HookPhase as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_phase(&mut self, x: HookPhase) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[1..].as_mut_ptr(),
+        ::core::mem::size_of::<<HookPhase as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct BreakpointHitRow, aligned to 8
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct BreakpointHitRow(pub [u8; 24]);
+impl Default for BreakpointHitRow { 
+  fn default() -> Self { 
+    Self([0; 24])
+  }
+}
+impl ::core::fmt::Debug for BreakpointHitRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("BreakpointHitRow")
+      .field("breakpoint", &self.breakpoint())
+      .field("entry", &self.entry())
+      .field("deadline_ns", &self.deadline_ns())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for BreakpointHitRow {}
+impl<'a> ::flatbuffers::Follow<'a> for BreakpointHitRow {
+  type Inner = &'a BreakpointHitRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a BreakpointHitRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a BreakpointHitRow {
+  type Inner = &'a BreakpointHitRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<BreakpointHitRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for BreakpointHitRow {
+    type Output = BreakpointHitRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const BreakpointHitRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(8)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for BreakpointHitRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> BreakpointHitRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    breakpoint: u64,
+    entry: EntryPoint,
+    deadline_ns: u64,
+  ) -> Self {
+    let mut s = Self([0; 24]);
+    s.set_breakpoint(breakpoint);
+    s.set_entry(entry);
+    s.set_deadline_ns(deadline_ns);
+    s
+  }
+
+  pub fn breakpoint(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_breakpoint(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn entry(&self) -> EntryPoint {
+    let mut mem = ::core::mem::MaybeUninit::<<EntryPoint as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[8..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<EntryPoint as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_entry(&mut self, x: EntryPoint) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[8..].as_mut_ptr(),
+        ::core::mem::size_of::<<EntryPoint as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn deadline_ns(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[16..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_deadline_ns(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[16..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct ResumedRow, aligned to 8
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct ResumedRow(pub [u8; 16]);
+impl Default for ResumedRow { 
+  fn default() -> Self { 
+    Self([0; 16])
+  }
+}
+impl ::core::fmt::Debug for ResumedRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("ResumedRow")
+      .field("breakpoint", &self.breakpoint())
+      .field("cause", &self.cause())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for ResumedRow {}
+impl<'a> ::flatbuffers::Follow<'a> for ResumedRow {
+  type Inner = &'a ResumedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a ResumedRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a ResumedRow {
+  type Inner = &'a ResumedRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<ResumedRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for ResumedRow {
+    type Output = ResumedRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const ResumedRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(8)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for ResumedRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> ResumedRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    breakpoint: u64,
+    cause: ResumeCause,
+  ) -> Self {
+    let mut s = Self([0; 16]);
+    s.set_breakpoint(breakpoint);
+    s.set_cause(cause);
+    s
+  }
+
+  pub fn breakpoint(&self) -> u64 {
+    let mut mem = ::core::mem::MaybeUninit::<<u64 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_breakpoint(&mut self, x: u64) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<u64 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn cause(&self) -> ResumeCause {
+    let mut mem = ::core::mem::MaybeUninit::<<ResumeCause as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[8..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<ResumeCause as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_cause(&mut self, x: ResumeCause) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[8..].as_mut_ptr(),
+        ::core::mem::size_of::<<ResumeCause as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
+// struct TokensScheduledRow, aligned to 4
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct TokensScheduledRow(pub [u8; 12]);
+impl Default for TokensScheduledRow { 
+  fn default() -> Self { 
+    Self([0; 12])
+  }
+}
+impl ::core::fmt::Debug for TokensScheduledRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("TokensScheduledRow")
+      .field("prefill", &self.prefill())
+      .field("decode", &self.decode())
+      .field("computed", &self.computed())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for TokensScheduledRow {}
+impl<'a> ::flatbuffers::Follow<'a> for TokensScheduledRow {
+  type Inner = &'a TokensScheduledRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a TokensScheduledRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a TokensScheduledRow {
+  type Inner = &'a TokensScheduledRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<TokensScheduledRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for TokensScheduledRow {
+    type Output = TokensScheduledRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const TokensScheduledRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(4)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for TokensScheduledRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> TokensScheduledRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    prefill: u32,
+    decode: u32,
+    computed: u32,
+  ) -> Self {
+    let mut s = Self([0; 12]);
+    s.set_prefill(prefill);
+    s.set_decode(decode);
+    s.set_computed(computed);
+    s
+  }
+
+  pub fn prefill(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_prefill(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn decode(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[4..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_decode(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[4..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn computed(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[8..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_computed(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[8..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
 pub enum SlotCreatedOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -4221,6 +6426,634 @@ impl ::core::fmt::Debug for EventRecord<'_> {
           ds.field("kind", &x)
         },
       };
+      ds.finish()
+  }
+}
+pub enum EventBlockOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct EventBlock<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for EventBlock<'a> {
+  type Inner = EventBlock<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> EventBlock<'a> {
+  pub const VT_SCHEMA_VERSION: ::flatbuffers::VOffsetT = 4;
+  pub const VT_BASE_SEQ: ::flatbuffers::VOffsetT = 6;
+  pub const VT_BASE_TS_NS: ::flatbuffers::VOffsetT = 8;
+  pub const VT_BASE_ITERATION: ::flatbuffers::VOffsetT = 10;
+  pub const VT_BASE_ENGINE: ::flatbuffers::VOffsetT = 12;
+  pub const VT_SEQ_DELTA: ::flatbuffers::VOffsetT = 14;
+  pub const VT_TS_DELTA: ::flatbuffers::VOffsetT = 16;
+  pub const VT_ITERATION_DELTA: ::flatbuffers::VOffsetT = 18;
+  pub const VT_ENGINE: ::flatbuffers::VOffsetT = 20;
+  pub const VT_REQUEST: ::flatbuffers::VOffsetT = 22;
+  pub const VT_KIND: ::flatbuffers::VOffsetT = 24;
+  pub const VT_REQUESTS: ::flatbuffers::VOffsetT = 26;
+  pub const VT_SLOT_CREATED: ::flatbuffers::VOffsetT = 28;
+  pub const VT_SLOT_TRANSITION: ::flatbuffers::VOffsetT = 30;
+  pub const VT_MATCH_RESULT: ::flatbuffers::VOffsetT = 32;
+  pub const VT_BLOCKS_ALLOCATED: ::flatbuffers::VOffsetT = 34;
+  pub const VT_BLOCKS_RELEASED: ::flatbuffers::VOffsetT = 36;
+  pub const VT_BLOCK_REGISTERED: ::flatbuffers::VOffsetT = 38;
+  pub const VT_BLOCK_EVICTED: ::flatbuffers::VOffsetT = 40;
+  pub const VT_TRANSFER_PLANNED: ::flatbuffers::VOffsetT = 42;
+  pub const VT_TRANSFER_PROMOTED: ::flatbuffers::VOffsetT = 44;
+  pub const VT_TRANSFER_SKIPPED: ::flatbuffers::VOffsetT = 46;
+  pub const VT_TRANSFER_CANCELLED: ::flatbuffers::VOffsetT = 48;
+  pub const VT_TRANSFER_COMPLETED: ::flatbuffers::VOffsetT = 50;
+  pub const VT_TRANSFER_FAILED: ::flatbuffers::VOffsetT = 52;
+  pub const VT_BATCH_DISPATCHED: ::flatbuffers::VOffsetT = 54;
+  pub const VT_BATCH_COMPLETED: ::flatbuffers::VOffsetT = 56;
+  pub const VT_POOL_GAUGE: ::flatbuffers::VOffsetT = 58;
+  pub const VT_HOOK_CALL: ::flatbuffers::VOffsetT = 60;
+  pub const VT_BREAKPOINT_HIT: ::flatbuffers::VOffsetT = 62;
+  pub const VT_RESUMED: ::flatbuffers::VOffsetT = 64;
+  pub const VT_TOKENS_SCHEDULED: ::flatbuffers::VOffsetT = 66;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    EventBlock { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args EventBlockArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<EventBlock<'bldr>> {
+    let mut builder = EventBlockBuilder::new(_fbb);
+    builder.add_base_iteration(args.base_iteration);
+    builder.add_base_ts_ns(args.base_ts_ns);
+    builder.add_base_seq(args.base_seq);
+    if let Some(x) = args.tokens_scheduled { builder.add_tokens_scheduled(x); }
+    if let Some(x) = args.resumed { builder.add_resumed(x); }
+    if let Some(x) = args.breakpoint_hit { builder.add_breakpoint_hit(x); }
+    if let Some(x) = args.hook_call { builder.add_hook_call(x); }
+    if let Some(x) = args.pool_gauge { builder.add_pool_gauge(x); }
+    if let Some(x) = args.batch_completed { builder.add_batch_completed(x); }
+    if let Some(x) = args.batch_dispatched { builder.add_batch_dispatched(x); }
+    if let Some(x) = args.transfer_failed { builder.add_transfer_failed(x); }
+    if let Some(x) = args.transfer_completed { builder.add_transfer_completed(x); }
+    if let Some(x) = args.transfer_cancelled { builder.add_transfer_cancelled(x); }
+    if let Some(x) = args.transfer_skipped { builder.add_transfer_skipped(x); }
+    if let Some(x) = args.transfer_promoted { builder.add_transfer_promoted(x); }
+    if let Some(x) = args.transfer_planned { builder.add_transfer_planned(x); }
+    if let Some(x) = args.block_evicted { builder.add_block_evicted(x); }
+    if let Some(x) = args.block_registered { builder.add_block_registered(x); }
+    if let Some(x) = args.blocks_released { builder.add_blocks_released(x); }
+    if let Some(x) = args.blocks_allocated { builder.add_blocks_allocated(x); }
+    if let Some(x) = args.match_result { builder.add_match_result(x); }
+    if let Some(x) = args.slot_transition { builder.add_slot_transition(x); }
+    if let Some(x) = args.slot_created { builder.add_slot_created(x); }
+    if let Some(x) = args.requests { builder.add_requests(x); }
+    if let Some(x) = args.kind { builder.add_kind(x); }
+    if let Some(x) = args.request { builder.add_request(x); }
+    if let Some(x) = args.engine { builder.add_engine(x); }
+    if let Some(x) = args.iteration_delta { builder.add_iteration_delta(x); }
+    if let Some(x) = args.ts_delta { builder.add_ts_delta(x); }
+    if let Some(x) = args.seq_delta { builder.add_seq_delta(x); }
+    builder.add_base_engine(args.base_engine);
+    builder.add_schema_version(args.schema_version);
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn schema_version(&self) -> u16 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u16>(EventBlock::VT_SCHEMA_VERSION, Some(1)).unwrap()}
+  }
+  #[inline]
+  pub fn base_seq(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(EventBlock::VT_BASE_SEQ, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn base_ts_ns(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(EventBlock::VT_BASE_TS_NS, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn base_iteration(&self) -> u64 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u64>(EventBlock::VT_BASE_ITERATION, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn base_engine(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(EventBlock::VT_BASE_ENGINE, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn seq_delta(&self) -> Option<::flatbuffers::Vector<'a, u16>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u16>>>(EventBlock::VT_SEQ_DELTA, None)}
+  }
+  #[inline]
+  pub fn ts_delta(&self) -> ::flatbuffers::Vector<'a, u32> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(EventBlock::VT_TS_DELTA, None).unwrap()}
+  }
+  #[inline]
+  pub fn iteration_delta(&self) -> ::flatbuffers::Vector<'a, u16> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u16>>>(EventBlock::VT_ITERATION_DELTA, None).unwrap()}
+  }
+  #[inline]
+  pub fn engine(&self) -> Option<::flatbuffers::Vector<'a, u32>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u32>>>(EventBlock::VT_ENGINE, None)}
+  }
+  #[inline]
+  pub fn request(&self) -> ::flatbuffers::Vector<'a, u16> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u16>>>(EventBlock::VT_REQUEST, None).unwrap()}
+  }
+  #[inline]
+  pub fn kind(&self) -> ::flatbuffers::Vector<'a, u8> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u8>>>(EventBlock::VT_KIND, None).unwrap()}
+  }
+  #[inline]
+  pub fn requests(&self) -> ::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>>>(EventBlock::VT_REQUESTS, None).unwrap()}
+  }
+  #[inline]
+  pub fn slot_created(&self) -> Option<::flatbuffers::Vector<'a, SlotCreatedRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, SlotCreatedRow>>>(EventBlock::VT_SLOT_CREATED, None)}
+  }
+  #[inline]
+  pub fn slot_transition(&self) -> Option<::flatbuffers::Vector<'a, SlotTransitionRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, SlotTransitionRow>>>(EventBlock::VT_SLOT_TRANSITION, None)}
+  }
+  #[inline]
+  pub fn match_result(&self) -> Option<::flatbuffers::Vector<'a, MatchResultRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, MatchResultRow>>>(EventBlock::VT_MATCH_RESULT, None)}
+  }
+  #[inline]
+  pub fn blocks_allocated(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<BlocksAllocated<'a>>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<BlocksAllocated>>>>(EventBlock::VT_BLOCKS_ALLOCATED, None)}
+  }
+  #[inline]
+  pub fn blocks_released(&self) -> Option<::flatbuffers::Vector<'a, BlocksReleasedRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, BlocksReleasedRow>>>(EventBlock::VT_BLOCKS_RELEASED, None)}
+  }
+  #[inline]
+  pub fn block_registered(&self) -> Option<::flatbuffers::Vector<'a, BlockRegisteredRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, BlockRegisteredRow>>>(EventBlock::VT_BLOCK_REGISTERED, None)}
+  }
+  #[inline]
+  pub fn block_evicted(&self) -> Option<::flatbuffers::Vector<'a, BlockEvictedRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, BlockEvictedRow>>>(EventBlock::VT_BLOCK_EVICTED, None)}
+  }
+  #[inline]
+  pub fn transfer_planned(&self) -> Option<::flatbuffers::Vector<'a, TransferRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, TransferRow>>>(EventBlock::VT_TRANSFER_PLANNED, None)}
+  }
+  #[inline]
+  pub fn transfer_promoted(&self) -> Option<::flatbuffers::Vector<'a, TransferRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, TransferRow>>>(EventBlock::VT_TRANSFER_PROMOTED, None)}
+  }
+  #[inline]
+  pub fn transfer_skipped(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<TransferSkipped<'a>>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<TransferSkipped>>>>(EventBlock::VT_TRANSFER_SKIPPED, None)}
+  }
+  #[inline]
+  pub fn transfer_cancelled(&self) -> Option<::flatbuffers::Vector<'a, TransferCancelledRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, TransferCancelledRow>>>(EventBlock::VT_TRANSFER_CANCELLED, None)}
+  }
+  #[inline]
+  pub fn transfer_completed(&self) -> Option<::flatbuffers::Vector<'a, TransferRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, TransferRow>>>(EventBlock::VT_TRANSFER_COMPLETED, None)}
+  }
+  #[inline]
+  pub fn transfer_failed(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<TransferFailed<'a>>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<TransferFailed>>>>(EventBlock::VT_TRANSFER_FAILED, None)}
+  }
+  #[inline]
+  pub fn batch_dispatched(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<BatchDispatched<'a>>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<BatchDispatched>>>>(EventBlock::VT_BATCH_DISPATCHED, None)}
+  }
+  #[inline]
+  pub fn batch_completed(&self) -> Option<::flatbuffers::Vector<'a, BatchCompletedRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, BatchCompletedRow>>>(EventBlock::VT_BATCH_COMPLETED, None)}
+  }
+  #[inline]
+  pub fn pool_gauge(&self) -> Option<::flatbuffers::Vector<'a, PoolGaugeRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, PoolGaugeRow>>>(EventBlock::VT_POOL_GAUGE, None)}
+  }
+  #[inline]
+  pub fn hook_call(&self) -> Option<::flatbuffers::Vector<'a, HookCallRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, HookCallRow>>>(EventBlock::VT_HOOK_CALL, None)}
+  }
+  #[inline]
+  pub fn breakpoint_hit(&self) -> Option<::flatbuffers::Vector<'a, BreakpointHitRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, BreakpointHitRow>>>(EventBlock::VT_BREAKPOINT_HIT, None)}
+  }
+  #[inline]
+  pub fn resumed(&self) -> Option<::flatbuffers::Vector<'a, ResumedRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ResumedRow>>>(EventBlock::VT_RESUMED, None)}
+  }
+  #[inline]
+  pub fn tokens_scheduled(&self) -> Option<::flatbuffers::Vector<'a, TokensScheduledRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, TokensScheduledRow>>>(EventBlock::VT_TOKENS_SCHEDULED, None)}
+  }
+}
+
+impl ::flatbuffers::Verifiable for EventBlock<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<u16>("schema_version", Self::VT_SCHEMA_VERSION, false)?
+     .visit_field::<u64>("base_seq", Self::VT_BASE_SEQ, false)?
+     .visit_field::<u64>("base_ts_ns", Self::VT_BASE_TS_NS, false)?
+     .visit_field::<u64>("base_iteration", Self::VT_BASE_ITERATION, false)?
+     .visit_field::<u32>("base_engine", Self::VT_BASE_ENGINE, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u16>>>("seq_delta", Self::VT_SEQ_DELTA, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("ts_delta", Self::VT_TS_DELTA, true)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u16>>>("iteration_delta", Self::VT_ITERATION_DELTA, true)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u32>>>("engine", Self::VT_ENGINE, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u16>>>("request", Self::VT_REQUEST, true)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u8>>>("kind", Self::VT_KIND, true)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<&'_ str>>>>("requests", Self::VT_REQUESTS, true)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, SlotCreatedRow>>>("slot_created", Self::VT_SLOT_CREATED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, SlotTransitionRow>>>("slot_transition", Self::VT_SLOT_TRANSITION, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, MatchResultRow>>>("match_result", Self::VT_MATCH_RESULT, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<BlocksAllocated>>>>("blocks_allocated", Self::VT_BLOCKS_ALLOCATED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, BlocksReleasedRow>>>("blocks_released", Self::VT_BLOCKS_RELEASED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, BlockRegisteredRow>>>("block_registered", Self::VT_BLOCK_REGISTERED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, BlockEvictedRow>>>("block_evicted", Self::VT_BLOCK_EVICTED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, TransferRow>>>("transfer_planned", Self::VT_TRANSFER_PLANNED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, TransferRow>>>("transfer_promoted", Self::VT_TRANSFER_PROMOTED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<TransferSkipped>>>>("transfer_skipped", Self::VT_TRANSFER_SKIPPED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, TransferCancelledRow>>>("transfer_cancelled", Self::VT_TRANSFER_CANCELLED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, TransferRow>>>("transfer_completed", Self::VT_TRANSFER_COMPLETED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<TransferFailed>>>>("transfer_failed", Self::VT_TRANSFER_FAILED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<BatchDispatched>>>>("batch_dispatched", Self::VT_BATCH_DISPATCHED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, BatchCompletedRow>>>("batch_completed", Self::VT_BATCH_COMPLETED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, PoolGaugeRow>>>("pool_gauge", Self::VT_POOL_GAUGE, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, HookCallRow>>>("hook_call", Self::VT_HOOK_CALL, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, BreakpointHitRow>>>("breakpoint_hit", Self::VT_BREAKPOINT_HIT, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ResumedRow>>>("resumed", Self::VT_RESUMED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, TokensScheduledRow>>>("tokens_scheduled", Self::VT_TOKENS_SCHEDULED, false)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct EventBlockArgs<'a> {
+    pub schema_version: u16,
+    pub base_seq: u64,
+    pub base_ts_ns: u64,
+    pub base_iteration: u64,
+    pub base_engine: u32,
+    pub seq_delta: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u16>>>,
+    pub ts_delta: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub iteration_delta: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u16>>>,
+    pub engine: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u32>>>,
+    pub request: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u16>>>,
+    pub kind: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u8>>>,
+    pub requests: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<&'a str>>>>,
+    pub slot_created: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, SlotCreatedRow>>>,
+    pub slot_transition: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, SlotTransitionRow>>>,
+    pub match_result: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, MatchResultRow>>>,
+    pub blocks_allocated: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<BlocksAllocated<'a>>>>>,
+    pub blocks_released: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, BlocksReleasedRow>>>,
+    pub block_registered: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, BlockRegisteredRow>>>,
+    pub block_evicted: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, BlockEvictedRow>>>,
+    pub transfer_planned: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, TransferRow>>>,
+    pub transfer_promoted: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, TransferRow>>>,
+    pub transfer_skipped: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<TransferSkipped<'a>>>>>,
+    pub transfer_cancelled: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, TransferCancelledRow>>>,
+    pub transfer_completed: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, TransferRow>>>,
+    pub transfer_failed: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<TransferFailed<'a>>>>>,
+    pub batch_dispatched: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<BatchDispatched<'a>>>>>,
+    pub batch_completed: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, BatchCompletedRow>>>,
+    pub pool_gauge: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, PoolGaugeRow>>>,
+    pub hook_call: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, HookCallRow>>>,
+    pub breakpoint_hit: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, BreakpointHitRow>>>,
+    pub resumed: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ResumedRow>>>,
+    pub tokens_scheduled: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, TokensScheduledRow>>>,
+}
+impl<'a> Default for EventBlockArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    EventBlockArgs {
+      schema_version: 1,
+      base_seq: 0,
+      base_ts_ns: 0,
+      base_iteration: 0,
+      base_engine: 0,
+      seq_delta: None,
+      ts_delta: None, // required field
+      iteration_delta: None, // required field
+      engine: None,
+      request: None, // required field
+      kind: None, // required field
+      requests: None, // required field
+      slot_created: None,
+      slot_transition: None,
+      match_result: None,
+      blocks_allocated: None,
+      blocks_released: None,
+      block_registered: None,
+      block_evicted: None,
+      transfer_planned: None,
+      transfer_promoted: None,
+      transfer_skipped: None,
+      transfer_cancelled: None,
+      transfer_completed: None,
+      transfer_failed: None,
+      batch_dispatched: None,
+      batch_completed: None,
+      pool_gauge: None,
+      hook_call: None,
+      breakpoint_hit: None,
+      resumed: None,
+      tokens_scheduled: None,
+    }
+  }
+}
+
+pub struct EventBlockBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> EventBlockBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_schema_version(&mut self, schema_version: u16) {
+    self.fbb_.push_slot::<u16>(EventBlock::VT_SCHEMA_VERSION, schema_version, 1);
+  }
+  #[inline]
+  pub fn add_base_seq(&mut self, base_seq: u64) {
+    self.fbb_.push_slot::<u64>(EventBlock::VT_BASE_SEQ, base_seq, 0);
+  }
+  #[inline]
+  pub fn add_base_ts_ns(&mut self, base_ts_ns: u64) {
+    self.fbb_.push_slot::<u64>(EventBlock::VT_BASE_TS_NS, base_ts_ns, 0);
+  }
+  #[inline]
+  pub fn add_base_iteration(&mut self, base_iteration: u64) {
+    self.fbb_.push_slot::<u64>(EventBlock::VT_BASE_ITERATION, base_iteration, 0);
+  }
+  #[inline]
+  pub fn add_base_engine(&mut self, base_engine: u32) {
+    self.fbb_.push_slot::<u32>(EventBlock::VT_BASE_ENGINE, base_engine, 0);
+  }
+  #[inline]
+  pub fn add_seq_delta(&mut self, seq_delta: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u16>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_SEQ_DELTA, seq_delta);
+  }
+  #[inline]
+  pub fn add_ts_delta(&mut self, ts_delta: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_TS_DELTA, ts_delta);
+  }
+  #[inline]
+  pub fn add_iteration_delta(&mut self, iteration_delta: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u16>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_ITERATION_DELTA, iteration_delta);
+  }
+  #[inline]
+  pub fn add_engine(&mut self, engine: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u32>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_ENGINE, engine);
+  }
+  #[inline]
+  pub fn add_request(&mut self, request: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u16>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_REQUEST, request);
+  }
+  #[inline]
+  pub fn add_kind(&mut self, kind: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u8>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_KIND, kind);
+  }
+  #[inline]
+  pub fn add_requests(&mut self, requests: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<&'b  str>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_REQUESTS, requests);
+  }
+  #[inline]
+  pub fn add_slot_created(&mut self, slot_created: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , SlotCreatedRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_SLOT_CREATED, slot_created);
+  }
+  #[inline]
+  pub fn add_slot_transition(&mut self, slot_transition: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , SlotTransitionRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_SLOT_TRANSITION, slot_transition);
+  }
+  #[inline]
+  pub fn add_match_result(&mut self, match_result: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , MatchResultRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_MATCH_RESULT, match_result);
+  }
+  #[inline]
+  pub fn add_blocks_allocated(&mut self, blocks_allocated: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<BlocksAllocated<'b >>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_BLOCKS_ALLOCATED, blocks_allocated);
+  }
+  #[inline]
+  pub fn add_blocks_released(&mut self, blocks_released: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , BlocksReleasedRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_BLOCKS_RELEASED, blocks_released);
+  }
+  #[inline]
+  pub fn add_block_registered(&mut self, block_registered: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , BlockRegisteredRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_BLOCK_REGISTERED, block_registered);
+  }
+  #[inline]
+  pub fn add_block_evicted(&mut self, block_evicted: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , BlockEvictedRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_BLOCK_EVICTED, block_evicted);
+  }
+  #[inline]
+  pub fn add_transfer_planned(&mut self, transfer_planned: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , TransferRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_TRANSFER_PLANNED, transfer_planned);
+  }
+  #[inline]
+  pub fn add_transfer_promoted(&mut self, transfer_promoted: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , TransferRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_TRANSFER_PROMOTED, transfer_promoted);
+  }
+  #[inline]
+  pub fn add_transfer_skipped(&mut self, transfer_skipped: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<TransferSkipped<'b >>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_TRANSFER_SKIPPED, transfer_skipped);
+  }
+  #[inline]
+  pub fn add_transfer_cancelled(&mut self, transfer_cancelled: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , TransferCancelledRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_TRANSFER_CANCELLED, transfer_cancelled);
+  }
+  #[inline]
+  pub fn add_transfer_completed(&mut self, transfer_completed: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , TransferRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_TRANSFER_COMPLETED, transfer_completed);
+  }
+  #[inline]
+  pub fn add_transfer_failed(&mut self, transfer_failed: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<TransferFailed<'b >>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_TRANSFER_FAILED, transfer_failed);
+  }
+  #[inline]
+  pub fn add_batch_dispatched(&mut self, batch_dispatched: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<BatchDispatched<'b >>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_BATCH_DISPATCHED, batch_dispatched);
+  }
+  #[inline]
+  pub fn add_batch_completed(&mut self, batch_completed: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , BatchCompletedRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_BATCH_COMPLETED, batch_completed);
+  }
+  #[inline]
+  pub fn add_pool_gauge(&mut self, pool_gauge: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , PoolGaugeRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_POOL_GAUGE, pool_gauge);
+  }
+  #[inline]
+  pub fn add_hook_call(&mut self, hook_call: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , HookCallRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_HOOK_CALL, hook_call);
+  }
+  #[inline]
+  pub fn add_breakpoint_hit(&mut self, breakpoint_hit: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , BreakpointHitRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_BREAKPOINT_HIT, breakpoint_hit);
+  }
+  #[inline]
+  pub fn add_resumed(&mut self, resumed: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ResumedRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_RESUMED, resumed);
+  }
+  #[inline]
+  pub fn add_tokens_scheduled(&mut self, tokens_scheduled: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , TokensScheduledRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_TOKENS_SCHEDULED, tokens_scheduled);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> EventBlockBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    EventBlockBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<EventBlock<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    self.fbb_.required(o, EventBlock::VT_TS_DELTA,"ts_delta");
+    self.fbb_.required(o, EventBlock::VT_ITERATION_DELTA,"iteration_delta");
+    self.fbb_.required(o, EventBlock::VT_REQUEST,"request");
+    self.fbb_.required(o, EventBlock::VT_KIND,"kind");
+    self.fbb_.required(o, EventBlock::VT_REQUESTS,"requests");
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for EventBlock<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("EventBlock");
+      ds.field("schema_version", &self.schema_version());
+      ds.field("base_seq", &self.base_seq());
+      ds.field("base_ts_ns", &self.base_ts_ns());
+      ds.field("base_iteration", &self.base_iteration());
+      ds.field("base_engine", &self.base_engine());
+      ds.field("seq_delta", &self.seq_delta());
+      ds.field("ts_delta", &self.ts_delta());
+      ds.field("iteration_delta", &self.iteration_delta());
+      ds.field("engine", &self.engine());
+      ds.field("request", &self.request());
+      ds.field("kind", &self.kind());
+      ds.field("requests", &self.requests());
+      ds.field("slot_created", &self.slot_created());
+      ds.field("slot_transition", &self.slot_transition());
+      ds.field("match_result", &self.match_result());
+      ds.field("blocks_allocated", &self.blocks_allocated());
+      ds.field("blocks_released", &self.blocks_released());
+      ds.field("block_registered", &self.block_registered());
+      ds.field("block_evicted", &self.block_evicted());
+      ds.field("transfer_planned", &self.transfer_planned());
+      ds.field("transfer_promoted", &self.transfer_promoted());
+      ds.field("transfer_skipped", &self.transfer_skipped());
+      ds.field("transfer_cancelled", &self.transfer_cancelled());
+      ds.field("transfer_completed", &self.transfer_completed());
+      ds.field("transfer_failed", &self.transfer_failed());
+      ds.field("batch_dispatched", &self.batch_dispatched());
+      ds.field("batch_completed", &self.batch_completed());
+      ds.field("pool_gauge", &self.pool_gauge());
+      ds.field("hook_call", &self.hook_call());
+      ds.field("breakpoint_hit", &self.breakpoint_hit());
+      ds.field("resumed", &self.resumed());
+      ds.field("tokens_scheduled", &self.tokens_scheduled());
       ds.finish()
   }
 }
