@@ -33,7 +33,6 @@ use kvbm_console::ui;
 use kvbm_core::events::{Direction, Event, EventKind, RequestId};
 use kvbm_core::slot::SlotState;
 use kvbm_core::tier::Tier;
-use kvbm_recorder::convert::Encoder;
 use kvbm_recorder::log::{FsyncPolicy, LogWriter};
 use kvbm_recorder::recorder::{RecorderConfig, read_events, read_sidecar};
 use kvbm_recorder::ring::RingBuffer;
@@ -464,11 +463,9 @@ fn main() {
         c
     })
     .unwrap();
-    let mut enc = Encoder::new();
     let mut gen_ = Gen::new(n_req);
     for _ in 0..n_events {
-        let e = gen_.next_event();
-        w.append(e.seq, e.ts_ns, enc.encode(&e)).unwrap();
+        w.append(&gen_.next_event()).unwrap();
     }
     w.close().unwrap();
     let mut best = [f64::MAX; 3];

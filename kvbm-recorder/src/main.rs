@@ -12,7 +12,6 @@ use kvbm_core::workload::{
 };
 use kvbm_recorder::analysis::{self, ReplayMode, Replayer};
 use kvbm_recorder::client::{Client, ClientConfig, ClientEvent};
-use kvbm_recorder::convert::Encoder;
 use kvbm_recorder::log::{FsyncPolicy, LogConfig, LogWriter};
 use kvbm_recorder::recorder::{self, GapAt, RecorderConfig, Recording};
 use std::io::{BufWriter, IsTerminal, Write};
@@ -643,7 +642,6 @@ struct RemoteLimits {
 /// and sidecar as the in-process recorder.
 struct RemoteLog {
     writer: LogWriter,
-    enc: Encoder,
     state: EngineState,
     rec: Recording,
     since_snapshot: u64,
@@ -660,7 +658,6 @@ impl RemoteLog {
             .with_context(|| format!("creating log {}", dir.display()))?;
         Ok(RemoteLog {
             writer,
-            enc: Encoder::new(),
             state: EngineState::default(),
             rec: Recording {
                 engine,
@@ -674,10 +671,8 @@ impl RemoteLog {
     }
 
     fn append(&mut self, ev: &Event) -> Result<()> {
-        let bytes = self.enc.encode(ev);
-        self.writer.append(ev.seq, ev.ts_ns, bytes)?;
+        self.writer.append(ev)?;
         let rec = &mut self.rec;
-        rec.payload_bytes += bytes.len() as u64;
         rec.events += 1;
         rec.first_seq.get_or_insert(ev.seq);
         rec.last_seq = Some(ev.seq);

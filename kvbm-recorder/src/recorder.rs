@@ -8,7 +8,6 @@
 //! arrive as `Gap` markers; they are counted and written to the log's
 //! sidecar `recording.json`, so a reader can tell a loss from a gap.
 
-use crate::convert::{self, DecodeError, Encoder};
 use crate::log::{LogConfig, LogError, LogReader, LogWriter, ReaderOptions};
 use crate::ring::RingBuffer;
 use kvbm_core::bus::{TapItem, TapReceiver, TryRecvError};
@@ -72,8 +71,6 @@ pub struct Recording {
     pub first_seq: Option<u64>,
     /// Last seq written.
     pub last_seq: Option<u64>,
-    /// Payload bytes written.
-    pub payload_bytes: u64,
     /// Snapshots written.
     pub snapshots: u64,
     /// Schema version of the records.
@@ -137,19 +134,6 @@ pub enum RecordError {
     /// The log failed.
     #[error(transparent)]
     Log(#[from] LogError),
-    /// A record that passed the log's checks did not decode.
-    #[error("record seq {seq} in {segment}, block at byte {offset}: {source}")]
-    Decode {
-        /// Its seq.
-        seq: u64,
-        /// Segment file.
-        segment: String,
-        /// Byte offset of the record's block.
-        offset: u64,
-        /// Why.
-        #[source]
-        source: DecodeError,
-    },
     /// The sidecar could not be written or read.
     #[error("{}: {source}", path.display())]
     Sidecar {
@@ -182,7 +166,6 @@ fn record(
     ring: Option<&RingBuffer>,
 ) -> Result<Recording, RecordError> {
     let mut writer = LogWriter::create(dir, cfg.log.clone())?;
-    let mut enc = Encoder::new();
     let mut state = EngineState::default();
     let mut rec = Recording {
         schema_version: cfg.log.schema_version,
@@ -193,11 +176,9 @@ fn record(
     let result: Result<(), RecordError> = loop {
         match tap.try_recv() {
             Ok(TapItem::Event(ev)) => {
-                let bytes = enc.encode(&ev);
-                if let Err(e) = writer.append(ev.seq, ev.ts_ns, bytes) {
+                if let Err(e) = writer.append(&ev) {
                     break Err(e.into());
                 }
-                rec.payload_bytes += bytes.len() as u64;
                 rec.events += 1;
                 rec.engine = ev.engine;
                 rec.first_seq.get_or_insert(ev.seq);
@@ -275,11 +256,9 @@ pub struct EventsRead {
     pub damage: Option<RecordError>,
 }
 
-/// Opens a log with the flatbuffers verifier on every record.
+/// Opens a log for reading (every block is verified as it is read).
 pub fn open_log(dir: &Path) -> Result<LogReader, LogError> {
-    let opts = ReaderOptions::default()
-        .with_verify(|b| convert::verify(b).map(|_| ()).map_err(|e| e.to_string()));
-    LogReader::open(dir, opts)
+    LogReader::open(dir, ReaderOptions::default())
 }
 
 /// Reads every event of the log in `dir`; `on_progress(events)` is called
@@ -289,23 +268,12 @@ pub fn read_events(dir: &Path, mut on_progress: impl FnMut(u64)) -> Result<Event
     let mut out = EventsRead::default();
     for r in reader.iter() {
         match r {
-            Ok(rec) => match convert::decode(&rec.payload) {
-                Ok(ev) => {
-                    out.events.push(ev);
-                    if out.events.len() % 65_536 == 0 {
-                        on_progress(out.events.len() as u64);
-                    }
+            Ok(rec) => {
+                out.events.push(rec.event);
+                if out.events.len() % 65_536 == 0 {
+                    on_progress(out.events.len() as u64);
                 }
-                Err(source) => {
-                    out.damage = Some(RecordError::Decode {
-                        seq: rec.seq,
-                        segment: rec.segment.to_string(),
-                        offset: rec.offset,
-                        source,
-                    });
-                    break;
-                }
-            },
+            }
             Err(e) => {
                 out.damage = Some(e.into());
                 break;

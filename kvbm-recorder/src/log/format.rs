@@ -9,20 +9,24 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// First eight bytes of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"KVBMLOG\0";
-/// The segment format this build writes and reads: 2, compressed blocks of
-/// records (version 1, one frame per record, is not read any more).
-pub const FORMAT_VERSION: u16 = 2;
+/// The segment format this build writes and reads: 3, compressed blocks of
+/// events stored column by column (version 1, one frame per record, and
+/// version 2, blocks of one flatbuffers record per event, are not read any
+/// more).
+pub const FORMAT_VERSION: u16 = 3;
 /// Length of a segment header, in bytes.
 pub const SEGMENT_HEADER_LEN: u64 = 64;
 /// Length of a block frame's fixed header, in bytes.
 pub const FRAME_HEADER_LEN: u64 = 48;
-/// Largest payload a record may carry (16 MiB). Checked by the writer before
-/// writing and by every reader before it allocates or slices anything.
+/// Largest share of a block one event may take (16 MiB, by
+/// [`crate::columnar::event_bytes`]), and the largest block the writer
+/// fills up to. Checked by the writer before it takes an event.
 pub const MAX_RECORD_BYTES: u32 = 16 << 20;
 /// Largest records region a block may hold, and largest body a frame may
-/// carry: one record of the maximum size and its entry header. Checked
+/// carry: one event of the maximum size and the block's fixed overhead
+/// (its table, vtable and column headers, well under 4 KiB). Checked
 /// before anything is allocated for a block.
-pub const MAX_BLOCK_BYTES: u32 = MAX_RECORD_BYTES + 64;
+pub const MAX_BLOCK_BYTES: u32 = MAX_RECORD_BYTES + 4096;
 /// Extension of segment files.
 pub const SEGMENT_SUFFIX: &str = ".kvlog";
 /// Extension appended to a segment's file name for its sparse index.
@@ -37,8 +41,7 @@ pub struct SegmentHeader {
     /// Segment format version ([`FORMAT_VERSION`] for everything this build
     /// writes).
     pub format_version: u16,
-    /// Schema version of the payloads, as the writer's caller passed it; the
-    /// log itself never interprets payloads.
+    /// Schema version of the events, as the writer's caller passed it.
     pub schema_version: u32,
     /// The engine whose events the log holds.
     pub engine_id: u64,
@@ -348,8 +351,9 @@ mod tests {
 
     #[test]
     fn future_version_is_unsupported_not_corrupt() {
-        for v in [1u16, 3] {
-            // Version 1 (one frame per record) is not read any more either.
+        for v in [1u16, 2, 4] {
+            // Versions 1 (one frame per record) and 2 (one flatbuffers
+            // record per event) are not read any more either.
             let mut b = SegmentHeader::new(1, 1, 0).encode();
             b[8..10].copy_from_slice(&v.to_le_bytes());
             assert_eq!(SegmentHeader::decode(&b), Err(HeaderError::Unsupported(v)));

@@ -1,12 +1,11 @@
-//! The durable log: an append-only, crash-safe store of opaque records on
-//! disk, gathered into compressed blocks, with a sparse index for seeking
-//! and optional snapshots.
+//! The durable log: an append-only, crash-safe store of kvbm events on
+//! disk, gathered into compressed columnar blocks, with a sparse index for
+//! seeking and optional snapshots.
 //!
 //! # What it is for
 //!
-//! The recorder writes every engine event here (as a flatbuffers payload,
-//! but this module never looks inside one) and reads them back for replay,
-//! checks and exports, live or after a crash. What it guarantees:
+//! The recorder writes every engine event here and reads them back for
+//! replay, checks and exports, live or after a crash. What it guarantees:
 //!
 //! - a record that was fsynced is there after a crash, and so is every record
 //!   before it; after the process is killed (not the machine), every record
@@ -25,9 +24,10 @@
 //!
 //! # What it must not do
 //!
-//! - Depend on the payload encoding. Payloads are bytes; a reader may be
-//!   given a verify callback ([`ReaderOptions::verify`]) that the recorder
-//!   wires to the flatbuffers verifier.
+//! - Know flatbuffers. A block's records region is built and checked by
+//!   [`crate::columnar`] (one `EventBlock` per block); this module frames,
+//!   compresses, indexes and recovers blocks, and checks what the block
+//!   holds against its frame header.
 //! - Trust derived data. Index files and snapshots are conveniences that a
 //!   reader checks and, when they do not hold up, rebuilds (the index) or
 //!   skips (a snapshot). Only segment files are the source of truth.
@@ -62,9 +62,9 @@
 //! | bytes  | field |
 //! |--------|-------|
 //! | 0..8   | magic `KVBMLOG\0` |
-//! | 8..10  | format version, `u16` = 2 (1, one frame per record, is refused with [`LogError::UnsupportedVersion`]) |
+//! | 8..10  | format version, `u16` = 3 (1, one frame per record, and 2, one flatbuffers record per event, are refused with [`LogError::UnsupportedVersion`]) |
 //! | 10..12 | header length, `u16` = 64 |
-//! | 12..16 | schema version of the payloads, `u32`, as the caller passed it |
+//! | 12..16 | schema version of the events, `u32`, as the caller passed it |
 //! | 16..24 | engine id, `u64` |
 //! | 24..32 | creation time, `u64` ns since the Unix epoch (informational) |
 //! | 32..40 | first seq, `u64` (must equal the file name) |
@@ -73,32 +73,37 @@
 //!
 //! **Block frame**, 48 bytes of header then the body, back to back from
 //! byte 64 to the end of the segment (no padding, no trailer). A block holds
-//! one or more consecutive records; the writer seals one when the next record
-//! would take its records region past [`LogConfig::block_bytes`] (64 KiB
-//! less a little by default), at 65,535 records, and on every flush, sync,
-//! rotation or close (so with [`FsyncPolicy::EveryRecord`] a block holds one
-//! record):
+//! one or more consecutive events (a *record* is one event); the writer
+//! seals one when the next event would take its records region past
+//! [`LogConfig::block_bytes`] (60 KiB by default, by
+//! [`crate::columnar::event_bytes`]), at 65,535 events, when the next
+//! event's differences from the last do not fit the block's delta columns,
+//! and on every flush, sync, rotation or close (so with
+//! [`FsyncPolicy::EveryRecord`] a block holds one event):
 //!
 //! | bytes  | field |
 //! |--------|-------|
-//! | 0..4   | body length `n`, `u32`, at most [`MAX_BLOCK_BYTES`] (16 MiB + 64) |
+//! | 0..4   | body length `n`, `u32`, at most [`MAX_BLOCK_BYTES`] (16 MiB + 4 KiB) |
 //! | 4..8   | CRC-32C over bytes 0..4, then 8..48, then the body |
 //! | 8..16  | first seq, `u64` |
 //! | 16..24 | last seq, `u64`; seqs are strictly increasing across the whole log |
-//! | 24..32 | smallest ts_ns of its records, `u64` (timestamps are stored as the caller passed them, not required monotonic) |
-//! | 32..40 | largest ts_ns of its records, `u64` |
+//! | 24..32 | smallest ts_ns of its events, `u64` (timestamps are stored as the caller passed them, not required monotonic) |
+//! | 32..40 | largest ts_ns of its events, `u64` |
 //! | 40..44 | length of the records region, `u32`, at most [`MAX_BLOCK_BYTES`] |
-//! | 44..46 | record count, `u16`, at least 1 |
+//! | 44..46 | event count, `u16`, at least 1 |
 //! | 46     | codec: 0 the body is the records region; 1 the body is the region compressed as one LZ4 block (the writer stores it uncompressed when LZ4 would not make it smaller) |
 //! | 47     | reserved, zero |
 //! | 48..48+n | body |
 //!
-//! The **records region** is, per record, three LEB128 varints (seq minus the
-//! previous record's, 0 for the first; ts_ns minus the previous record's,
-//! wrapping, zigzag-encoded, the first against 0; payload length, at most
-//! [`MAX_RECORD_BYTES`]) then the payload. A reader checks it against the
-//! header: the count, the first and last seq, each timestamp inside the
-//! header's range, no byte left over.
+//! The **records region** is one flatbuffers `EventBlock`
+//! (`schema/kvbm_events.fbs`, file identifier `KVBB`): the block's events
+//! column by column, fixed-size kinds as rows of structs (see
+//! [`crate::columnar`] for why). A reader runs the flatbuffers verifier
+//! over it, checks the columns against each other, then checks it against
+//! the header: the count, the first and last seq, seqs strictly
+//! increasing, each timestamp inside the header's range. Each event is
+//! decoded (enum values and the like checked) as it is read; one that does
+//! not decode ends the read after the events before it.
 //!
 //! The checksum covers the lengths, the seqs and the codec, so a frame whose
 //! length field is damaged fails its check rather than being misread, and an
@@ -154,7 +159,7 @@
 //!
 //! The same holds for a segment header: a short or garbled header in the last
 //! segment with nothing valid after it is a crash while creating that
-//! segment (the writer removes the file). A payload that itself contains a
+//! segment (the writer removes the file). A block that itself contains a
 //! complete valid frame could make a torn tail look like corruption; that
 //! errs on the safe side (the writer refuses to truncate).
 //!
@@ -177,11 +182,14 @@
 //! moment (records appended later are not seen; reopen to see them). It uses
 //! each segment's index file when it checks out and scans the segment
 //! otherwise (in memory only: a reader never writes). Iteration checks every
-//! frame again and decompresses each block, so corruption in a segment whose
-//! index was trusted is still reported, when it is reached. Seeking by seq
-//! or time starts at the nearest index entry (a block) and scans forward;
-//! blocks that end before the target are checked but not decompressed. [`LogReader::from_files`] reads the
-//! same files from memory through the same code (the fuzz tests use it).
+//! frame again, decompresses and verifies each block, so corruption in a
+//! segment whose index was trusted is still reported, when it is reached.
+//! [`LogReader::blocks`] hands out verified blocks without decoding them;
+//! [`LogReader::iter`] decodes them into events. Seeking by seq or time
+//! starts at the nearest index entry (a block) and scans forward; blocks
+//! that end before the target are checked but not decompressed.
+//! [`LogReader::from_files`] reads the same files from memory through the
+//! same code (the fuzz tests use it).
 
 mod block;
 mod format;
@@ -192,9 +200,7 @@ mod snapshot;
 mod store;
 mod writer;
 
-use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 pub use format::{
@@ -203,7 +209,8 @@ pub use format::{
 };
 pub use index::IndexEntry;
 pub use reader::{
-    IndexSource, LogInfo, LogIter, LogReader, Record, RecordRef, SeekTo, SegmentInfo, SegmentStatus,
+    BlockIter, BlockRef, IndexSource, LogInfo, LogIter, LogReader, Record, SeekTo, SegmentInfo,
+    SegmentStatus,
 };
 pub use snapshot::{SNAPSHOT_HEADER_LEN, Snapshot};
 pub use writer::LogWriter;
@@ -223,18 +230,18 @@ pub enum FsyncPolicy {
 /// Settings of a [`LogWriter`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LogConfig {
-    /// Stored in every segment header for readers; never interpreted here.
+    /// Stored in every segment header for readers.
     pub schema_version: u32,
     /// The engine whose events the log holds; stored in every header.
     pub engine_id: u64,
     /// A segment is rotated before a block would take it past this size.
     pub segment_bytes: u64,
-    /// A block is sealed before its records region (payloads plus a few
-    /// bytes each) would grow past this size; a record larger than this
-    /// gets a block of its own, so `1` gives one record per block; at most
-    /// [`MAX_RECORD_BYTES`]. Blocks
+    /// A block is sealed before its records region (by
+    /// [`crate::columnar::event_bytes`], an upper bound) would grow past
+    /// this size; an event larger than this gets a block of its own, so
+    /// `1` gives one event per block; at most [`MAX_RECORD_BYTES`]. Blocks
     /// are also sealed on every flush, sync and rotation, so with
-    /// [`FsyncPolicy::EveryRecord`] each block holds one record.
+    /// [`FsyncPolicy::EveryRecord`] each block holds one event.
     pub block_bytes: u32,
     /// When to fsync.
     pub fsync: FsyncPolicy,
@@ -347,7 +354,7 @@ pub enum CorruptReason {
     /// The frame extends past the end of the segment.
     #[error("incomplete frame: needs {needed} bytes, {available} remain")]
     Truncated {
-        /// Bytes the frame needs (header, or header and payload).
+        /// Bytes the frame needs (header, or header and body).
         needed: u64,
         /// Bytes left in the segment.
         available: u64,
@@ -390,9 +397,9 @@ pub enum CorruptReason {
         /// The header's.
         expected: u64,
     },
-    /// The frame is sound but the reader's verify callback rejected its
-    /// payload.
-    #[error("payload verification failed: {0}")]
+    /// The frame is sound but the block it holds fails the flatbuffers
+    /// verifier or the column checks, or one of its events does not decode.
+    #[error("block verification failed: {0}")]
     Verify(String),
 }
 
@@ -438,10 +445,11 @@ pub enum LogError {
         /// The last in the log.
         last: u64,
     },
-    /// `append` with a payload over [`MAX_RECORD_BYTES`]; nothing written.
+    /// `append` with an event over [`MAX_RECORD_BYTES`] (by
+    /// [`crate::columnar::event_bytes`]); nothing written.
     #[error("record of {len} bytes exceeds the maximum of {max}")]
     RecordTooLarge {
-        /// Payload length.
+        /// Its size by `columnar::event_bytes`, or the block's.
         len: usize,
         /// The maximum.
         max: usize,
@@ -497,16 +505,9 @@ impl LogError {
     }
 }
 
-/// The payload check a reader runs on every record it yields, after the
-/// frame's bounds and checksum: `Err(why)` makes the record a
-/// [`LogError::Corrupt`] with [`CorruptReason::Verify`].
-pub type VerifyFn = dyn Fn(&[u8]) -> Result<(), String> + Send + Sync;
-
 /// Settings of a [`LogReader`].
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct ReaderOptions {
-    /// Checks each payload (the recorder passes the flatbuffers verifier).
-    pub verify: Option<Arc<VerifyFn>>,
     /// Use index files that check out (default). With `false` every segment
     /// is scanned on open, so counts are exact and damage anywhere is found
     /// up front, at the cost of reading the whole log.
@@ -523,35 +524,11 @@ impl Default for ReaderOptions {
     fn default() -> Self {
         let cfg = LogConfig::default();
         Self {
-            verify: None,
             trust_index: true,
             index_every_records: cfg.index_every_records,
             index_every_bytes: cfg.index_every_bytes,
             read_buffer_bytes: 256 << 10,
         }
-    }
-}
-
-impl ReaderOptions {
-    /// These options with a payload verifier.
-    pub fn with_verify(
-        mut self,
-        verify: impl Fn(&[u8]) -> Result<(), String> + Send + Sync + 'static,
-    ) -> Self {
-        self.verify = Some(Arc::new(verify));
-        self
-    }
-}
-
-impl fmt::Debug for ReaderOptions {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ReaderOptions")
-            .field("verify", &self.verify.as_ref().map(|_| "Fn(&[u8])"))
-            .field("trust_index", &self.trust_index)
-            .field("index_every_records", &self.index_every_records)
-            .field("index_every_bytes", &self.index_every_bytes)
-            .field("read_buffer_bytes", &self.read_buffer_bytes)
-            .finish()
     }
 }
 

@@ -10,13 +10,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::block::{self, BlockCursor, Entry};
+use kvbm_core::events::Event;
+
+use super::block::{self, OpenError};
 use super::format::{Codec, SEGMENT_HEADER_LEN, SegmentHeader};
 use super::index::{self, SegmentIndex};
 use super::scan::{self, ScanParams, SegmentEnd, Step};
 use super::snapshot::{self, Snapshot};
 use super::store::{Store, StoreFile};
 use super::{CorruptReason, LogError, ReaderOptions, TornTail, io_err, segments_of};
+use crate::columnar::BlockView;
 
 /// A point in the log to start reading from or to look a snapshot up at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,48 +31,27 @@ pub enum SeekTo {
     TimeNs(u64),
 }
 
-/// One record, owned.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One event read from the log, with where its block lies.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Record {
-    /// Sequence number.
-    pub seq: u64,
-    /// Timestamp, as written.
-    pub ts_ns: u64,
-    /// The opaque payload.
-    pub payload: Vec<u8>,
+    /// The event.
+    pub event: Event,
     /// Segment file name it was read from.
     pub segment: Arc<str>,
-    /// Byte offset of its block's frame in that file (records of one block
+    /// Byte offset of its block's frame in that file (events of one block
     /// share it).
     pub offset: u64,
 }
 
-/// One record, borrowed from the iterator's buffer (no allocation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RecordRef<'a> {
-    /// Sequence number.
-    pub seq: u64,
-    /// Timestamp, as written.
-    pub ts_ns: u64,
-    /// The opaque payload.
-    pub payload: &'a [u8],
+/// One verified block, lent by [`BlockIter::next_block`].
+#[derive(Clone, Copy, Debug)]
+pub struct BlockRef<'a> {
+    /// The block's events, verified and checked against the frame header.
+    pub view: BlockView<'a>,
     /// Segment file name it was read from.
     pub segment: &'a Arc<str>,
-    /// Byte offset of its block's frame in that file.
+    /// Byte offset of its frame in that file.
     pub offset: u64,
-}
-
-impl RecordRef<'_> {
-    /// Copies the record out.
-    pub fn to_record(&self) -> Record {
-        Record {
-            seq: self.seq,
-            ts_ns: self.ts_ns,
-            payload: self.payload.to_vec(),
-            segment: Arc::clone(self.segment),
-            offset: self.offset,
-        }
-    }
 }
 
 /// Where a segment's index came from.
@@ -272,9 +254,25 @@ impl LogReader {
         self.store.dir()
     }
 
-    /// Every record from the start.
+    /// Every event from the start.
     pub fn iter(&self) -> LogIter<'_> {
         LogIter::new(self, 0, SEGMENT_HEADER_LEN, None)
+    }
+
+    /// Every block of the last segment, verified but not decoded.
+    pub(crate) fn last_segment_blocks(&self) -> BlockIter<'_> {
+        BlockIter::new(
+            self,
+            self.segments.len().saturating_sub(1),
+            SEGMENT_HEADER_LEN,
+            None,
+        )
+    }
+
+    /// Every block from the start, verified but not decoded: for bulk work
+    /// that looks at a few columns, or decodes blocks itself.
+    pub fn blocks(&self) -> BlockIter<'_> {
+        BlockIter::new(self, 0, SEGMENT_HEADER_LEN, None)
     }
 
     /// Records from the first with `seq >= target`.
@@ -498,38 +496,29 @@ fn summarize(dir: Option<&Path>, segments: Vec<SegmentInfo>) -> LogInfo {
     }
 }
 
-/// A record found by [`LogIter::advance`]: where it lies in the block's
-/// records region, its block's offset and its segment's name.
-type Advanced<'r> = (Entry, u64, &'r Arc<str>);
-
-/// Iterates records in log order. Yields every good record, then at most one
-/// error (damage, or an I/O error), then nothing. Each block frame's bounds,
-/// checksum and header are checked, then its order, then its body is
-/// decompressed and each record in it checked against the header, then the
-/// reader's verify callback runs on the record. [`LogIter::next_ref`] lends
-/// each record without copying it; the `Iterator` impl hands out owned
-/// records.
+/// Iterates verified blocks in log order. Yields every good block, then at
+/// most one error (damage, or an I/O error), then nothing. Each frame's
+/// bounds, checksum and header are checked, then its order; then its body
+/// is decompressed, the flatbuffers verifier runs over the whole block, and
+/// its columns are checked against each other and against the header.
 #[derive(Debug)]
-pub struct LogIter<'r> {
+pub struct BlockIter<'r> {
     reader: &'r LogReader,
     seg: usize,
     /// Offset of the next frame to read.
     pos: u64,
     file: Option<StoreFile>,
     prev_seq: Option<u64>,
+    /// Frames wholly before this are checked but not decompressed.
     skip: Option<SeekTo>,
     /// The current block's body as read.
     buf: Vec<u8>,
     /// The current block's records region when the body is compressed.
     raw: Vec<u8>,
-    codec: Codec,
-    cursor: BlockCursor,
-    /// Offset of the current block's frame.
-    block_offset: u64,
     done: bool,
 }
 
-impl<'r> LogIter<'r> {
+impl<'r> BlockIter<'r> {
     fn new(reader: &'r LogReader, seg: usize, pos: u64, skip: Option<SeekTo>) -> Self {
         Self {
             reader,
@@ -540,48 +529,22 @@ impl<'r> LogIter<'r> {
             skip,
             buf: Vec::new(),
             raw: Vec::new(),
-            codec: Codec::Stored,
-            cursor: BlockCursor::default(),
-            block_offset: 0,
             done: false,
         }
     }
 
-    /// The current block's records region.
-    fn region(&self) -> &[u8] {
-        match self.codec {
-            Codec::Stored => &self.buf,
-            Codec::Lz4 => &self.raw,
-        }
-    }
-
-    /// The next record, borrowed from the iterator.
-    pub fn next_ref(&mut self) -> Option<Result<RecordRef<'_>, LogError>> {
-        let (e, offset, segment) = match self.advance()? {
-            Ok(x) => x,
-            Err(e) => return Some(Err(e)),
-        };
-        Some(Ok(RecordRef {
-            seq: e.seq,
-            ts_ns: e.ts_ns,
-            payload: &self.region()[e.start..e.end],
-            segment,
-            offset,
-        }))
-    }
-
-    fn fail(&mut self, e: LogError) -> Option<Result<Advanced<'r>, LogError>> {
+    /// Ends the iteration (after an error).
+    fn stop(&mut self) {
         self.done = true;
         self.file = None;
-        self.cursor = BlockCursor::default();
+    }
+
+    fn fail<T>(&mut self, e: LogError) -> Option<Result<T, LogError>> {
+        self.stop();
         Some(Err(e))
     }
 
-    fn corrupt(
-        &mut self,
-        offset: u64,
-        reason: CorruptReason,
-    ) -> Option<Result<Advanced<'r>, LogError>> {
+    fn corrupt<T>(&mut self, offset: u64, reason: CorruptReason) -> Option<Result<T, LogError>> {
         let segment = self
             .reader
             .segments
@@ -594,42 +557,12 @@ impl<'r> LogIter<'r> {
         })
     }
 
-    /// Reads records, and frames when the current block is used up, until
-    /// one is to be yielded.
-    fn advance(&mut self) -> Option<Result<Advanced<'r>, LogError>> {
+    /// The next block, verified, borrowed from the iterator.
+    pub fn next_block(&mut self) -> Option<Result<BlockRef<'_>, LogError>> {
         let reader: &'r LogReader = self.reader;
         loop {
             if self.done {
                 return None;
-            }
-            if self.cursor.left() > 0 {
-                let mut cursor = self.cursor;
-                let next = cursor.next(self.region());
-                self.cursor = cursor;
-                let e = match next {
-                    Ok(Some(e)) => e,
-                    Ok(None) => continue,
-                    Err(why) => {
-                        return self.corrupt(self.block_offset, CorruptReason::BadBlock(why));
-                    }
-                };
-                if let Some(target) = self.skip {
-                    let reached = match target {
-                        SeekTo::Seq(s) => e.seq >= s,
-                        SeekTo::TimeNs(t) => e.ts_ns >= t,
-                    };
-                    if !reached {
-                        continue;
-                    }
-                    self.skip = None;
-                }
-                if let Some(verify) = &reader.opts.verify
-                    && let Err(why) = verify(&self.region()[e.start..e.end])
-                {
-                    return self.corrupt(self.block_offset, CorruptReason::Verify(why));
-                }
-                let seg = &reader.segments[self.seg];
-                return Some(Ok((e, self.block_offset, &seg.name)));
             }
             let Some(seg) = reader.segments.get(self.seg) else {
                 self.done = true;
@@ -703,16 +636,96 @@ impl<'r> LogIter<'r> {
             if before_target {
                 continue;
             }
+            self.skip = None;
             // `check_frame` passed, so the codec is known.
-            self.codec = Codec::from_byte(h.codec).unwrap_or(Codec::Stored);
-            if self.codec == Codec::Lz4
+            let codec = Codec::from_byte(h.codec).unwrap_or(Codec::Stored);
+            if codec == Codec::Lz4
                 && let Err(why) = block::decompress(&h, &self.buf, &mut self.raw)
             {
                 return self.corrupt(offset, CorruptReason::BadBlock(why));
             }
-            self.block_offset = offset;
-            self.cursor = BlockCursor::new(&h);
+            // Only the buffers are borrowed by the view, so that the error
+            // path below can still end the iteration.
+            let region: &[u8] = match codec {
+                Codec::Stored => &self.buf,
+                Codec::Lz4 => &self.raw,
+            };
+            return match block::open(&h, region) {
+                Ok(view) => Some(Ok(BlockRef {
+                    view,
+                    segment: &seg.name,
+                    offset,
+                })),
+                Err(e) => {
+                    self.done = true;
+                    self.file = None;
+                    Some(Err(LogError::Corrupt {
+                        segment: seg.name.to_string(),
+                        offset,
+                        reason: match e {
+                            OpenError::Verify(why) => CorruptReason::Verify(why),
+                            OpenError::Header(why) => CorruptReason::BadBlock(why),
+                        },
+                    }))
+                }
+            };
         }
+    }
+}
+
+/// Iterates events in log order, block by block ([`BlockIter`]), decoding
+/// each block as it is reached. Yields every good event, then at most one
+/// error (damage, or an I/O error), then nothing: an event whose values do
+/// not decode ends the iteration after the events before it in its block.
+#[derive(Debug)]
+pub struct LogIter<'r> {
+    blocks: BlockIter<'r>,
+    /// Events before this are skipped (in the first block decoded).
+    skip: Option<SeekTo>,
+    /// The current block's events not yet handed out.
+    events: std::vec::IntoIter<Event>,
+    /// Where the current block lies.
+    segment: Arc<str>,
+    offset: u64,
+    /// An error found while decoding the current block, yielded once its
+    /// good events are out.
+    pending: Option<LogError>,
+}
+
+impl<'r> LogIter<'r> {
+    fn new(reader: &'r LogReader, seg: usize, pos: u64, skip: Option<SeekTo>) -> Self {
+        Self {
+            blocks: BlockIter::new(reader, seg, pos, skip),
+            skip,
+            events: Vec::new().into_iter(),
+            segment: Arc::from(""),
+            offset: 0,
+            pending: None,
+        }
+    }
+
+    /// Decodes the next block into `self.events`; `false` at the end.
+    fn load(&mut self) -> Option<Result<(), LogError>> {
+        let b = match self.blocks.next_block()? {
+            Ok(b) => b,
+            Err(e) => return Some(Err(e)),
+        };
+        let mut events = Vec::with_capacity(b.view.len());
+        let decoded = b.view.decode_into(&mut events);
+        if !Arc::ptr_eq(&self.segment, b.segment) {
+            self.segment = Arc::clone(b.segment);
+        }
+        self.offset = b.offset;
+        if let Err(e) = decoded {
+            self.pending = Some(LogError::Corrupt {
+                segment: self.segment.to_string(),
+                offset: self.offset,
+                reason: CorruptReason::Verify(e.to_string()),
+            });
+            self.blocks.stop();
+        }
+        self.events = events.into_iter();
+        Some(Ok(()))
     }
 }
 
@@ -720,17 +733,31 @@ impl Iterator for LogIter<'_> {
     type Item = Result<Record, LogError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let (e, offset, segment) = match self.advance()? {
-            Ok(x) => x,
-            Err(e) => return Some(Err(e)),
-        };
-        Some(Ok(Record {
-            seq: e.seq,
-            ts_ns: e.ts_ns,
-            payload: self.region()[e.start..e.end].to_vec(),
-            segment: Arc::clone(segment),
-            offset,
-        }))
+        loop {
+            if let Some(event) = self.events.next() {
+                if let Some(target) = self.skip {
+                    let reached = match target {
+                        SeekTo::Seq(s) => event.seq >= s,
+                        SeekTo::TimeNs(t) => event.ts_ns >= t,
+                    };
+                    if !reached {
+                        continue;
+                    }
+                    self.skip = None;
+                }
+                return Some(Ok(Record {
+                    event,
+                    segment: Arc::clone(&self.segment),
+                    offset: self.offset,
+                }));
+            }
+            if let Some(e) = self.pending.take() {
+                return Some(Err(e));
+            }
+            if let Err(e) = self.load()? {
+                return Some(Err(e));
+            }
+        }
     }
 }
 

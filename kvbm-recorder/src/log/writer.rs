@@ -11,19 +11,21 @@ use std::io::{BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use kvbm_core::events::Event;
 use lz4_flex::block::CompressTable;
 
-use super::block::{self, BlockBuilder, ENTRY_HEADER_MAX};
+use super::block::{self, BlockBuilder};
 use super::format::{
-    Codec, FRAME_HEADER_LEN, MAX_RECORD_BYTES, SEGMENT_HEADER_LEN, SegmentHeader, index_file_name,
-    segment_file_name,
+    Codec, FRAME_HEADER_LEN, MAX_BLOCK_BYTES, MAX_RECORD_BYTES, SEGMENT_HEADER_LEN, SegmentHeader,
+    index_file_name, segment_file_name,
 };
 use super::index::{self, IndexBuilder};
 use super::scan::{ScanParams, SegmentEnd, scan_segment};
 use super::{
-    FsyncPolicy, LogConfig, LogError, LogStats, RecoveryReport, TornTail, buffer_for, io_err,
-    list_segments, snapshot, sync_dir,
+    FsyncPolicy, LogConfig, LogError, LogReader, LogStats, ReaderOptions, RecoveryReport, TornTail,
+    buffer_for, io_err, list_segments, snapshot, sync_dir,
 };
+use crate::columnar;
 
 /// The segment being appended to.
 #[derive(Debug)]
@@ -85,7 +87,9 @@ impl LogWriter {
     ///   removed, and the segment before it becomes the last;
     /// - corruption in the last segment refuses the open with
     ///   [`LogError::Corrupt`]: appending after it would put new records
-    ///   where no reader reaches them;
+    ///   where no reader reaches them. That includes a block whose frame is
+    ///   sound but whose contents fail verification: every block of the
+    ///   last segment is decompressed and verified (not decoded) first;
     /// - a last segment written with another schema version or engine id
     ///   refuses the open with [`LogError::ConfigMismatch`];
     /// - missing or unusable index files of earlier segments are rebuilt;
@@ -172,6 +176,7 @@ impl LogWriter {
             };
             // Before changing anything.
             check_matches(&name, &header, &cfg)?;
+            verify_last_segment(&dir)?;
             // A stale index would describe the segment before new appends;
             // it is rewritten when the segment is sealed.
             remove_if_exists(&dir.join(index_file_name(name_seq)))?;
@@ -241,34 +246,34 @@ impl LogWriter {
         }
     }
 
-    /// Appends one record. `seq` must be greater than every sequence number
-    /// already in the log ([`LogError::NonIncreasingSeq`] otherwise, and
-    /// nothing is written); `ts_ns` is stored as given. The payload is opaque
-    /// and at most [`MAX_RECORD_BYTES`]. With [`FsyncPolicy::EveryRecord`]
-    /// the record is on stable storage when this returns; otherwise it may
-    /// sit in the open block (in memory) or the write buffer until the next
-    /// `flush`, `sync`, full block or full buffer.
-    pub fn append(&mut self, seq: u64, ts_ns: u64, payload: &[u8]) -> Result<(), LogError> {
+    /// Appends one event. Its `seq` must be greater than every sequence
+    /// number already in the log ([`LogError::NonIncreasingSeq`] otherwise,
+    /// and nothing is written); `ts_ns` is stored as given. Its encoded size
+    /// ([`columnar::event_bytes`]) is at most [`MAX_RECORD_BYTES`]. With
+    /// [`FsyncPolicy::EveryRecord`] the event is on stable storage when this
+    /// returns; otherwise it may sit in the open block (in memory) or the
+    /// write buffer until the next `flush`, `sync`, full block or full
+    /// buffer.
+    pub fn append(&mut self, ev: &Event) -> Result<(), LogError> {
         self.usable()?;
+        let seq = ev.seq;
         if let Some(last) = self.last_seq
             && seq <= last
         {
             return Err(LogError::NonIncreasingSeq { seq, last });
         }
-        if payload.len() > MAX_RECORD_BYTES as usize {
+        let size = columnar::event_bytes(ev);
+        if size > MAX_RECORD_BYTES as usize {
             return Err(LogError::RecordTooLarge {
-                len: payload.len(),
+                len: size,
                 max: MAX_RECORD_BYTES as usize,
             });
         }
-        let entry = ENTRY_HEADER_MAX + payload.len();
-        let full = !self.block.is_empty()
-            && (self.block.is_full()
-                || self.block.raw_len() + entry > self.cfg.block_bytes as usize);
-        if full {
+        if !self.block.try_push(ev, size, self.cfg.block_bytes as usize) {
             self.seal_block_or_poison()?;
+            // An empty block takes any event.
+            self.block.try_push(ev, size, usize::MAX);
         }
-        self.block.push(seq, ts_ns, payload);
         self.stats.records += 1;
         self.last_seq = Some(seq);
         self.unsynced = true;
@@ -299,10 +304,20 @@ impl LogWriter {
         if self.block.is_empty() {
             return Ok(());
         }
-        let (_, raw) = self.block.header(Codec::Stored);
+        let (_, raw) = self.block.finish(Codec::Stored);
+        let raw_len = raw.len();
+        if raw_len > MAX_BLOCK_BYTES as usize {
+            // Not reached: event_bytes bounds every event's share and the
+            // fixed overhead is far below the slack. Refused rather than
+            // written, since no reader would take it.
+            return Err(LogError::RecordTooLarge {
+                len: raw_len,
+                max: MAX_BLOCK_BYTES as usize,
+            });
+        }
         let codec = block::compress(raw, &mut self.compressed, &mut self.table);
         let body_len = match codec {
-            Codec::Stored => self.block.raw_len(),
+            Codec::Stored => raw_len,
             Codec::Lz4 => self.compressed.len(),
         };
         let frame_len = FRAME_HEADER_LEN + body_len as u64;
@@ -315,7 +330,7 @@ impl LogWriter {
         if self.active.is_none() {
             self.start_segment(self.block.first_seq())?;
         }
-        let (header, raw) = self.block.header(codec);
+        let (header, raw) = self.block.finish(codec);
         let body: &[u8] = match codec {
             Codec::Stored => raw,
             Codec::Lz4 => &self.compressed,
@@ -688,6 +703,17 @@ fn remove_if_exists(path: &Path) -> Result<(), LogError> {
 }
 
 /// Leftovers of an index or snapshot write interrupted before its rename.
+/// Decompresses and verifies every block of the last segment of the log in
+/// `dir` (the frame scan alone does not look inside blocks).
+fn verify_last_segment(dir: &Path) -> Result<(), LogError> {
+    let reader = LogReader::open(dir, ReaderOptions::default())?;
+    let mut blocks = reader.last_segment_blocks();
+    while let Some(b) = blocks.next_block() {
+        b?;
+    }
+    Ok(())
+}
+
 fn remove_temp_files(dir: &Path) -> Result<(), LogError> {
     for entry in fs::read_dir(dir).map_err(io_err(dir))? {
         let entry = entry.map_err(io_err(dir))?;
