@@ -313,6 +313,9 @@ pub struct App {
     /// For a console attached to a remote engine: the connection state,
     /// shown in the header's mode badge instead of `LIVE`. `None` otherwise.
     pub remote: Option<Arc<crate::remote::RemoteStatus>>,
+    /// For a console on a vLLM ZMQ stream: the subscription's state, shown
+    /// in the header's mode badge instead of `LIVE`. `None` otherwise.
+    pub zmq: Option<kvbm_recorder::vllm::ZmqHandle>,
 }
 
 impl App {
@@ -326,6 +329,7 @@ impl App {
             quit: false,
             detail_cache: None,
             remote: None,
+            zmq: None,
         };
         app.refresh_control();
         app

@@ -362,6 +362,7 @@ impl ZmqRemote {
             self.handle.url().to_string(),
         );
         app.ui.no_slots_reason = Some(kvbm_recorder::vllm::NO_SLOTS_REASON.to_string());
+        app.zmq = Some(self.handle.clone());
         app
     }
 }
@@ -444,5 +445,34 @@ mod tests {
             .collect();
         assert!(text.contains("this source has no slots"), "{text}");
         assert!(!text.contains("no requests yet"), "{text}");
+        assert!(text.contains("LIVE"), "{text}");
+    }
+
+    #[test]
+    fn the_header_shows_the_zmq_subscription_state() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        // Nothing listens on port 9 of loopback: the subscription keeps
+        // trying to connect (ZeroMQ retries), so the state stays put.
+        let endpoint = kvbm_recorder::vllm::ZmqEndpoint::parse("zmq://127.0.0.1:9").unwrap();
+        let remote = ZmqRemote::start(
+            kvbm_recorder::vllm::ZmqConfig::new(endpoint),
+            1000,
+            rt.handle(),
+        )
+        .unwrap();
+        let mut app = remote.app(Model::new(crate::model::ModelConfig::default()));
+        app.resize(160, 30);
+        let mut t = Terminal::new(TestBackend::new(160, 30)).unwrap();
+        t.draw(|f| crate::ui::render(&app, f)).unwrap();
+        let top: String = (0..160)
+            .map(|x| t.backend().buffer()[(x, 0)].symbol().to_string())
+            .collect();
+        assert!(top.contains("ZMQ CONNECTING"), "{top}");
+        assert!(!top.contains("LIVE"), "{top}");
+        drop(remote);
     }
 }

@@ -215,6 +215,20 @@ fn header(app: &App, f: &mut Frame, area: Rect) {
                     l.lagged(),
                     c.lost,
                 )
+            } else if let Some(z) = &app.zmq {
+                // On a vLLM ZMQ stream: the subscription's state.
+                use kvbm_recorder::vllm::ZmqState;
+                let (text, bg) = match z.state() {
+                    ZmqState::Connecting => ("ZMQ CONNECTING", Color::Yellow),
+                    ZmqState::Subscribed => ("ZMQ SUBSCRIBED", Color::Green),
+                    ZmqState::Stopped => ("ZMQ STOPPED", Color::Red),
+                };
+                (
+                    text.to_string(),
+                    Style::new().fg(Color::Black).bg(bg),
+                    l.lagged(),
+                    c.lost,
+                )
             } else {
                 (
                     "LIVE".to_string(),
