@@ -66,6 +66,7 @@ pub const CLIENT_HEADER: &str = "x-kvbm-client";
 pub struct ApiError {
     /// A stable machine-readable code (`bad_request`, `unauthorized`,
     /// `not_found`, `protocol_mismatch`, `too_many_clients`,
+    /// `too_many_connections`,
     /// `payload_too_large`, `no_breakpoints`, `refused`,
     /// `method_not_allowed`, `shutting_down`, `internal`).
     pub code: String,

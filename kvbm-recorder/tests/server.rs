@@ -733,6 +733,85 @@ async fn clients_are_capped_and_bodies_bounded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fewer_connections_than_clients_is_a_config_error() {
+    let f = fed(10, false);
+    let cfg = ServerConfig {
+        max_clients: 8,
+        max_connections: 4,
+        ..local()
+    };
+    match Server::bind(cfg, f.engine.clone()).await {
+        Err(e @ ServerError::BadConfig { .. }) => {
+            assert!(e.to_string().contains("max_connections"), "{e}")
+        }
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("accepted"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_capped_and_the_refusals_counted() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let f = fed(1000, true);
+    let cfg = ServerConfig {
+        max_clients: 2,
+        max_connections: 3,
+        ..local()
+    };
+    let h = serve(cfg, f.engine.clone()).await;
+    let addr = h.local_addr();
+    // Three connections that never send a request (what a slow or stuck
+    // client looks like) take every place.
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let t = Instant::now();
+    while h.stats().connections_open < 3 {
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", h.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The fourth is told why and closed.
+    let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), extra.read_to_end(&mut answer))
+        .await
+        .expect("closed")
+        .unwrap();
+    let r = parse_response(&answer).unwrap();
+    assert_eq!(
+        (r.status, r.error().code.as_str()),
+        (503, "too_many_connections")
+    );
+    assert_eq!(h.stats().connections_refused, 1);
+    // A place frees up when one goes; the next request is served.
+    drop(idle.pop());
+    let t = Instant::now();
+    loop {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(&request_bytes("GET", "/health", &[], b""))
+            .await
+            .unwrap();
+        let mut raw = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut raw)).await;
+        if parse_response(&raw).is_ok_and(|r| r.status == 200) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the place never freed up"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let m = http(addr, "GET", "/metrics", &[], b"").await;
+    let m = String::from_utf8_lossy(&m.body);
+    assert!(m.contains("kvbm_http_connections_max 3"), "{m}");
+    assert!(m.contains("kvbm_http_connections_refused_total"), "{m}");
+    drop(idle);
+    h.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_json_errors() {
     let f = fed(1000, true);
     let h = serve(local(), f.engine.clone()).await;

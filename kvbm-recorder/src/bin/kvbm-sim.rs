@@ -120,6 +120,10 @@ struct Args {
     /// Most WebSocket clients at once.
     #[arg(long, default_value_t = 64, requires = "serve")]
     max_clients: usize,
+    /// Most TCP connections at once, HTTP and WebSocket together (at least
+    /// --max-clients); one more is answered 503 and closed.
+    #[arg(long, default_value_t = 256, requires = "serve")]
+    max_connections: usize,
     /// Keep a client's breakpoints (and its paused calls paused) when it
     /// disconnects.
     #[arg(long, requires = "serve")]
@@ -287,6 +291,7 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
         token,
         open_read: a.open_read,
         max_clients: a.max_clients,
+        max_connections: a.max_connections,
         release_on_disconnect: !a.keep_breakpoints_on_disconnect,
         ..ServerConfig::default()
     };

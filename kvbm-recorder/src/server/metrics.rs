@@ -130,6 +130,24 @@ pub(super) fn render(state: &AppState) -> String {
         state.cfg.max_clients,
     );
     o.one(
+        "kvbm_http_connections_open",
+        "gauge",
+        "TCP connections open now (HTTP and WebSocket).",
+        stats.connections_open,
+    );
+    o.one(
+        "kvbm_http_connections_max",
+        "gauge",
+        "TCP connections allowed at once.",
+        state.cfg.max_connections,
+    );
+    o.one(
+        "kvbm_http_connections_refused_total",
+        "counter",
+        "TCP connections answered 503 and closed because too many were open.",
+        stats.connections_refused,
+    );
+    o.one(
         "kvbm_ws_clients_accepted_total",
         "counter",
         "WebSocket clients accepted.",

@@ -68,6 +68,7 @@
 //!   not there. This happens in a drop guard, so it runs however the
 //!   connection ends, the server's shutdown included.
 
+mod conn;
 mod control;
 mod feeder;
 mod http;
@@ -106,6 +107,10 @@ pub struct ServerConfig {
     pub open_read: bool,
     /// Most WebSocket clients at once.
     pub max_clients: usize,
+    /// Most TCP connections open at once (HTTP and WebSocket together; at
+    /// least `max_clients`). One more is answered `503` and closed, and
+    /// counted (`kvbm_http_connections_refused_total`).
+    pub max_connections: usize,
     /// Largest request body (and WebSocket message from a client), bytes.
     pub max_body_bytes: usize,
     /// Remove a WebSocket client's breakpoints and resume its paused calls
@@ -134,6 +139,7 @@ impl Default for ServerConfig {
             token: None,
             open_read: false,
             max_clients: 64,
+            max_connections: 256,
             max_body_bytes: 64 * 1024,
             release_on_disconnect: true,
             send_timeout: Duration::from_secs(5),
@@ -334,6 +340,10 @@ pub struct ServerStats {
     pub gap_events: u64,
     /// Requests refused for a missing or wrong token.
     pub unauthorized: u64,
+    /// TCP connections open now (HTTP and WebSocket).
+    pub connections_open: usize,
+    /// TCP connections refused because `max_connections` were open.
+    pub connections_refused: u64,
 }
 
 #[derive(Debug, Default)]
@@ -346,6 +356,8 @@ struct Counters {
     gaps_sent: AtomicU64,
     gap_events: AtomicU64,
     unauthorized: AtomicU64,
+    conns: Arc<conn::ConnCounters>,
+    open: Option<conn::OpenGauge>,
 }
 
 impl Counters {
@@ -359,6 +371,8 @@ impl Counters {
             gaps_sent: self.gaps_sent.load(Ordering::Relaxed),
             gap_events: self.gap_events.load(Ordering::Relaxed),
             unauthorized: self.unauthorized.load(Ordering::Relaxed),
+            connections_open: self.open.as_ref().map_or(0, conn::OpenGauge::open),
+            connections_refused: self.conns.refused.load(Ordering::Relaxed),
         }
     }
 }
@@ -393,7 +407,7 @@ impl AppState {
 
 /// A bound, not yet running, server.
 pub struct Server {
-    listener: tokio::net::TcpListener,
+    listener: conn::CappedListener,
     local_addr: SocketAddr,
     state: Arc<AppState>,
     shutdown_tx: watch::Sender<bool>,
@@ -440,6 +454,9 @@ fn check_config(cfg: &ServerConfig) -> Result<(), ServerError> {
     if cfg.max_clients == 0 {
         return bad("max_clients", "must be at least 1");
     }
+    if cfg.max_connections < cfg.max_clients {
+        return bad("max_connections", "must be at least max_clients");
+    }
     if !(256..=(64 << 20)).contains(&cfg.max_body_bytes) {
         return bad("max_body_bytes", "must be between 256 bytes and 64 MiB");
     }
@@ -471,6 +488,13 @@ impl Server {
                 source,
             })?;
         let local_addr = listener.local_addr()?;
+        let conns = Arc::new(conn::ConnCounters::default());
+        let listener = conn::CappedListener::new(listener, cfg.max_connections, conns.clone());
+        let counters = Counters {
+            conns,
+            open: Some(listener.open_gauge()),
+            ..Counters::default()
+        };
         let (shutdown_tx, shutdown) = watch::channel(false);
         let (bp_tx, bp_view) = watch::channel(Arc::new(BreakpointsView::default()));
         let live = Arc::new(live::LiveWindow::new(
@@ -481,7 +505,7 @@ impl Server {
         let state = Arc::new(AppState {
             cfg,
             engine,
-            counters: Counters::default(),
+            counters,
             next_client: AtomicU64::new(1),
             clients: Mutex::new(HashSet::new()),
             live,
@@ -530,12 +554,7 @@ impl Server {
         }
         let router = http::router(state.clone());
         let tx = shutdown_tx.clone();
-        // Small frames must leave at once: Nagle's algorithm and delayed
-        // ACKs would hold a live event for up to 40 ms.
-        use axum::serve::ListenerExt;
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
+        // The listener caps connections and sets TCP_NODELAY on each.
         let served = axum::serve(listener, router)
             .with_graceful_shutdown(async move {
                 shutdown.await;
