@@ -733,6 +733,66 @@ async fn clients_are_capped_and_bodies_bounded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_does_not_finish_its_headers_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let f = fed(1000, true);
+    let cfg = ServerConfig {
+        header_read_timeout: Duration::from_millis(300),
+        ..local()
+    };
+    let h = serve(cfg, f.engine.clone()).await;
+    let addr = h.local_addr();
+    // Silent, and dripping half a request line: both are closed (read
+    // returns 0 or an error) soon after the timeout, and their places
+    // come back.
+    let silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut drip = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let t = Instant::now();
+    let dripping = async {
+        for b in b"GET /heal" {
+            if drip.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut rest = Vec::new();
+        let _ = drip.read_to_end(&mut rest).await;
+        t.elapsed()
+    };
+    let waiting = async {
+        let mut silent = silent;
+        let mut rest = Vec::new();
+        let _ = silent.read_to_end(&mut rest).await;
+        t.elapsed()
+    };
+    let (a, b) = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(waiting, dripping)
+    })
+    .await
+    .expect("both closed by the server");
+    for took in [a, b] {
+        assert!(took >= Duration::from_millis(250), "{took:?}");
+    }
+    let t = Instant::now();
+    while h.stats().connections_open > 0 {
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", h.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A prompt request on a fresh connection is served as usual, and an
+    // upgraded WebSocket is not subject to the timeout.
+    let r = http(addr, "GET", "/health", &[], b"").await;
+    assert_eq!(r.status, 200);
+    let mut ws = ws_connect(addr, "", &[]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let mut seen = Vec::new();
+    match ws.control(1, ControlCommand::List, &mut seen).await {
+        Ok(ControlResult::List(_)) => {}
+        other => panic!("the WebSocket was closed: {other:?}"),
+    }
+    h.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fewer_connections_than_clients_is_a_config_error() {
     let f = fed(10, false);
     let cfg = ServerConfig {

@@ -1,11 +1,16 @@
-//! A cap on open TCP connections, below the HTTP server.
+//! Connections below the HTTP router: a cap on how many are open, a
+//! deadline for each request's headers, and the accept loop.
 //!
 //! `max_clients` bounds WebSocket subscribers, but every HTTP connection
 //! (kept alive, or idle half-way through its headers) also holds a task and
 //! buffers. [`CappedListener`] accepts at most `max_connections` at once;
 //! one over the cap gets a short `503` written (best effort, never
 //! waiting) and is closed, and is counted, so that a flood shows up in
-//! `/metrics` instead of as a silently growing process.
+//! `/metrics` instead of as a silently growing process. [`serve`] runs
+//! each connection with hyper's header-read timeout, which `axum::serve`
+//! does not set: a connection that does not finish a request's headers in
+//! time (a stuck or deliberately slow client, or an idle keep-alive) is
+//! closed and gives its place back.
 
 use std::io;
 use std::net::SocketAddr;
@@ -166,6 +171,65 @@ impl AsyncWrite for CappedStream {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.tcp).poll_shutdown(cx)
     }
+}
+
+/// Serves `router` on `listener` until `shutdown` completes, each
+/// connection with `header_timeout` to deliver each request's headers (and
+/// upgrades, for WebSockets). On shutdown it stops accepting, asks every
+/// connection to finish its request in flight, and returns when they have.
+pub(crate) async fn serve(
+    mut listener: CappedListener,
+    router: axum::Router,
+    header_timeout: std::time::Duration,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    // Connections hold `closed` receivers; all gone = all finished.
+    let (closed_tx, closed_rx) = tokio::sync::watch::channel(());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::pin!(shutdown);
+    loop {
+        let (io, _addr) = tokio::select! {
+            accepted = axum::serve::Listener::accept(&mut listener) => accepted,
+            () = &mut shutdown => break,
+        };
+        let service = TowerToHyperService::new(router.clone());
+        let mut stop = stop_rx.clone();
+        let closed = closed_rx.clone();
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let conn = builder
+                .serve_connection(TokioIo::new(io), service)
+                .with_upgrades();
+            tokio::pin!(conn);
+            let mut stopping = false;
+            loop {
+                tokio::select! {
+                    result = conn.as_mut() => {
+                        if let Err(e) = result {
+                            tracing::trace!("connection ended: {e}");
+                        }
+                        break;
+                    }
+                    changed = stop.changed(), if !stopping => {
+                        stopping = true;
+                        if changed.is_ok() {
+                            conn.as_mut().graceful_shutdown();
+                        }
+                    }
+                }
+            }
+            drop(closed);
+        });
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    drop(closed_rx);
+    closed_tx.closed().await;
 }
 
 #[cfg(test)]

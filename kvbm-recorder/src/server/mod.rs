@@ -111,6 +111,10 @@ pub struct ServerConfig {
     /// least `max_clients`). One more is answered `503` and closed, and
     /// counted (`kvbm_http_connections_refused_total`).
     pub max_connections: usize,
+    /// A connection that has not delivered a request's headers this long
+    /// after it opened (or after its previous response) is closed: a
+    /// stuck or deliberately slow client cannot hold its place.
+    pub header_read_timeout: Duration,
     /// Largest request body (and WebSocket message from a client), bytes.
     pub max_body_bytes: usize,
     /// Remove a WebSocket client's breakpoints and resume its paused calls
@@ -140,6 +144,7 @@ impl Default for ServerConfig {
             open_read: false,
             max_clients: 64,
             max_connections: 256,
+            header_read_timeout: Duration::from_secs(10),
             max_body_bytes: 64 * 1024,
             release_on_disconnect: true,
             send_timeout: Duration::from_secs(5),
@@ -457,6 +462,9 @@ fn check_config(cfg: &ServerConfig) -> Result<(), ServerError> {
     if cfg.max_connections < cfg.max_clients {
         return bad("max_connections", "must be at least max_clients");
     }
+    if cfg.header_read_timeout.is_zero() {
+        return bad("header_read_timeout", "must be more than 0");
+    }
     if !(256..=(64 << 20)).contains(&cfg.max_body_bytes) {
         return bad("max_body_bytes", "must be between 256 bytes and 64 MiB");
     }
@@ -555,12 +563,12 @@ impl Server {
         let router = http::router(state.clone());
         let tx = shutdown_tx.clone();
         // The listener caps connections and sets TCP_NODELAY on each.
-        let served = axum::serve(listener, router)
-            .with_graceful_shutdown(async move {
-                shutdown.await;
-                tx.send_replace(true);
-            })
-            .await;
+        let header_timeout = state.cfg.header_read_timeout;
+        conn::serve(listener, router, header_timeout, async move {
+            shutdown.await;
+            tx.send_replace(true);
+        })
+        .await;
         shutdown_tx.send_replace(true);
         // WebSocket tasks outlive the HTTP connections they came from; give
         // them a moment to say goodbye (their drop guards release their
@@ -572,7 +580,7 @@ impl Server {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         tasks.shutdown().await;
-        served.map_err(ServerError::Io)
+        Ok(())
     }
 
     /// Runs the server on the current tokio runtime; the handle stops it.
