@@ -718,6 +718,33 @@ async fn clients_are_capped_and_bodies_bounded() {
         }
     }
 
+    // A WebSocket message over the limit: the client is told, then closed,
+    // and it is counted.
+    // (The client just above may still hold its place for a moment.)
+    let t = Instant::now();
+    let mut c = loop {
+        match ws_connect(addr, "", &[]).await {
+            Ok(c) => break c,
+            Err(_) if t.elapsed() < Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("no place for the client: {e}"),
+        }
+    };
+    let huge = format!(r#"{{"id":1,"command":"{}"}}"#, "x".repeat(2000));
+    c.0.send(tungstenite::Message::Text(huge.into()))
+        .await
+        .unwrap();
+    let mut told = None;
+    while let Some(item) = c.next().await {
+        if let Item::Msg(ServerMsg::Error(e)) = item {
+            told = Some(e);
+        }
+    }
+    let told = told.expect("an error before the close");
+    assert_eq!(told.code, "payload_too_large", "{told:?}");
+    assert_eq!(h.stats().messages_too_large, 1);
+
     // A body over the limit: 413 with a JSON error, nothing added.
     let big = format!(r#"{{"request":{{"Exact":"{}"}}}}"#, "x".repeat(2000));
     let r = http(addr, "POST", "/breakpoints", &[], big.as_bytes()).await;

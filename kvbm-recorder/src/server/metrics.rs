@@ -166,6 +166,12 @@ pub(super) fn render(state: &AppState) -> String {
         stats.slow_disconnects,
     );
     o.one(
+        "kvbm_ws_messages_too_large_total",
+        "counter",
+        "WebSocket messages from clients over the size limit (answered, then closed).",
+        stats.messages_too_large,
+    );
+    o.one(
         "kvbm_ws_events_sent_total",
         "counter",
         "Events sent to WebSocket clients, summed over clients.",

@@ -337,6 +337,9 @@ pub struct ServerStats {
     pub clients_rejected: u64,
     /// Clients disconnected for being too slow.
     pub slow_disconnects: u64,
+    /// WebSocket messages from clients over the size limit (each answered
+    /// with an error, then the connection closed).
+    pub messages_too_large: u64,
     /// Events sent, summed over clients.
     pub events_sent: u64,
     /// Gap messages sent, summed over clients.
@@ -357,6 +360,7 @@ struct Counters {
     accepted: AtomicU64,
     rejected: AtomicU64,
     slow: AtomicU64,
+    too_large: AtomicU64,
     events_sent: AtomicU64,
     gaps_sent: AtomicU64,
     gap_events: AtomicU64,
@@ -372,6 +376,7 @@ impl Counters {
             clients_accepted: self.accepted.load(Ordering::Relaxed),
             clients_rejected: self.rejected.load(Ordering::Relaxed),
             slow_disconnects: self.slow.load(Ordering::Relaxed),
+            messages_too_large: self.too_large.load(Ordering::Relaxed),
             events_sent: self.events_sent.load(Ordering::Relaxed),
             gaps_sent: self.gaps_sent.load(Ordering::Relaxed),
             gap_events: self.gap_events.load(Ordering::Relaxed),

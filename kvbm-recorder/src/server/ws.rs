@@ -389,7 +389,20 @@ async fn read_client(
                 )),
                 true,
             ),
-            Ok(Message::Close(_)) | Err(_) => return,
+            Ok(Message::Close(_)) => return,
+            Err(e) => match too_large(e) {
+                // Told why, counted, then closed like any frame that
+                // cannot be answered.
+                Some(why) => {
+                    state.counters.too_large.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(client = id, "{why}");
+                    (
+                        ServerMsg::Error(ApiError::new("payload_too_large", why)),
+                        true,
+                    )
+                }
+                None => return,
+            },
             Ok(Message::Ping(_) | Message::Pong(_)) => continue,
         };
         match tx.try_send(reply) {
@@ -403,6 +416,16 @@ async fn read_client(
         if fatal {
             return;
         }
+    }
+}
+
+/// Why a read failed, when it was a message over the size limit (which
+/// the client should hear about rather than see the connection drop).
+fn too_large(e: axum::Error) -> Option<String> {
+    use tokio_tungstenite::tungstenite::Error;
+    match e.into_inner().downcast_ref::<Error>() {
+        Some(Error::Capacity(c)) => Some(format!("message refused: {c}")),
+        _ => None,
     }
 }
 
