@@ -176,7 +176,9 @@ impl AsyncWrite for CappedStream {
 /// Serves `router` on `listener` until `shutdown` completes, each
 /// connection with `header_timeout` to deliver each request's headers (and
 /// upgrades, for WebSockets). On shutdown it stops accepting, asks every
-/// connection to finish its request in flight, and returns when they have.
+/// connection to finish its request in flight, and returns when they have
+/// (or after [`SHUTDOWN_GRACE`], leaving the stragglers to be dropped with
+/// the runtime).
 pub(crate) async fn serve(
     mut listener: CappedListener,
     router: axum::Router,
@@ -229,8 +231,20 @@ pub(crate) async fn serve(
     drop(listener);
     let _ = stop_tx.send(true);
     drop(closed_rx);
-    closed_tx.closed().await;
+    // A client that never reads its response would hold a connection (and
+    // the shutdown) forever; give requests in flight a bounded time.
+    if tokio::time::timeout(SHUTDOWN_GRACE, closed_tx.closed())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "connections still open {SHUTDOWN_GRACE:?} after shutdown began; leaving them"
+        );
+    }
 }
+
+/// How long shutdown waits for requests in flight to finish.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[cfg(test)]
 mod tests {
