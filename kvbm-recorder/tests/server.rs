@@ -169,7 +169,7 @@ fn http_blocking(
 type WsStream =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum Item {
     Msg(ServerMsg),
     Events(Vec<Event>),
@@ -234,8 +234,8 @@ impl Ws {
             .unwrap();
     }
 
-    /// Sends a control command and reads until its reply, keeping what came
-    /// before it.
+    /// Sends a control command and reads until its reply; what came before
+    /// it is copied into `seen` and left queued.
     async fn control(
         &mut self,
         id: u64,
@@ -243,12 +243,22 @@ impl Ws {
         seen: &mut Vec<Item>,
     ) -> Result<ControlResult, ApiError> {
         self.send(&ClientMsg::Control { id, command }).await;
-        loop {
+        let mut before = Vec::new();
+        let result = loop {
             match self.next().await.expect("connection open") {
-                Item::Msg(ServerMsg::Reply { id: got, result }) if got == id => return result,
-                other => seen.push(other),
+                Item::Msg(ServerMsg::Reply { id: got, result }) if got == id => break result,
+                other => before.push(other),
             }
+        };
+        // What came before the reply stays queued for later reads as well:
+        // a push or an event the command itself caused can overtake the
+        // reply (the breakpoints watcher and the engine do not wait for
+        // it), and a wait for it afterwards must still find it.
+        for i in before.iter().rev() {
+            self.1.push_front(i.clone());
         }
+        seen.extend(before);
+        result
     }
 }
 
