@@ -10,9 +10,9 @@ use crate::keys::{self, Action, Context, ViewId};
 use crate::model::Model;
 use crate::source::{Control, LiveSource, ReplaySource};
 use crate::ui;
-use kvbm_core::events::RequestId;
-use kvbm_core::hooks::{BreakpointInfo, BreakpointSpec, PausedCall, RequestMatch};
-use kvbm_core::reducer::SlotView;
+use kvbm_events::RequestId;
+use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, PausedCall, RequestMatch};
+use kvbm_events::reducer::SlotView;
 use ratatui::crossterm::event::{
     KeyCode, KeyEvent, KeyModifiers, MouseButton, MouseEvent, MouseEventKind,
 };
@@ -315,7 +315,7 @@ pub struct App {
     pub remote: Option<Arc<crate::remote::RemoteStatus>>,
     /// For a console on a vLLM ZMQ stream: the subscription's state, shown
     /// in the header's mode badge instead of `LIVE`. `None` otherwise.
-    pub zmq: Option<kvbm_recorder::vllm::ZmqHandle>,
+    pub zmq: Option<kvbm_ingest::vllm::ZmqHandle>,
 }
 
 impl App {
@@ -409,7 +409,7 @@ impl App {
             })
             .collect();
         let state_rank = |s: &SlotView| {
-            kvbm_core::slot::SlotState::NAMES
+            kvbm_events::slot::SlotState::NAMES
                 .iter()
                 .position(|n| *n == s.state.name())
                 .unwrap_or(0)

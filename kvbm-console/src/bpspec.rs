@@ -14,10 +14,10 @@
 //! point's snake_case name). A bare word is taken as `request=`. Errors
 //! name the word that was wrong and what was expected.
 
-use kvbm_core::events::{Direction, EntryPoint};
-use kvbm_core::hooks::{BreakpointSpec, RequestMatch};
-use kvbm_core::slot::SlotState;
-use kvbm_core::tier::Tier;
+use kvbm_events::breakpoint::{BreakpointSpec, RequestMatch};
+use kvbm_events::slot::SlotState;
+use kvbm_events::tier::Tier;
+use kvbm_events::{Direction, EntryPoint};
 
 /// Why a typed spec could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

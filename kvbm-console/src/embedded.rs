@@ -5,10 +5,10 @@
 use crate::source::Control;
 use anyhow::{Context, Result};
 use kvbm_core::hooks::{Breakpoints, HookSet};
-use kvbm_core::sim::{Pacing, SimConfig, SimReport, Simulator};
-use kvbm_core::workload::{LengthDist, SyntheticConfig, generate};
+use kvbm_events::ring::{RingBuffer, RingConfig};
 use kvbm_recorder::recorder::{RecordError, RecorderConfig, Recording, spawn_recorder};
-use kvbm_recorder::ring::{RingBuffer, RingConfig};
+use kvbm_sim::sim::{Pacing, SimConfig, SimReport, Simulator};
+use kvbm_sim::workload::{LengthDist, SyntheticConfig, generate};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -24,4 +24,3 @@ pub mod remote;
 pub mod run;
 pub mod source;
 pub mod ui;
-pub mod walkthrough;

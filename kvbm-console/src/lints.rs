@@ -7,11 +7,11 @@
 //! call near its deadline) and are computed from the reducer's state on
 //! demand. Everything is bounded, with counters for what a bound dropped.
 
-use kvbm_core::events::{Event, EventKind, RequestId};
-use kvbm_core::reducer::EngineState;
-use kvbm_core::slot::SlotState;
-use kvbm_core::tier::Tier;
-use kvbm_core::tokens::SequenceHash;
+use kvbm_events::SequenceHash;
+use kvbm_events::reducer::EngineState;
+use kvbm_events::slot::SlotState;
+use kvbm_events::tier::Tier;
+use kvbm_events::{Event, EventKind, RequestId};
 use std::collections::{HashMap, VecDeque};
 
 /// The kinds of warning.
@@ -260,7 +260,7 @@ impl Lints {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbm_core::events::Direction;
+    use kvbm_events::Direction;
 
     fn ev(seq: u64, ts_ns: u64, kind: EventKind) -> Event {
         Event {
@@ -280,7 +280,7 @@ mod tests {
             EventKind::BlockEvicted {
                 tier,
                 block: 1,
-                sequence_hash: kvbm_core::SequenceHash(h),
+                sequence_hash: kvbm_events::SequenceHash(h),
             },
         )
     }
@@ -292,7 +292,7 @@ mod tests {
             EventKind::BlockRegistered {
                 tier,
                 block: 2,
-                sequence_hash: kvbm_core::SequenceHash(h),
+                sequence_hash: kvbm_events::SequenceHash(h),
                 duplicate_of: None,
             },
         )

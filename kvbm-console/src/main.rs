@@ -8,14 +8,14 @@
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use kvbm_attach::client::{ClientConfig, ConnState};
 use kvbm_console::app::{App, Source};
 use kvbm_console::embedded::{DemoArgs, Embedded};
 use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::remote::{Remote, ZmqRemote};
 use kvbm_console::run::{Term, run};
 use kvbm_console::source::{LiveSource, ReplaySource};
-use kvbm_console::walkthrough;
-use kvbm_recorder::client::{ClientConfig, ConnState};
+use kvbm_sim::walkthrough;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -152,8 +152,8 @@ fn main() -> Result<()> {
             ring,
             view,
             ..
-        } if kvbm_recorder::vllm::is_zmq_url(&url) => {
-            use kvbm_recorder::vllm::{ZmqConfig, ZmqEndpoint, ZmqState};
+        } if kvbm_ingest::vllm::is_zmq_url(&url) => {
+            use kvbm_ingest::vllm::{ZmqConfig, ZmqEndpoint, ZmqState};
             let mut cfg = ZmqConfig::new(ZmqEndpoint::parse(&url).map_err(anyhow::Error::msg)?);
             cfg.replay = replay_endpoint
                 .as_deref()
@@ -231,7 +231,7 @@ fn main() -> Result<()> {
             let read = kvbm_recorder::recorder::read_events(&log, |_| {})
                 .with_context(|| format!("opening log {}", log.display()))?;
             let lost = kvbm_recorder::recorder::read_sidecar(&log).map_or(0, |r| r.lost);
-            let events: Arc<[kvbm_core::events::Event]> = read.events.into();
+            let events: Arc<[kvbm_events::Event]> = read.events.into();
             let n = events.len();
             let mut replay = ReplaySource::new(events, lost, view.model());
             if let Some(speed) = play {

@@ -10,9 +10,9 @@
 //! as the live run did.
 
 use crate::lints::{LintConfig, Lints};
-use kvbm_core::events::{Event, EventKind};
-use kvbm_core::reducer::EngineState;
-use kvbm_core::tier::Tier;
+use kvbm_events::reducer::EngineState;
+use kvbm_events::tier::Tier;
+use kvbm_events::{Event, EventKind};
 use kvbm_recorder::analysis::stats::{StatsCollector, StatsConfig};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -309,9 +309,9 @@ impl Model {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbm_core::events::{Direction, RequestId};
-    use kvbm_core::reducer::fold;
-    use kvbm_core::slot::SlotState;
+    use kvbm_events::reducer::fold;
+    use kvbm_events::slot::SlotState;
+    use kvbm_events::{Direction, RequestId};
 
     pub(crate) fn ev(seq: u64, ts_ns: u64, request: Option<&str>, kind: EventKind) -> Event {
         Event {

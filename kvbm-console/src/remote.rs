@@ -1,6 +1,6 @@
 //! The console attached to a remote engine (`kvbm-console attach URL`).
 //!
-//! [`Remote::start`] runs a [`kvbm_recorder::client::Client`] on the
+//! [`Remote::start`] runs a [`kvbm_attach::client::Client`] on the
 //! runtime and a forwarding task that pushes what it receives into a local
 //! bounded [`RingBuffer`]: events with [`RingBuffer::push`], the server's
 //! gaps with [`RingBuffer::record_gap`] (so they show as "dropped"). The
@@ -19,12 +19,12 @@
 use crate::app::{App, Source};
 use crate::model::Model;
 use crate::source::{Control, LiveSource};
-use kvbm_core::hooks::{BreakpointInfo, BreakpointSpec, PausedCall};
-use kvbm_recorder::client::{
+use kvbm_attach::client::{
     Client, ClientConfig, ClientCounters, ClientEvent, ClientHandle, ConnState, ControlError,
 };
-use kvbm_recorder::protocol::{BreakpointsView, ControlCommand, ControlResult};
-use kvbm_recorder::ring::{RingBuffer, RingConfig};
+use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, PausedCall};
+use kvbm_events::control::{BreakpointsView, ControlCommand, ControlResult};
+use kvbm_events::ring::{RingBuffer, RingConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -305,7 +305,7 @@ impl Control for RemoteControl {
 }
 
 /// The console on vLLM's KV-event ZMQ stream (`kvbm-console attach
-/// zmq://HOST:PORT`): a [`kvbm_recorder::vllm::ZmqSource`] whose kvbm
+/// zmq://HOST:PORT`): a [`kvbm_ingest::vllm::ZmqSource`] whose kvbm
 /// events (block registrations, evictions, per-tier gauges) are pushed into
 /// a local ring, read by the ordinary [`LiveSource`]; the publisher's
 /// unrecovered gaps are recorded in the ring as losses (one per missed
@@ -314,7 +314,7 @@ impl Control for RemoteControl {
 /// Dropping it unsubscribes.
 pub struct ZmqRemote {
     ring: Arc<RingBuffer>,
-    handle: kvbm_recorder::vllm::ZmqHandle,
+    handle: kvbm_ingest::vllm::ZmqHandle,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -322,12 +322,12 @@ impl ZmqRemote {
     /// Subscribes (in the background) and starts filling a ring of
     /// `ring_capacity` events.
     pub fn start(
-        cfg: kvbm_recorder::vllm::ZmqConfig,
+        cfg: kvbm_ingest::vllm::ZmqConfig,
         ring_capacity: usize,
         rt: &tokio::runtime::Handle,
     ) -> anyhow::Result<ZmqRemote> {
         let ring = Arc::new(RingBuffer::new(RingConfig::with_capacity(ring_capacity))?);
-        let mut src = kvbm_recorder::vllm::ZmqSource::spawn(cfg, rt);
+        let mut src = kvbm_ingest::vllm::ZmqSource::spawn(cfg, rt);
         let handle = src.handle();
         let r = ring.clone();
         let task = rt.spawn(async move {
@@ -344,7 +344,7 @@ impl ZmqRemote {
     }
 
     /// The source's state and counters.
-    pub fn handle(&self) -> &kvbm_recorder::vllm::ZmqHandle {
+    pub fn handle(&self) -> &kvbm_ingest::vllm::ZmqHandle {
         &self.handle
     }
 
@@ -361,7 +361,7 @@ impl ZmqRemote {
             Source::Live(self.source()),
             self.handle.url().to_string(),
         );
-        app.ui.no_slots_reason = Some(kvbm_recorder::vllm::NO_SLOTS_REASON.to_string());
+        app.ui.no_slots_reason = Some(kvbm_ingest::vllm::NO_SLOTS_REASON.to_string());
         app.zmq = Some(self.handle.clone());
         app
     }
@@ -374,8 +374,8 @@ impl Drop for ZmqRemote {
 }
 
 /// Moves one item of the ZMQ source into the ring.
-pub fn forward_zmq(ring: &RingBuffer, item: kvbm_recorder::vllm::ZmqItem) {
-    use kvbm_recorder::vllm::ZmqItem;
+pub fn forward_zmq(ring: &RingBuffer, item: kvbm_ingest::vllm::ZmqItem) {
+    use kvbm_ingest::vllm::ZmqItem;
     match item {
         ZmqItem::Events(events) => {
             for e in events {
@@ -390,8 +390,8 @@ pub fn forward_zmq(ring: &RingBuffer, item: kvbm_recorder::vllm::ZmqItem) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbm_core::tier::Tier;
-    use kvbm_recorder::vllm::{
+    use kvbm_events::tier::Tier;
+    use kvbm_ingest::vllm::{
         KvBatch, KvEvent, NO_SLOTS_REASON, Translator, TranslatorConfig, ZmqItem,
     };
     use ratatui::Terminal;
@@ -457,9 +457,9 @@ mod tests {
             .unwrap();
         // Nothing listens on port 9 of loopback: the subscription keeps
         // trying to connect (ZeroMQ retries), so the state stays put.
-        let endpoint = kvbm_recorder::vllm::ZmqEndpoint::parse("zmq://127.0.0.1:9").unwrap();
+        let endpoint = kvbm_ingest::vllm::ZmqEndpoint::parse("zmq://127.0.0.1:9").unwrap();
         let remote = ZmqRemote::start(
-            kvbm_recorder::vllm::ZmqConfig::new(endpoint),
+            kvbm_ingest::vllm::ZmqConfig::new(endpoint),
             1000,
             rt.handle(),
         )

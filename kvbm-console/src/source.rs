@@ -3,9 +3,10 @@
 //! speed, seek and step), and the breakpoint control of a live engine.
 
 use crate::model::{Model, ModelConfig};
-use kvbm_core::events::Event;
-use kvbm_core::hooks::{BreakpointInfo, BreakpointSpec, Breakpoints, PausedCall};
-use kvbm_recorder::ring::{RingBuffer, RingCounters};
+use kvbm_core::hooks::Breakpoints;
+use kvbm_events::Event;
+use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, PausedCall};
+use kvbm_events::ring::{RingBuffer, RingCounters};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -343,9 +344,9 @@ impl ReplaySource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbm_core::events::EventKind;
-    use kvbm_core::reducer::fold;
-    use kvbm_core::slot::SlotState;
+    use kvbm_events::EventKind;
+    use kvbm_events::reducer::fold;
+    use kvbm_events::slot::SlotState;
 
     fn events(n: usize) -> Arc<[Event]> {
         (0..n)

@@ -13,14 +13,14 @@
 //! same cargo and profile (a no-op when it is fresh), or takes
 //! `KVBM_SIM_BIN`.
 
+use kvbm_attach::client::ClientConfig;
 use kvbm_console::app::App;
 use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::remote::Remote;
 use kvbm_console::source::Control;
 use kvbm_console::ui;
-use kvbm_core::hooks::BreakpointSpec;
-use kvbm_core::slot::SlotState;
-use kvbm_recorder::client::ClientConfig;
+use kvbm_events::breakpoint::BreakpointSpec;
+use kvbm_events::slot::SlotState;
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
 use std::io::{BufRead, BufReader};
@@ -29,40 +29,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn sim_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVBM_SIM_BIN") {
-        return p.into();
-    }
-    // target/<profile>/deps/attach_e2e-… → target/<profile>/kvbm-sim
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap().to_path_buf();
-    let bin = profile_dir.join(format!("kvbm-sim{}", std::env::consts::EXE_SUFFIX));
-    if let Ok(cargo) = std::env::var("CARGO") {
-        let mut cmd = Command::new(cargo);
-        cmd.args([
-            "build",
-            "--quiet",
-            "-p",
-            "kvbm-recorder",
-            "--bin",
-            "kvbm-sim",
-        ]);
-        match profile_dir.file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => {}
-            Some("release") => {
-                cmd.arg("--release");
-            }
-            Some(p) => {
-                cmd.args(["--profile", p]);
-            }
-        }
-        if let Some(target) = profile_dir.parent() {
-            cmd.arg("--target-dir").arg(target);
-        }
-        let st = cmd.status().expect("running cargo to build kvbm-sim");
-        assert!(st.success(), "building kvbm-sim failed");
-    }
-    assert!(bin.exists(), "{} is missing", bin.display());
-    bin
+    kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim")
 }
 
 struct Sim(Child);
@@ -237,7 +204,7 @@ fn attach_to_nothing_shows_reconnecting_and_keys_fail_cleanly() {
     wait(&mut app, 10, "a reconnect", |_| {
         matches!(
             status.state(),
-            kvbm_recorder::client::ConnState::Reconnecting { attempt, .. } if attempt >= 2
+            kvbm_attach::client::ConnState::Reconnecting { attempt, .. } if attempt >= 2
         )
         .then_some(())
     });

@@ -23,8 +23,7 @@ use kvbm_core::{BlockPool, ImmutableBlock, PoolConfig, SaltHash, Tier, TokenSequ
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-#[path = "common.rs"]
-mod common;
+use kvbm_testkit::bench as common;
 
 const BS: usize = 16;
 

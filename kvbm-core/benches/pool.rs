@@ -8,8 +8,7 @@ use kvbm_core::{BlockPool, ImmutableBlock, PoolConfig, SaltHash, Tier, TokenSequ
 use std::hint::black_box;
 use std::time::Duration;
 
-#[path = "common.rs"]
-mod common;
+use kvbm_testkit::bench as common;
 
 const BLOCK_SIZE: usize = 16;
 
@@ -17,7 +16,7 @@ fn sequence(blocks: usize, seed: u32) -> TokenSequence {
     let toks: Vec<u32> = (0..(blocks * BLOCK_SIZE) as u32)
         .map(|t| t.wrapping_mul(2654435761).wrapping_add(seed))
         .collect();
-    TokenSequence::from_tokens(&toks, BLOCK_SIZE, SaltHash::from_salt(b"bench")).unwrap()
+    TokenSequence::from_tokens(&toks, BLOCK_SIZE, kvbm_core::tokens::salt_hash(b"bench")).unwrap()
 }
 
 fn pool(capacity: usize) -> BlockPool {

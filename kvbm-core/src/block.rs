@@ -30,10 +30,10 @@
 //! uncomputed tokens; a full block simply has nowhere else to go.
 
 use crate::pool::{PoolShared, RevivedOrGone};
-use crate::tier::{BlockId, Tier};
 use crate::tokens::{
     BlockMeta, SaltHash, SequenceHash, Token, TokenBlock, block_hash, sequence_hash,
 };
+use kvbm_events::tier::{BlockId, Tier};
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ops::Deref;

@@ -21,7 +21,7 @@
 //! which is known to fit in `isize`, so the per-access arithmetic cannot
 //! overflow and is done unchecked after the indices are bounds-checked.
 
-use crate::tier::BlockId;
+use kvbm_events::tier::BlockId;
 use std::fmt;
 
 /// Alignment of every region allocation. Regions are allocated page aligned

@@ -25,17 +25,18 @@
 //! requests have finished sending and receiving.
 
 use crate::block::{Empty, ImmutableBlock, MutableBlock};
-use crate::events::{Direction, Emitter, EntryPoint, EventKind, RequestId};
-use crate::hooks::{CallInfo, HookSet};
+use crate::hooks::HookSet;
 use crate::offload::{
     OffloadPipeline, PipelineObserver, Precondition, PreconditionTrigger, SourceBlock,
     TransferHandle, TransferStatus, precondition,
 };
 use crate::pool::{BlockPool, PoolEvent, PoolObserver};
-use crate::slot::{SlotError, SlotState};
-use crate::tier::Tier;
 use crate::tokens::{SaltHash, SequenceHash, Token, TokenSequence};
 use crate::transfer::TransferStats;
+use kvbm_events::breakpoint::CallInfo;
+use kvbm_events::slot::{SlotError, SlotState};
+use kvbm_events::tier::Tier;
+use kvbm_events::{Direction, Emitter, EntryPoint, EventKind, RequestId};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -13,26 +13,18 @@
 //! not a log, and so it is here.)
 
 pub mod block;
-pub mod bus;
-pub mod events;
 pub mod hooks;
 pub mod layout;
 pub mod leader;
 pub mod link;
 pub mod offload;
 pub mod pool;
-pub mod reducer;
-pub mod sim;
-pub mod slot;
 pub mod storage;
-pub mod tier;
 pub mod tokens;
-pub mod tracing_layer;
 pub mod transfer;
-pub mod workload;
 
 pub use block::{BlockError, ImmutableBlock, MutableBlock, WeakBlock};
+pub use kvbm_events::{BlockId, Tier};
 pub use link::{HostTier, LinkError, TierLink};
 pub use pool::{BlockPool, PoolConfig, PoolError, PoolStatus};
-pub use tier::{BlockId, Tier};
 pub use tokens::{BlockHash, BlockMeta, SaltHash, SequenceHash, Token, TokenBlock, TokenSequence};

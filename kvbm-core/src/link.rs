@@ -17,8 +17,8 @@
 use crate::block::{Empty, ImmutableBlock, MutableBlock};
 use crate::pool::{BlockPool, PoolError};
 use crate::storage::{HostStorage, StorageError};
-use crate::tier::{BlockId, Tier};
 use crate::transfer::{BlockPair, Hold, Rejected, TransferEngine, TransferError, TransferStats};
+use kvbm_events::tier::{BlockId, Tier};
 use std::sync::Arc;
 
 /// Which end of a link.

@@ -27,8 +27,8 @@
 //! the pool.
 
 use crate::block::{Complete, Empty, ImmutableBlock, MutableBlock, RegisteredBlock};
-use crate::tier::{BlockId, Tier};
 use crate::tokens::{BlockHash, BlockMeta, SaltHash, SequenceHash};
+use kvbm_events::tier::{BlockId, Tier};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};

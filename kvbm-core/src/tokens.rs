@@ -17,46 +17,12 @@
 //! tests below: changing it silently would make every recorded log and every
 //! cache on disk unreadable.
 
+pub use kvbm_events::hash::{BlockHash, SaltHash, SequenceHash};
 use serde::{Deserialize, Serialize};
-use std::fmt;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// One token id.
 pub type Token = u32;
-
-macro_rules! hash_newtype {
-    ($(#[$m:meta])* $name:ident) => {
-        $(#[$m])*
-        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-        #[serde(transparent)]
-        pub struct $name(pub u64);
-
-        impl fmt::Debug for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, concat!(stringify!($name), "({:#018x})"), self.0)
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, "{:016x}", self.0)
-            }
-        }
-    };
-}
-
-hash_newtype!(
-    /// xxh3-64 of the salt bytes (seed 0); seeds every other hash.
-    SaltHash
-);
-hash_newtype!(
-    /// xxh3-64 of one block's tokens, seeded with the salt hash.
-    BlockHash
-);
-hash_newtype!(
-    /// Names a full block together with its whole prefix.
-    SequenceHash
-);
 
 /// Errors from building token sequences.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -74,11 +40,9 @@ pub enum TokenError {
     },
 }
 
-impl SaltHash {
-    /// Hashes a salt (model name, LoRA id, tenant, ...). An empty salt is fine.
-    pub fn from_salt(salt: &[u8]) -> Self {
-        SaltHash(xxh3_64_with_seed(salt, 0))
-    }
+/// Hashes a salt (model name, LoRA id, tenant, ...). An empty salt is fine.
+pub fn salt_hash(salt: &[u8]) -> SaltHash {
+    SaltHash(xxh3_64_with_seed(salt, 0))
 }
 
 /// Hashes one block's tokens under a salt.
@@ -353,13 +317,13 @@ mod tests {
     // persisted cache stops matching — do not "fix" the numbers, fix the code.
     #[test]
     fn golden_salt_hashes() {
-        assert_eq!(SaltHash::from_salt(b""), SaltHash(0x2d06800538d394c2));
-        assert_eq!(SaltHash::from_salt(b"kvbm"), SaltHash(0xbfb778761abdbd6d));
+        assert_eq!(salt_hash(b""), SaltHash(0x2d06800538d394c2));
+        assert_eq!(salt_hash(b"kvbm"), SaltHash(0xbfb778761abdbd6d));
     }
 
     #[test]
     fn golden_block_and_sequence_hashes() {
-        let salt = SaltHash::from_salt(b"kvbm");
+        let salt = salt_hash(b"kvbm");
         let seq = TokenSequence::from_tokens(&(0..8).collect::<Vec<u32>>(), 4, salt).unwrap();
         let b = seq.blocks();
         assert_eq!(b.len(), 2);
@@ -373,7 +337,7 @@ mod tests {
     fn hashes_follow_the_documented_formula() {
         // Independent of the golden numbers: recompute from the definition.
         let salt_bytes = b"model-x";
-        let salt = SaltHash::from_salt(salt_bytes);
+        let salt = salt_hash(salt_bytes);
         assert_eq!(salt.0, xxh3_64_with_seed(salt_bytes, 0));
         let toks = [1u32, 2, 3, 0xdead_beef];
         let bytes: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
@@ -417,8 +381,8 @@ mod tests {
 
     #[test]
     fn salt_separates_equal_tokens() {
-        let a = TokenSequence::from_tokens(&[1, 2, 3, 4], 4, SaltHash::from_salt(b"a")).unwrap();
-        let b = TokenSequence::from_tokens(&[1, 2, 3, 4], 4, SaltHash::from_salt(b"b")).unwrap();
+        let a = TokenSequence::from_tokens(&[1, 2, 3, 4], 4, salt_hash(b"a")).unwrap();
+        let b = TokenSequence::from_tokens(&[1, 2, 3, 4], 4, salt_hash(b"b")).unwrap();
         assert_ne!(a.sequence_hashes(), b.sequence_hashes());
     }
 
@@ -430,7 +394,7 @@ mod tests {
             bs in 1usize..17,
             cuts in proptest::collection::vec(0usize..50, 0..10),
         ) {
-            let salt = SaltHash::from_salt(b"p");
+            let salt = salt_hash(b"p");
             let whole = TokenSequence::from_tokens(&tokens, bs, salt).unwrap();
             let mut pieces = TokenSequence::new(bs, salt).unwrap();
             let mut rest = &tokens[..];

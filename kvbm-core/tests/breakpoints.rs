@@ -2,15 +2,16 @@
 //! every pause shows up on the bus as one `BreakpointHit` and one `Resumed`
 //! with the right cause.
 
-use kvbm_core::bus::{BusConfig, TapItem, TapReceiver};
-use kvbm_core::events::{
+use kvbm_core::hooks::{Breakpoints, HookSet, Hooks};
+use kvbm_events::breakpoint::{
+    BreakpointError, BreakpointSpec, CallInfo, DEFAULT_DEADLINE, OwnerReleased, PausedCall,
+    STEP_BREAKPOINT,
+};
+use kvbm_events::bus::{BusConfig, TapItem, TapReceiver};
+use kvbm_events::slot::SlotState;
+use kvbm_events::{
     Direction, Emitter, EntryPoint, Event, EventKind, HookPhase, ResumeCause, VirtualClock,
 };
-use kvbm_core::hooks::{
-    BreakpointError, BreakpointSpec, Breakpoints, CallInfo, DEFAULT_DEADLINE, HookSet, Hooks,
-    OwnerReleased, PausedCall, STEP_BREAKPOINT,
-};
-use kvbm_core::slot::SlotState;
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -316,8 +317,8 @@ fn the_default_deadline_can_be_changed_for_later_pauses() {
         r.bp.set_default_deadline(Duration::ZERO),
         Err(BreakpointError::BadDeadline {
             got: Duration::ZERO,
-            min: kvbm_core::hooks::MIN_DEADLINE,
-            max: kvbm_core::hooks::MAX_DEADLINE,
+            min: kvbm_events::breakpoint::MIN_DEADLINE,
+            max: kvbm_events::breakpoint::MAX_DEADLINE,
         })
     );
     r.bp.add(BreakpointSpec::default().with_entry(EntryPoint::CreateSlot))

@@ -9,8 +9,7 @@
 
 use kvbm_core::block::{Empty, MutableBlock};
 use kvbm_core::{
-    BlockPool, ImmutableBlock, PoolConfig, PoolError, SaltHash, SequenceHash, Tier, TokenSequence,
-    WeakBlock,
+    BlockPool, ImmutableBlock, PoolConfig, PoolError, SequenceHash, Tier, TokenSequence, WeakBlock,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashSet};
@@ -98,7 +97,7 @@ impl Model {
 
 fn chain() -> TokenSequence {
     let toks: Vec<u32> = (0..(CHAIN * 4) as u32).collect();
-    TokenSequence::from_tokens(&toks, 4, SaltHash::from_salt(b"model")).unwrap()
+    TokenSequence::from_tokens(&toks, 4, kvbm_core::tokens::salt_hash(b"model")).unwrap()
 }
 
 fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {

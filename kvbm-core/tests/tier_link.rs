@@ -154,7 +154,7 @@ fn assert_bytes_host(t: &HostTier, blocks: &[ImmutableBlock]) {
 async fn blocks_round_trip_through_all_tiers_and_are_found_by_prefix() {
     let r = rig(8);
     let toks: Vec<u32> = (100..100 + 4 * BS as u32 + 2).collect();
-    let seq = TokenSequence::from_tokens(&toks, BS, SaltHash::from_salt(b"t")).unwrap();
+    let seq = TokenSequence::from_tokens(&toks, BS, kvbm_core::tokens::salt_hash(b"t")).unwrap();
     let hashes = seq.sequence_hashes();
 
     let g1 = prefill(&r, &seq);

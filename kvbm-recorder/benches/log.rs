@@ -12,12 +12,12 @@
 //! every event); JSON lines = serde_json to a buffered file, and parse
 //! back into events.
 
-use kvbm_core::bus::TapItem;
-use kvbm_core::events::Event;
-use kvbm_core::sim::{SimConfig, Simulator};
-use kvbm_core::workload::{LengthDist, SyntheticConfig, generate};
-use kvbm_recorder::columnar::BlockEncoder;
+use kvbm_events::Event;
+use kvbm_events::bus::TapItem;
 use kvbm_recorder::log::{FsyncPolicy, LogConfig, LogReader, LogWriter, ReaderOptions};
+use kvbm_schema::columnar::BlockEncoder;
+use kvbm_sim::sim::{SimConfig, Simulator};
+use kvbm_sim::workload::{LengthDist, SyntheticConfig, generate};
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::time::Instant;
 
@@ -90,7 +90,7 @@ fn main() {
         let mut enc = BlockEncoder::new();
         let mut k = 0usize;
         for e in &evs {
-            let size = kvbm_recorder::columnar::event_bytes(e);
+            let size = kvbm_schema::columnar::event_bytes(e);
             if !enc.try_push(e, size, block_bytes) {
                 k += enc.finish().len();
                 enc.try_push(e, size, usize::MAX);

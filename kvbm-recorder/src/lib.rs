@@ -1,16 +1,14 @@
-//! kvbm-recorder keeps what the engine did and gives it back: an in-memory
-//! ring buffer, a durable log, replay, timelines, statistics, invariant
-//! checks, exports and diffs.
+//! `kvbm-recorder` keeps what an engine did and gives it back: the durable
+//! log, the recorder that drains an engine's tap into it, replay,
+//! timelines, statistics, invariant checks, exports and diffs, and the
+//! `kvbm-recorder` CLI.
+//!
+//! The in-memory ring is `kvbm_events::ring`; the wire format
+//! `kvbm-schema`; remote sources come through `kvbm-attach` (another
+//! kvbm engine) and `kvbm-ingest` (vLLM / SGLang).
 
 pub mod analysis;
-pub mod client;
-pub mod columnar;
-pub mod convert;
 pub mod log;
-pub mod protocol;
 pub mod recorder;
-pub mod ring;
-pub mod server;
-pub mod vllm;
 
 pub use kvbm_schema::SCHEMA_VERSION;

@@ -3,17 +3,17 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use kvbm_core::events::Event;
-use kvbm_core::leader::OffloadMode;
-use kvbm_core::reducer::EngineState;
-use kvbm_core::sim::{SimConfig, Simulator};
-use kvbm_core::workload::{
-    LengthDist, MooncakeOptions, SyntheticConfig, generate, parse_mooncake_lenient,
-};
+use kvbm_attach::client::{Client, ClientConfig, ClientEvent};
+use kvbm_events::Event;
+use kvbm_events::reducer::EngineState;
 use kvbm_recorder::analysis::{self, ReplayMode, Replayer};
-use kvbm_recorder::client::{Client, ClientConfig, ClientEvent};
 use kvbm_recorder::log::{FsyncPolicy, LogConfig, LogWriter};
 use kvbm_recorder::recorder::{self, GapAt, RecorderConfig, Recording};
+use kvbm_sim::sim::OffloadMode;
+use kvbm_sim::sim::{SimConfig, Simulator};
+use kvbm_sim::workload::{
+    LengthDist, MooncakeOptions, SyntheticConfig, generate, parse_mooncake_lenient,
+};
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -282,7 +282,7 @@ fn run(cli: Cli) -> Result<i32> {
             fsync_ms,
             segment_bytes,
             ..
-        } if kvbm_recorder::vllm::is_zmq_url(&url) => record_from_zmq(
+        } if kvbm_ingest::vllm::is_zmq_url(&url) => record_from_zmq(
             &url,
             replay_endpoint.as_deref(),
             &out,
@@ -354,12 +354,12 @@ fn run(cli: Cli) -> Result<i32> {
                     let mut b = a.clone();
                     b.extend(200..217);
                     let spec =
-                        |id: &str, at: f64, prompt: Vec<u32>| kvbm_core::workload::RequestSpec {
+                        |id: &str, at: f64, prompt: Vec<u32>| kvbm_sim::workload::RequestSpec {
                             id: id.into(),
                             arrival_ms: at,
                             prompt,
                             output_len: 1,
-                            origin: kvbm_core::workload::Origin::Synthetic {
+                            origin: kvbm_sim::workload::Origin::Synthetic {
                                 index: 0,
                                 shared_prefix: None,
                             },
@@ -453,7 +453,7 @@ fn run(cli: Cli) -> Result<i32> {
                 .with_context(|| format!("opening log {}", log.display()))?;
             let info = reader.info().clone();
             let (events, damage) = load(&log)?;
-            let st = kvbm_core::reducer::fold(&events);
+            let st = kvbm_events::reducer::fold(&events);
             let counts: Vec<(&str, u64)> = st.counts_by_kind().filter(|(_, n)| *n > 0).collect();
             let side = recorder::read_sidecar(&log);
             let v = serde_json::json!({
@@ -853,7 +853,7 @@ fn record_from_zmq(
     limits: RemoteLimits,
     log: LogConfig,
 ) -> Result<i32> {
-    use kvbm_recorder::vllm::{ZmqConfig, ZmqEndpoint, ZmqItem, ZmqSource};
+    use kvbm_ingest::vllm::{ZmqConfig, ZmqEndpoint, ZmqItem, ZmqSource};
     let endpoint = ZmqEndpoint::parse(url).map_err(anyhow::Error::msg)?;
     let mut cfg = ZmqConfig::new(endpoint);
     cfg.replay = replay

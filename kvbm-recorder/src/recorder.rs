@@ -9,10 +9,10 @@
 //! sidecar `recording.json`, so a reader can tell a loss from a gap.
 
 use crate::log::{LogConfig, LogError, LogReader, LogWriter, ReaderOptions};
-use crate::ring::RingBuffer;
-use kvbm_core::bus::{TapItem, TapReceiver, TryRecvError};
-use kvbm_core::events::Event;
-use kvbm_core::reducer::EngineState;
+use kvbm_events::Event;
+use kvbm_events::bus::{TapItem, TapReceiver, TryRecvError};
+use kvbm_events::reducer::EngineState;
+use kvbm_events::ring::RingBuffer;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -286,9 +286,9 @@ pub fn read_events(dir: &Path, mut on_progress: impl FnMut(u64)) -> Result<Event
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbm_core::bus::BusConfig;
-    use kvbm_core::events::{Emitter, EventKind, VirtualClock};
-    use kvbm_core::tier::Tier;
+    use kvbm_events::bus::BusConfig;
+    use kvbm_events::tier::Tier;
+    use kvbm_events::{Emitter, EventKind, VirtualClock};
 
     fn gauge() -> EventKind {
         EventKind::PoolGauge {

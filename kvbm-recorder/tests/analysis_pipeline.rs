@@ -3,18 +3,18 @@
 //! marked by the tap), come back as a snapshot, are replayed, checked,
 //! summarised, exported and compared.
 
-use kvbm_core::bus::TapItem;
-use kvbm_core::events::{Direction, EntryPoint, Event, EventKind};
-use kvbm_core::reducer::fold;
-use kvbm_core::slot::SlotState::{self, *};
-use kvbm_core::tier::Tier;
+use kvbm_events::bus::TapItem;
+use kvbm_events::reducer::fold;
+use kvbm_events::ring::{RingBuffer, RingConfig};
+use kvbm_events::slot::SlotState::{self, *};
+use kvbm_events::tier::Tier;
+use kvbm_events::{Direction, EntryPoint, Event, EventKind};
 use kvbm_recorder::analysis::export::{ChromeOptions, write_chrome_trace, write_jsonl};
 use kvbm_recorder::analysis::replay::{ManualPacer, ReplayMode, Replayer, VecSource};
 use kvbm_recorder::analysis::stats::{StatsConfig, stats};
 use kvbm_recorder::analysis::{
     CheckOptions, Checker, DiffOptions, Timeline, ViolationKind, check, diff,
 };
-use kvbm_recorder::ring::{RingBuffer, RingConfig};
 use std::sync::Arc;
 
 /// A small engine story: `a` prefills and decodes with an eager store;
@@ -219,7 +219,7 @@ fn story() -> Vec<Event> {
         Some("b"),
         EventKind::Resumed {
             breakpoint: 9,
-            cause: kvbm_core::events::ResumeCause::Resume,
+            cause: kvbm_events::ResumeCause::Resume,
         },
     );
     push(

@@ -10,17 +10,17 @@
 //! `[dev-dependencies]` (or to `[dependencies]`, for `record`) and delete
 //! the `cfg` line below to enable these tests.
 
-use kvbm_core::bus::{TapItem, TapReceiver};
-use kvbm_core::events::Event;
-use kvbm_core::reducer::fold;
-use kvbm_core::sim::{SimConfig, Simulator};
-use kvbm_core::slot::SlotState;
-use kvbm_core::workload::{LengthDist, SyntheticConfig, generate};
+use kvbm_events::Event;
+use kvbm_events::bus::{TapItem, TapReceiver};
+use kvbm_events::reducer::fold;
+use kvbm_events::ring::{RingBuffer, RingConfig};
+use kvbm_events::slot::SlotState;
 use kvbm_recorder::analysis::export::{ChromeOptions, write_chrome_trace, write_jsonl};
 use kvbm_recorder::analysis::replay::{ReplayMode, Replayer};
 use kvbm_recorder::analysis::stats::{StatsConfig, stats};
 use kvbm_recorder::analysis::{CheckOptions, DiffOptions, Timeline, check, diff};
-use kvbm_recorder::ring::{RingBuffer, RingConfig};
+use kvbm_sim::sim::{SimConfig, Simulator};
+use kvbm_sim::workload::{LengthDist, SyntheticConfig, generate};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,7 +36,7 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
-fn workload(seed: u64) -> Vec<kvbm_core::workload::RequestSpec> {
+fn workload(seed: u64) -> Vec<kvbm_sim::workload::RequestSpec> {
     generate(&SyntheticConfig {
         seed,
         num_requests: REQUESTS,

@@ -3,15 +3,15 @@
 //! library in-process, shut down and bound again on the same port) — no
 //! duplicates, and what the server's ring lost meanwhile as an explicit gap.
 
-use kvbm_core::bus::BusConfig;
-use kvbm_core::events::{Emitter, EventKind, MonotonicClock};
-use kvbm_core::tier::Tier;
-use kvbm_recorder::client::{Backoff, Client, ClientConfig, ClientEvent, ConnState};
-use kvbm_recorder::protocol::GapReason;
-use kvbm_recorder::ring::RingBuffer;
-use kvbm_recorder::server::{
-    Engine, Feeder, FeederConfig, Server, ServerConfig, ServerHandle, spawn_feeder,
+use kvbm_attach::client::{Backoff, Client, ClientConfig, ClientEvent, ConnState};
+use kvbm_attach::server::{
+    Feeder, FeederConfig, ServedEngine, Server, ServerConfig, ServerHandle, spawn_feeder,
 };
+use kvbm_events::bus::BusConfig;
+use kvbm_events::ring::RingBuffer;
+use kvbm_events::tier::Tier;
+use kvbm_events::{Emitter, EventKind, MonotonicClock};
+use kvbm_schema::protocol::GapReason;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -30,7 +30,7 @@ impl Drop for Proc {
 
 /// Starts `kvbm-sim --serve 127.0.0.1:0 ARGS` and reads its URL.
 fn serve_sim(args: &[&str]) -> (Proc, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvbm-sim"))
+    let mut child = Command::new(kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim"))
         .args(["--serve", "127.0.0.1:0"])
         .args(args)
         .stdout(Stdio::piped())
@@ -136,7 +136,7 @@ struct Rig {
     emitter: Arc<Emitter>,
     ring: Arc<RingBuffer>,
     _feeder: Feeder,
-    engine: Engine,
+    engine: ServedEngine,
     server: Option<ServerHandle>,
     addr: SocketAddr,
 }
@@ -153,7 +153,7 @@ impl Rig {
         );
         let tap = emitter.bus().take_tap().unwrap();
         let ring = Arc::new(RingBuffer::with_capacity(ring_capacity).unwrap());
-        let engine = Engine::new(ring.clone(), None, 0);
+        let engine = ServedEngine::new(ring.clone(), 0);
         let feeder =
             spawn_feeder(tap, ring.clone(), engine.signal(), FeederConfig::default()).unwrap();
         let mut rig = Rig {
@@ -222,7 +222,7 @@ impl Rig {
 #[derive(Default)]
 struct Got {
     seqs: Vec<u64>,
-    gaps: Vec<kvbm_recorder::client::Gap>,
+    gaps: Vec<kvbm_attach::client::Gap>,
     disconnects: usize,
 }
 

@@ -1,7 +1,7 @@
 //! End to end: the real `kvbm-recorder` binary records a simulated run,
 //! reads it back every way it offers, and survives being killed.
 
-use kvbm_core::events::{Direction, Event, EventKind};
+use kvbm_events::{Direction, Event, EventKind};
 use kvbm_recorder::log::{LogConfig, LogWriter};
 use kvbm_recorder::recorder;
 use std::process::{Command, Stdio};

@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvbm_core::events::{Direction, Event, EventKind};
-use kvbm_core::slot::SlotState;
-use kvbm_core::tier::Tier;
-use kvbm_core::tokens::SequenceHash;
+use kvbm_events::SequenceHash;
+use kvbm_events::slot::SlotState;
+use kvbm_events::tier::Tier;
+use kvbm_events::{Direction, Event, EventKind};
 use kvbm_recorder::log::{
     CorruptReason, FRAME_HEADER_LEN, FsyncPolicy, IndexSource, LogConfig, LogError, LogReader,
     LogWriter, MAX_BLOCK_BYTES, ReaderOptions, Record, SEGMENT_HEADER_LEN, SeekTo, SegmentStatus,

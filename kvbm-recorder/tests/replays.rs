@@ -2,8 +2,8 @@
 //! README) replay cleanly: no damage, the invariants hold, and the
 //! statistics equal the golden ones recorded beside each log.
 
-use kvbm_core::events::EventKind;
-use kvbm_core::slot::SlotState;
+use kvbm_events::EventKind;
+use kvbm_events::slot::SlotState;
 use kvbm_recorder::analysis::{self, CheckOptions, StatsConfig};
 use kvbm_recorder::recorder;
 use std::path::PathBuf;
@@ -12,7 +12,7 @@ fn replays() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../replays"))
 }
 
-fn replay(name: &str) -> Vec<kvbm_core::events::Event> {
+fn replay(name: &str) -> Vec<kvbm_events::Event> {
     let dir = replays().join(name);
     let read = recorder::read_events(&dir, |_| {}).unwrap();
     assert!(read.damage.is_none(), "{name}: {:?}", read.damage);
@@ -39,7 +39,7 @@ fn replay(name: &str) -> Vec<kvbm_core::events::Event> {
     read.events
 }
 
-fn transitions(events: &[kvbm_core::events::Event]) -> Vec<SlotState> {
+fn transitions(events: &[kvbm_events::Event]) -> Vec<SlotState> {
     events
         .iter()
         .filter_map(|e| match e.kind {

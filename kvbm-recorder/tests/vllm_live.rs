@@ -3,8 +3,8 @@
 //! of vLLM's replay protocol. Gap detection, replay over DEALER, publisher
 //! restart, and `kvbm-recorder record --from zmq://`.
 
-use kvbm_core::events::EventKind;
-use kvbm_recorder::vllm::{END_SEQ, ZmqConfig, ZmqEndpoint, ZmqHandle, ZmqItem, ZmqSource};
+use kvbm_events::EventKind;
+use kvbm_ingest::vllm::{END_SEQ, ZmqConfig, ZmqEndpoint, ZmqHandle, ZmqItem, ZmqSource};
 use rmpv::Value;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

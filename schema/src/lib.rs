@@ -1,18 +1,17 @@
-//! The wire and file format of kvbm events.
+//! `kvbm-schema`: the wire and file format of kvbm events.
 //!
-//! `schema/kvbm_events.fbs` defines one flatbuffers record, [`EventRecord`],
-//! per `kvbm_core::events::Event`: the envelope (engine, sequence number,
-//! timestamp, iteration, request id) and an [`EventKind`] union with one
-//! table per event kind; and one durable-log block, [`EventBlock`], which
-//! holds a run of events column by column (fixed-size kinds as rows of
-//! structs). This crate is the Rust that `flatc` 25.12.19
-//! generates from it (`src/generated/`, committed, rebuilt by
-//! `schema/regen.sh`; CI fails when the two drift apart), re-exported at the
-//! crate root, plus the constants a reader and writer agree on.
+//! - [`fb`]: what `flatc` 25.12.19 generates from `schema/kvbm_events.fbs`
+//!   (`src/generated/`, committed, rebuilt by `schema/regen.sh`; CI fails
+//!   when the two drift apart): one flatbuffers record,
+//!   [`fb::EventRecord`], per `kvbm_events::Event` (the envelope and an
+//!   [`fb::EventKind`] union with one table per event kind), and one
+//!   durable-log block, [`fb::EventBlock`], which holds a run of events
+//!   column by column (fixed-size kinds as rows of structs).
+//! - [`convert`]: one event to and from an `EventRecord`.
+//! - [`columnar`]: a run of events to and from an `EventBlock`.
+//! - [`protocol`]: the attach protocol's messages and event batches.
 //!
-//! Converting between these records and kvbm-core's events is
-//! `kvbm-recorder`'s job (`kvbm_recorder::convert`), so that this crate
-//! depends on nothing but `flatbuffers`.
+//! What must not live here: files, sockets, the block manager.
 
 // The generated code is flatc's, byte for byte: the drift check compares it
 // with a fresh generation, so neither rustfmt nor clippy may touch it, and
@@ -34,7 +33,14 @@
 #[path = "generated/kvbm_events_generated.rs"]
 mod generated;
 
-pub use generated::kvbm::events::*;
+pub mod columnar;
+pub mod convert;
+pub mod protocol;
+
+/// The generated flatbuffers types.
+pub mod fb {
+    pub use crate::generated::kvbm::events::*;
+}
 
 /// Version of the event schema; bumped on every incompatible change.
 ///
@@ -48,6 +54,7 @@ pub const FILE_IDENTIFIER: &str = "KVBE";
 
 #[cfg(test)]
 mod tests {
+    use super::fb::*;
     use super::*;
 
     #[test]

@@ -177,7 +177,7 @@ pub fn render(app: &App, f: &mut Frame, area: Rect) {
             );
         }
     }
-    let causes: Vec<String> = kvbm_core::reducer::BreakpointStats::CAUSES
+    let causes: Vec<String> = kvbm_events::reducer::BreakpointStats::CAUSES
         .iter()
         .zip(stats.resumed_by_cause)
         .map(|(c, n)| format!("{c:?} {n}"))

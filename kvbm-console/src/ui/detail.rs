@@ -4,8 +4,8 @@
 use super::{head, panel, selected, state_color};
 use crate::app::App;
 use crate::fmt;
-use kvbm_core::events::{Event, EventKind};
-use kvbm_core::slot::SlotState;
+use kvbm_events::slot::SlotState;
+use kvbm_events::{Event, EventKind};
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};

@@ -3,7 +3,7 @@
 use super::{head, panel, selected};
 use crate::app::App;
 use crate::fmt;
-use kvbm_core::events::EventKind;
+use kvbm_events::{Category, EventKind};
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Rect};
 use ratatui::style::{Color, Style};
@@ -130,12 +130,14 @@ pub fn describe(kind: &EventKind) -> String {
 
 fn kind_color(kind: &EventKind) -> Color {
     match kind {
-        EventKind::SlotCreated { .. } | EventKind::SlotTransition { .. } => Color::Green,
         EventKind::BlockEvicted { .. } => Color::Yellow,
         EventKind::TransferFailed { .. } => Color::Red,
-        EventKind::BreakpointHit { .. } | EventKind::Resumed { .. } => Color::Magenta,
-        k if k.name().starts_with("Transfer") || k.name().starts_with("Batch") => Color::Cyan,
-        _ => Color::Gray,
+        _ => match kind.tag().category() {
+            Category::Slot => Color::Green,
+            Category::Transfer | Category::Batch => Color::Cyan,
+            Category::Breakpoint => Color::Magenta,
+            Category::Block | Category::Pool | Category::Hook => Color::Gray,
+        },
     }
 }
 

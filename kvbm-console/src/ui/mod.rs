@@ -15,7 +15,7 @@ use crate::app::{App, InputKind, Source};
 use crate::fmt;
 use crate::keys::{self, ViewId};
 use crate::lints::LintKind;
-use kvbm_core::slot::SlotState;
+use kvbm_events::slot::SlotState;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style, Stylize};
@@ -202,7 +202,7 @@ fn header(app: &App, f: &mut Frame, area: Rect) {
                 )
             } else if let Some(r) = &app.remote {
                 // Attached to a remote engine: the connection state.
-                use kvbm_recorder::client::ConnState;
+                use kvbm_attach::client::ConnState;
                 let state = r.state();
                 let bg = match state {
                     ConnState::Connected { .. } => Color::Green,
@@ -217,7 +217,7 @@ fn header(app: &App, f: &mut Frame, area: Rect) {
                 )
             } else if let Some(z) = &app.zmq {
                 // On a vLLM ZMQ stream: the subscription's state.
-                use kvbm_recorder::vllm::ZmqState;
+                use kvbm_ingest::vllm::ZmqState;
                 let (text, bg) = match z.state() {
                     ZmqState::Connecting => ("ZMQ CONNECTING", Color::Yellow),
                     ZmqState::Subscribed => ("ZMQ SUBSCRIBED", Color::Green),

@@ -4,7 +4,7 @@
 use super::panel;
 use crate::app::App;
 use crate::fmt;
-use kvbm_core::tier::Tier;
+use kvbm_events::tier::Tier;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};

@@ -3,7 +3,7 @@
 use super::{dim, head, panel, selected, state_color};
 use crate::app::App;
 use crate::fmt;
-use kvbm_core::reducer::SlotView;
+use kvbm_events::reducer::SlotView;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Rect};
 use ratatui::style::Style;

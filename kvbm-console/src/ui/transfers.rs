@@ -5,8 +5,8 @@
 use super::{head, panel, selected};
 use crate::app::App;
 use crate::fmt;
-use kvbm_core::events::{Direction, RequestId};
-use kvbm_core::reducer::{EngineState, TransferState, TransferView};
+use kvbm_events::reducer::{EngineState, TransferState, TransferView};
+use kvbm_events::{Direction, RequestId};
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};

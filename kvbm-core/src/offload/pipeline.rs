@@ -221,8 +221,8 @@ impl OffloadPipeline {
     }
 
     /// The direction this pipeline moves blocks in.
-    pub fn direction(&self) -> crate::events::Direction {
-        crate::events::Direction {
+    pub fn direction(&self) -> kvbm_events::Direction {
+        kvbm_events::Direction {
             src: self.inner.link.source().tier(),
             dst: self.inner.link.destination().tier(),
         }
@@ -817,12 +817,11 @@ async fn run_transfer(inner: Arc<Inner>, c: Committed) {
         .unwrap_or_else(|e| e.into_inner())
         .clone();
     let call = hooks.is_enabled().then(|| {
-        crate::hooks::CallInfo::new(crate::events::EntryPoint::TransferExecute).with_direction(
-            crate::events::Direction {
+        kvbm_events::breakpoint::CallInfo::new(kvbm_events::EntryPoint::TransferExecute)
+            .with_direction(kvbm_events::Direction {
                 src: inner.link.source().tier(),
                 dst: inner.link.destination().tier(),
-            },
-        )
+            })
     });
     if let Some(call) = &call {
         let multi = tokio::runtime::Handle::current().runtime_flavor()

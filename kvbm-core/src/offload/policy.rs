@@ -10,8 +10,8 @@
 
 use super::status::SkipReason;
 use crate::pool::BlockPool;
-use crate::tier::{BlockId, Tier};
 use crate::tokens::SequenceHash;
+use kvbm_events::tier::{BlockId, Tier};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;

@@ -6,8 +6,8 @@
 
 use super::{StorageError, check_block, check_len};
 use crate::layout::{Layout, MemRange};
-use crate::tier::BlockId;
 use cudarc::driver::{CudaContext, result, sys};
+use kvbm_events::tier::BlockId;
 use std::sync::{Arc, OnceLock};
 
 /// Formats a driver error for [`StorageError::Cuda`].

@@ -2,7 +2,7 @@
 
 use super::{StorageError, check_block, check_len};
 use crate::layout::{Layout, MemRange};
-use crate::tier::BlockId;
+use kvbm_events::tier::BlockId;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};

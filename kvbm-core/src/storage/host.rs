@@ -2,7 +2,7 @@
 
 use super::{StorageError, check_block, check_len};
 use crate::layout::{Layout, MemRange, REGION_ALIGN};
-use crate::tier::BlockId;
+use kvbm_events::tier::BlockId;
 use std::alloc;
 use std::ptr::NonNull;
 

@@ -25,7 +25,7 @@ pub use host::HostStorage;
 pub use device::{DeviceStorage, cuda_available};
 
 use crate::layout::{Layout, LayoutError};
-use crate::tier::BlockId;
+use kvbm_events::tier::BlockId;
 use std::path::PathBuf;
 
 /// Why a storage could not be created or accessed.

@@ -12,8 +12,8 @@ use super::{
 };
 use crate::layout::for_each_copy_piece;
 use crate::storage::{DeviceStorage, HostStorage};
-use crate::tier::Tier;
 use cudarc::driver::{CudaEvent, CudaStream, DriverError, sys};
+use kvbm_events::tier::Tier;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -5,7 +5,7 @@ use super::{
     TransferTicket, Worker, check_shapes, validate_pairs,
 };
 use crate::storage::{DiskStorage, HostStorage};
-use crate::tier::Tier;
+use kvbm_events::tier::Tier;
 use std::sync::Arc;
 
 /// Which way a [`DiskEngine`] copies.

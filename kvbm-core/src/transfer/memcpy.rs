@@ -6,7 +6,7 @@ use super::{
 };
 use crate::layout::for_each_copy_piece;
 use crate::storage::HostStorage;
-use crate::tier::Tier;
+use kvbm_events::tier::Tier;
 use std::sync::Arc;
 
 /// Copies blocks between two [`HostStorage`]s (G2 ↔ G2, or host memory

@@ -39,7 +39,7 @@ pub use cuda::{CudaDirection, CudaEngine};
 
 use crate::layout::{Layout, LayoutConfig, LayoutError};
 use crate::storage::StorageError;
-use crate::tier::{BlockId, Tier};
+use kvbm_events::tier::{BlockId, Tier};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;

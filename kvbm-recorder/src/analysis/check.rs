@@ -41,11 +41,11 @@
 
 use super::apply_accepted;
 use super::stats::fmt_ns;
-use kvbm_core::bus::TapItem;
-use kvbm_core::events::{Direction, Event, EventKind, RequestId};
-use kvbm_core::reducer::{EngineState, Inconsistencies, TransferState};
-use kvbm_core::slot::SlotState;
-use kvbm_core::tier::Tier;
+use kvbm_events::bus::TapItem;
+use kvbm_events::reducer::{EngineState, Inconsistencies, TransferState};
+use kvbm_events::slot::SlotState;
+use kvbm_events::tier::Tier;
+use kvbm_events::{Direction, Event, EventKind, RequestId};
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
 use std::collections::HashMap;
@@ -418,7 +418,7 @@ impl Checker {
         }
     }
 
-    fn envelope_skipped(&mut self, ev: &Event, before: &kvbm_core::reducer::StreamStats) {
+    fn envelope_skipped(&mut self, ev: &Event, before: &kvbm_events::reducer::StreamStats) {
         let after = self.state.stream();
         let msg = if after.foreign_engine > before.foreign_engine {
             format!(
@@ -721,7 +721,7 @@ mod tests {
 
     #[test]
     fn promoted_transfers_must_complete_or_fail() {
-        let d = kvbm_core::events::Direction::DEVICE_TO_HOST;
+        let d = kvbm_events::Direction::DEVICE_TO_HOST;
         let mut s = Stream::new();
         s.at(0).create("a", 8);
         s.at(1)
@@ -762,7 +762,7 @@ mod tests {
 
     #[test]
     fn inconsistencies_are_violations_at_their_event() {
-        let d = kvbm_core::events::Direction::HOST_TO_DEVICE;
+        let d = kvbm_events::Direction::HOST_TO_DEVICE;
         let mut s = Stream::new();
         s.at(0).create("a", 8);
         s.at(1).to("a", Prefilling, Decoding); // from mismatch, seq 1

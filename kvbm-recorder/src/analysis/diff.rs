@@ -18,7 +18,7 @@
 //! [`Divergence`]. Equal streams give `None`. Memory is one map of request
 //! ids per stream; the streams themselves are not held.
 
-use kvbm_core::events::{Event, EventKind, RequestId};
+use kvbm_events::{Event, EventKind, RequestId};
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
 use std::collections::{BTreeSet, HashMap};
@@ -233,7 +233,7 @@ where
 mod tests {
     use super::*;
     use crate::analysis::testutil::{Stream, arb_events};
-    use kvbm_core::slot::SlotState;
+    use kvbm_events::slot::SlotState;
     use proptest::prelude::*;
     use std::sync::Arc;
 
@@ -267,7 +267,7 @@ mod tests {
 
     #[test]
     fn wall_clock_durations_and_absolute_deadlines_are_normalised() {
-        let d = kvbm_core::events::Direction::DEVICE_TO_HOST;
+        let d = kvbm_events::Direction::DEVICE_TO_HOST;
         let mk = |ts: u64, elapsed_ns: u64| {
             let mut s = Stream::new();
             s.at(ts).push(

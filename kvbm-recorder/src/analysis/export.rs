@@ -21,7 +21,7 @@
 //! apart from that.
 
 use super::timeline::{StateInterval, TimelineBuilder, TimelineItem, TrackId, TransferSpan};
-use kvbm_core::events::Event;
+use kvbm_events::Event;
 use std::borrow::Borrow;
 use std::io::{self, BufWriter, Write};
 
@@ -320,7 +320,7 @@ pub fn write_chrome_trace<E: Borrow<Event>, W: Write>(
 mod tests {
     use super::*;
     use crate::analysis::testutil::{Stream, arb_events};
-    use kvbm_core::events::Direction;
+    use kvbm_events::Direction;
     use proptest::prelude::*;
     use serde_json::Value;
 

@@ -1,10 +1,10 @@
 //! Everything that reads a recorded event stream back: replay, timelines,
 //! statistics, the invariant checker, exports and the diff.
 //!
-//! All of it works on plain [`kvbm_core::events::Event`] values, whatever
+//! All of it works on plain [`kvbm_events::Event`] values, whatever
 //! they were read from (the durable log, the ring buffer, a JSON lines
 //! file), and all of it goes through the same reducer the live path uses
-//! ([`kvbm_core::reducer::EngineState`]): a request's state, a transfer's
+//! ([`kvbm_events::reducer::EngineState`]): a request's state, a transfer's
 //! status, whether an event is a stale duplicate — each is decided in one
 //! place, so a replay shows what the console showed live and the checker
 //! judges the same stream the console drew.
@@ -53,8 +53,8 @@ pub use timeline::{
     BreakpointMark, StateInterval, Timeline, TimelineBuilder, TimelineItem, TrackId, TransferSpan,
 };
 
-use kvbm_core::events::Event;
-use kvbm_core::reducer::EngineState;
+use kvbm_events::Event;
+use kvbm_events::reducer::EngineState;
 
 /// Applies `ev` to `state`; true when the reducer accepted it (it skips
 /// stale duplicates and events of another engine, and those must be

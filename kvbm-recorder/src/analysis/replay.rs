@@ -7,7 +7,7 @@
 //! the trait, or passes a closure through [`FnSource`]), a ring buffer's
 //! snapshot or any vector ([`VecSource`]), or a one-shot iterator
 //! ([`OnceSource`], which cannot seek backwards). Each event is applied to a
-//! [`kvbm_core::reducer::EngineState`], the same reducer the live path uses,
+//! [`kvbm_events::reducer::EngineState`], the same reducer the live path uses,
 //! so the state after event *n* of a replay is the state the console had
 //! after event *n* live.
 //!
@@ -40,8 +40,8 @@
 //! through a stream of *n* events one by one costs O(n²) event applications;
 //! it is meant for a person pressing a key, not for loops.
 
-use kvbm_core::events::Event;
-use kvbm_core::reducer::EngineState;
+use kvbm_events::Event;
+use kvbm_events::reducer::EngineState;
 use std::error::Error;
 use std::fmt;
 use std::sync::Arc;
@@ -505,8 +505,8 @@ fn normalise(mode: ReplayMode) -> ReplayMode {
 mod tests {
     use super::*;
     use crate::analysis::testutil::{Stream, arb_events};
-    use kvbm_core::reducer::fold;
-    use kvbm_core::slot::SlotState;
+    use kvbm_events::reducer::fold;
+    use kvbm_events::slot::SlotState;
     use proptest::prelude::*;
 
     fn stream() -> Vec<Event> {

@@ -14,7 +14,7 @@
 //! The series are fed by a [`TimelineBuilder`]:
 //!
 //! - *time in state*: each closed [`StateInterval`](super::StateInterval),
-//!   by [`SlotState::name`](kvbm_core::slot::SlotState::name). An interval
+//!   by [`SlotState::name`](kvbm_events::slot::SlotState::name). An interval
 //!   still open when the stream ends is left out — it has not ended, and
 //!   counting the part seen would bias every state toward short times.
 //! - *TTFT*: the reducer's `first_token_ns − created_ns` (the first
@@ -24,9 +24,9 @@
 //! - *batch sizes*: `BatchDispatched.blocks`, per direction and overall.
 
 use super::timeline::{TimelineBuilder, TimelineItem};
-use kvbm_core::events::{Event, EventKind};
-use kvbm_core::reducer::{EngineState, TransferState};
-use kvbm_core::slot::SlotState;
+use kvbm_events::reducer::{EngineState, TransferState};
+use kvbm_events::slot::SlotState;
+use kvbm_events::{Event, EventKind};
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
 use std::collections::BTreeMap;
@@ -584,7 +584,7 @@ impl fmt::Display for Stats {
 mod tests {
     use super::*;
     use crate::analysis::testutil::{Stream, arb_events};
-    use kvbm_core::events::Direction;
+    use kvbm_events::Direction;
     use proptest::prelude::*;
 
     #[test]

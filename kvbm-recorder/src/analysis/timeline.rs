@@ -21,9 +21,9 @@
 //! after its slot finished keeps its number.
 
 use super::apply_accepted;
-use kvbm_core::events::{Direction, EntryPoint, Event, EventKind, RequestId};
-use kvbm_core::reducer::{EngineState, TransferState, TransferView};
-use kvbm_core::slot::SlotState;
+use kvbm_events::reducer::{EngineState, TransferState, TransferView};
+use kvbm_events::slot::SlotState;
+use kvbm_events::{Direction, EntryPoint, Event, EventKind, RequestId};
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
 use std::collections::HashMap;
@@ -441,7 +441,7 @@ mod tests {
     use super::*;
     use crate::analysis::testutil::{Stream, arb_events};
     use SlotState::*;
-    use kvbm_core::tier::Tier;
+    use kvbm_events::tier::Tier;
     use proptest::prelude::*;
 
     #[test]

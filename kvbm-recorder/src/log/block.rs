@@ -1,5 +1,5 @@
 //! A block's records region: the events of one frame as a columnar
-//! flatbuffers `EventBlock` ([`crate::columnar`]), compressed, and checked
+//! flatbuffers `EventBlock` ([`kvbm_schema::columnar`]), compressed, and checked
 //! against the frame header when read back.
 //!
 //! The writer gathers events in a [`BlockBuilder`] and [`compress`]es the
@@ -10,11 +10,11 @@
 //! last seq, strictly increasing seqs, timestamp range), so a region that
 //! decompressed fine but does not add up is reported, never misread.
 
-use kvbm_core::events::Event;
+use kvbm_events::Event;
 use lz4_flex::block::CompressTable;
 
 use super::format::{Codec, FrameHeader};
-use crate::columnar::{BlockEncoder, BlockView, verify_block};
+use kvbm_schema::columnar::{BlockEncoder, BlockView, verify_block};
 
 /// Events gathered for the next block.
 #[derive(Debug, Default)]
@@ -35,7 +35,7 @@ impl BlockBuilder {
         self.first_seq
     }
 
-    /// Adds an event of `size` bytes by [`crate::columnar::event_bytes`]
+    /// Adds an event of `size` bytes by [`kvbm_schema::columnar::event_bytes`]
     /// if it can join the block and keep it within `limit` bytes (see
     /// [`BlockEncoder::try_push`]); false, and nothing added, otherwise. An
     /// empty block takes any event. The caller has checked that its seq
@@ -173,7 +173,7 @@ pub(crate) fn decompress(h: &FrameHeader, body: &[u8], raw: &mut Vec<u8>) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvbm_core::events::EventKind;
+    use kvbm_events::EventKind;
 
     fn ev(seq: u64, ts_ns: u64) -> Event {
         Event {
@@ -193,7 +193,7 @@ mod tests {
     fn block(events: &[Event]) -> (FrameHeader, Vec<u8>) {
         let mut b = BlockBuilder::default();
         for e in events {
-            assert!(b.try_push(e, crate::columnar::event_bytes(e), usize::MAX));
+            assert!(b.try_push(e, kvbm_schema::columnar::event_bytes(e), usize::MAX));
         }
         let (h, raw) = b.finish(Codec::Stored);
         (h, raw.to_vec())
@@ -247,7 +247,7 @@ mod tests {
         let mut b = BlockBuilder::default();
         for i in 0..500u64 {
             let e = ev(i, 1000 + i);
-            assert!(b.try_push(&e, crate::columnar::event_bytes(&e), usize::MAX));
+            assert!(b.try_push(&e, kvbm_schema::columnar::event_bytes(&e), usize::MAX));
         }
         let (h, raw) = b.finish(Codec::Lz4);
         let raw = raw.to_vec();

@@ -19,7 +19,7 @@ pub const SEGMENT_HEADER_LEN: u64 = 64;
 /// Length of a block frame's fixed header, in bytes.
 pub const FRAME_HEADER_LEN: u64 = 48;
 /// Largest share of a block one event may take (16 MiB, by
-/// [`crate::columnar::event_bytes`]), and the largest block the writer
+/// [`kvbm_schema::columnar::event_bytes`]), and the largest block the writer
 /// fills up to. Checked by the writer before it takes an event.
 pub const MAX_RECORD_BYTES: u32 = 16 << 20;
 /// Largest records region a block may hold, and largest body a frame may

@@ -25,7 +25,7 @@
 //! # What it must not do
 //!
 //! - Know flatbuffers. A block's records region is built and checked by
-//!   [`crate::columnar`] (one `EventBlock` per block); this module frames,
+//!   [`kvbm_schema::columnar`] (one `EventBlock` per block); this module frames,
 //!   compresses, indexes and recovers blocks, and checks what the block
 //!   holds against its frame header.
 //! - Trust derived data. Index files and snapshots are conveniences that a
@@ -76,7 +76,7 @@
 //! one or more consecutive events (a *record* is one event); the writer
 //! seals one when the next event would take its records region past
 //! [`LogConfig::block_bytes`] (60 KiB by default, by
-//! [`crate::columnar::event_bytes`]), at 65,535 events, when the next
+//! [`kvbm_schema::columnar::event_bytes`]), at 65,535 events, when the next
 //! event's differences from the last do not fit the block's delta columns,
 //! and on every flush, sync, rotation or close (so with
 //! [`FsyncPolicy::EveryRecord`] a block holds one event):
@@ -98,7 +98,7 @@
 //! The **records region** is one flatbuffers `EventBlock`
 //! (`schema/kvbm_events.fbs`, file identifier `KVBB`): the block's events
 //! column by column, fixed-size kinds as rows of structs (see
-//! [`crate::columnar`] for why). A reader runs the flatbuffers verifier
+//! [`kvbm_schema::columnar`] for why). A reader runs the flatbuffers verifier
 //! over it, checks the columns against each other, then checks it against
 //! the header: the count, the first and last seq, seqs strictly
 //! increasing, each timestamp inside the header's range. Each event is
@@ -237,7 +237,7 @@ pub struct LogConfig {
     /// A segment is rotated before a block would take it past this size.
     pub segment_bytes: u64,
     /// A block is sealed before its records region (by
-    /// [`crate::columnar::event_bytes`], an upper bound) would grow past
+    /// [`kvbm_schema::columnar::event_bytes`], an upper bound) would grow past
     /// this size; an event larger than this gets a block of its own, so
     /// `1` gives one event per block; at most [`MAX_RECORD_BYTES`]. Blocks
     /// are also sealed on every flush, sync and rotation, so with
@@ -446,7 +446,7 @@ pub enum LogError {
         last: u64,
     },
     /// `append` with an event over [`MAX_RECORD_BYTES`] (by
-    /// [`crate::columnar::event_bytes`]); nothing written.
+    /// [`kvbm_schema::columnar::event_bytes`]); nothing written.
     #[error("record of {len} bytes exceeds the maximum of {max}")]
     RecordTooLarge {
         /// Its size by `columnar::event_bytes`, or the block's.

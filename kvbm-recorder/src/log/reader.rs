@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvbm_core::events::Event;
+use kvbm_events::Event;
 
 use super::block::{self, OpenError};
 use super::format::{Codec, SEGMENT_HEADER_LEN, SegmentHeader};
@@ -19,7 +19,7 @@ use super::scan::{self, ScanParams, SegmentEnd, Step};
 use super::snapshot::{self, Snapshot};
 use super::store::{Store, StoreFile};
 use super::{CorruptReason, LogError, ReaderOptions, TornTail, io_err, segments_of};
-use crate::columnar::BlockView;
+use kvbm_schema::columnar::BlockView;
 
 /// A point in the log to start reading from or to look a snapshot up at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,14 +7,14 @@ use std::io::Cursor;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvbm_core::events::{Event, EventKind};
-use kvbm_core::tier::Tier;
+use kvbm_events::tier::Tier;
+use kvbm_events::{Event, EventKind};
 
 use super::block::BlockBuilder;
 use super::format::{Codec, FrameHeader, SegmentHeader, frame_crc};
 use super::scan::{ScanParams, SegmentEnd, scan_segment};
 use super::*;
-use crate::columnar;
+use kvbm_schema::columnar;
 
 /// An event of a kind that varies with `seq`, so that blocks are not all
 /// alike.
@@ -31,7 +31,7 @@ fn ev(seq: u64, ts_ns: u64) -> Event {
         },
         _ => EventKind::TransferSkipped {
             transfer: seq,
-            direction: kvbm_core::events::Direction {
+            direction: kvbm_events::Direction {
                 src: Tier::Device,
                 dst: Tier::Host,
             },

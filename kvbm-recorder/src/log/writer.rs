@@ -11,7 +11,7 @@ use std::io::{BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use kvbm_core::events::Event;
+use kvbm_events::Event;
 use lz4_flex::block::CompressTable;
 
 use super::block::{self, BlockBuilder};
@@ -25,7 +25,7 @@ use super::{
     FsyncPolicy, LogConfig, LogError, LogReader, LogStats, ReaderOptions, RecoveryReport, TornTail,
     buffer_for, io_err, list_segments, snapshot, sync_dir,
 };
-use crate::columnar;
+use kvbm_schema::columnar;
 
 /// The segment being appended to.
 #[derive(Debug)]

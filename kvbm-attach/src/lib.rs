@@ -1,0 +1,14 @@
+//! `kvbm-attach`: attaching to a running engine over the attach protocol
+//! (`kvbm_schema::protocol`).
+//!
+//! - [`server`] (feature `server`, axum): serves an engine's ring as a
+//!   WebSocket stream with backfill, a reducer snapshot, Prometheus
+//!   metrics, a health check and breakpoint control over an
+//!   `Arc<dyn kvbm_events::control::Control>`.
+//! - [`client`] (feature `client`): follows a server with reconnection and
+//!   resume, and sends control commands.
+
+#[cfg(feature = "client")]
+pub mod client;
+#[cfg(feature = "server")]
+pub mod server;

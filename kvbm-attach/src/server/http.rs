@@ -1,0 +1,459 @@
+//! Routes, middleware (version, token, JSON errors) and the HTTP handlers.
+
+use super::control::{self, Refusal};
+use super::{AppState, metrics, ws};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use kvbm_events::breakpoint::BreakpointSpec;
+use kvbm_events::control::{ControlCommand, ControlResult};
+use kvbm_schema::protocol::{ApiError, CLIENT_HEADER, Health, PROTOCOL_VERSION, VERSION_HEADER};
+use serde::Deserialize;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+/// Longest error message echoed back.
+const MAX_MESSAGE: usize = 300;
+
+/// What the token check allowed for this request (a request extension).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Access {
+    /// May run control commands (in-band on a WebSocket too).
+    pub control: bool,
+}
+
+/// A JSON error response.
+pub(super) struct Fail(pub StatusCode, pub ApiError);
+
+impl From<Refusal> for Fail {
+    fn from((s, e): Refusal) -> Self {
+        Fail(s, e)
+    }
+}
+
+impl IntoResponse for Fail {
+    fn into_response(self) -> Response {
+        json_error(self.0, self.1)
+    }
+}
+
+fn shorten(s: &str) -> String {
+    match s.char_indices().nth(MAX_MESSAGE) {
+        None => s.to_string(),
+        Some((cut, _)) => format!("{}…", &s[..cut]),
+    }
+}
+
+pub(super) fn json_error(status: StatusCode, mut e: ApiError) -> Response {
+    e.message = shorten(&e.message);
+    let body = serde_json::to_vec(&e).unwrap_or_else(|_| b"{}".to_vec());
+    let mut r = (status, body).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn json_ok(value: &impl serde::Serialize) -> Response {
+    match serde_json::to_vec(value) {
+        Ok(body) => {
+            let mut r = (StatusCode::OK, body).into_response();
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            r
+        }
+        Err(e) => json_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::new("internal", format!("serialising the response: {e}")),
+        ),
+    }
+}
+
+pub(super) fn bad_request(message: impl Into<String>) -> Fail {
+    Fail(
+        StatusCode::BAD_REQUEST,
+        ApiError::new("bad_request", message),
+    )
+}
+
+pub(super) fn router(state: Arc<AppState>) -> Router {
+    let limit = state.cfg.max_body_bytes;
+    Router::new()
+        .route("/health", get(health))
+        .route("/snapshot", get(snapshot))
+        .route("/metrics", get(get_metrics))
+        .route("/breakpoints", get(list_bps).post(add_bp))
+        .route("/breakpoints/clear", post(clear_all))
+        .route("/breakpoints/{id}", delete(clear_one))
+        .route("/resume", post(resume))
+        .route("/step", post(step))
+        .route("/events", get(ws::events))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn(check_version))
+        .layer(middleware::from_fn(json_errors))
+        .with_state(state)
+}
+
+async fn not_found(method: Method, uri: axum::http::Uri) -> Fail {
+    Fail(
+        StatusCode::NOT_FOUND,
+        ApiError::new("not_found", format!("no endpoint {method} {}", uri.path())),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Fail {
+    Fail(
+        StatusCode::METHOD_NOT_ALLOWED,
+        ApiError::new(
+            "method_not_allowed",
+            format!("{} does not accept {method}", uri.path()),
+        ),
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Middleware
+// ---------------------------------------------------------------------------
+
+/// The version a request states (header, or `version` in the query).
+fn stated_versions(req: &Request) -> Vec<String> {
+    let mut v = Vec::new();
+    for h in req.headers().get_all(VERSION_HEADER) {
+        v.push(String::from_utf8_lossy(h.as_bytes()).trim().to_string());
+    }
+    if let Some(q) = req.uri().query() {
+        for pair in q.split('&') {
+            if let Some(("version", val)) = pair.split_once('=') {
+                v.push(val.to_string());
+            }
+        }
+    }
+    v
+}
+
+async fn check_version(req: Request, next: Next) -> Response {
+    for v in stated_versions(&req) {
+        if v.parse::<u32>().ok() != Some(PROTOCOL_VERSION) {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                ApiError::new(
+                    "protocol_mismatch",
+                    format!(
+                        "the client speaks protocol version {}, this server speaks version {PROTOCOL_VERSION}",
+                        shorten(&v)
+                    ),
+                ),
+            );
+        }
+    }
+    next.run(req).await
+}
+
+/// Compares without an early exit, so the time taken does not tell how
+/// much of a guess was right.
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() ^ b.len()) as u64;
+    let n = a.len().max(b.len());
+    for i in 0..n {
+        let x = a.get(i).copied().unwrap_or(0);
+        let y = b.get(i).copied().unwrap_or(0xff);
+        diff |= u64::from(std::hint::black_box(x ^ y));
+    }
+    std::hint::black_box(diff) == 0
+}
+
+fn bearer_ok(headers: &HeaderMap, token: &str) -> bool {
+    let mut ok = false;
+    for h in headers.get_all(header::AUTHORIZATION) {
+        let v = h.as_bytes();
+        let (scheme, rest) = v.split_at(v.len().min(7));
+        if scheme.eq_ignore_ascii_case(b"bearer ") {
+            ok |= ct_eq(rest.trim_ascii(), token.as_bytes());
+        }
+    }
+    ok
+}
+
+async fn auth(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    let read_only = matches!(*req.method(), Method::GET | Method::HEAD);
+    let access = match &state.cfg.token {
+        None => Access { control: true },
+        Some(t) => {
+            let ok = bearer_ok(req.headers(), t);
+            let let_through = ok || (read_only && state.cfg.open_read);
+            if !let_through {
+                state.counters.unauthorized.fetch_add(1, Ordering::Relaxed);
+                let msg = if req.headers().contains_key(header::AUTHORIZATION) {
+                    "wrong token"
+                } else if read_only {
+                    "this server needs `Authorization: Bearer TOKEN`"
+                } else {
+                    "control needs `Authorization: Bearer TOKEN`"
+                };
+                let mut r =
+                    json_error(StatusCode::UNAUTHORIZED, ApiError::new("unauthorized", msg));
+                r.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                return r;
+            }
+            Access { control: ok }
+        }
+    };
+    req.extensions_mut().insert(access);
+    next.run(req).await
+}
+
+fn code_for(status: StatusCode) -> &'static str {
+    match status {
+        StatusCode::UNAUTHORIZED => "unauthorized",
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
+        s if s.is_server_error() => "internal",
+        _ => "bad_request",
+    }
+}
+
+/// Every error is a JSON `ApiError` (axum's own rejections are text), and
+/// every response states the protocol version.
+async fn json_errors(req: Request, next: Next) -> Response {
+    let res = next.run(req).await;
+    let status = res.status();
+    let is_json = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    let mut res = if (status.is_client_error() || status.is_server_error()) && !is_json {
+        let (_, body) = res.into_parts();
+        let text = axum::body::to_bytes(body, 4096).await.unwrap_or_default();
+        let mut message = String::from_utf8_lossy(&text).trim().to_string();
+        if message.is_empty() {
+            message = status
+                .canonical_reason()
+                .unwrap_or("request failed")
+                .to_string();
+        }
+        json_error(status, ApiError::new(code_for(status), message))
+    } else {
+        res
+    };
+    res.headers_mut()
+        .insert(VERSION_HEADER, HeaderValue::from(PROTOCOL_VERSION));
+    res
+}
+
+// ---------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    json_ok(&Health {
+        status: "ok".into(),
+        protocol: PROTOCOL_VERSION,
+        engine: state.engine.id,
+        last_seq: state.engine.ring.latest(1).last().map(|e| e.seq),
+    })
+}
+
+async fn snapshot(State(state): State<Arc<AppState>>) -> Response {
+    // Serialising a large state takes a while: off the async workers.
+    let r = tokio::task::spawn_blocking(move || {
+        let g = state.reduced.lock();
+        serde_json::to_vec(&g.state)
+    })
+    .await;
+    match r {
+        Ok(Ok(body)) => {
+            let mut r = (StatusCode::OK, body).into_response();
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            r
+        }
+        Ok(Err(e)) => Fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::new("internal", format!("serialising the state: {e}")),
+        )
+        .into_response(),
+        Err(e) => Fail(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::new("internal", format!("the snapshot task failed: {e}")),
+        )
+        .into_response(),
+    }
+}
+
+async fn get_metrics(State(state): State<Arc<AppState>>) -> Response {
+    let body = metrics::render(&state);
+    let mut r = (StatusCode::OK, body).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    r
+}
+
+/// The body of a control request: JSON within the size limit, or a JSON
+/// error (413 when too large, 400 otherwise).
+fn parse_body<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    empty: Option<T>,
+) -> Result<T, Fail> {
+    let bytes = body.map_err(|e| {
+        let status = e.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            Fail(
+                status,
+                ApiError::new("payload_too_large", "the request body is too large"),
+            )
+        } else {
+            Fail(
+                StatusCode::BAD_REQUEST,
+                ApiError::new("bad_request", format!("unreadable body: {e}")),
+            )
+        }
+    })?;
+    if bytes.iter().all(|b| b.is_ascii_whitespace())
+        && let Some(v) = empty
+    {
+        return Ok(v);
+    }
+    serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("malformed JSON body: {e}")))
+}
+
+/// The WebSocket client a control request acts for ([`CLIENT_HEADER`]).
+fn owner(headers: &HeaderMap) -> Result<Option<u64>, Fail> {
+    let Some(v) = headers.get(CLIENT_HEADER) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map(Some)
+        .ok_or_else(|| bad_request(format!("{CLIENT_HEADER} must be a client id (a number)")))
+}
+
+fn run(state: &AppState, headers: &HeaderMap, cmd: ControlCommand) -> Result<ControlResult, Fail> {
+    let owner = owner(headers)?;
+    Ok(control::execute_for(state, cmd, owner)?)
+}
+
+async fn list_bps(State(state): State<Arc<AppState>>) -> Response {
+    json_ok(&control::view(&state))
+}
+
+#[derive(serde::Serialize)]
+struct Added {
+    id: u64,
+}
+
+async fn add_bp(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Fail> {
+    let spec: BreakpointSpec = parse_body(body, None)?;
+    match run(&state, &headers, ControlCommand::Add { spec })? {
+        ControlResult::Added(id) => Ok(json_ok(&Added { id })),
+        other => Ok(json_ok(&other)),
+    }
+}
+
+async fn clear_one(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, Fail> {
+    let id: u64 = id
+        .parse()
+        .map_err(|_| bad_request(format!("breakpoint id {:?} is not a number", shorten(&id))))?;
+    match run(&state, &headers, ControlCommand::Clear { id })? {
+        ControlResult::Done(false) => Err(Fail(
+            StatusCode::NOT_FOUND,
+            ApiError::new("not_found", format!("no breakpoint {id}")),
+        )),
+        r => Ok(json_ok(&r)),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Empty {}
+
+async fn clear_all(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Fail> {
+    let Empty {} = parse_body(body, Some(Empty {}))?;
+    Ok(json_ok(&run(&state, &headers, ControlCommand::ClearAll)?))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResumeBody {
+    #[serde(default)]
+    pause_id: Option<u64>,
+}
+
+async fn resume(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Fail> {
+    let ResumeBody { pause_id } = parse_body(body, Some(ResumeBody { pause_id: None }))?;
+    match run(&state, &headers, ControlCommand::Resume { pause_id })? {
+        ControlResult::Done(false) => Err(Fail(
+            StatusCode::NOT_FOUND,
+            ApiError::new(
+                "not_found",
+                format!("no paused call {}", pause_id.unwrap_or_default()),
+            ),
+        )),
+        r => Ok(json_ok(&r)),
+    }
+}
+
+async fn step(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Fail> {
+    let Empty {} = parse_body(body, Some(Empty {}))?;
+    Ok(json_ok(&run(&state, &headers, ControlCommand::Step)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_compare_is_a_compare() {
+        assert!(ct_eq(b"secret", b"secret"));
+        assert!(!ct_eq(b"secret", b"secreT"));
+        assert!(!ct_eq(b"secret", b"secret2"));
+        assert!(!ct_eq(b"", b"x"));
+        assert!(ct_eq(b"", b""));
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer tok"),
+        );
+        assert!(bearer_ok(&h, "tok"));
+        assert!(!bearer_ok(&h, "to"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic tok"));
+        assert!(!bearer_ok(&h, "tok"));
+    }
+}

@@ -1,0 +1,308 @@
+//! Turning decoded KV events into kvbm events.
+//!
+//! - `BlockStored` → one `BlockRegistered {tier, block, sequence_hash,
+//!   duplicate_of: None}` per hash; a hash already live on that tier gives
+//!   `duplicate_of: Some(its block)` instead (vLLM re-announces a block that
+//!   is stored again).
+//! - `BlockRemoved` → one `BlockEvicted` per hash live on that tier. A hash
+//!   this source never saw stored (stored before it subscribed, or lost in a
+//!   gap) is counted in [`TranslateCounters::removed_unknown`] and emits
+//!   nothing, so the reducer never sees an eviction of an unregistered block.
+//! - `AllBlocksCleared` → one `BlockEvicted` per hash live on that tier.
+//! - After each batch, one `PoolGauge` per tier whose live count changed:
+//!   `active` = live blocks, `capacity`, `inactive` and `empty` 0 (vLLM does
+//!   not publish its pool sizes; the Pools view then shows "no capacity"
+//!   with the live count).
+//!
+//! vLLM has no block ids: each tier numbers the blocks it registers (u32,
+//! wrapping). The live set of each tier is bounded
+//! ([`TranslatorConfig::max_live_per_tier`]); when full, its oldest block is
+//! evicted (a `BlockEvicted` is emitted, so the reducer stays consistent)
+//! and counted in [`TranslateCounters::bound_evicted`].
+//!
+//! The envelope: the configured engine id, this source's own seq (0, 1, 2,
+//! ..., not the publisher's), gapless except that each publisher batch lost
+//! for good ([`Translator::skip`]) leaves one hole, so a recording's losses
+//! line up with the holes in its seq as the log checks expect; `ts_ns` from the batch's `ts` (seconds → ns, never going
+//! back: a batch older than the last keeps the last time), iteration 0, no
+//! request.
+
+use super::decode::{KvBatch, KvEvent};
+use kvbm_events::SequenceHash;
+use kvbm_events::tier::{BlockId, Tier};
+use kvbm_events::{Event, EventKind};
+use serde::Serialize;
+use std::collections::{HashMap, VecDeque};
+
+/// How a [`Translator`] stamps and bounds.
+#[derive(Debug, Clone, Copy)]
+pub struct TranslatorConfig {
+    /// Engine id in the envelope.
+    pub engine: u32,
+    /// Live hashes kept per tier (≥ 1).
+    pub max_live_per_tier: usize,
+}
+
+impl Default for TranslatorConfig {
+    fn default() -> Self {
+        TranslatorConfig {
+            engine: 0,
+            max_live_per_tier: 1 << 20,
+        }
+    }
+}
+
+/// What the translator did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct TranslateCounters {
+    /// Batches translated.
+    pub batches: u64,
+    /// kvbm events produced.
+    pub events: u64,
+    /// `BlockRegistered` with `duplicate_of: None`.
+    pub registered: u64,
+    /// Stored hashes already live on their tier.
+    pub duplicates: u64,
+    /// `BlockEvicted` for removed hashes.
+    pub evicted: u64,
+    /// `BlockEvicted` for `AllBlocksCleared`.
+    pub cleared: u64,
+    /// Removed hashes that were not live (nothing emitted).
+    pub removed_unknown: u64,
+    /// Oldest blocks evicted because a tier's live set was full.
+    pub bound_evicted: u64,
+    /// Publisher restarts (every live block evicted).
+    pub restarts: u64,
+}
+
+#[derive(Default)]
+struct TierSet {
+    /// hash → (block id, generation).
+    live: HashMap<u64, (BlockId, u64)>,
+    /// Insertion order, with stale entries skipped lazily.
+    order: VecDeque<(u64, u64)>,
+    next_id: BlockId,
+    next_gen: u64,
+    reported: Option<usize>,
+}
+
+impl TierSet {
+    fn compact(&mut self) {
+        if self.order.len() > 2 * self.live.len() + 64 {
+            let live = &self.live;
+            self.order
+                .retain(|(h, g)| live.get(h).is_some_and(|(_, lg)| lg == g));
+        }
+    }
+
+    fn pop_oldest(&mut self) -> Option<(u64, BlockId)> {
+        while let Some((h, g)) = self.order.pop_front() {
+            if let Some((id, lg)) = self.live.get(&h).copied()
+                && lg == g
+            {
+                self.live.remove(&h);
+                return Some((h, id));
+            }
+        }
+        None
+    }
+}
+
+/// See the module docs.
+pub struct Translator {
+    cfg: TranslatorConfig,
+    seq: u64,
+    ts_ns: u64,
+    tiers: [TierSet; 3],
+    counters: TranslateCounters,
+}
+
+impl Translator {
+    /// A translator with nothing live.
+    pub fn new(mut cfg: TranslatorConfig) -> Self {
+        cfg.max_live_per_tier = cfg.max_live_per_tier.max(1);
+        Translator {
+            cfg,
+            seq: 0,
+            ts_ns: 0,
+            tiers: Default::default(),
+            counters: TranslateCounters::default(),
+        }
+    }
+
+    /// What it did so far.
+    pub fn counters(&self) -> TranslateCounters {
+        self.counters
+    }
+
+    /// The next seq it will stamp.
+    pub fn next_seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// `n` publisher batches were lost: leaves `n` seqs unused, one per
+    /// lost batch, so the loss shows in the kvbm stream as a seq gap.
+    pub fn skip(&mut self, n: u64) {
+        self.seq = self.seq.saturating_add(n);
+    }
+
+    /// Blocks live on `tier` now.
+    pub fn live(&self, tier: Tier) -> usize {
+        self.tiers[tier.index()].live.len()
+    }
+
+    fn emit(&mut self, kind: EventKind, out: &mut Vec<Event>) {
+        out.push(Event {
+            engine: self.cfg.engine,
+            seq: self.seq,
+            ts_ns: self.ts_ns,
+            iteration: 0,
+            request: None,
+            kind,
+        });
+        self.seq += 1;
+        self.counters.events += 1;
+    }
+
+    fn set_time(&mut self, ts: f64) {
+        if ts.is_finite() && ts > 0.0 {
+            // Saturating float → int conversion.
+            let ns = (ts * 1e9) as u64;
+            self.ts_ns = self.ts_ns.max(ns);
+        }
+    }
+
+    fn evict(&mut self, tier: Tier, hash: u64, block: BlockId, out: &mut Vec<Event>) {
+        self.emit(
+            EventKind::BlockEvicted {
+                tier,
+                block,
+                sequence_hash: SequenceHash(hash),
+            },
+            out,
+        );
+    }
+
+    fn clear(&mut self, tier: Tier, out: &mut Vec<Event>) -> u64 {
+        let set = &mut self.tiers[tier.index()];
+        let mut all: Vec<(u64, BlockId)> = Vec::with_capacity(set.live.len());
+        while let Some(x) = set.pop_oldest() {
+            all.push(x);
+        }
+        set.live.clear();
+        set.order.clear();
+        for (h, id) in &all {
+            self.evict(tier, *h, *id, out);
+        }
+        all.len() as u64
+    }
+
+    /// Translates one batch, appending to `out`.
+    pub fn batch(&mut self, b: &KvBatch, out: &mut Vec<Event>) {
+        self.counters.batches += 1;
+        self.set_time(b.ts);
+        for ev in &b.events {
+            match ev {
+                KvEvent::Stored {
+                    block_hashes, tier, ..
+                } => {
+                    for &h in block_hashes {
+                        self.store(*tier, h, out);
+                    }
+                }
+                KvEvent::Removed { block_hashes, tier } => {
+                    for &h in block_hashes {
+                        match self.tiers[tier.index()].live.remove(&h) {
+                            Some((id, _)) => {
+                                self.counters.evicted += 1;
+                                self.evict(*tier, h, id, out);
+                            }
+                            None => self.counters.removed_unknown += 1,
+                        }
+                    }
+                    self.tiers[tier.index()].compact();
+                }
+                KvEvent::AllCleared { tier } => {
+                    self.counters.cleared += self.clear(*tier, out);
+                }
+            }
+        }
+        self.gauges(out);
+    }
+
+    fn store(&mut self, tier: Tier, h: u64, out: &mut Vec<Event>) {
+        let max = self.cfg.max_live_per_tier;
+        let set = &mut self.tiers[tier.index()];
+        if let Some((id, _)) = set.live.get(&h).copied() {
+            self.counters.duplicates += 1;
+            let block = set.next_id;
+            set.next_id = set.next_id.wrapping_add(1);
+            self.emit(
+                EventKind::BlockRegistered {
+                    tier,
+                    block,
+                    sequence_hash: SequenceHash(h),
+                    duplicate_of: Some(id),
+                },
+                out,
+            );
+            return;
+        }
+        let mut dropped = None;
+        if set.live.len() >= max {
+            dropped = set.pop_oldest();
+        }
+        let id = set.next_id;
+        set.next_id = set.next_id.wrapping_add(1);
+        let g = set.next_gen;
+        set.next_gen += 1;
+        set.live.insert(h, (id, g));
+        set.order.push_back((h, g));
+        if let Some((oh, oid)) = dropped {
+            self.counters.bound_evicted += 1;
+            self.evict(tier, oh, oid, out);
+        }
+        self.counters.registered += 1;
+        self.emit(
+            EventKind::BlockRegistered {
+                tier,
+                block: id,
+                sequence_hash: SequenceHash(h),
+                duplicate_of: None,
+            },
+            out,
+        );
+    }
+
+    /// The publisher restarted (its seq went back): the engine behind it
+    /// starts with empty caches, so every live block on every tier is
+    /// evicted.
+    pub fn restart(&mut self, out: &mut Vec<Event>) {
+        self.counters.restarts += 1;
+        for tier in Tier::ALL {
+            self.clear(tier, out);
+        }
+        self.gauges(out);
+    }
+
+    fn gauges(&mut self, out: &mut Vec<Event>) {
+        for tier in Tier::ALL {
+            let set = &mut self.tiers[tier.index()];
+            let n = set.live.len();
+            if set.reported != Some(n) && (set.reported.is_some() || n > 0) {
+                set.reported = Some(n);
+                let active = u32::try_from(n).unwrap_or(u32::MAX);
+                self.emit(
+                    EventKind::PoolGauge {
+                        tier,
+                        capacity: 0,
+                        active,
+                        inactive: 0,
+                        empty: 0,
+                    },
+                    out,
+                );
+            }
+        }
+    }
+}

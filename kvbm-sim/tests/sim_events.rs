@@ -1,0 +1,369 @@
+//! The simulated engine's event stream: the reducer rebuilds the engine's
+//! own state from it at random points of runs, and seed 002's CPU-offload
+//! walk-through comes out as the expected sequence of events.
+
+use kvbm_core::hooks::{Breakpoints, HookSet};
+use kvbm_events::breakpoint::BreakpointSpec;
+use kvbm_events::bus::TapItem;
+use kvbm_events::reducer::EngineState;
+use kvbm_events::slot::SlotState;
+use kvbm_events::tier::Tier;
+use kvbm_events::{Direction, Event, EventKind};
+use kvbm_sim::sim::{SimConfig, Simulator};
+use kvbm_sim::workload::{LengthDist, RequestSpec, SyntheticConfig, generate};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn drain(tap: &mut kvbm_events::bus::TapReceiver<Event>, out: &mut Vec<Event>) {
+    while let Ok(item) = tap.try_recv() {
+        match item {
+            TapItem::Event(e) => out.push(e),
+            TapItem::Gap { dropped } => panic!("the tap lost {dropped} events"),
+        }
+    }
+}
+
+/// Compares the reducer's state with the engine's own, exactly.
+fn compare(sim: &Simulator, st: &EngineState, when: &str) {
+    let engine: BTreeMap<String, SlotState> = sim
+        .leader()
+        .slot_states()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    assert_eq!(st.slot_states(), engine, "slot states differ {when}");
+    for tier in Tier::ALL {
+        let Some(pool) = sim.leader().pool(tier) else {
+            continue;
+        };
+        let s = pool.status();
+        let v = st.pool(tier);
+        assert_eq!(
+            (v.capacity, v.active, v.inactive, v.empty),
+            (
+                s.capacity as u32,
+                s.active as u32,
+                s.inactive as u32,
+                s.empty as u32
+            ),
+            "{tier} gauges differ {when}"
+        );
+        assert_eq!(
+            st.registered(tier),
+            &pool.registered_hashes(),
+            "{tier} registered blocks differ {when}"
+        );
+    }
+    assert_eq!(
+        st.in_flight_count(),
+        sim.leader().candidates_in_flight(),
+        "in-flight transfers differ {when}"
+    );
+    assert_eq!(st.seq_gaps(), 0);
+    assert_eq!(
+        st.inconsistencies().total(),
+        0,
+        "{:?} {when}",
+        st.inconsistencies()
+    );
+}
+
+#[test]
+fn the_reducer_rebuilds_the_engine_state_at_random_points() {
+    for (seed, disk) in [(1u64, 0usize), (2, 4096), (3, 4096)] {
+        let rt = runtime();
+        let workload = generate(&SyntheticConfig {
+            seed,
+            num_requests: 60,
+            arrival_rate_per_s: 40.0,
+            prompt_len: LengthDist::Uniform { min: 40, max: 600 },
+            output_len: LengthDist::Uniform { min: 1, max: 40 },
+            shared_prefix_ratio: 0.6,
+            num_shared_prefixes: 3,
+            shared_prefix_len: 128,
+            ..SyntheticConfig::default()
+        })
+        .unwrap();
+        let cfg = SimConfig {
+            block_size: 16,
+            // Small tiers: evictions, preemptions, skipped offloads.
+            device_capacity_tokens: 2048,
+            host_capacity_tokens: 1024,
+            disk_capacity_tokens: disk,
+            ..SimConfig::default()
+        };
+        let mut sim = Simulator::new(cfg, workload, rt.handle()).unwrap();
+        let mut tap = sim.emitter().bus().take_tap().unwrap();
+        let mut events = Vec::new();
+        let mut st = EngineState::default();
+        let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut checks = 0;
+        while sim.step() {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            if rng % 7 == 0 {
+                sim.quiesce();
+                let start = events.len();
+                drain(&mut tap, &mut events);
+                st.apply_all(&events[start..]);
+                compare(
+                    &sim,
+                    &st,
+                    &format!("at iteration {} (seed {seed})", sim.iteration()),
+                );
+                checks += 1;
+            }
+        }
+        sim.quiesce();
+        let start = events.len();
+        drain(&mut tap, &mut events);
+        st.apply_all(&events[start..]);
+        compare(&sim, &st, "at the end");
+        assert!(checks >= 5, "only {checks} comparisons");
+        // Every slot finished, and a fresh fold of the whole stream equals
+        // the incremental one.
+        assert!(st.slots().all(|s| s.state == SlotState::Finished));
+        assert_eq!(kvbm_events::reducer::fold(&events), st);
+        let report = sim.finish();
+        drain(&mut tap, &mut events); // the final gauges
+        assert_eq!(report.events_emitted, events.len() as u64);
+        assert_eq!(report.events_lost, 0);
+        assert_eq!(report.requests_finished, 60);
+        if seed == 1 {
+            assert!(report.preemptions > 0 || st.pool(Tier::Device).evictions > 0);
+        }
+    }
+}
+
+fn req(id: &str, at_ms: f64, prompt: Vec<u32>, out: usize) -> RequestSpec {
+    RequestSpec {
+        id: id.into(),
+        arrival_ms: at_ms,
+        prompt,
+        output_len: out,
+        origin: kvbm_sim::workload::Origin::Synthetic {
+            index: 0,
+            shared_prefix: None,
+        },
+    }
+}
+
+/// Seed 002 with full blocks: A is computed and offloaded eagerly to the
+/// host; B shares A's full-block prefix, misses on the device, hits on the
+/// host, loads it, computes the rest and stores its new block.
+#[test]
+fn seed_002_walkthrough_with_full_blocks() {
+    let rt = runtime();
+    let a: Vec<u32> = (100..132).collect(); // two 16-token blocks
+    let mut b = a.clone();
+    b.extend(200..216); // a third block of its own
+    b.push(999); // and one more token, so all three blocks are full prompt
+    let cfg = SimConfig {
+        block_size: 16,
+        device_capacity_tokens: 100 * 16,
+        host_capacity_tokens: 50 * 16,
+        device_prefix_cache: false, // as in the walk-through: no GPU hit
+        ..SimConfig::default()
+    };
+    let workload = vec![req("A", 0.0, a, 1), req("B", 10_000.0, b, 1)];
+    let sim = Simulator::new(cfg, workload, rt.handle()).unwrap();
+    let mut tap = sim.emitter().bus().take_tap().unwrap();
+    let report = sim.run();
+    let mut events = Vec::new();
+    drain(&mut tap, &mut events);
+    assert_eq!(report.requests_finished, 2);
+
+    let of = |r: &str| -> Vec<&Event> {
+        events
+            .iter()
+            .filter(|e| e.request.as_deref() == Some(r))
+            .collect()
+    };
+    let states = |r: &str| -> Vec<SlotState> {
+        of(r)
+            .iter()
+            .filter_map(|e| match e.kind {
+                EventKind::SlotTransition { to, .. } => Some(to),
+                _ => None,
+            })
+            .collect()
+    };
+    use SlotState::*;
+    assert_eq!(states("A"), [Prefilling, Finishing, Finished]);
+    assert_eq!(
+        states("B"),
+        [
+            OnboardStaged(32),
+            Onboarding(32),
+            Prefilling,
+            Finishing,
+            Finished
+        ]
+    );
+
+    // A: no host hit; its two blocks go G1 → G2 through one candidate.
+    let a_ev = of("A");
+    assert!(matches!(
+        a_ev.iter()
+            .find(|e| matches!(
+                e.kind,
+                EventKind::MatchResult {
+                    tier: Tier::Host,
+                    ..
+                }
+            ))
+            .map(|e| &e.kind),
+        Some(EventKind::MatchResult { hit_blocks: 0, .. })
+    ));
+    let lifecycle = |evs: &[&Event], d: Direction| -> Vec<&'static str> {
+        evs.iter()
+            .filter_map(|e| match &e.kind {
+                EventKind::TransferPlanned { direction, .. }
+                | EventKind::TransferPromoted { direction, .. }
+                | EventKind::TransferCompleted { direction, .. }
+                    if *direction == d =>
+                {
+                    Some(e.kind.name())
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let full = ["TransferPlanned", "TransferPromoted", "TransferCompleted"];
+    assert_eq!(lifecycle(&a_ev, Direction::DEVICE_TO_HOST), full);
+    assert!(
+        a_ev.iter()
+            .any(|e| matches!(e.kind, EventKind::TransferPlanned { blocks: 2, .. }))
+    );
+
+    // B: hits A's two blocks on the host, loads them into the device, then
+    // stores its own new block.
+    let b_ev = of("B");
+    assert!(b_ev.iter().any(|e| matches!(
+        e.kind,
+        EventKind::MatchResult {
+            tier: Tier::Host,
+            looked_up: 3,
+            hit_blocks: 2,
+            hit_tokens: 32
+        }
+    )));
+    assert_eq!(lifecycle(&b_ev, Direction::HOST_TO_DEVICE), full);
+    assert_eq!(lifecycle(&b_ev, Direction::DEVICE_TO_HOST), full);
+    assert!(b_ev.iter().any(|e| matches!(
+        e.kind,
+        EventKind::TransferPlanned {
+            direction: Direction::DEVICE_TO_HOST,
+            blocks: 1,
+            ..
+        }
+    )));
+    // B computed only what the host did not have.
+    assert!(
+        b_ev.iter()
+            .any(|e| matches!(e.kind, EventKind::TokensScheduled { prefill: 17, .. }))
+    );
+    // The load finished before B's blocks were stored.
+    let pos = |pred: &dyn Fn(&EventKind) -> bool| b_ev.iter().position(|e| pred(&e.kind)).unwrap();
+    let load_done = pos(&|k| {
+        matches!(
+            k,
+            EventKind::TransferCompleted {
+                direction: Direction::HOST_TO_DEVICE,
+                ..
+            }
+        )
+    });
+    let store_planned = pos(&|k| {
+        matches!(
+            k,
+            EventKind::TransferPlanned {
+                direction: Direction::DEVICE_TO_HOST,
+                ..
+            }
+        )
+    });
+    assert!(load_done < store_planned);
+
+    // As in the walk-through's final state: the host holds 3 blocks (A's
+    // two, B's one), all inactive; host hits are 32 tokens.
+    let st = kvbm_events::reducer::fold(&events);
+    assert_eq!(st.registered(Tier::Host).len(), 3);
+    assert_eq!(report.prefix_hit_tokens_by_tier["host"], 32);
+    assert_eq!(report.transfers_by_direction["G2→G1"].blocks, 2);
+    assert_eq!(report.transfers_by_direction["G1→G2"].blocks, 3);
+    assert_eq!(st.inconsistencies().total(), 0);
+}
+
+/// A breakpoint on Decoding for one request pauses the engine; resuming
+/// releases it and the request finishes.
+#[test]
+fn a_breakpoint_pauses_the_engine_and_resume_releases_it() {
+    let rt = runtime();
+    let cfg = SimConfig::default();
+    let workload = vec![
+        req("keep-going", 0.0, (0..64).collect(), 4),
+        req("stop-me", 0.0, (1000..1064).collect(), 4),
+    ];
+    let mut sim = Simulator::new(cfg, workload, rt.handle()).unwrap();
+    let bp = Arc::new(Breakpoints::new(
+        Some(sim.emitter().clone()),
+        Duration::from_secs(30),
+    ));
+    bp.add(
+        BreakpointSpec::default()
+            .with_state("Decoding")
+            .with_request("stop-me"),
+    )
+    .unwrap();
+    let hooks = HookSet::none()
+        .with_emitter(sim.emitter().clone())
+        .with_breakpoints(bp.clone());
+    sim.leader_mut().set_hooks(hooks);
+    let mut tap = sim.emitter().bus().take_tap().unwrap();
+    let engine = std::thread::spawn(move || sim.run());
+    // Wait for the pause, check the engine is stuck on it, resume.
+    let t = std::time::Instant::now();
+    while bp.paused().is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(10), "never paused");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let paused = bp.paused();
+    assert_eq!(paused[0].call.request.as_deref(), Some("stop-me"));
+    assert_eq!(paused[0].call.state, Some(SlotState::Decoding));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!engine.is_finished(), "the engine did not wait");
+    bp.clear_all();
+    assert!(bp.resume_all() <= 1);
+    let report = engine.join().unwrap();
+    assert_eq!(report.requests_finished, 2);
+    let mut events = Vec::new();
+    drain(&mut tap, &mut events);
+    let hit = events
+        .iter()
+        .position(|e| matches!(e.kind, EventKind::BreakpointHit { .. }))
+        .expect("a BreakpointHit event");
+    assert_eq!(events[hit].request.as_deref(), Some("stop-me"));
+    assert!(
+        events[hit..]
+            .iter()
+            .any(|e| matches!(e.kind, EventKind::Resumed { .. }))
+    );
+    let st = kvbm_events::reducer::fold(&events);
+    assert_eq!(
+        st.slot("stop-me").map(|s| s.state),
+        Some(SlotState::Finished)
+    );
+    assert_eq!(st.paused_count(), 0);
+    assert!(st.count_of("HookCall") > 0);
+}

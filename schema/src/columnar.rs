@@ -1,0 +1,1430 @@
+//! The durable log's block encoding: a run of events stored column by
+//! column as one flatbuffers `EventBlock` (`schema/kvbm_events.fbs`), with
+//! the file identifier `KVBB`.
+//!
+//! Why columns rather than one [`EventRecord`](crate::EventRecord)
+//! per event: most event kinds are fixed-size, and a column of fixed-size
+//! rows is a flatbuffers vector of structs, which the verifier checks with
+//! one range check however many rows it has, where a table per event costs
+//! a vtable lookup and a bounds check per field. The envelope (sequence
+//! number, timestamp, engine, iteration, request) is a column of scalars
+//! each, request ids are stored once per block, and the few kinds that
+//! carry a list or free text (`BlocksAllocated`, `TransferSkipped`,
+//! `TransferFailed`, `BatchDispatched`) stay tables. Writing gains as much:
+//! pushing a row is a copy into a `Vec`, and the builder writes each vtable
+//! once per block.
+//!
+//! - [`BlockEncoder`] gathers events and [`finish`](BlockEncoder::finish)es
+//!   the block; it allocates nothing once its buffers have grown.
+//! - [`verify_block`] takes untrusted bytes: it checks the identifier, runs
+//!   the flatbuffers verifier over the whole block, then checks that the
+//!   columns agree with each other (same length, one row per event of each
+//!   kind, request indices in range). What it returns, a [`BlockView`], can
+//!   be decoded without any further bounds failure; the values themselves
+//!   (enum values, token counts) are checked as they are decoded, each
+//!   failure naming the event's index in the block.
+//!
+//! `decode(encode(events)) == events` for any events (a property test
+//! checks it), and random or mutated bytes are refused with an error, never
+//! a panic.
+
+use crate::SCHEMA_VERSION;
+use crate::convert::{
+    DecodeError, cause_from_fb, cause_to_fb, decode_state, direction_from_fb, direction_to_fb,
+    encode_state, entry_from_fb, entry_to_fb, kind_from_fb, kind_to_fb, phase_from_fb, phase_to_fb,
+    tier_from_fb, tier_to_fb,
+};
+use crate::fb;
+use flatbuffers::{FlatBufferBuilder, InvalidFlatbuffer, Push, VerifierOptions, WIPOffset};
+use kvbm_events::SequenceHash;
+use kvbm_events::{Event, EventKind, KindTag};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The flatbuffers file identifier of an `EventBlock` (bytes 4..8).
+pub const BLOCK_IDENTIFIER: &str = "KVBB";
+
+/// The most events one block may hold (the log's frame header counts them
+/// in a `u16`).
+pub const MAX_BLOCK_EVENTS: usize = u16::MAX as usize;
+
+const WRITE_VERSION: u16 = SCHEMA_VERSION as u16;
+
+/// Bytes an event adds to a block before its kind's row: the envelope
+/// columns (seq and iteration deltas 2 each, ts delta and engine 4 each,
+/// request 2) and the kind byte. (The engine column is usually left out;
+/// counting it keeps this an upper bound.)
+const ENVELOPE_BYTES: usize = 2 + 4 + 2 + 4 + 2 + 1;
+
+/// Slots of the request-id cache keyed by `Arc` address.
+const REQUEST_CACHE: usize = 64;
+
+/// Verifier limits for a block: at most one table per event plus a few,
+/// no nesting beyond kind tables, and an apparent size that is a small
+/// multiple of the largest block the log accepts.
+const VERIFIER_OPTIONS: VerifierOptions = VerifierOptions {
+    max_depth: 8,
+    max_tables: MAX_BLOCK_EVENTS + 8,
+    max_apparent_size: 1 << 28,
+    ignore_missing_null_terminator: false,
+};
+
+/// Why bytes are not a valid event block.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BlockError {
+    /// Shorter than a root offset and a file identifier.
+    #[error("block too short: {len} bytes")]
+    TooShort {
+        /// The length given.
+        len: usize,
+    },
+    /// Bytes 4..8 are not `KVBB`.
+    #[error(
+        "not a kvbm event block: file identifier \"{}\", expected \"{BLOCK_IDENTIFIER}\"",
+        found.escape_ascii()
+    )]
+    WrongIdentifier {
+        /// The four bytes found.
+        found: [u8; 4],
+    },
+    /// The flatbuffers verifier refused the block.
+    #[error("block fails flatbuffers verification: {0}")]
+    Invalid(#[from] InvalidFlatbuffer),
+    /// Written with a schema version this build cannot read.
+    #[error("block has schema version {found}, this build reads version {SCHEMA_VERSION}")]
+    UnsupportedVersion {
+        /// The version in the block.
+        found: u16,
+    },
+    /// A block holds at least one event.
+    #[error("block holds no events")]
+    Empty,
+    /// More events than a block may hold.
+    #[error("block holds {len} events, at most {MAX_BLOCK_EVENTS}")]
+    TooMany {
+        /// The count found.
+        len: usize,
+    },
+    /// An envelope column's length differs from the block's event count.
+    #[error("column {column} has {len} entries for {events} events")]
+    ColumnLength {
+        /// The column.
+        column: &'static str,
+        /// Its length.
+        len: usize,
+        /// The event count (the length of `seq`).
+        events: usize,
+    },
+    /// An event's kind byte names no kind this build knows.
+    #[error("event {index} of the block: unknown event kind {kind}")]
+    UnknownKind {
+        /// The event's index in the block.
+        index: usize,
+        /// The kind byte.
+        kind: u8,
+    },
+    /// A kind's column does not have one row per event of that kind.
+    #[error("column {column} has {rows} rows for {events} events of its kind")]
+    KindRows {
+        /// The column.
+        column: &'static str,
+        /// Its rows (0 when absent).
+        rows: usize,
+        /// Events of that kind in the block.
+        events: usize,
+    },
+    /// A request index past the block's request ids.
+    #[error("event {index} of the block: request index {value}, the block has {count} request ids")]
+    RequestIndex {
+        /// The event's index in the block.
+        index: usize,
+        /// The index found.
+        value: u16,
+        /// Request ids in the block.
+        count: usize,
+    },
+    /// An event's values do not make an event.
+    #[error("event {index} of the block: {error}")]
+    Event {
+        /// The event's index in the block.
+        index: usize,
+        /// What is wrong with it.
+        error: DecodeError,
+    },
+}
+
+/// How many bytes `ev` adds to a block, near enough to size blocks by and
+/// never less than it takes (the log refuses events above its record limit
+/// with this).
+pub fn event_bytes(ev: &Event) -> usize {
+    let request = ev.request.as_ref().map_or(0, |r| r.len() + 8);
+    // Row sizes are the structs' sizes; a table kind adds its table, its
+    // vtable share and the vector entry pointing at it.
+    const TABLE: usize = 48;
+    let kind = match &ev.kind {
+        EventKind::SlotCreated { .. } => size_of::<fb::SlotCreatedRow>(),
+        EventKind::SlotTransition { .. } => size_of::<fb::SlotTransitionRow>(),
+        EventKind::MatchResult { .. } => size_of::<fb::MatchResultRow>(),
+        EventKind::BlocksAllocated { blocks, .. } => TABLE + 4 * blocks.len(),
+        EventKind::BlocksReleased { .. } => size_of::<fb::BlocksReleasedRow>(),
+        EventKind::BlockRegistered { .. } => size_of::<fb::BlockRegisteredRow>(),
+        EventKind::BlockEvicted { .. } => size_of::<fb::BlockEvictedRow>(),
+        EventKind::TransferPlanned { .. }
+        | EventKind::TransferPromoted { .. }
+        | EventKind::TransferCompleted { .. } => size_of::<fb::TransferRow>(),
+        EventKind::TransferCancelled { .. } => size_of::<fb::TransferCancelledRow>(),
+        EventKind::TransferSkipped { reason, .. } => TABLE + reason.len() + 8,
+        EventKind::TransferFailed { error, .. } => TABLE + error.len() + 8,
+        EventKind::BatchDispatched { transfers, .. } => TABLE + 8 * transfers.len() + 8,
+        EventKind::BatchCompleted { .. } => size_of::<fb::BatchCompletedRow>(),
+        EventKind::PoolGauge { .. } => size_of::<fb::PoolGaugeRow>(),
+        EventKind::HookCall { .. } => size_of::<fb::HookCallRow>(),
+        EventKind::BreakpointHit { .. } => size_of::<fb::BreakpointHitRow>(),
+        EventKind::Resumed { .. } => size_of::<fb::ResumedRow>(),
+        EventKind::TokensScheduled { .. } => size_of::<fb::TokensScheduledRow>(),
+    };
+    // Alignment padding of the row's column, at most 7 bytes.
+    ENVELOPE_BYTES + request + kind + 8
+}
+
+/// Gathers events into a block. Reused from block to block: `finish`, then
+/// the next `push` starts a new block.
+pub struct BlockEncoder {
+    fbb: FlatBufferBuilder<'static>,
+    finished: bool,
+    bytes: usize,
+    /// The block's first (seq, ts, iteration), and the last event's.
+    base: (u64, u64, u64),
+    /// The first event's engine; `engine` stays empty while every event
+    /// has it.
+    base_engine: u32,
+    prev: (u64, u64, u64),
+    seq: Vec<u16>,
+    ts_ns: Vec<u32>,
+    engine: Vec<u32>,
+    iteration: Vec<u16>,
+    request: Vec<u16>,
+    kind: Vec<u8>,
+    /// The block's request ids as written into the builder, and each one's
+    /// index + 1. The last one is remembered apart because consecutive
+    /// events mostly share a request.
+    requests: Vec<WIPOffset<&'static str>>,
+    request_ids: HashMap<Arc<str>, u16>,
+    /// Request ids by the address of their `Arc`: the engine hands out
+    /// clones of one `Arc` per request, so this avoids hashing the string
+    /// for almost every event. Entries point at `Arc`s held in
+    /// `request_ids`, so an address cannot be reused within a block.
+    request_cache: [(usize, u16); REQUEST_CACHE],
+    slot_created: Vec<fb::SlotCreatedRow>,
+    slot_transition: Vec<fb::SlotTransitionRow>,
+    match_result: Vec<fb::MatchResultRow>,
+    blocks_allocated: Vec<WIPOffset<fb::BlocksAllocated<'static>>>,
+    blocks_released: Vec<fb::BlocksReleasedRow>,
+    block_registered: Vec<fb::BlockRegisteredRow>,
+    block_evicted: Vec<fb::BlockEvictedRow>,
+    transfer_planned: Vec<fb::TransferRow>,
+    transfer_promoted: Vec<fb::TransferRow>,
+    transfer_skipped: Vec<WIPOffset<fb::TransferSkipped<'static>>>,
+    transfer_cancelled: Vec<fb::TransferCancelledRow>,
+    transfer_completed: Vec<fb::TransferRow>,
+    transfer_failed: Vec<WIPOffset<fb::TransferFailed<'static>>>,
+    batch_dispatched: Vec<WIPOffset<fb::BatchDispatched<'static>>>,
+    batch_completed: Vec<fb::BatchCompletedRow>,
+    pool_gauge: Vec<fb::PoolGaugeRow>,
+    hook_call: Vec<fb::HookCallRow>,
+    breakpoint_hit: Vec<fb::BreakpointHitRow>,
+    resumed: Vec<fb::ResumedRow>,
+    tokens_scheduled: Vec<fb::TokensScheduledRow>,
+}
+
+impl std::fmt::Debug for BlockEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockEncoder")
+            .field("events", &self.seq.len())
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for BlockEncoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A column of rows, or nothing when the block has none of that kind.
+fn column<T: Push + Copy>(
+    fbb: &mut FlatBufferBuilder<'static>,
+    rows: &[T],
+) -> Option<WIPOffset<flatbuffers::Vector<'static, T::Output>>> {
+    (!rows.is_empty()).then(|| fbb.create_vector(rows))
+}
+
+impl BlockEncoder {
+    /// An empty encoder.
+    pub fn new() -> Self {
+        Self {
+            fbb: FlatBufferBuilder::with_capacity(64 << 10),
+            finished: false,
+            bytes: 0,
+            base: (0, 0, 0),
+            base_engine: 0,
+            prev: (0, 0, 0),
+            seq: Vec::new(),
+            ts_ns: Vec::new(),
+            engine: Vec::new(),
+            iteration: Vec::new(),
+            request: Vec::new(),
+            kind: Vec::new(),
+            requests: Vec::new(),
+            request_ids: HashMap::new(),
+            request_cache: [(0, 0); REQUEST_CACHE],
+            slot_created: Vec::new(),
+            slot_transition: Vec::new(),
+            match_result: Vec::new(),
+            blocks_allocated: Vec::new(),
+            blocks_released: Vec::new(),
+            block_registered: Vec::new(),
+            block_evicted: Vec::new(),
+            transfer_planned: Vec::new(),
+            transfer_promoted: Vec::new(),
+            transfer_skipped: Vec::new(),
+            transfer_cancelled: Vec::new(),
+            transfer_completed: Vec::new(),
+            transfer_failed: Vec::new(),
+            batch_dispatched: Vec::new(),
+            batch_completed: Vec::new(),
+            pool_gauge: Vec::new(),
+            hook_call: Vec::new(),
+            breakpoint_hit: Vec::new(),
+            resumed: Vec::new(),
+            tokens_scheduled: Vec::new(),
+        }
+    }
+
+    /// Events in the block so far.
+    pub fn len(&self) -> usize {
+        self.kind.len()
+    }
+
+    /// True before the first push of a block.
+    pub fn is_empty(&self) -> bool {
+        self.kind.is_empty()
+    }
+
+    /// The block's size so far by [`event_bytes`], an upper bound on what
+    /// [`finish`](Self::finish) returns less a fixed overhead.
+    pub fn approx_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Empties the encoder, keeping its buffers.
+    pub fn clear(&mut self) {
+        self.fbb.reset();
+        self.finished = false;
+        self.bytes = 0;
+        self.base = (0, 0, 0);
+        self.prev = (0, 0, 0);
+        self.seq.clear();
+        self.ts_ns.clear();
+        self.engine.clear();
+        self.iteration.clear();
+        self.request.clear();
+        self.kind.clear();
+        self.requests.clear();
+        self.request_ids.clear();
+        self.request_cache = [(0, 0); REQUEST_CACHE];
+        self.slot_created.clear();
+        self.slot_transition.clear();
+        self.match_result.clear();
+        self.blocks_allocated.clear();
+        self.blocks_released.clear();
+        self.block_registered.clear();
+        self.block_evicted.clear();
+        self.transfer_planned.clear();
+        self.transfer_promoted.clear();
+        self.transfer_skipped.clear();
+        self.transfer_cancelled.clear();
+        self.transfer_completed.clear();
+        self.transfer_failed.clear();
+        self.batch_dispatched.clear();
+        self.batch_completed.clear();
+        self.pool_gauge.clear();
+        self.hook_call.clear();
+        self.breakpoint_hit.clear();
+        self.resumed.clear();
+        self.tokens_scheduled.clear();
+    }
+
+    /// Adds an event to the block (after a `finish`, to a new block), or
+    /// returns false and adds nothing when it does not [`fit`](Self::fits):
+    /// finish the block and push it again.
+    pub fn push(&mut self, ev: &Event) -> bool {
+        self.try_push(ev, event_bytes(ev), usize::MAX)
+    }
+
+    /// [`push`](Self::push) for a caller that has computed `size` =
+    /// [`event_bytes`]`(ev)` already and wants the block to stay within
+    /// `limit` bytes by that measure. An empty block takes any event.
+    pub fn try_push(&mut self, ev: &Event, size: usize, limit: usize) -> bool {
+        if self.finished {
+            self.clear();
+        }
+        let (ds, dt, di) = if self.kind.is_empty() {
+            self.base = (ev.seq, ev.ts_ns, ev.iteration);
+            self.base_engine = ev.engine;
+            self.prev = self.base;
+            (0, 0, 0)
+        } else {
+            let d = (
+                delta(self.prev.0, ev.seq),
+                delta(self.prev.1, ev.ts_ns),
+                delta(self.prev.2, ev.iteration),
+            );
+            let fits = self.kind.len() < MAX_BLOCK_EVENTS
+                && d.0 <= u64::from(u16::MAX)
+                && d.1 <= u64::from(u32::MAX)
+                && d.2 <= u64::from(u16::MAX)
+                && self.bytes.saturating_add(size) <= limit;
+            if !fits {
+                return false;
+            }
+            d
+        };
+        let request = match &ev.request {
+            None => 0,
+            Some(r) => self.request_id(r),
+        };
+        self.bytes += size;
+        if !self.engine.is_empty() {
+            self.engine.push(ev.engine);
+        } else if ev.engine != self.base_engine {
+            // The first event of another engine: from now on the column is
+            // written, so fill it in for the events before.
+            self.engine.resize(self.kind.len(), self.base_engine);
+            self.engine.push(ev.engine);
+        }
+        // Checked against the types' ranges above. The seq column is only
+        // written once a difference other than +1 (zigzag 2) turns up.
+        let ds = ds as u16;
+        if !self.seq.is_empty() {
+            self.seq.push(ds);
+        } else if ds != 2 && !self.kind.is_empty() {
+            self.seq.push(0);
+            self.seq.resize(self.kind.len(), 2);
+            self.seq.push(ds);
+        }
+        self.ts_ns.push(dt as u32);
+        self.iteration.push(di as u16);
+        self.prev = (ev.seq, ev.ts_ns, ev.iteration);
+        self.request.push(request);
+        self.push_kind(&ev.kind);
+        let kind = kind_to_fb(ev.kind.tag());
+        self.kind.push(kind.0);
+        true
+    }
+
+    /// Whether `ev` can join this block: its differences from the last
+    /// event fit the columns' types and the block has room for one more
+    /// event. Always true for an empty (or finished) block.
+    pub fn fits(&self, ev: &Event) -> bool {
+        if self.finished || self.kind.is_empty() {
+            return true;
+        }
+        self.kind.len() < MAX_BLOCK_EVENTS
+            && delta(self.prev.0, ev.seq) <= u64::from(u16::MAX)
+            && delta(self.prev.1, ev.ts_ns) <= u64::from(u32::MAX)
+            && delta(self.prev.2, ev.iteration) <= u64::from(u16::MAX)
+    }
+
+    fn request_id(&mut self, r: &Arc<str>) -> u16 {
+        let addr = Arc::as_ptr(r).cast::<u8>() as usize;
+        let slot = (addr >> 4) % REQUEST_CACHE;
+        let (cached, id) = self.request_cache[slot];
+        if cached == addr && id != 0 {
+            return id;
+        }
+        // Only an address that `request_ids` keeps alive may be cached: a
+        // different `Arc` with the same text is looked up by text each
+        // time (it may be freed and its address reused).
+        let (id, keep) = match self.request_ids.get_key_value(r) {
+            Some((k, id)) => (*id, Arc::ptr_eq(k, r)),
+            None => {
+                let s = self.fbb.create_string(r);
+                self.requests.push(s);
+                // At most one request per event, and a block holds at most
+                // MAX_BLOCK_EVENTS (u16::MAX) events: this fits a u16.
+                let id = self.requests.len() as u16;
+                self.request_ids.insert(Arc::clone(r), id);
+                (id, true)
+            }
+        };
+        if keep {
+            self.request_cache[slot] = (addr, id);
+        }
+        id
+    }
+
+    /// Pushes the kind's row into its column.
+    fn push_kind(&mut self, kind: &EventKind) {
+        let fbb = &mut self.fbb;
+        match kind {
+            EventKind::SlotCreated {
+                prompt_tokens,
+                max_output_tokens,
+            } => {
+                self.slot_created
+                    .push(fb::SlotCreatedRow::new(*prompt_tokens, *max_output_tokens));
+            }
+            EventKind::SlotTransition { from, to } => {
+                self.slot_transition.push(fb::SlotTransitionRow::new(
+                    &encode_state(*from),
+                    &encode_state(*to),
+                ));
+            }
+            EventKind::MatchResult {
+                tier,
+                looked_up,
+                hit_blocks,
+                hit_tokens,
+            } => {
+                self.match_result.push(fb::MatchResultRow::new(
+                    tier_to_fb(*tier),
+                    *looked_up,
+                    *hit_blocks,
+                    *hit_tokens,
+                ));
+            }
+            EventKind::BlocksAllocated { tier, blocks } => {
+                let blocks = fbb.create_vector(blocks);
+                let t = fb::BlocksAllocated::create(
+                    fbb,
+                    &fb::BlocksAllocatedArgs {
+                        tier: tier_to_fb(*tier),
+                        blocks: Some(blocks),
+                    },
+                );
+                self.blocks_allocated.push(t);
+            }
+            EventKind::BlocksReleased { tier, count } => {
+                self.blocks_released
+                    .push(fb::BlocksReleasedRow::new(tier_to_fb(*tier), *count));
+            }
+            EventKind::BlockRegistered {
+                tier,
+                block,
+                sequence_hash,
+                duplicate_of,
+            } => {
+                self.block_registered.push(fb::BlockRegisteredRow::new(
+                    tier_to_fb(*tier),
+                    duplicate_of.is_some(),
+                    *block,
+                    duplicate_of.unwrap_or(0),
+                    sequence_hash.0,
+                ));
+            }
+            EventKind::BlockEvicted {
+                tier,
+                block,
+                sequence_hash,
+            } => {
+                self.block_evicted.push(fb::BlockEvictedRow::new(
+                    tier_to_fb(*tier),
+                    *block,
+                    sequence_hash.0,
+                ));
+            }
+            EventKind::TransferPlanned {
+                transfer,
+                direction,
+                blocks,
+            } => {
+                self.transfer_planned.push(fb::TransferRow::new(
+                    *transfer,
+                    &direction_to_fb(*direction),
+                    *blocks,
+                ));
+            }
+            EventKind::TransferPromoted {
+                transfer,
+                direction,
+                blocks,
+            } => {
+                self.transfer_promoted.push(fb::TransferRow::new(
+                    *transfer,
+                    &direction_to_fb(*direction),
+                    *blocks,
+                ));
+            }
+            EventKind::TransferSkipped {
+                transfer,
+                direction,
+                reason,
+            } => {
+                let reason = fbb.create_string(reason);
+                let d = direction_to_fb(*direction);
+                let t = fb::TransferSkipped::create(
+                    fbb,
+                    &fb::TransferSkippedArgs {
+                        transfer: *transfer,
+                        direction: Some(&d),
+                        reason: Some(reason),
+                    },
+                );
+                self.transfer_skipped.push(t);
+            }
+            EventKind::TransferCancelled {
+                transfer,
+                direction,
+            } => {
+                self.transfer_cancelled.push(fb::TransferCancelledRow::new(
+                    *transfer,
+                    &direction_to_fb(*direction),
+                ));
+            }
+            EventKind::TransferCompleted {
+                transfer,
+                direction,
+                blocks,
+            } => {
+                self.transfer_completed.push(fb::TransferRow::new(
+                    *transfer,
+                    &direction_to_fb(*direction),
+                    *blocks,
+                ));
+            }
+            EventKind::TransferFailed {
+                transfer,
+                direction,
+                error,
+            } => {
+                let error = fbb.create_string(error);
+                let d = direction_to_fb(*direction);
+                let t = fb::TransferFailed::create(
+                    fbb,
+                    &fb::TransferFailedArgs {
+                        transfer: *transfer,
+                        direction: Some(&d),
+                        error: Some(error),
+                    },
+                );
+                self.transfer_failed.push(t);
+            }
+            EventKind::BatchDispatched {
+                batch,
+                direction,
+                transfers,
+                blocks,
+            } => {
+                let transfers = fbb.create_vector(transfers);
+                let d = direction_to_fb(*direction);
+                let t = fb::BatchDispatched::create(
+                    fbb,
+                    &fb::BatchDispatchedArgs {
+                        batch: *batch,
+                        direction: Some(&d),
+                        transfers: Some(transfers),
+                        blocks: *blocks,
+                    },
+                );
+                self.batch_dispatched.push(t);
+            }
+            EventKind::BatchCompleted {
+                batch,
+                direction,
+                ok,
+                blocks,
+                bytes,
+                elapsed_ns,
+            } => {
+                self.batch_completed.push(fb::BatchCompletedRow::new(
+                    *batch,
+                    &direction_to_fb(*direction),
+                    *ok,
+                    *blocks,
+                    *bytes,
+                    *elapsed_ns,
+                ));
+            }
+            EventKind::PoolGauge {
+                tier,
+                capacity,
+                active,
+                inactive,
+                empty,
+            } => {
+                self.pool_gauge.push(fb::PoolGaugeRow::new(
+                    tier_to_fb(*tier),
+                    *capacity,
+                    *active,
+                    *inactive,
+                    *empty,
+                ));
+            }
+            EventKind::HookCall { entry, phase } => {
+                self.hook_call.push(fb::HookCallRow::new(
+                    entry_to_fb(*entry),
+                    phase_to_fb(*phase),
+                ));
+            }
+            EventKind::BreakpointHit {
+                breakpoint,
+                entry,
+                deadline_ns,
+            } => {
+                self.breakpoint_hit.push(fb::BreakpointHitRow::new(
+                    *breakpoint,
+                    entry_to_fb(*entry),
+                    *deadline_ns,
+                ));
+            }
+            EventKind::Resumed { breakpoint, cause } => {
+                self.resumed
+                    .push(fb::ResumedRow::new(*breakpoint, cause_to_fb(*cause)));
+            }
+            EventKind::TokensScheduled {
+                prefill,
+                decode,
+                computed,
+            } => {
+                self.tokens_scheduled
+                    .push(fb::TokensScheduledRow::new(*prefill, *decode, *computed));
+            }
+        }
+    }
+
+    /// Writes the block and returns its bytes, valid until the next call.
+    /// The next [`push`](Self::push) starts a new block.
+    pub fn finish(&mut self) -> &[u8] {
+        if self.finished {
+            return self.fbb.finished_data();
+        }
+        let fbb = &mut self.fbb;
+        let ts_ns = fbb.create_vector(&self.ts_ns);
+        let iteration = fbb.create_vector(&self.iteration);
+        let request = fbb.create_vector(&self.request);
+        let kind = fbb.create_vector(&self.kind);
+        let requests = fbb.create_vector(&self.requests);
+        let args = fb::EventBlockArgs {
+            schema_version: WRITE_VERSION,
+            base_seq: self.base.0,
+            base_ts_ns: self.base.1,
+            base_iteration: self.base.2,
+            base_engine: self.base_engine,
+            seq_delta: column(fbb, &self.seq),
+            ts_delta: Some(ts_ns),
+            engine: column(fbb, &self.engine),
+            iteration_delta: Some(iteration),
+            request: Some(request),
+            kind: Some(kind),
+            requests: Some(requests),
+            slot_created: column(fbb, &self.slot_created),
+            slot_transition: column(fbb, &self.slot_transition),
+            match_result: column(fbb, &self.match_result),
+            blocks_allocated: column(fbb, &self.blocks_allocated),
+            blocks_released: column(fbb, &self.blocks_released),
+            block_registered: column(fbb, &self.block_registered),
+            block_evicted: column(fbb, &self.block_evicted),
+            transfer_planned: column(fbb, &self.transfer_planned),
+            transfer_promoted: column(fbb, &self.transfer_promoted),
+            transfer_skipped: column(fbb, &self.transfer_skipped),
+            transfer_cancelled: column(fbb, &self.transfer_cancelled),
+            transfer_completed: column(fbb, &self.transfer_completed),
+            transfer_failed: column(fbb, &self.transfer_failed),
+            batch_dispatched: column(fbb, &self.batch_dispatched),
+            batch_completed: column(fbb, &self.batch_completed),
+            pool_gauge: column(fbb, &self.pool_gauge),
+            hook_call: column(fbb, &self.hook_call),
+            breakpoint_hit: column(fbb, &self.breakpoint_hit),
+            resumed: column(fbb, &self.resumed),
+            tokens_scheduled: column(fbb, &self.tokens_scheduled),
+        };
+        let root = fb::EventBlock::create(fbb, &args);
+        fbb.finish(root, Some(BLOCK_IDENTIFIER));
+        self.finished = true;
+        self.fbb.finished_data()
+    }
+}
+
+// ------------------------------------------------------------- decoding
+
+/// A block that passed [`verify_block`]: every column is in bounds and
+/// they agree with each other.
+#[derive(Clone, Copy)]
+pub struct BlockView<'a> {
+    block: fb::EventBlock<'a>,
+    len: usize,
+}
+
+impl std::fmt::Debug for BlockView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockView")
+            .field("events", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Rows in the column of kind `k` (0 when the column is absent), and the
+/// column's name; `None` for a kind this build does not know.
+fn kind_rows(b: &fb::EventBlock<'_>, k: u8) -> Option<(usize, &'static str)> {
+    fn n<T>(v: Option<flatbuffers::Vector<'_, T>>) -> usize {
+        v.map_or(0, |v| v.len())
+    }
+    let tag = kind_from_fb(fb::EventKind(k))?;
+    // The schema names each kind's column by its snake_case name.
+    let rows = match tag {
+        KindTag::SlotCreated => n(b.slot_created()),
+        KindTag::SlotTransition => n(b.slot_transition()),
+        KindTag::MatchResult => n(b.match_result()),
+        KindTag::BlocksAllocated => n(b.blocks_allocated()),
+        KindTag::BlocksReleased => n(b.blocks_released()),
+        KindTag::BlockRegistered => n(b.block_registered()),
+        KindTag::BlockEvicted => n(b.block_evicted()),
+        KindTag::TransferPlanned => n(b.transfer_planned()),
+        KindTag::TransferPromoted => n(b.transfer_promoted()),
+        KindTag::TransferSkipped => n(b.transfer_skipped()),
+        KindTag::TransferCancelled => n(b.transfer_cancelled()),
+        KindTag::TransferCompleted => n(b.transfer_completed()),
+        KindTag::TransferFailed => n(b.transfer_failed()),
+        KindTag::BatchDispatched => n(b.batch_dispatched()),
+        KindTag::BatchCompleted => n(b.batch_completed()),
+        KindTag::PoolGauge => n(b.pool_gauge()),
+        KindTag::HookCall => n(b.hook_call()),
+        KindTag::BreakpointHit => n(b.breakpoint_hit()),
+        KindTag::Resumed => n(b.resumed()),
+        KindTag::TokensScheduled => n(b.tokens_scheduled()),
+    };
+    Some((rows, tag.snake_name()))
+}
+
+/// Checks untrusted bytes as an event block: identifier, the flatbuffers
+/// verifier over the whole block, then the columns against each other.
+pub fn verify_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
+    if bytes.len() < 8 {
+        return Err(BlockError::TooShort { len: bytes.len() });
+    }
+    let found: [u8; 4] = [bytes[4], bytes[5], bytes[6], bytes[7]];
+    if found != *BLOCK_IDENTIFIER.as_bytes() {
+        return Err(BlockError::WrongIdentifier { found });
+    }
+    let block = flatbuffers::root_with_opts::<fb::EventBlock>(&VERIFIER_OPTIONS, bytes)?;
+    let version = block.schema_version();
+    if version != WRITE_VERSION {
+        return Err(BlockError::UnsupportedVersion { found: version });
+    }
+    let events = block.kind().len();
+    if events == 0 {
+        return Err(BlockError::Empty);
+    }
+    if events > MAX_BLOCK_EVENTS {
+        return Err(BlockError::TooMany { len: events });
+    }
+    for (column, len) in [
+        ("seq_delta", block.seq_delta().map_or(events, |v| v.len())),
+        ("ts_delta", block.ts_delta().len()),
+        ("engine", block.engine().map_or(events, |v| v.len())),
+        ("iteration_delta", block.iteration_delta().len()),
+        ("request", block.request().len()),
+    ] {
+        if len != events {
+            return Err(BlockError::ColumnLength {
+                column,
+                len,
+                events,
+            });
+        }
+    }
+    let kinds = block.kind().bytes();
+    let mut counts = [0usize; 256];
+    for &k in kinds {
+        counts[usize::from(k)] += 1;
+    }
+    for (k, &count) in counts.iter().enumerate() {
+        if count == 0 {
+            continue;
+        }
+        let k = k as u8;
+        let Some((rows, column)) = kind_rows(&block, k) else {
+            let index = kinds.iter().position(|&x| x == k).unwrap_or(0);
+            return Err(BlockError::UnknownKind { index, kind: k });
+        };
+        if rows != count {
+            return Err(BlockError::KindRows {
+                column,
+                rows,
+                events: count,
+            });
+        }
+    }
+    // Columns of kinds no event has must be absent or empty too.
+    for k in fb::EventKind::ENUM_MIN..=fb::EventKind::ENUM_MAX {
+        if let Some((rows, column)) = kind_rows(&block, k)
+            && rows != counts[usize::from(k)]
+        {
+            return Err(BlockError::KindRows {
+                column,
+                rows,
+                events: counts[usize::from(k)],
+            });
+        }
+    }
+    let count = block.requests().len();
+    for (index, value) in block.request().iter().enumerate() {
+        if usize::from(value) > count {
+            return Err(BlockError::RequestIndex {
+                index,
+                value,
+                count,
+            });
+        }
+    }
+    Ok(BlockView { block, len: events })
+}
+
+impl<'a> BlockView<'a> {
+    /// Events in the block (at least one).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a verified block holds at least one event.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The sequence numbers, one per event.
+    pub fn seqs(&self) -> impl Iterator<Item = u64> + 'a {
+        let deltas = self.block.seq_delta();
+        // Without the column the seqs are consecutive: +1 (zigzag 2) after
+        // the first. verify_block checked the column's length.
+        let zigzags = (0..self.len).map(move |i| match deltas {
+            Some(v) => u64::from(v.get(i)),
+            None => 2 * u64::from(i > 0),
+        });
+        undelta(self.block.base_seq(), zigzags)
+    }
+
+    /// The timestamps, one per event.
+    pub fn timestamps(&self) -> impl Iterator<Item = u64> + 'a {
+        undelta(
+            self.block.base_ts_ns(),
+            self.block.ts_delta().iter().map(u64::from),
+        )
+    }
+
+    /// The sequence number and timestamp of each event.
+    pub fn seqs_and_timestamps(&self) -> impl Iterator<Item = (u64, u64)> + 'a {
+        self.seqs().zip(self.timestamps())
+    }
+
+    /// Decodes every event of the block, in order, appending them to `out`.
+    /// On an error, `out` holds the events before the bad one.
+    pub fn decode_into(&self, out: &mut Vec<Event>) -> Result<(), BlockError> {
+        let b = &self.block;
+        let requests: Vec<Arc<str>> = b.requests().iter().map(Arc::from).collect();
+        let (engine, base_engine, request) = (b.engine(), b.base_engine(), b.request());
+        let mut seqs = self.seqs();
+        let mut timestamps = self.timestamps();
+        let mut iterations = undelta(
+            b.base_iteration(),
+            b.iteration_delta().iter().map(u64::from),
+        );
+        let kinds = b.kind().bytes();
+        // The next unread row of each kind's column.
+        let mut next = [0usize; 256];
+        out.reserve(self.len);
+        for (index, &k) in kinds.iter().enumerate() {
+            let row = next[usize::from(k)];
+            next[usize::from(k)] += 1;
+            let kind = self
+                .kind_at(k, row)
+                .map_err(|error| BlockError::Event { index, error })?;
+            let request = match request.get(index) {
+                0 => None,
+                // verify_block checked that the index is in range.
+                r => Some(Arc::clone(&requests[usize::from(r) - 1])),
+            };
+            // All columns have `len` entries (verify_block), so none runs
+            // out before `kinds` does.
+            let (Some(seq), Some(ts_ns), Some(iteration)) =
+                (seqs.next(), timestamps.next(), iterations.next())
+            else {
+                break;
+            };
+            out.push(Event {
+                engine: engine.map_or(base_engine, |v| v.get(index)),
+                seq,
+                ts_ns,
+                iteration,
+                request,
+                kind,
+            });
+        }
+        Ok(())
+    }
+
+    /// Row `row` of kind `k`'s column. `verify_block` checked that the
+    /// column has a row for every event of its kind, so it is there.
+    fn kind_at(&self, k: u8, row: usize) -> Result<EventKind, DecodeError> {
+        let b = &self.block;
+        let missing = || DecodeError::MissingKind;
+        let tag = kind_from_fb(fb::EventKind(k)).ok_or(DecodeError::UnknownKind(k))?;
+        Ok(match tag {
+            KindTag::SlotCreated => {
+                let r = b.slot_created().ok_or_else(missing)?.get(row);
+                EventKind::SlotCreated {
+                    prompt_tokens: r.prompt_tokens(),
+                    max_output_tokens: r.max_output_tokens(),
+                }
+            }
+            KindTag::SlotTransition => {
+                let r = b.slot_transition().ok_or_else(missing)?.get(row);
+                EventKind::SlotTransition {
+                    from: decode_state(r.from(), "SlotTransition.from")?,
+                    to: decode_state(r.to(), "SlotTransition.to")?,
+                }
+            }
+            KindTag::MatchResult => {
+                let r = b.match_result().ok_or_else(missing)?.get(row);
+                EventKind::MatchResult {
+                    tier: tier_from_fb(r.tier(), "MatchResult.tier")?,
+                    looked_up: r.looked_up(),
+                    hit_blocks: r.hit_blocks(),
+                    hit_tokens: r.hit_tokens(),
+                }
+            }
+            KindTag::BlocksAllocated => {
+                let t = b.blocks_allocated().ok_or_else(missing)?.get(row);
+                EventKind::BlocksAllocated {
+                    tier: tier_from_fb(t.tier(), "BlocksAllocated.tier")?,
+                    blocks: t.blocks().iter().collect(),
+                }
+            }
+            KindTag::BlocksReleased => {
+                let r = b.blocks_released().ok_or_else(missing)?.get(row);
+                EventKind::BlocksReleased {
+                    tier: tier_from_fb(r.tier(), "BlocksReleased.tier")?,
+                    count: r.count(),
+                }
+            }
+            KindTag::BlockRegistered => {
+                let r = b.block_registered().ok_or_else(missing)?.get(row);
+                let duplicate_of = if r.has_duplicate() {
+                    Some(r.duplicate_of())
+                } else if r.duplicate_of() != 0 {
+                    return Err(DecodeError::UnexpectedValue {
+                        field: "BlockRegisteredRow.duplicate_of",
+                        value: u64::from(r.duplicate_of()),
+                    });
+                } else {
+                    None
+                };
+                EventKind::BlockRegistered {
+                    tier: tier_from_fb(r.tier(), "BlockRegistered.tier")?,
+                    block: r.block(),
+                    sequence_hash: SequenceHash(r.sequence_hash()),
+                    duplicate_of,
+                }
+            }
+            KindTag::BlockEvicted => {
+                let r = b.block_evicted().ok_or_else(missing)?.get(row);
+                EventKind::BlockEvicted {
+                    tier: tier_from_fb(r.tier(), "BlockEvicted.tier")?,
+                    block: r.block(),
+                    sequence_hash: SequenceHash(r.sequence_hash()),
+                }
+            }
+            KindTag::TransferPlanned => {
+                let r = b.transfer_planned().ok_or_else(missing)?.get(row);
+                EventKind::TransferPlanned {
+                    transfer: r.transfer(),
+                    direction: direction_from_fb(r.direction(), "TransferPlanned.direction")?,
+                    blocks: r.blocks(),
+                }
+            }
+            KindTag::TransferPromoted => {
+                let r = b.transfer_promoted().ok_or_else(missing)?.get(row);
+                EventKind::TransferPromoted {
+                    transfer: r.transfer(),
+                    direction: direction_from_fb(r.direction(), "TransferPromoted.direction")?,
+                    blocks: r.blocks(),
+                }
+            }
+            KindTag::TransferSkipped => {
+                let t = b.transfer_skipped().ok_or_else(missing)?.get(row);
+                EventKind::TransferSkipped {
+                    transfer: t.transfer(),
+                    direction: direction_from_fb(t.direction(), "TransferSkipped.direction")?,
+                    reason: t.reason().to_owned(),
+                }
+            }
+            KindTag::TransferCancelled => {
+                let r = b.transfer_cancelled().ok_or_else(missing)?.get(row);
+                EventKind::TransferCancelled {
+                    transfer: r.transfer(),
+                    direction: direction_from_fb(r.direction(), "TransferCancelled.direction")?,
+                }
+            }
+            KindTag::TransferCompleted => {
+                let r = b.transfer_completed().ok_or_else(missing)?.get(row);
+                EventKind::TransferCompleted {
+                    transfer: r.transfer(),
+                    direction: direction_from_fb(r.direction(), "TransferCompleted.direction")?,
+                    blocks: r.blocks(),
+                }
+            }
+            KindTag::TransferFailed => {
+                let t = b.transfer_failed().ok_or_else(missing)?.get(row);
+                EventKind::TransferFailed {
+                    transfer: t.transfer(),
+                    direction: direction_from_fb(t.direction(), "TransferFailed.direction")?,
+                    error: t.error().to_owned(),
+                }
+            }
+            KindTag::BatchDispatched => {
+                let t = b.batch_dispatched().ok_or_else(missing)?.get(row);
+                EventKind::BatchDispatched {
+                    batch: t.batch(),
+                    direction: direction_from_fb(t.direction(), "BatchDispatched.direction")?,
+                    transfers: t.transfers().iter().collect(),
+                    blocks: t.blocks(),
+                }
+            }
+            KindTag::BatchCompleted => {
+                let r = b.batch_completed().ok_or_else(missing)?.get(row);
+                EventKind::BatchCompleted {
+                    batch: r.batch(),
+                    direction: direction_from_fb(r.direction(), "BatchCompleted.direction")?,
+                    ok: r.ok(),
+                    blocks: r.blocks(),
+                    bytes: r.bytes(),
+                    elapsed_ns: r.elapsed_ns(),
+                }
+            }
+            KindTag::PoolGauge => {
+                let r = b.pool_gauge().ok_or_else(missing)?.get(row);
+                EventKind::PoolGauge {
+                    tier: tier_from_fb(r.tier(), "PoolGauge.tier")?,
+                    capacity: r.capacity(),
+                    active: r.active(),
+                    inactive: r.inactive(),
+                    empty: r.empty(),
+                }
+            }
+            KindTag::HookCall => {
+                let r = b.hook_call().ok_or_else(missing)?.get(row);
+                EventKind::HookCall {
+                    entry: entry_from_fb(r.entry(), "HookCall.entry")?,
+                    phase: phase_from_fb(r.phase(), "HookCall.phase")?,
+                }
+            }
+            KindTag::BreakpointHit => {
+                let r = b.breakpoint_hit().ok_or_else(missing)?.get(row);
+                EventKind::BreakpointHit {
+                    breakpoint: r.breakpoint(),
+                    entry: entry_from_fb(r.entry(), "BreakpointHit.entry")?,
+                    deadline_ns: r.deadline_ns(),
+                }
+            }
+            KindTag::Resumed => {
+                let r = b.resumed().ok_or_else(missing)?.get(row);
+                EventKind::Resumed {
+                    breakpoint: r.breakpoint(),
+                    cause: cause_from_fb(r.cause(), "Resumed.cause")?,
+                }
+            }
+            KindTag::TokensScheduled => {
+                let r = b.tokens_scheduled().ok_or_else(missing)?.get(row);
+                EventKind::TokensScheduled {
+                    prefill: r.prefill(),
+                    decode: r.decode(),
+                    computed: r.computed(),
+                }
+            }
+        })
+    }
+}
+
+/// `to - from`, wrapping, zigzag-encoded: small either way.
+fn delta(from: u64, to: u64) -> u64 {
+    let d = to.wrapping_sub(from);
+    (d << 1) ^ (((d as i64) >> 63) as u64)
+}
+
+/// The values whose [`delta`]s from `base` (then from each other) are
+/// `deltas`.
+fn undelta(base: u64, deltas: impl Iterator<Item = u64>) -> impl Iterator<Item = u64> {
+    deltas.scan(base, |prev, z| {
+        let d = (z >> 1) ^ (z & 1).wrapping_neg();
+        *prev = prev.wrapping_add(d);
+        Some(*prev)
+    })
+}
+
+/// Verifies and decodes a whole block.
+pub fn decode_block(bytes: &[u8]) -> Result<Vec<Event>, BlockError> {
+    let view = verify_block(bytes)?;
+    let mut out = Vec::with_capacity(view.len());
+    view.decode_into(&mut out)?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::convert::tests::{apply, mutation};
+    use kvbm_events::testing::{event, sample_events};
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+
+    /// The events as blocks, a new one whenever the next event does not
+    /// fit.
+    fn encode(events: &[Event]) -> Vec<Vec<u8>> {
+        let mut enc = BlockEncoder::new();
+        let mut blocks = Vec::new();
+        for e in events {
+            if !enc.push(e) {
+                blocks.push(enc.finish().to_vec());
+                assert!(enc.push(e), "an empty block takes any event");
+            }
+        }
+        blocks.push(enc.finish().to_vec());
+        blocks
+    }
+
+    fn decode(blocks: &[Vec<u8>]) -> Result<Vec<Event>, BlockError> {
+        let mut out = Vec::new();
+        for b in blocks {
+            out.extend(decode_block(b)?);
+        }
+        Ok(out)
+    }
+
+    /// No panic, a readable error, and anything accepted re-encodes to
+    /// blocks that decode to the same events.
+    fn check(bytes: &[u8]) -> Result<(), TestCaseError> {
+        match decode_block(bytes) {
+            Ok(events) => {
+                prop_assert!(!events.is_empty());
+                prop_assert_eq!(decode(&encode(&events)), Ok(events));
+            }
+            Err(e) => prop_assert!(!e.to_string().is_empty()),
+        }
+        Ok(())
+    }
+
+    fn ev(seq: u64, ts_ns: u64, iteration: u64) -> Event {
+        Event {
+            seq,
+            ts_ns,
+            iteration,
+            ..sample_events()[0].clone()
+        }
+    }
+
+    #[test]
+    fn sample_events_round_trip_and_share_request_ids() {
+        let events = sample_events();
+        let blocks = encode(&events);
+        assert_eq!(&blocks[0][4..8], BLOCK_IDENTIFIER.as_bytes());
+        assert_eq!(decode(&blocks), Ok(events.clone()));
+        // The encoder is reused: a second block holds nothing of the first.
+        let mut enc = BlockEncoder::new();
+        for e in &events {
+            enc.push(e);
+        }
+        enc.finish();
+        enc.push(&events[0]);
+        assert_eq!(enc.len(), 1);
+        assert_eq!(decode_block(enc.finish()), Ok(vec![events[0].clone()]));
+        // Many events of one request store its id once.
+        let many: Vec<Event> = (0..100).map(|i| ev(i, 1000 - i, 7)).collect();
+        let blocks = encode(&many);
+        assert_eq!(blocks.len(), 1);
+        let view = verify_block(&blocks[0]).unwrap();
+        assert_eq!(view.block.requests().len(), 1);
+        assert!(view.block.engine().is_none(), "one engine: no column");
+        assert!(view.block.seq_delta().is_none(), "consecutive: no column");
+        assert_eq!(
+            view.seqs().collect::<Vec<_>>(),
+            (0..100).collect::<Vec<_>>()
+        );
+        assert_eq!(view.timestamps().last(), Some(901));
+        assert_eq!(decode(&blocks), Ok(many));
+        // Separate `Arc`s with the same text are one request id too.
+        let fresh: Vec<Event> = (0..10)
+            .map(|i| Event {
+                request: Some(Arc::from(if i % 2 == 0 { "a" } else { "b" })),
+                ..ev(i, i, 0)
+            })
+            .collect();
+        let blocks = encode(&fresh);
+        assert_eq!(verify_block(&blocks[0]).unwrap().block.requests().len(), 2);
+        assert_eq!(decode(&blocks), Ok(fresh));
+    }
+
+    #[test]
+    fn a_gap_in_the_sequence_brings_in_the_seq_column() {
+        let events: Vec<Event> = [5, 6, 9, 10].map(|i| ev(i, i, 0)).to_vec();
+        let blocks = encode(&events);
+        let view = verify_block(&blocks[0]).unwrap();
+        assert_eq!(
+            view.block.seq_delta().map(|v| v.iter().collect::<Vec<_>>()),
+            Some(vec![0, 2, 6, 2])
+        );
+        assert_eq!(view.seqs().collect::<Vec<_>>(), [5, 6, 9, 10]);
+        assert_eq!(decode(&blocks), Ok(events));
+    }
+
+    #[test]
+    fn a_second_engine_brings_in_the_engine_column() {
+        let events: Vec<Event> = (0..6)
+            .map(|i| Event {
+                engine: if i < 3 { 7 } else { 8 + (i % 2) as u32 },
+                ..ev(i, i, i)
+            })
+            .collect();
+        let blocks = encode(&events);
+        assert_eq!(blocks.len(), 1);
+        let view = verify_block(&blocks[0]).unwrap();
+        assert_eq!(view.block.base_engine(), 7);
+        assert_eq!(
+            view.block.engine().map(|v| v.iter().collect::<Vec<_>>()),
+            Some(vec![7, 7, 7, 9, 8, 9])
+        );
+        assert_eq!(decode(&blocks), Ok(events));
+    }
+
+    #[test]
+    fn differences_that_do_not_fit_start_a_new_block() {
+        let mut enc = BlockEncoder::new();
+        assert!(
+            enc.fits(&ev(u64::MAX, 0, 0)),
+            "an empty block takes anything"
+        );
+        enc.push(&ev(10, 1_000, 5));
+        assert!(enc.fits(&ev(10 + 32_767, 1_000 + (u32::MAX as u64 / 2), 5 + 32_767)));
+        assert!(enc.fits(&ev(
+            10u64.wrapping_sub(32_768),
+            1_000u64.wrapping_sub(u32::MAX as u64 / 2 + 1),
+            5
+        )));
+        assert!(!enc.fits(&ev(10 + 32_768, 1_000, 5)));
+        assert!(!enc.fits(&ev(11, 1_000 + (1 << 31), 5)));
+        assert!(!enc.fits(&ev(11, 1_000, 5 + 40_000)));
+        let t = 1u64 << 40;
+        let wild = [
+            ev(0, 0, 0),
+            ev(t, 0, 0),
+            ev(t + 1, t, 0),
+            ev(t + 2, t, 1 << 20),
+            ev(t + 3, t - 5, 1 << 20),
+        ];
+        let blocks = encode(&wild);
+        assert_eq!(blocks.len(), 4);
+        assert_eq!(decode(&blocks), Ok(wild.to_vec()));
+    }
+
+    /// A block of two HookCall events built by hand, with `ts` timestamp
+    /// deltas, these request indices and `rows` HookCall rows.
+    fn hand_block(ts: &[u32], request: &[u16], rows: usize) -> Vec<u8> {
+        let mut fbb = FlatBufferBuilder::new();
+        let seq = fbb.create_vector(&[0u16, 2]);
+        let ts = fbb.create_vector(ts);
+        let engine = fbb.create_vector(&[0u32, 0]);
+        let iteration = fbb.create_vector(&[0u16, 0]);
+        let request = fbb.create_vector(request);
+        let kind = fbb.create_vector(&[fb::EventKind::HookCall.0; 2]);
+        let requests = fbb.create_vector::<WIPOffset<&str>>(&[]);
+        let row = fb::HookCallRow::new(fb::EntryPoint::CreateSlot, fb::HookPhase::Will);
+        let hook_call = fbb.create_vector(&vec![row; rows]);
+        let root = fb::EventBlock::create(
+            &mut fbb,
+            &fb::EventBlockArgs {
+                seq_delta: Some(seq),
+                ts_delta: Some(ts),
+                engine: Some(engine),
+                iteration_delta: Some(iteration),
+                request: Some(request),
+                kind: Some(kind),
+                requests: Some(requests),
+                hook_call: Some(hook_call),
+                ..Default::default()
+            },
+        );
+        fbb.finish(root, Some(BLOCK_IDENTIFIER));
+        fbb.finished_data().to_vec()
+    }
+
+    #[test]
+    fn inconsistent_columns_are_refused() {
+        let good = decode_block(&hand_block(&[0, 0], &[0, 0], 2)).unwrap();
+        assert_eq!(good.iter().map(|e| e.seq).collect::<Vec<_>>(), [0, 1]);
+        assert!(matches!(
+            verify_block(&hand_block(&[0], &[0, 0], 2)),
+            Err(BlockError::ColumnLength {
+                column: "ts_delta",
+                len: 1,
+                events: 2
+            })
+        ));
+        assert!(matches!(
+            verify_block(&hand_block(&[0, 0], &[0, 0], 1)),
+            Err(BlockError::KindRows {
+                column: "hook_call",
+                rows: 1,
+                events: 2
+            })
+        ));
+        assert!(matches!(
+            verify_block(&hand_block(&[0, 0], &[0, 3], 2)),
+            Err(BlockError::RequestIndex {
+                index: 1,
+                value: 3,
+                count: 0
+            })
+        ));
+        assert!(decode_block(b"short").is_err());
+        let record =
+            crate::convert::encode(&sample_events()[0], &mut FlatBufferBuilder::new()).to_vec();
+        assert!(matches!(
+            decode_block(&record),
+            Err(BlockError::WrongIdentifier { .. })
+        ));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn any_events_round_trip(events in vec(event(), 1..40)) {
+            prop_assert_eq!(decode(&encode(&events)), Ok(events));
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        #[test]
+        fn random_bytes_never_panic(mut bytes in vec(any::<u8>(), 0..512), with_id in any::<bool>()) {
+            if with_id && bytes.len() >= 8 {
+                bytes[4..8].copy_from_slice(BLOCK_IDENTIFIER.as_bytes());
+            }
+            check(&bytes)?;
+        }
+
+        #[test]
+        fn mutated_blocks_never_panic(events in vec(event(), 1..12), muts in vec(mutation(), 1..4)) {
+            let blocks = encode(&events);
+            let mut bytes = blocks[0].clone();
+            for m in &muts {
+                if bytes.len() < 8 {
+                    break;
+                }
+                apply(&mut bytes, m);
+            }
+            check(&bytes)?;
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! The attach protocol, version [`PROTOCOL_VERSION`]: what the attach
+//! server ([`kvbm_attach::server`]) and its clients (the console's `attach`,
+//! `kvbm-recorder record --from`) say to each other.
+//!
+//! # HTTP
+//! Every request may carry [`VERSION_HEADER`]; a value other than
+//! [`PROTOCOL_VERSION`] is refused with `400` and an [`ApiError`] whose
+//! `code` is `"protocol_mismatch"`. Every response carries the header with
+//! the server's version. Errors are JSON [`ApiError`]s with a 4xx/5xx
+//! status, never a panic.
+//!
+//! - `GET /health` → `{"status":"ok","protocol":1,...}` ([`Health`]).
+//! - `GET /snapshot` → the reducer's `EngineState` as JSON.
+//! - `GET /metrics` → Prometheus text, every name prefixed `kvbm_`.
+//! - `GET /breakpoints` → [`BreakpointsView`]; `POST /breakpoints` with a
+//!   `BreakpointSpec` (unknown fields refused) → `{"id":N}`;
+//!   `DELETE /breakpoints/{id}`; `POST /breakpoints/clear`;
+//!   `POST /resume` with `{"pause_id":N}` or `{}` (all);
+//!   `POST /step`. A request with [`CLIENT_HEADER`] naming a connected
+//!   WebSocket client makes that client the owner of what it sets.
+//!   Apart from `POST /breakpoints`, control endpoints answer with the
+//!   [`ControlResult`] as JSON (`{"done":true}`, `{"count":2}`); an id that
+//!   names no breakpoint (`DELETE`) or no paused call (`/resume`) is a
+//!   `404 not_found`.
+//! - `GET /events?since=SEQ&version=1` upgrades to a WebSocket (below).
+//!
+//! With a token configured, requests need `Authorization: Bearer TOKEN`
+//! (control endpoints always; read-only ones unless opened by config).
+//!
+//! # WebSocket `/events`
+//! The server speaks first: a text frame with [`ServerMsg::Hello`]. Then
+//! binary frames, each an [`encode_batch`] of events in sequence order,
+//! starting at `since` (or at the oldest event the server holds when
+//! `since` is absent). When events from the requested range are no longer
+//! held (the ring overwrote them, or they were lost before the server saw
+//! them), a [`ServerMsg::Gap`] text frame says which sequence numbers are
+//! missing before the events after them are sent: a client that resumes
+//! with `since = last seq + 1` gets no duplicates and no silent gaps.
+//! [`ServerMsg::Live`] marks the end of the backfill.
+//!
+//! The client may send [`ClientMsg`] text frames: `Control` commands are
+//! answered by [`ServerMsg::Reply`] with the same `id`; breakpoints set
+//! this way belong to the connection, and when it closes its paused calls
+//! resume and its breakpoints are removed (unless the server is configured
+//! otherwise). The server pushes [`ServerMsg::Breakpoints`] when the
+//! breakpoints or paused calls change (and at least every second while any
+//! exist), so a client never has to poll.
+
+use kvbm_events::Event;
+use kvbm_events::control::{BreakpointsView, ControlCommand, ControlResult};
+use serde::{Deserialize, Serialize};
+
+/// The protocol version both sides state.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// HTTP header carrying the protocol version (requests and responses).
+pub const VERSION_HEADER: &str = "x-kvbm-protocol";
+
+/// HTTP header naming the WebSocket client (its `Hello.client`) a control
+/// request acts for.
+pub const CLIENT_HEADER: &str = "x-kvbm-client";
+
+/// A JSON error body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct ApiError {
+    /// A stable machine-readable code (`bad_request`, `unauthorized`,
+    /// `not_found`, `protocol_mismatch`, `too_many_clients`,
+    /// `too_many_connections`,
+    /// `payload_too_large`, `no_breakpoints`, `refused`,
+    /// `method_not_allowed`, `shutting_down`, `internal`).
+    pub code: String,
+    /// What was wrong, for a person.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error with this code and message.
+    pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError {
+            code: code.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// `GET /health`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    /// `"ok"`.
+    pub status: String,
+    /// The server's protocol version.
+    pub protocol: u32,
+    /// The engine id.
+    pub engine: u32,
+    /// Sequence number of the newest event held, if any.
+    pub last_seq: Option<u64>,
+}
+
+/// Why events are missing from a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GapReason {
+    /// The server's ring no longer holds them (asked too late, or read too
+    /// slowly).
+    Overwritten,
+    /// The server never saw them (lost between the engine and the ring).
+    Lost,
+}
+
+/// A text frame from the server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ServerMsg {
+    /// The first frame.
+    Hello {
+        /// The server's protocol version.
+        protocol: u32,
+        /// The engine id.
+        engine: u32,
+        /// This connection's client id (for [`CLIENT_HEADER`]).
+        client: u64,
+        /// Oldest and newest sequence numbers the server holds now.
+        first_seq: Option<u64>,
+        /// See `first_seq`.
+        last_seq: Option<u64>,
+    },
+    /// Events `from_seq ..= to_seq` will not be sent.
+    Gap {
+        /// First missing sequence number.
+        from_seq: u64,
+        /// Last missing sequence number.
+        to_seq: u64,
+        /// Why.
+        reason: GapReason,
+    },
+    /// The backfill is over; what follows is live.
+    Live,
+    /// The breakpoints and paused calls changed.
+    Breakpoints(BreakpointsView),
+    /// The answer to a [`ClientMsg::Control`].
+    Reply {
+        /// The command's id.
+        id: u64,
+        /// What it returned, or why it failed.
+        result: Result<ControlResult, ApiError>,
+    },
+    /// The server is closing this connection, and why.
+    Error(ApiError),
+}
+
+/// A text frame from the client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ClientMsg {
+    /// A breakpoint command, answered by a [`ServerMsg::Reply`].
+    Control {
+        /// Echoed in the reply.
+        id: u64,
+        /// The command.
+        command: ControlCommand,
+    },
+}
+
+/// Why a binary frame could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchError {
+    /// The frame ended inside a length or a record.
+    #[error("event batch truncated at byte {at} of {len}")]
+    Truncated {
+        /// Where.
+        at: usize,
+        /// Frame length.
+        len: usize,
+    },
+    /// More records than the frame could hold, or a record larger than
+    /// [`MAX_RECORD`].
+    #[error("event batch malformed at byte {at}: {reason}")]
+    Malformed {
+        /// Where.
+        at: usize,
+        /// What.
+        reason: String,
+    },
+    /// A record failed the flatbuffers verifier or conversion.
+    #[error("event {index} of the batch does not decode: {reason}")]
+    Record {
+        /// Its index in the batch.
+        index: usize,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Largest record accepted in a batch.
+pub const MAX_RECORD: usize = 1 << 20;
+
+/// A binary frame: `u32` LE count, then per event a `u32` LE length and a
+/// flatbuffers record ([`crate::convert`]).
+pub fn encode_batch(events: &[Event], enc: &mut crate::convert::Encoder, out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(&(events.len() as u32).to_le_bytes());
+    for e in events {
+        let rec = enc.encode(e);
+        out.extend_from_slice(&(rec.len() as u32).to_le_bytes());
+        out.extend_from_slice(rec);
+    }
+}
+
+/// Reads a binary frame written by [`encode_batch`], verifying every
+/// record. Never panics on any input.
+pub fn decode_batch(frame: &[u8]) -> Result<Vec<Event>, BatchError> {
+    let len = frame.len();
+    let word = |at: usize| -> Result<usize, BatchError> {
+        frame
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+            .ok_or(BatchError::Truncated { at, len })
+    };
+    let count = word(0)?;
+    // Each record takes at least its 4-byte length.
+    if count > (len - 4) / 4 {
+        return Err(BatchError::Malformed {
+            at: 0,
+            reason: format!("{count} records cannot fit in {len} bytes"),
+        });
+    }
+    let mut out = Vec::with_capacity(count);
+    let mut at = 4;
+    for index in 0..count {
+        let n = word(at)?;
+        if n > MAX_RECORD {
+            return Err(BatchError::Malformed {
+                at,
+                reason: format!("record of {n} bytes exceeds {MAX_RECORD}"),
+            });
+        }
+        let body = frame
+            .get(at + 4..at + 4 + n)
+            .ok_or(BatchError::Truncated { at: at + 4, len })?;
+        let ev = crate::convert::decode(body).map_err(|e| BatchError::Record {
+            index,
+            reason: e.to_string(),
+        })?;
+        out.push(ev);
+        at += 4 + n;
+    }
+    if at != len {
+        return Err(BatchError::Malformed {
+            at,
+            reason: format!("{} trailing bytes", len - at),
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::convert::Encoder;
+    use kvbm_events::EventKind;
+    use proptest::prelude::*;
+
+    fn ev(seq: u64) -> Event {
+        Event {
+            engine: 3,
+            seq,
+            ts_ns: seq * 10,
+            iteration: 1,
+            request: Some("r".into()),
+            kind: EventKind::TokensScheduled {
+                prefill: 1,
+                decode: 2,
+                computed: 3,
+            },
+        }
+    }
+
+    #[test]
+    fn batches_round_trip() {
+        let events: Vec<Event> = (0..10).map(ev).collect();
+        let mut buf = Vec::new();
+        encode_batch(&events, &mut Encoder::new(), &mut buf);
+        assert_eq!(decode_batch(&buf).unwrap(), events);
+        encode_batch(&[], &mut Encoder::new(), &mut buf);
+        assert_eq!(decode_batch(&buf).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn messages_have_a_stable_json_shape() {
+        let m = ServerMsg::Gap {
+            from_seq: 5,
+            to_seq: 9,
+            reason: GapReason::Overwritten,
+        };
+        assert_eq!(
+            serde_json::to_string(&m).unwrap(),
+            r#"{"type":"gap","from_seq":5,"to_seq":9,"reason":"overwritten"}"#
+        );
+        let c: ClientMsg = serde_json::from_str(
+            r#"{"type":"control","id":7,"command":{"command":"resume","pause_id":null}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c,
+            ClientMsg::Control {
+                id: 7,
+                command: ControlCommand::Resume { pause_id: None }
+            }
+        );
+        assert!(
+            serde_json::from_str::<ClientMsg>(
+                r#"{"type":"control","id":1,"command":{"command":"step"},"x":1}"#
+            )
+            .is_err()
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+        #[test]
+        fn decoding_random_or_mutated_frames_never_panics(
+            bytes in proptest::collection::vec(any::<u8>(), 0..256),
+            flip in any::<usize>(),
+            bit in 0u8..8,
+        ) {
+            let _ = decode_batch(&bytes);
+            let mut buf = Vec::new();
+            encode_batch(&[ev(1), ev(2)], &mut Encoder::new(), &mut buf);
+            let i = flip % buf.len();
+            buf[i] ^= 1 << bit;
+            let _ = decode_batch(&buf);
+            buf.truncate(flip % buf.len());
+            prop_assert!(decode_batch(&buf).is_err() || buf.is_empty());
+        }
+    }
+}
