@@ -7,38 +7,21 @@ use anyhow::{Context, Result};
 use kvbm_core::hooks::{Breakpoints, HookSet};
 use kvbm_events::ring::{RingBuffer, RingConfig};
 use kvbm_recorder::recorder::{RecordError, RecorderConfig, Recording, spawn_recorder};
-use kvbm_sim::sim::{Pacing, SimConfig, SimReport, Simulator};
-use kvbm_sim::workload::{LengthDist, SyntheticConfig, generate};
+use kvbm_sim::args::SimArgs;
+use kvbm_sim::sim::{Pacing, SimReport, Simulator};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// The demo engine's settings (from the command line).
+/// The demo engine's settings (from the command line): the simulator's
+/// own options ([`SimArgs`], with the demo's defaults set by
+/// [`demo_defaults`]) and the demo's.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// Engine speed × real time.
-    #[arg(long, default_value_t = 1.0, value_parser = parse_speed)]
-    pub speed: f64,
-    /// Requests in the synthetic workload (the engine idles after them).
-    #[arg(long, default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
-    pub requests: u64,
-    /// Mean arrivals per second.
-    #[arg(long, default_value_t = 6.0, value_parser = parse_rate)]
-    pub rate: f64,
-    /// Workload seed.
-    #[arg(long, default_value_t = 2)]
-    pub seed: u64,
-    /// G1 capacity in tokens (small, so blocks move between tiers).
-    #[arg(long, default_value_t = 32 * 1024)]
-    pub device_tokens: usize,
-    /// G2 capacity in tokens.
-    #[arg(long, default_value_t = 64 * 1024)]
-    pub host_tokens: usize,
-    /// G3 capacity in tokens (0 disables the disk tier).
-    #[arg(long, default_value_t = 256 * 1024)]
-    pub disk_tokens: usize,
+    #[command(flatten)]
+    pub sim: SimArgs,
     /// Keep the recording in this directory (default: a temporary one,
     /// removed on exit).
     #[arg(long)]
@@ -51,22 +34,29 @@ pub struct DemoArgs {
     pub bp_deadline_s: u64,
 }
 
-fn parse_speed(s: &str) -> Result<f64, String> {
-    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
-    if (0.01..=1000.0).contains(&v) {
-        Ok(v)
-    } else {
-        Err(format!("{v} is outside 0.01..=1000"))
-    }
-}
-
-fn parse_rate(s: &str) -> Result<f64, String> {
-    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
-    if v.is_finite() && v > 0.0 && v <= 10_000.0 {
-        Ok(v)
-    } else {
-        Err(format!("{s} must be in (0, 10000]"))
-    }
+/// The demo's own defaults for the simulator's options, shown by
+/// `demo --help`: real time, a long-running, busier workload with longer
+/// prompts sharing prefixes, and tiers small enough that blocks keep moving
+/// between G1, G2 and G3.
+pub fn demo_defaults(cmd: clap::Command) -> clap::Command {
+    [
+        ("real_time", "1"),
+        ("requests", "5000"),
+        ("rate", "6"),
+        ("seed", "2"),
+        ("prompt_len", "1536"),
+        ("output_len", "160"),
+        ("length_sigma", "0.6"),
+        ("max_len", "8192"),
+        ("shared_prefix_ratio", "0.6"),
+        ("shared_prefixes", "6"),
+        ("shared_prefix_len", "768"),
+        ("device_capacity_tokens", "32768"),
+        ("host_capacity_tokens", "65536"),
+        ("disk_capacity_tokens", "262144"),
+    ]
+    .into_iter()
+    .fold(cmd, |cmd, (id, v)| cmd.mut_arg(id, |a| a.default_value(v)))
 }
 
 /// A running embedded engine.
@@ -99,32 +89,12 @@ impl Embedded {
             .build()
             .context("starting the engine's runtime")?;
         let runtime = rt.handle().clone();
-        let workload = generate(&SyntheticConfig {
-            seed: args.seed,
-            num_requests: args.requests as usize,
-            arrival_rate_per_s: args.rate,
-            prompt_len: LengthDist::LogNormal {
-                mean: 1536.0,
-                sigma: 0.6,
-            },
-            output_len: LengthDist::LogNormal {
-                mean: 160.0,
-                sigma: 0.6,
-            },
-            shared_prefix_ratio: 0.6,
-            num_shared_prefixes: 6,
-            shared_prefix_len: 768,
-            max_len: 8192,
-            ..SyntheticConfig::default()
-        })
-        .context("building the demo workload")?;
-        let cfg = SimConfig {
-            device_capacity_tokens: args.device_tokens,
-            host_capacity_tokens: args.host_tokens,
-            disk_capacity_tokens: args.disk_tokens,
-            pacing: Pacing::RealTime { speed: args.speed },
-            ..SimConfig::default()
-        };
+        let loaded = args.sim.load().context("the demo's engine")?;
+        let (mut cfg, workload) = (loaded.config, loaded.workload);
+        // The console shows a live engine: it always runs in real time.
+        if !matches!(cfg.pacing, Pacing::RealTime { .. }) {
+            cfg.pacing = Pacing::RealTime { speed: 1.0 };
+        }
         let (dir, tmp) = match &args.record {
             Some(d) => (d.clone(), None),
             None => {

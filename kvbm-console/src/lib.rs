@@ -24,3 +24,4 @@ pub mod remote;
 pub mod run;
 pub mod source;
 pub mod ui;
+pub mod walkthrough;

@@ -4,10 +4,11 @@
 //!   time with recording on.
 //! - `attach URL`: the console on a remote engine's attach server.
 //! - `replay DIR`: the console on a recorded log.
-//! - `walkthrough`: seed 002's story through the real pipelines, as text.
+//! - `walkthrough`: the CPU-offload walk-through through the real
+//!   pipelines, as text.
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvbm_attach::client::{ClientConfig, ConnState};
 use kvbm_console::app::{App, Source};
 use kvbm_console::embedded::{DemoArgs, Embedded};
@@ -15,7 +16,7 @@ use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::remote::{Remote, ZmqRemote};
 use kvbm_console::run::{Term, run};
 use kvbm_console::source::{LiveSource, ReplaySource};
-use kvbm_sim::walkthrough;
+use kvbm_console::walkthrough;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -92,8 +93,17 @@ enum Command {
         #[command(flatten)]
         view: ViewArgs,
     },
-    /// Seed 002's walk-through through the real pipelines, printed as text.
+    /// The CPU-offload walk-through, printed as text: request A is offloaded
+    /// to the host and disk, request C pushes it out, request B hits A's
+    /// prefix on disk and is onboarded back, every copy checked byte for
+    /// byte.
     Walkthrough(walkthrough::WalkthroughArgs),
+}
+
+/// The command line, with the demo's own defaults for the simulator's
+/// options.
+fn cli_command() -> clap::Command {
+    Cli::command().mut_subcommand("demo", kvbm_console::embedded::demo_defaults)
 }
 
 fn main() -> Result<()> {
@@ -106,7 +116,7 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli = Cli::from_arg_matches(&cli_command().get_matches())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -343,25 +343,25 @@ fn golden(name: &str, lines: &[String]) {
     assert_eq!(got, want, "frame {name} differs from {}", path.display());
 }
 
-/// Seed 002's walk-through, replayed to its end through the reducer and
+/// The CPU-offload walk-through, replayed to its end through the reducer and
 /// the UI state, draws these exact frames.
 #[test]
-fn the_seed002_replay_reaches_known_frames() {
-    let mut app = replay_app("seed002-walkthrough");
+fn the_cpu_offload_replay_reaches_known_frames() {
+    let mut app = replay_app("cpu-offload-walkthrough");
     special(&mut app, KeyCode::End);
-    golden("seed002-slots-160x48", &draw(&mut app, 160, 48));
-    golden("seed002-slots-80x24", &draw(&mut app, 80, 24));
+    golden("cpu-offload-slots-160x48", &draw(&mut app, 160, 48));
+    golden("cpu-offload-slots-80x24", &draw(&mut app, 80, 24));
     key(&mut app, '2');
-    golden("seed002-transfers-160x48", &draw(&mut app, 160, 48));
+    golden("cpu-offload-transfers-160x48", &draw(&mut app, 160, 48));
     key(&mut app, '3');
-    golden("seed002-pools-160x48", &draw(&mut app, 160, 48));
+    golden("cpu-offload-pools-160x48", &draw(&mut app, 160, 48));
     key(&mut app, '4');
-    golden("seed002-histograms-160x48", &draw(&mut app, 160, 48));
+    golden("cpu-offload-histograms-160x48", &draw(&mut app, 160, 48));
     key(&mut app, '6');
-    golden("seed002-events-160x48", &draw(&mut app, 160, 48));
+    golden("cpu-offload-events-160x48", &draw(&mut app, 160, 48));
     key(&mut app, '1');
     special(&mut app, KeyCode::Enter);
-    golden("seed002-detail-160x48", &draw(&mut app, 160, 48));
+    golden("cpu-offload-detail-160x48", &draw(&mut app, 160, 48));
     // Stepping back one event at a time and forward again lands on the
     // same frame (the checkpointed model rebuilds exactly).
     special(&mut app, KeyCode::Esc);
@@ -371,5 +371,5 @@ fn the_seed002_replay_reaches_known_frames() {
     for _ in 0..10 {
         key(&mut app, '.');
     }
-    golden("seed002-slots-160x48", &draw(&mut app, 160, 48));
+    golden("cpu-offload-slots-160x48", &draw(&mut app, 160, 48));
 }

@@ -1,4 +1,4 @@
-//! End to end: the real `kvbm-console` binary runs the seed-002 walk-through (text) and succeeds.
+//! End to end: the real `kvbm-console` binary runs the CPU-offload walk-through (text) and succeeds.
 
 use std::process::Command;
 

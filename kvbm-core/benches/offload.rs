@@ -3,14 +3,14 @@
 //! Run: `cargo bench -p kvbm-core --bench offload` (`KVBM_BENCH_QUICK=1`
 //! for a short run). Two workloads:
 //!
-//! - 2 MiB blocks: G1 → G2 through the whole pipeline (seed defaults:
+//! - 2 MiB blocks: G1 → G2 through the whole pipeline (default settings:
 //!   batches of 8..64 blocks, one transfer at a time), against the same
 //!   blocks copied by the raw memcpy engine through a `TierLink` in batches
 //!   of 8 (what the pipeline's batches hold here);
 //! - 1-byte blocks: the same, so the copy costs nothing and what is left is
 //!   the pipeline's own overhead per block (policy stage, queues, batching,
 //!   upgrade, destination allocation and registration, status updates).
-//!   With the seed's defaults a batch is 8 blocks and one transfer runs at a
+//!   With the default settings a batch is 8 blocks and one transfer runs at a
 //!   time, so tiny blocks are bound by the round trip to the engine's
 //!   worker thread; a second row uses batches of 64 and 4 transfers.
 
@@ -181,7 +181,7 @@ fn main() {
     let (tp, tr, bb) = rt.block_on(run(true, n, rounds, seed));
     let gb = |t: f64| (n * bb) as f64 / t / 1e9;
     println!(
-        "| {n} blocks of {} MiB per round, seed defaults (batches of 8, 1 transfer at a time) | {:.0} blocks/s = {:.2} GB/s | {:.0} blocks/s = {:.2} GB/s | {:.0}% |",
+        "| {n} blocks of {} MiB per round, default settings (batches of 8, 1 transfer at a time) | {:.0} blocks/s = {:.2} GB/s | {:.0} blocks/s = {:.2} GB/s | {:.0}% |",
         bb >> 20,
         n as f64 / tp,
         gb(tp),
@@ -191,7 +191,10 @@ fn main() {
     );
 
     for (name, cfg) in [
-        ("seed defaults (batches of 8, 1 transfer at a time)", seed),
+        (
+            "default settings (batches of 8, 1 transfer at a time)",
+            seed,
+        ),
         ("batches of 64, 4 transfers at a time", wide),
     ] {
         let (n, rounds) = if quick { (2048, 3) } else { (16384, 15) };

@@ -1,4 +1,4 @@
-//! The block lifecycle (seed 000) as types.
+//! The block lifecycle as types.
 //!
 //! ```text
 //! Empty ─init─▶ Partial ─ready─▶ ReadyForScheduling ─schedule_compute─▶ Inflight
@@ -22,7 +22,7 @@
 //! A [`WeakBlock`] either upgrades (from a live `Arc`, or by reviving the
 //! inactive block from the pool) or reports that the block is gone.
 //!
-//! Design note on `ready`: the seed's diagram moves Partial to
+//! Design note on `ready`: the lifecycle diagram moves Partial to
 //! ReadyForScheduling when tokens are added, and Inflight back to Partial
 //! when a compute finishes on a block that is not full. Both only make sense
 //! if a not-yet-full block can be scheduled (the tail block of a decoding

@@ -1,4 +1,4 @@
-//! The scheduler side of the KV connector (seed 003's leader) and the
+//! The scheduler side of the KV connector (the connector's leader) and the
 //! worker side that runs its loads and stores.
 //!
 //! The leader is shaped like vLLM's KV-connector scheduler API: the engine
@@ -14,7 +14,7 @@
 //! an event. A slot in Finishing reaches Finished only when its candidates
 //! have drained.
 //!
-//! Offload modes (seed 002): **eager** stores every block as soon as a
+//! Offload modes (as in a CPU-offload connector): **eager** stores every block as soon as a
 //! forward pass has computed it (the store waits for that pass: its
 //! precondition); **lazy** stores a request's blocks when it finishes, just
 //! before they become evictable on the device. With a disk tier, blocks that

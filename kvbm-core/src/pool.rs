@@ -211,7 +211,9 @@ impl BlockPool {
                 max,
             });
         }
-        let slots = (0..config.capacity).map(|_| Slot::default()).collect();
+        let slots = (0..config.capacity)
+            .map(|_| BlockEntry::default())
+            .collect();
         // Pop order 0, 1, 2, ...: a fresh pool hands out ids in order.
         let free = (0..config.capacity as BlockId).rev().collect();
         Ok(BlockPool {
@@ -448,7 +450,7 @@ enum Status {
 }
 
 #[derive(Debug)]
-struct Slot {
+struct BlockEntry {
     status: Status,
     /// Bumped on eviction: weak handles taken before it no longer upgrade.
     generation: u32,
@@ -462,9 +464,9 @@ struct Slot {
     next: u32,
 }
 
-impl Default for Slot {
+impl Default for BlockEntry {
     fn default() -> Self {
-        Slot {
+        BlockEntry {
             status: Status::Empty,
             generation: 0,
             epoch: 0,
@@ -511,7 +513,7 @@ impl Hasher for IdentityHasher {
 type Registry = HashMap<SequenceHash, BlockId, BuildHasherDefault<IdentityHasher>>;
 
 struct PoolState {
-    slots: Vec<Slot>,
+    slots: Vec<BlockEntry>,
     free: Vec<BlockId>,
     registry: Registry,
     /// Inactive blocks: one intrusive list per priority, oldest first.

@@ -1,4 +1,5 @@
-//! The offload pipeline against policies P1–P6 and its other promises.
+//! The offload pipeline against its cancellation rules (P1 to P6, as the
+//! README defines them) and its other promises.
 //! Each test is built so that it fails when the rule it names is broken.
 
 use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};

@@ -175,14 +175,14 @@ struct TapLoss {
 }
 
 /// An event in the tap, with the number dropped just before it.
-type Slot<E> = (u64, E);
+type TapEntry<E> = (u64, E);
 
 /// A publish/subscribe bus for events of type `E`. See the module docs.
 pub struct EventBus<E: Clone + Send + 'static> {
     live: broadcast::Sender<E>,
     shared: Arc<Shared>,
     tap: Arc<TapShared>,
-    tap_tx: OnceLock<SyncSender<Slot<E>>>,
+    tap_tx: OnceLock<SyncSender<TapEntry<E>>>,
     config: BusConfig,
 }
 
@@ -449,7 +449,7 @@ pub enum TapItem<E> {
 /// The tap's single consumer. Dropping it detaches the tap: publishing stops
 /// offering events to it, and whatever it did not receive counts as dropped.
 pub struct TapReceiver<E> {
-    rx: mpsc::Receiver<Slot<E>>,
+    rx: mpsc::Receiver<TapEntry<E>>,
     tap: Arc<TapShared>,
     /// An event held back while its gap marker is delivered first.
     held: Option<E>,
@@ -473,7 +473,7 @@ impl<E> TapReceiver<E> {
         TapItem::Event(event)
     }
 
-    fn unpack(&mut self, (gap, event): Slot<E>) -> TapItem<E> {
+    fn unpack(&mut self, (gap, event): TapEntry<E>) -> TapItem<E> {
         if gap == 0 {
             return self.deliver(event);
         }

@@ -1,4 +1,4 @@
-//! Per-request slot states (seed 003's "v1 logic") as a checked state
+//! Per-request slot states (the KV connector's slot lifecycle) as a checked state
 //! machine.
 //!
 //! ```text

@@ -272,7 +272,7 @@ fn parse_kind(s: &str) -> Option<Kind> {
         .map(Kind::Event)
 }
 
-/// Numeric fields, by slot in [`Fields::num`].
+/// Numeric fields, by position in [`Fields::num`].
 #[derive(Debug, Clone, Copy)]
 enum Num {
     PromptTokens,
@@ -478,7 +478,7 @@ impl ReqText {
     }
 }
 
-enum Slot {
+enum KnownField {
     Kind,
     Request,
     State,
@@ -491,41 +491,41 @@ enum Slot {
     Transfers,
 }
 
-fn slot_of(name: &str) -> Option<Slot> {
+fn field_of(name: &str) -> Option<KnownField> {
     Some(match name {
-        "kind" => Slot::Kind,
-        "request_id" | "request" => Slot::Request,
-        "state" | "to" => Slot::State,
-        "from" => Slot::From,
-        "tier" => Slot::Tier,
-        "direction" => Slot::Direction,
-        "ok" => Slot::Ok,
-        "reason" | "error" => Slot::Text,
-        "transfers" => Slot::Transfers,
-        "prompt_tokens" => Slot::Num(Num::PromptTokens),
-        "max_output_tokens" => Slot::Num(Num::MaxOutputTokens),
-        "looked_up" => Slot::Num(Num::LookedUp),
-        "hit_blocks" => Slot::Num(Num::HitBlocks),
-        "hit_tokens" => Slot::Num(Num::HitTokens),
-        "count" => Slot::Num(Num::Count),
-        "block" => Slot::Num(Num::Block),
-        "first_block" => Slot::Num(Num::FirstBlock),
-        "hash" | "sequence_hash" => Slot::Num(Num::Hash),
-        "duplicate_of" => Slot::Num(Num::DuplicateOf),
-        "transfer" | "transfer_id" => Slot::Num(Num::Transfer),
-        "blocks" => Slot::Num(Num::Blocks),
-        "bytes" => Slot::Num(Num::Bytes),
-        "batch" | "batch_id" => Slot::Num(Num::Batch),
-        "elapsed_ns" => Slot::Num(Num::ElapsedNs),
-        "capacity" => Slot::Num(Num::Capacity),
-        "active" => Slot::Num(Num::Active),
-        "inactive" => Slot::Num(Num::Inactive),
-        "empty" => Slot::Num(Num::Empty),
-        "prefill" => Slot::Num(Num::Prefill),
-        "decode" => Slot::Num(Num::Decode),
-        "computed" => Slot::Num(Num::Computed),
-        "iteration" => Slot::Num(Num::Iteration),
-        "tokens" => Slot::Num(Num::Tokens),
+        "kind" => KnownField::Kind,
+        "request_id" | "request" => KnownField::Request,
+        "state" | "to" => KnownField::State,
+        "from" => KnownField::From,
+        "tier" => KnownField::Tier,
+        "direction" => KnownField::Direction,
+        "ok" => KnownField::Ok,
+        "reason" | "error" => KnownField::Text,
+        "transfers" => KnownField::Transfers,
+        "prompt_tokens" => KnownField::Num(Num::PromptTokens),
+        "max_output_tokens" => KnownField::Num(Num::MaxOutputTokens),
+        "looked_up" => KnownField::Num(Num::LookedUp),
+        "hit_blocks" => KnownField::Num(Num::HitBlocks),
+        "hit_tokens" => KnownField::Num(Num::HitTokens),
+        "count" => KnownField::Num(Num::Count),
+        "block" => KnownField::Num(Num::Block),
+        "first_block" => KnownField::Num(Num::FirstBlock),
+        "hash" | "sequence_hash" => KnownField::Num(Num::Hash),
+        "duplicate_of" => KnownField::Num(Num::DuplicateOf),
+        "transfer" | "transfer_id" => KnownField::Num(Num::Transfer),
+        "blocks" => KnownField::Num(Num::Blocks),
+        "bytes" => KnownField::Num(Num::Bytes),
+        "batch" | "batch_id" => KnownField::Num(Num::Batch),
+        "elapsed_ns" => KnownField::Num(Num::ElapsedNs),
+        "capacity" => KnownField::Num(Num::Capacity),
+        "active" => KnownField::Num(Num::Active),
+        "inactive" => KnownField::Num(Num::Inactive),
+        "empty" => KnownField::Num(Num::Empty),
+        "prefill" => KnownField::Num(Num::Prefill),
+        "decode" => KnownField::Num(Num::Decode),
+        "computed" => KnownField::Num(Num::Computed),
+        "iteration" => KnownField::Num(Num::Iteration),
+        "tokens" => KnownField::Num(Num::Tokens),
         _ => return None,
     })
 }
@@ -536,48 +536,48 @@ impl Fields {
     }
 
     /// A field given as text (a `&str`, or a value's `Debug`/`Display`).
-    fn text(&mut self, slot: Slot, s: &str) {
-        match slot {
-            Slot::Kind => self.kind = Some(parse_kind(s).ok_or(())),
-            Slot::Request => self.request = Some(ReqText::new(s)),
-            Slot::State => self.state = Some(Small::copy_of(s)),
-            Slot::From => self.from = Some(Small::copy_of(s)),
-            Slot::Tier => match parse_tier(s) {
+    fn text(&mut self, known: KnownField, s: &str) {
+        match known {
+            KnownField::Kind => self.kind = Some(parse_kind(s).ok_or(())),
+            KnownField::Request => self.request = Some(ReqText::new(s)),
+            KnownField::State => self.state = Some(Small::copy_of(s)),
+            KnownField::From => self.from = Some(Small::copy_of(s)),
+            KnownField::Tier => match parse_tier(s) {
                 Some(t) => self.tier = Some(t),
                 None => self.bad = true,
             },
-            Slot::Direction => match parse_direction(s) {
+            KnownField::Direction => match parse_direction(s) {
                 Some(d) => self.direction = Some(d),
                 None => self.bad = true,
             },
-            Slot::Ok => match s {
+            KnownField::Ok => match s {
                 "true" => self.ok = Some(true),
                 "false" => self.ok = Some(false),
                 _ => self.bad = true,
             },
-            Slot::Text => self.text = Some(s.to_owned()),
-            Slot::Transfers => match parse_list(s) {
+            KnownField::Text => self.text = Some(s.to_owned()),
+            KnownField::Transfers => match parse_list(s) {
                 Some(l) => self.transfers = Some(l),
                 None => self.bad = true,
             },
-            Slot::Num(Num::Blocks) => match parse_u64(s) {
+            KnownField::Num(Num::Blocks) => match parse_u64(s) {
                 Some(v) => self.num[Num::Blocks as usize] = Some(v),
                 None => match parse_list(s) {
                     Some(l) => self.blocks_list = Some(l),
                     None => self.bad = true,
                 },
             },
-            Slot::Num(n) => match parse_u64(s) {
+            KnownField::Num(n) => match parse_u64(s) {
                 Some(v) => self.num[n as usize] = Some(v),
                 None => self.bad = true,
             },
         }
     }
 
-    fn number(&mut self, slot: Slot, v: u64) {
-        match slot {
-            Slot::Num(n) => self.num[n as usize] = Some(v),
-            Slot::Request => {
+    fn number(&mut self, known: KnownField, v: u64) {
+        match known {
+            KnownField::Num(n) => self.num[n as usize] = Some(v),
+            KnownField::Request => {
                 let mut s = Small::default();
                 let _ = write!(s, "{v}");
                 self.request = Some(ReqText::Inline(s));
@@ -589,76 +589,79 @@ impl Fields {
 
 impl Visit for Fields {
     fn record_u64(&mut self, field: &Field, value: u64) {
-        if let Some(slot) = slot_of(field.name()) {
-            self.number(slot, value);
+        if let Some(known) = field_of(field.name()) {
+            self.number(known, value);
         }
     }
 
     fn record_i64(&mut self, field: &Field, value: i64) {
-        if let Some(slot) = slot_of(field.name()) {
+        if let Some(known) = field_of(field.name()) {
             match u64::try_from(value) {
-                Ok(v) => self.number(slot, v),
+                Ok(v) => self.number(known, v),
                 Err(_) => self.bad = true,
             }
         }
     }
 
     fn record_u128(&mut self, field: &Field, value: u128) {
-        if let Some(slot) = slot_of(field.name()) {
+        if let Some(known) = field_of(field.name()) {
             match u64::try_from(value) {
-                Ok(v) => self.number(slot, v),
+                Ok(v) => self.number(known, v),
                 Err(_) => self.bad = true,
             }
         }
     }
 
     fn record_i128(&mut self, field: &Field, value: i128) {
-        if let Some(slot) = slot_of(field.name()) {
+        if let Some(known) = field_of(field.name()) {
             match u64::try_from(value) {
-                Ok(v) => self.number(slot, v),
+                Ok(v) => self.number(known, v),
                 Err(_) => self.bad = true,
             }
         }
     }
 
     fn record_f64(&mut self, field: &Field, _value: f64) {
-        if slot_of(field.name()).is_some() {
+        if field_of(field.name()).is_some() {
             self.bad = true;
         }
     }
 
     fn record_bool(&mut self, field: &Field, value: bool) {
-        match slot_of(field.name()) {
-            Some(Slot::Ok) => self.ok = Some(value),
+        match field_of(field.name()) {
+            Some(KnownField::Ok) => self.ok = Some(value),
             Some(_) => self.bad = true,
             None => {}
         }
     }
 
     fn record_str(&mut self, field: &Field, value: &str) {
-        if let Some(slot) = slot_of(field.name()) {
-            self.text(slot, value);
+        if let Some(known) = field_of(field.name()) {
+            self.text(known, value);
         }
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
-        let Some(slot) = slot_of(field.name()) else {
+        let Some(known) = field_of(field.name()) else {
             return;
         };
         let small = Small::from_debug(value);
         if small.ok() {
-            self.text(slot, small.as_str());
+            self.text(known, small.as_str());
             return;
         }
         // Only free text and ids may be long; formatting them allocates.
-        match slot {
-            Slot::Request | Slot::Text | Slot::Transfers | Slot::Num(Num::Blocks) => {
+        match known {
+            KnownField::Request
+            | KnownField::Text
+            | KnownField::Transfers
+            | KnownField::Num(Num::Blocks) => {
                 let s = format!("{value:?}");
                 let s = s
                     .strip_prefix('"')
                     .and_then(|t| t.strip_suffix('"'))
                     .unwrap_or(&s);
-                self.text(slot, s);
+                self.text(known, s);
             }
             _ => self.bad = true,
         }

@@ -59,7 +59,7 @@ impl Default for RecorderConfig {
 }
 
 /// What a recording holds; also the sidecar's contents.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Recording {
     /// Engine id.
     pub engine: u32,
@@ -80,6 +80,35 @@ pub struct Recording {
     /// markers are merged into the last one (totals stay exact).
     #[serde(default)]
     pub gaps: Vec<GapAt>,
+    /// Where the events came from, for a recording of a remote source (an
+    /// attach server's or a publisher's URL); absent for an in-process
+    /// engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// `Some(false)` when the recording stopped while the engine ran on (a
+    /// remote source): transfers in flight at its end are not lost.
+    /// Absent: the engine's stream ended with the recording.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_complete: Option<bool>,
+    /// Events the source no longer held when the recording started (a gap
+    /// before the first event written): not a loss inside the recording.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub missed_before_start: u64,
+    /// The source client's own counters at the end, as it reports them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client: Option<serde_json::Value>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl Recording {
+    /// Whether the engine's stream ended with the recording (see
+    /// [`stream_complete`](Self::stream_complete)).
+    pub fn is_stream_complete(&self) -> bool {
+        self.stream_complete.unwrap_or(true)
+    }
 }
 
 /// One gap marker of the tap, placed in the stream.
@@ -165,48 +194,20 @@ fn record(
     cfg: &RecorderConfig,
     ring: Option<&RingBuffer>,
 ) -> Result<Recording, RecordError> {
-    let mut writer = LogWriter::create(dir, cfg.log.clone())?;
-    let mut state = EngineState::default();
-    let mut rec = Recording {
-        schema_version: cfg.log.schema_version,
-        ..Recording::default()
-    };
-    let mut since_snapshot = 0u64;
+    let mut sink = RecordingSink::create(dir, cfg)?;
     let mut last_flush = std::time::Instant::now();
     let result: Result<(), RecordError> = loop {
         match tap.try_recv() {
             Ok(TapItem::Event(ev)) => {
-                if let Err(e) = writer.append(&ev) {
-                    break Err(e.into());
-                }
-                rec.events += 1;
-                rec.engine = ev.engine;
-                rec.first_seq.get_or_insert(ev.seq);
-                rec.last_seq = Some(ev.seq);
-                state.apply(&ev);
-                since_snapshot += 1;
-                if cfg.snapshot_every_events > 0 && since_snapshot >= cfg.snapshot_every_events {
-                    since_snapshot = 0;
-                    if let Ok(json) = serde_json::to_vec(&state)
-                        && writer.write_snapshot(ev.seq, ev.ts_ns, &json).is_ok()
-                    {
-                        rec.snapshots += 1;
-                    }
+                if let Err(e) = sink.append(&ev) {
+                    break Err(e);
                 }
                 if let Some(r) = ring {
                     r.push(ev);
                 }
             }
             Ok(TapItem::Gap { dropped }) => {
-                rec.lost += dropped;
-                if rec.gaps.len() < MAX_GAPS {
-                    rec.gaps.push(GapAt {
-                        after_seq: rec.last_seq,
-                        dropped,
-                    });
-                } else if let Some(last) = rec.gaps.last_mut() {
-                    last.dropped += dropped;
-                }
+                sink.gap(dropped);
                 if let Some(r) = ring {
                     r.record_gap(dropped);
                 }
@@ -214,8 +215,8 @@ fn record(
             Err(TryRecvError::Empty) => {
                 // Also where an interval fsync falls due while idle.
                 if last_flush.elapsed() >= cfg.flush_every {
-                    if let Err(e) = writer.flush() {
-                        break Err(e.into());
+                    if let Err(e) = sink.flush() {
+                        break Err(e);
                     }
                     last_flush = std::time::Instant::now();
                 }
@@ -227,11 +228,125 @@ fn record(
             Err(TryRecvError::Closed) => break Ok(()),
         }
     };
-    let closed = writer.close();
-    write_sidecar(dir, &rec)?;
+    let finished = sink.finish();
     result?;
-    closed?;
-    Ok(rec)
+    finished
+}
+
+/// A recording being written: the log, periodic reducer snapshots and the
+/// sidecar's bookkeeping (counts, losses placed where they happened). Every
+/// way of recording (an in-process engine's tap, an attach server, a ZMQ
+/// publisher) feeds one of these.
+pub struct RecordingSink {
+    dir: PathBuf,
+    writer: LogWriter,
+    state: EngineState,
+    rec: Recording,
+    since_snapshot: u64,
+    snapshot_every: u64,
+}
+
+impl std::fmt::Debug for RecordingSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordingSink")
+            .field("dir", &self.dir)
+            .field("recording", &self.rec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RecordingSink {
+    /// Creates the log in `dir` (which must not hold one).
+    pub fn create(dir: &Path, cfg: &RecorderConfig) -> Result<Self, RecordError> {
+        let writer = LogWriter::create(dir, cfg.log.clone())?;
+        Ok(RecordingSink {
+            dir: dir.to_path_buf(),
+            writer,
+            state: EngineState::default(),
+            rec: Recording {
+                engine: u32::try_from(cfg.log.engine_id).unwrap_or(u32::MAX),
+                schema_version: cfg.log.schema_version,
+                ..Recording::default()
+            },
+            since_snapshot: 0,
+            snapshot_every: cfg.snapshot_every_events,
+        })
+    }
+
+    /// Writes one event (and, every `snapshot_every_events`, a snapshot).
+    pub fn append(&mut self, ev: &Event) -> Result<(), RecordError> {
+        self.writer.append(ev)?;
+        let rec = &mut self.rec;
+        rec.events += 1;
+        rec.engine = ev.engine;
+        rec.first_seq.get_or_insert(ev.seq);
+        rec.last_seq = Some(ev.seq);
+        self.state.apply(ev);
+        self.since_snapshot += 1;
+        if self.snapshot_every > 0 && self.since_snapshot >= self.snapshot_every {
+            self.since_snapshot = 0;
+            // A snapshot is an index for seeking, derivable from the log: one
+            // that fails to serialise or write is skipped, not fatal.
+            if let Ok(json) = serde_json::to_vec(&self.state)
+                && self.writer.write_snapshot(ev.seq, ev.ts_ns, &json).is_ok()
+            {
+                self.rec.snapshots += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// `dropped` events were lost here (after the last event written).
+    /// Past [`MAX_GAPS`] positions, a loss is merged into the last one, so
+    /// the total stays exact.
+    pub fn gap(&mut self, dropped: u64) {
+        let rec = &mut self.rec;
+        rec.lost += dropped;
+        let full = rec.gaps.len() >= MAX_GAPS;
+        match rec.gaps.last_mut() {
+            Some(last) if full => last.dropped += dropped,
+            _ => rec.gaps.push(GapAt {
+                after_seq: rec.last_seq,
+                dropped,
+            }),
+        }
+    }
+
+    /// The source no longer held `n` events from before the first one
+    /// written: not a loss inside the recording.
+    pub fn missed_before_start(&mut self, n: u64) {
+        self.rec.missed_before_start += n;
+    }
+
+    /// Names the recording's remote source; its stream goes on after the
+    /// recording ends.
+    pub fn set_source(&mut self, source: impl Into<String>) {
+        self.rec.source = Some(source.into());
+        self.rec.stream_complete = Some(false);
+    }
+
+    /// Keeps the source client's counters in the sidecar.
+    pub fn set_client_counters(&mut self, counters: serde_json::Value) {
+        self.rec.client = Some(counters);
+    }
+
+    /// Hands what was appended to the OS (and fsyncs as the policy says).
+    pub fn flush(&mut self) -> Result<(), RecordError> {
+        Ok(self.writer.flush()?)
+    }
+
+    /// What has been recorded so far.
+    pub fn recording(&self) -> &Recording {
+        &self.rec
+    }
+
+    /// Closes the log and writes the sidecar; returns what was recorded.
+    pub fn finish(self) -> Result<Recording, RecordError> {
+        let closed = self.writer.close();
+        write_sidecar(&self.dir, &self.rec)?;
+        closed?;
+        Ok(self.rec)
+    }
 }
 
 fn write_sidecar(dir: &Path, rec: &Recording) -> Result<(), RecordError> {
@@ -389,5 +504,40 @@ mod tests {
         if tail_lost > 0 {
             assert!(!check_recording(&read.events, Some(&total_only), true).is_ok());
         }
+    }
+
+    /// Past `MAX_GAPS` positions a sink merges losses into the last one:
+    /// nothing is dropped, the total stays exact.
+    #[test]
+    fn a_full_gap_list_merges_rather_than_drops() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sink =
+            RecordingSink::create(&dir.path().join("log"), &RecorderConfig::default()).unwrap();
+        let ev = |seq| Event {
+            engine: 0,
+            seq,
+            ts_ns: seq,
+            iteration: 0,
+            request: None,
+            kind: gauge(),
+        };
+        sink.append(&ev(0)).unwrap();
+        for _ in 0..MAX_GAPS + 10 {
+            sink.gap(2);
+        }
+        sink.append(&ev(1)).unwrap();
+        sink.gap(5);
+        let rec = sink.finish().unwrap();
+        assert_eq!(rec.gaps.len(), MAX_GAPS);
+        assert_eq!(rec.lost, 2 * (MAX_GAPS as u64 + 10) + 5);
+        assert_eq!(rec.gaps.iter().map(|g| g.dropped).sum::<u64>(), rec.lost);
+        assert_eq!(
+            rec.gaps.last(),
+            Some(&GapAt {
+                after_seq: Some(0),
+                dropped: 2 * 11 + 5
+            })
+        );
+        assert_eq!(read_sidecar(&dir.path().join("log")), Some(rec));
     }
 }

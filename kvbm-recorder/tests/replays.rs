@@ -50,8 +50,8 @@ fn transitions(events: &[kvbm_events::Event]) -> Vec<SlotState> {
 }
 
 #[test]
-fn seed_002_walkthrough() {
-    let ev = replay("seed002-walkthrough");
+fn cpu_offload_walkthrough() {
+    let ev = replay("cpu-offload-walkthrough");
     assert!(transitions(&ev).contains(&SlotState::OnboardStaged(32)));
 }
 

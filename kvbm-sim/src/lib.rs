@@ -4,9 +4,12 @@
 //! - [`workload`]: what arrives (synthetic, Mooncake traces).
 //! - [`sim`]: the continuous-batching engine over the paged device pool,
 //!   with a worker model that turns work into (virtual or real) time.
-//! - [`walkthrough`]: the CPU-offload walk-through, a small scenario on
-//!   real pools, bytes and transfer engines.
+//! - [`scenario`]: built-in scenarios (the CPU-offload walk-through's two
+//!   requests).
+//! - [`args`]: the command-line options, declared once for every command
+//!   that runs the simulator.
 
+pub mod args;
+pub mod scenario;
 pub mod sim;
-pub mod walkthrough;
 pub mod workload;

@@ -2,8 +2,8 @@
 //! pool that drives the [`Leader`] exactly as an engine would, with real
 //! bytes moving through the transfer engines.
 //!
-//! One iteration (seed 004, algorithms 2 and 3, with recompute
-//! preemption):
+//! One iteration (continuous batching over a paged block allocator, with
+//! recompute preemption):
 //!
 //! 1. admit arrivals (`create_slot`);
 //! 2. admit waiting requests first come, first served: match the prompt on
@@ -179,9 +179,10 @@ fn setup<E: std::fmt::Display>(e: E) -> SimError {
     SimError::Setup(e.to_string())
 }
 
-/// Percentiles in milliseconds.
+/// A summary (percentiles, max, mean) of a series in milliseconds. (The
+/// recorder's `Percentiles` summarise its bounded histograms.)
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct Percentiles {
+pub struct MillisSummary {
     /// Median.
     pub p50: f64,
     /// 90th.
@@ -194,14 +195,14 @@ pub struct Percentiles {
     pub mean: f64,
 }
 
-impl Percentiles {
+impl MillisSummary {
     fn of(mut v: Vec<f64>) -> Self {
         if v.is_empty() {
             return Self::default();
         }
         v.sort_by(f64::total_cmp);
         let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
-        Percentiles {
+        MillisSummary {
             p50: at(0.5),
             p90: at(0.9),
             p99: at(0.99),
@@ -211,9 +212,11 @@ impl Percentiles {
     }
 }
 
-/// Transfers in one direction.
+/// What the offload or onboard pipeline of one direction reported by the
+/// end of the run (the reducer's `DirectionTotals` are the same story told
+/// by the events).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct DirectionStats {
+pub struct PipelineTotals {
     /// Candidates that completed.
     pub completed: u64,
     /// Candidates skipped (any reason).
@@ -240,9 +243,9 @@ pub struct SimReport {
     /// Requests preempted (each time).
     pub preemptions: u64,
     /// Transfers by direction ("G1→G2", ...).
-    pub transfers_by_direction: BTreeMap<String, DirectionStats>,
+    pub transfers_by_direction: BTreeMap<String, PipelineTotals>,
     /// Time to first token, ms of virtual time.
-    pub ttft_ms: Percentiles,
+    pub ttft_ms: MillisSummary,
     /// Events emitted.
     pub events_emitted: u64,
     /// Events lost by the recorder tap or lagged by live subscribers.
@@ -793,7 +796,7 @@ impl Simulator {
                     i += 1;
                 }
                 Err(_) => {
-                    // Victim: latest arrival (seed 004's default policy).
+                    // Victim: latest arrival (the usual recompute-preemption policy).
                     let victim = (0..self.running.len())
                         .max_by_key(|&j| (self.running[j].arrival_ns, j))
                         .unwrap_or(i);
@@ -1016,7 +1019,7 @@ impl Simulator {
             let s: PipelineStats = p.stats();
             by_dir.insert(
                 d.to_string(),
-                DirectionStats {
+                PipelineTotals {
                     completed: s.completed,
                     skipped: s.skipped.iter().map(|(_, n)| n).sum(),
                     blocks: s.blocks_transferred,
@@ -1044,7 +1047,7 @@ impl Simulator {
         } else {
             r.prefix_hit_tokens as f64 / r.prompt_tokens as f64
         };
-        r.ttft_ms = Percentiles::of(std::mem::take(&mut self.ttft));
+        r.ttft_ms = MillisSummary::of(std::mem::take(&mut self.ttft));
         r.events_emitted = self.emitter.emitted();
         r.events_lost = c.tap_dropped + c.lagged_total;
         self.report

@@ -1,5 +1,5 @@
 //! The simulated engine's event stream: the reducer rebuilds the engine's
-//! own state from it at random points of runs, and seed 002's CPU-offload
+//! own state from it at random points of runs, and the CPU-offload
 //! walk-through comes out as the expected sequence of events.
 
 use kvbm_core::hooks::{Breakpoints, HookSet};
@@ -158,7 +158,7 @@ fn req(id: &str, at_ms: f64, prompt: Vec<u32>, out: usize) -> RequestSpec {
     }
 }
 
-/// Seed 002 with full blocks: A is computed and offloaded eagerly to the
+/// The CPU-offload walk-through with full blocks: A is computed and offloaded eagerly to the
 /// host; B shares A's full-block prefix, misses on the device, hits on the
 /// host, loads it, computes the rest and stores its new block.
 #[test]

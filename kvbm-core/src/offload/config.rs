@@ -1,4 +1,6 @@
-//! Pipeline configuration, with the defaults of seed 001.
+//! Pipeline configuration, with the offload pipeline's published defaults
+//! (batches of 8–64 blocks, 10 ms flush, 100 ms policy timeout, 10 ms sweep,
+//! one transfer at a time).
 
 use std::time::Duration;
 

@@ -19,7 +19,7 @@
 //! selects on the precondition and its token, so a cancel drops it at once
 //! (P6).
 //!
-//! The executor is seed 000's OffloadManager: batches wait in the
+//! The executor is the OffloadManager: batches wait in the
 //! *in-queue* (weak references, by priority); up to `on_deck_capacity`
 //! batches are upgraded ahead of time and wait *on deck* (strong
 //! references, ready to go, filled first); at most

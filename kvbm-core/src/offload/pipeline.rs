@@ -624,7 +624,7 @@ struct Part {
     result: Option<Arc<Mutex<Option<Vec<ImmutableBlock>>>>>,
 }
 
-/// Stage 4, the OffloadManager of seed 000: batches wait in the in-queue
+/// Stage 4, the OffloadManager (on deck / in queue): batches wait in the in-queue
 /// holding weak references (cancellable); up to `on_deck_capacity` batches
 /// are upgraded ahead into strong, ready-to-go transfers (on deck, filled
 /// first); at most `max_concurrent_transfers` run. When one finishes, the

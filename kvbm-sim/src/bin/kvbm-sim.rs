@@ -13,27 +13,17 @@
 //! `:0`). Anything but 127.0.0.1 and ::1 needs `--token` (or `KVBM_TOKEN`).
 
 use anyhow::{Context, Result, bail};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use kvbm_attach::server::{FeederConfig, ServedEngine, Server, ServerConfig, spawn_feeder};
 use kvbm_core::hooks::{Breakpoints, HookSet};
-use kvbm_core::leader::OffloadMode;
 use kvbm_events::ring::{RingBuffer, RingConfig};
-use kvbm_sim::sim::{Pacing, SimConfig, SimReport, Simulator, WorkerModel};
-use kvbm_sim::workload::{
-    LengthDist, MooncakeOptions, SyntheticConfig, generate, parse_mooncake_lenient,
-};
-use std::io::{BufReader, Write};
+use kvbm_sim::args::SimArgs;
+use kvbm_sim::sim::{SimReport, Simulator};
+use std::io::Write;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Mode {
-    Eager,
-    Lazy,
-}
 
 #[derive(Debug, Parser)]
 #[command(
@@ -42,67 +32,8 @@ enum Mode {
     about = "Simulated LLM engine driving the kvbm block manager"
 )]
 struct Args {
-    /// A Mooncake JSONL trace (timestamp ms, input_length, output_length,
-    /// hash_ids of 512-token blocks). Without it, a synthetic workload.
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// Use at most this many requests of the trace.
-    #[arg(long)]
-    max_requests: Option<usize>,
-    /// Multiply trace timestamps by this (2.0 = half the arrival rate).
-    #[arg(long, default_value_t = 1.0)]
-    time_scale: f64,
-    /// Synthetic: number of requests.
-    #[arg(long, default_value_t = 100)]
-    requests: usize,
-    /// Synthetic: arrivals per second (Poisson).
-    #[arg(long, default_value_t = 10.0)]
-    rate: f64,
-    /// Synthetic: mean prompt length (log-normal).
-    #[arg(long, default_value_t = 1024)]
-    prompt_len: usize,
-    /// Synthetic: mean output length (log-normal).
-    #[arg(long, default_value_t = 64)]
-    output_len: usize,
-    /// Synthetic: fraction of requests starting with a shared prefix.
-    #[arg(long, default_value_t = 0.5)]
-    shared_prefix_ratio: f64,
-    /// Synthetic: length of each shared prefix.
-    #[arg(long, default_value_t = 512)]
-    shared_prefix_len: usize,
-    /// Synthetic: random seed.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
-    /// Tokens per block.
-    #[arg(long, default_value_t = 16)]
-    block_size: usize,
-    /// G1 capacity in tokens.
-    #[arg(long, default_value_t = 65_536)]
-    device_capacity_tokens: usize,
-    /// G2 capacity in tokens (0 disables the host tier).
-    #[arg(long, default_value_t = 262_144)]
-    host_capacity_tokens: usize,
-    /// G3 capacity in tokens (0 disables the disk tier).
-    #[arg(long, default_value_t = 0)]
-    disk_capacity_tokens: usize,
-    /// Offload mode.
-    #[arg(long, value_enum, default_value_t = Mode::Eager)]
-    offload: Mode,
-    /// Token budget per iteration.
-    #[arg(long, default_value_t = 8192)]
-    max_batch_tokens: usize,
-    /// Real bytes per token in the simulated storages.
-    #[arg(long, default_value_t = 4)]
-    bytes_per_token: usize,
-    /// Prefill cost per prompt token, µs (worker model).
-    #[arg(long, default_value_t = 30.0)]
-    prefill_us_per_token: f64,
-    /// Fixed decode cost per iteration, ms (worker model).
-    #[arg(long, default_value_t = 15.0)]
-    decode_ms_per_step: f64,
-    /// Pace the run in real time × this speed instead of as fast as possible.
-    #[arg(long)]
-    real_time: Option<f64>,
+    #[command(flatten)]
+    sim: SimArgs,
     /// Print one JSON object instead of a readable summary.
     #[arg(long)]
     json: bool,
@@ -149,82 +80,21 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = Args::parse();
-    if a.block_size == 0 {
-        bail!("--block-size must be at least 1");
-    }
-    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
-        bail!("--time-scale must be a positive number");
-    }
-    if let Some(s) = a.real_time
-        && !(s.is_finite() && s > 0.0)
-    {
-        bail!("--real-time speed must be a positive number");
-    }
-    let workload = match &a.trace {
-        Some(path) => {
-            let f = std::fs::File::open(path)
-                .with_context(|| format!("opening trace {}", path.display()))?;
-            let opts = MooncakeOptions {
-                max_requests: a.max_requests,
-                time_scale: a.time_scale,
-                ..MooncakeOptions::default()
-            };
-            let report = parse_mooncake_lenient(BufReader::new(f), &opts)
-                .with_context(|| format!("reading trace {}", path.display()))?;
-            for s in report.skipped.iter().take(5) {
-                eprintln!(
-                    "warning: {}: line {} skipped: {}",
-                    path.display(),
-                    s.line,
-                    s.error
-                );
-            }
-            if report.skipped.len() > 5 {
-                eprintln!("warning: {} more lines skipped", report.skipped.len() - 5);
-            }
-            report.requests
+    let loaded = a.sim.load()?;
+    if let Some(path) = &a.sim.trace {
+        for s in loaded.skipped.iter().take(5) {
+            eprintln!(
+                "warning: {}: line {} skipped: {}",
+                path.display(),
+                s.line,
+                s.error
+            );
         }
-        None => generate(&SyntheticConfig {
-            seed: a.seed,
-            num_requests: a.requests,
-            arrival_rate_per_s: a.rate,
-            prompt_len: LengthDist::LogNormal {
-                mean: a.prompt_len as f64,
-                sigma: 0.5,
-            },
-            output_len: LengthDist::LogNormal {
-                mean: a.output_len as f64,
-                sigma: 0.5,
-            },
-            shared_prefix_ratio: a.shared_prefix_ratio,
-            num_shared_prefixes: 4,
-            shared_prefix_len: a.shared_prefix_len,
-            ..SyntheticConfig::default()
-        })
-        .context("synthetic workload")?,
-    };
-    let cfg = SimConfig {
-        block_size: a.block_size,
-        device_capacity_tokens: a.device_capacity_tokens,
-        host_capacity_tokens: a.host_capacity_tokens,
-        disk_capacity_tokens: a.disk_capacity_tokens,
-        max_batch_tokens: a.max_batch_tokens,
-        offload_mode: match a.offload {
-            Mode::Eager => OffloadMode::Eager,
-            Mode::Lazy => OffloadMode::Lazy,
-        },
-        real_bytes_per_token: a.bytes_per_token,
-        worker: WorkerModel {
-            prefill_ns_per_token: (a.prefill_us_per_token.max(0.0) * 1e3) as u64,
-            decode_ns_per_step: (a.decode_ms_per_step.max(0.0) * 1e6) as u64,
-            ..WorkerModel::default()
-        },
-        pacing: match a.real_time {
-            Some(speed) => Pacing::RealTime { speed },
-            None => Pacing::Virtual,
-        },
-        ..SimConfig::default()
-    };
+        if loaded.skipped.len() > 5 {
+            eprintln!("warning: {} more lines skipped", loaded.skipped.len() - 5);
+        }
+    }
+    let (cfg, workload) = (loaded.config, loaded.workload);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -1,6 +1,6 @@
 //! `kvbm-console walkthrough`: the block manager on a small built-in scenario, as text.
 //!
-//! It runs seed 002's story with
+//! It runs the CPU-offload walk-through with
 //! real pools, real bytes, real transfer engines and the offload pipeline,
 //! and prints what happened: request A is computed on G1 and offloaded
 //! eagerly (after its forward pass) to G2 and G3; request C pushes A out of
@@ -18,13 +18,13 @@ use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};
 use kvbm_core::link::{HostTier, TierLink};
 // What the simulated forward pass writes into a block: derived from its
 // sequence hash, so any later copy can be checked.
-use crate::sim::kv_bytes;
 use kvbm_core::offload::{
     OffloadPipeline, PipelineConfig, PresencePolicy, TransferHandle, TransferStatus, precondition,
 };
 use kvbm_core::storage::{DiskStorage, HostStorage};
 use kvbm_core::transfer::{DiskDirection, DiskEngine, MemcpyEngine, TransferEngine};
 use kvbm_core::{BlockPool, ImmutableBlock, PoolConfig, Tier, TokenSequence};
+use kvbm_sim::sim::kv_bytes;
 use std::io::Write;
 use std::sync::Arc;
 

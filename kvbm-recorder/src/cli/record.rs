@@ -1,0 +1,291 @@
+//! `record`: an in-process simulated engine, a remote engine's attach
+//! server (`--from http://…`) or vLLM's KV-event publisher
+//! (`--from zmq://…`), each into a [`RecordingSink`].
+
+use super::RemoteArgs;
+use anyhow::{Context, Result, bail};
+use kvbm_attach::client::{Client, ClientConfig, ClientEvent};
+use kvbm_recorder::log::LogConfig;
+use kvbm_recorder::recorder::{self, RecorderConfig, RecordingSink};
+use kvbm_sim::args::SimArgs;
+use kvbm_sim::sim::Simulator;
+use std::path::Path;
+use std::time::Duration;
+
+/// How often a remote recording hands what it has to the OS.
+const FLUSH_EVERY: Duration = Duration::from_millis(50);
+
+/// `record`, from wherever `remote` says.
+pub fn record(out: &Path, remote: &RemoteArgs, log: LogConfig, sim: &SimArgs) -> Result<i32> {
+    let Some(url) = remote.from.as_deref() else {
+        return record_simulator(out, log, sim);
+    };
+    if let Some(d) = remote.duration_s
+        && !(d.is_finite() && d > 0.0)
+    {
+        bail!("--duration-s must be a positive number");
+    }
+    if kvbm_ingest::vllm::is_zmq_url(url) {
+        record_from_zmq(url, out, remote, log)
+    } else {
+        if remote.replay_endpoint.is_some() {
+            bail!("--replay-endpoint is for a zmq:// source");
+        }
+        record_from(url, out, remote, log)
+    }
+}
+
+/// The simulator in-process, as fast as possible (or paced with
+/// `--real-time`), every event through the tap into the log.
+fn record_simulator(out: &Path, log: LogConfig, sim: &SimArgs) -> Result<i32> {
+    let loaded = sim.load()?;
+    for s in loaded.skipped.iter().take(5) {
+        eprintln!("warning: line {} skipped: {}", s.line, s.error);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let sim = Simulator::new(loaded.config, loaded.workload, rt.handle())?;
+    let tap = sim
+        .emitter()
+        .bus()
+        .take_tap()
+        .context("the simulator's tap was already taken")?;
+    let mut rcfg = RecorderConfig {
+        log,
+        ..RecorderConfig::default()
+    };
+    rcfg.log.engine_id = u64::from(sim.emitter().engine());
+    let handle = recorder::spawn_recorder(tap, out.to_path_buf(), rcfg, None)?;
+    let report = sim.run();
+    drop(rt); // closes the bus: the recorder drains and stops
+    let rec = handle
+        .join()
+        .map_err(|_| anyhow::anyhow!("the recorder thread panicked"))??;
+    println!(
+        "recorded {} events ({} lost) from {} requests into {}",
+        rec.events,
+        rec.lost,
+        report.requests_finished,
+        out.display()
+    );
+    Ok(0)
+}
+
+/// A sink for a remote source's events.
+fn remote_sink(out: &Path, mut log: LogConfig, engine: u32, url: &str) -> Result<RecordingSink> {
+    log.engine_id = u64::from(engine);
+    let cfg = RecorderConfig {
+        log,
+        ..RecorderConfig::default()
+    };
+    let mut sink = RecordingSink::create(out, &cfg)
+        .with_context(|| format!("creating log {}", out.display()))?;
+    sink.set_source(url);
+    Ok(sink)
+}
+
+/// When `--duration-s` runs out, counted from now.
+fn deadline_of(duration_s: Option<f64>) -> Option<tokio::time::Instant> {
+    duration_s.map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d))
+}
+
+/// Resolves at `deadline`, or never without one.
+async fn stop_at(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// `record --from URL`: a running engine through its attach server, until
+/// Ctrl-C or a limit.
+fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Result<i32> {
+    let mut cfg = ClientConfig::new(url)?.with_since(remote.since.unwrap_or(0));
+    cfg.token = remote.token.clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut client = Client::spawn(cfg, rt.handle())?;
+    let handle = client.handle();
+    let deadline = deadline_of(remote.duration_s);
+    let mut sink: Option<RecordingSink> = None;
+    let outcome: Result<&str> = rt.block_on(async {
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let until = stop_at(deadline);
+        tokio::pin!(until);
+        let mut flush = tokio::time::interval(FLUSH_EVERY);
+        loop {
+            tokio::select! {
+                ev = client.recv() => match ev {
+                    None => return Ok("the client stopped"),
+                    Some(ClientEvent::Connected(h)) => {
+                        eprintln!(
+                            "connected to {url} (engine {}, holding seq {:?}..={:?})",
+                            h.engine, h.first_seq, h.last_seq
+                        );
+                        match &sink {
+                            None => sink = Some(remote_sink(out, log.clone(), h.engine, url)?),
+                            Some(s) if s.recording().engine != h.engine => bail!(
+                                "the server now serves engine {}, not engine {}",
+                                h.engine,
+                                s.recording().engine
+                            ),
+                            Some(_) => {}
+                        }
+                    }
+                    Some(ClientEvent::Events(events)) => {
+                        let Some(s) = sink.as_mut() else {
+                            bail!("events before the server's hello");
+                        };
+                        for ev in &events {
+                            s.append(ev)?;
+                            if remote.events.is_some_and(|n| s.recording().events >= n) {
+                                return Ok("--events reached");
+                            }
+                        }
+                    }
+                    Some(ClientEvent::Gap(g)) => {
+                        eprintln!(
+                            "gap: events {}..={} will not arrive ({:?}{})",
+                            g.from_seq,
+                            g.to_seq,
+                            g.reason,
+                            if g.announced { "" } else { ", unannounced" }
+                        );
+                        if let Some(s) = sink.as_mut() {
+                            // Before the first event written, what the
+                            // server no longer held is not a loss inside
+                            // the recording.
+                            if s.recording().last_seq.is_none() {
+                                s.missed_before_start(g.len());
+                            } else {
+                                s.gap(g.len());
+                            }
+                        }
+                    }
+                    Some(ClientEvent::Disconnected { error, failures, retry_in }) => {
+                        eprintln!(
+                            "disconnected ({error}); retry {} in {:.1} s",
+                            failures + 1,
+                            retry_in.as_secs_f64()
+                        );
+                    }
+                    Some(ClientEvent::Failed(e)) => return Err(e.into()),
+                    Some(ClientEvent::Live | ClientEvent::Breakpoints(_)) => {}
+                },
+                _ = &mut until => return Ok("--duration-s reached"),
+                _ = &mut ctrl_c => return Ok("interrupted"),
+                _ = flush.tick() => {
+                    if let Some(s) = sink.as_mut() {
+                        s.flush()?;
+                    }
+                }
+            }
+        }
+    });
+    drop(client);
+    let counters = handle.counters();
+    let Some(mut sink) = sink else {
+        outcome?;
+        bail!("never connected to {url}; nothing recorded");
+    };
+    sink.set_client_counters(serde_json::to_value(counters)?);
+    let rec = sink.finish()?;
+    let why = outcome?;
+    println!(
+        "recorded {} events ({} lost in gaps, {} duplicates dropped, {} reconnections) from {url} into {} ({why})",
+        rec.events,
+        rec.lost,
+        counters.duplicates,
+        counters.connects.saturating_sub(1),
+        out.display()
+    );
+    if rec.missed_before_start > 0 {
+        println!(
+            "the server no longer held the {} events before seq {:?}",
+            rec.missed_before_start, rec.first_seq
+        );
+    }
+    Ok(0)
+}
+
+/// `record --from zmq://HOST:PORT`: vLLM's KV-event stream until Ctrl-C or
+/// a limit. Engine id 0; the publisher's unrecovered gaps are the
+/// sidecar's losses (in publisher batches), its counters the sidecar's
+/// `client`.
+fn record_from_zmq(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Result<i32> {
+    use kvbm_ingest::vllm::{ZmqConfig, ZmqEndpoint, ZmqItem, ZmqSource};
+    let endpoint = ZmqEndpoint::parse(url).map_err(anyhow::Error::msg)?;
+    let mut cfg = ZmqConfig::new(endpoint);
+    cfg.replay = remote
+        .replay_endpoint
+        .as_deref()
+        .map(ZmqEndpoint::parse)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut sink = remote_sink(out, log, cfg.translator.engine, url)?;
+    let mut src = ZmqSource::spawn(cfg, rt.handle());
+    let handle = src.handle();
+    let deadline = deadline_of(remote.duration_s);
+    eprintln!("subscribing to {url}");
+    let outcome: Result<&str> = rt.block_on(async {
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let until = stop_at(deadline);
+        tokio::pin!(until);
+        let mut flush = tokio::time::interval(FLUSH_EVERY);
+        loop {
+            tokio::select! {
+                item = src.recv() => match item {
+                    None => return Ok("the source stopped"),
+                    Some(ZmqItem::Events(events)) => {
+                        for ev in &events {
+                            sink.append(ev)?;
+                            if remote.events.is_some_and(|n| sink.recording().events >= n) {
+                                return Ok("--events reached");
+                            }
+                        }
+                    }
+                    Some(g @ ZmqItem::Gap { .. }) => {
+                        if let ZmqItem::Gap { from_seq, to_seq } = g {
+                            eprintln!("gap: publisher batches {from_seq}..={to_seq} missed");
+                        }
+                        // Counted as lost even before the first event: the
+                        // publisher's seq says they existed.
+                        sink.gap(g.missed());
+                    }
+                    Some(ZmqItem::Restart { last_seq, new_seq }) => {
+                        eprintln!("publisher restarted (seq {last_seq} then {new_seq}); its live blocks are evicted");
+                    }
+                },
+                _ = &mut until => return Ok("--duration-s reached"),
+                _ = &mut ctrl_c => return Ok("interrupted"),
+                _ = flush.tick() => sink.flush()?,
+            }
+        }
+    });
+    drop(src);
+    let counters = handle.counters();
+    sink.set_client_counters(serde_json::to_value(&counters)?);
+    let rec = sink.finish()?;
+    let why = outcome?;
+    println!(
+        "recorded {} events ({} publisher batches lost in {} gaps, {} replayed, {} malformed, {} restarts) from {url} into {} ({why})",
+        rec.events,
+        rec.lost,
+        counters.gaps,
+        counters.replayed,
+        counters.malformed,
+        counters.restarts,
+        out.display()
+    );
+    Ok(0)
+}

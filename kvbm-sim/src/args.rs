@@ -1,0 +1,333 @@
+//! The simulator's command-line options, declared once: `kvbm-sim`,
+//! `kvbm-recorder record` and `kvbm-console demo` flatten [`SimArgs`] into
+//! their own commands, so an option means the same thing, with the same
+//! default, everywhere (a command that needs another default, such as the
+//! demo's real-time pacing, overrides it with clap's `mut_arg`, which its
+//! `--help` shows).
+//!
+//! [`SimArgs::load`] turns the options into a [`SimConfig`] and a workload,
+//! checking what clap cannot.
+
+use crate::scenario;
+use crate::sim::{OffloadMode, Pacing, SimConfig, WorkerModel};
+use crate::workload::{
+    LengthDist, MooncakeOptions, RequestSpec, SkippedLine, SyntheticConfig, WorkloadError,
+    generate, parse_mooncake_lenient,
+};
+use std::io::BufReader;
+use std::path::PathBuf;
+
+/// A built-in scenario instead of a workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    /// The CPU-offload walk-through: request A is computed and offloaded
+    /// to the host, request B arrives later and hits A's prefix there.
+    #[value(alias = "walkthrough")]
+    CpuOffload,
+}
+
+/// Eager or lazy offload, on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Offload {
+    /// Store each block after the forward pass that computed it.
+    Eager,
+    /// Store a request's blocks when it finishes.
+    Lazy,
+}
+
+/// The simulated engine's options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimArgs {
+    /// A Mooncake JSONL trace (timestamp ms, input_length, output_length,
+    /// hash_ids of 512-token blocks). Without it, a synthetic workload.
+    #[arg(long, conflicts_with = "scenario", help_heading = "Workload")]
+    pub trace: Option<PathBuf>,
+    /// A built-in scenario instead of a workload (it sets its own block
+    /// size and capacities).
+    #[arg(long, value_enum, help_heading = "Workload")]
+    pub scenario: Option<Scenario>,
+    /// Use at most this many requests of the trace.
+    #[arg(long, help_heading = "Workload")]
+    pub max_requests: Option<usize>,
+    /// Multiply trace timestamps by this (2.0 = half the arrival rate).
+    #[arg(long, default_value_t = 1.0, help_heading = "Workload")]
+    pub time_scale: f64,
+    /// Synthetic: number of requests.
+    #[arg(long, default_value_t = 100, help_heading = "Workload")]
+    pub requests: usize,
+    /// Synthetic: arrivals per second (Poisson).
+    #[arg(long, default_value_t = 10.0, help_heading = "Workload")]
+    pub rate: f64,
+    /// Synthetic: mean prompt length (log-normal).
+    #[arg(long, default_value_t = 1024, help_heading = "Workload")]
+    pub prompt_len: usize,
+    /// Synthetic: mean output length (log-normal).
+    #[arg(long, default_value_t = 64, help_heading = "Workload")]
+    pub output_len: usize,
+    /// Synthetic: spread of both lengths (σ of the log-normal).
+    #[arg(long, default_value_t = 0.5, help_heading = "Workload")]
+    pub length_sigma: f64,
+    /// Synthetic: longest prompt or output.
+    #[arg(long, default_value_t = 1 << 20, help_heading = "Workload")]
+    pub max_len: usize,
+    /// Synthetic: fraction of requests starting with a shared prefix.
+    #[arg(long, default_value_t = 0.5, help_heading = "Workload")]
+    pub shared_prefix_ratio: f64,
+    /// Synthetic: how many distinct shared prefixes.
+    #[arg(long, default_value_t = 4, help_heading = "Workload")]
+    pub shared_prefixes: usize,
+    /// Synthetic: length of each shared prefix.
+    #[arg(long, default_value_t = 512, help_heading = "Workload")]
+    pub shared_prefix_len: usize,
+    /// Synthetic: random seed.
+    #[arg(long, default_value_t = 1, help_heading = "Workload")]
+    pub seed: u64,
+
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16, help_heading = "Engine")]
+    pub block_size: usize,
+    /// G1 capacity in tokens.
+    #[arg(long, default_value_t = 65_536, help_heading = "Engine")]
+    pub device_capacity_tokens: usize,
+    /// G2 capacity in tokens (0 disables the host tier).
+    #[arg(long, default_value_t = 262_144, help_heading = "Engine")]
+    pub host_capacity_tokens: usize,
+    /// G3 capacity in tokens (0 disables the disk tier).
+    #[arg(long, default_value_t = 0, help_heading = "Engine")]
+    pub disk_capacity_tokens: usize,
+    /// Offload mode.
+    #[arg(long, value_enum, default_value_t = Offload::Eager, help_heading = "Engine")]
+    pub offload: Offload,
+    /// Token budget per iteration.
+    #[arg(long, default_value_t = 8192, help_heading = "Engine")]
+    pub max_batch_tokens: usize,
+    /// Real bytes per token in the simulated storages.
+    #[arg(long, default_value_t = 4, help_heading = "Engine")]
+    pub bytes_per_token: usize,
+    /// Prefill cost per prompt token, µs (worker model).
+    #[arg(long, default_value_t = 30.0, help_heading = "Engine")]
+    pub prefill_us_per_token: f64,
+    /// Fixed decode cost per iteration, ms (worker model).
+    #[arg(long, default_value_t = 15.0, help_heading = "Engine")]
+    pub decode_ms_per_step: f64,
+    /// Pace the run in real time × this speed instead of as fast as
+    /// possible.
+    #[arg(long, alias = "speed", help_heading = "Engine")]
+    pub real_time: Option<f64>,
+}
+
+/// An option value clap accepts but the simulator cannot use.
+#[derive(Debug, thiserror::Error)]
+pub enum SimArgsError {
+    /// A value out of range.
+    #[error("--{option}: {reason}")]
+    Bad {
+        /// The option, without dashes.
+        option: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The trace could not be opened.
+    #[error("opening trace {path}: {source}")]
+    OpenTrace {
+        /// The trace.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The trace or the synthetic workload could not be built.
+    #[error("{what}: {source}")]
+    Workload {
+        /// The trace's path, or "synthetic workload".
+        what: String,
+        /// Why.
+        #[source]
+        source: WorkloadError,
+    },
+}
+
+/// What [`SimArgs::load`] gives: the engine's configuration and its
+/// workload, and the trace lines it skipped (for the caller to report).
+#[derive(Debug)]
+pub struct Loaded {
+    /// The engine.
+    pub config: SimConfig,
+    /// The requests, in arrival order.
+    pub workload: Vec<RequestSpec>,
+    /// Trace lines skipped as unreadable.
+    pub skipped: Vec<SkippedLine>,
+}
+
+fn bad(option: &'static str, reason: impl Into<String>) -> SimArgsError {
+    SimArgsError::Bad {
+        option,
+        reason: reason.into(),
+    }
+}
+
+fn positive(option: &'static str, v: f64) -> Result<(), SimArgsError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(bad(option, format!("{v} is not a positive number")))
+    }
+}
+
+fn non_negative(option: &'static str, v: f64) -> Result<(), SimArgsError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(bad(option, format!("{v} is not a non-negative number")))
+    }
+}
+
+impl SimArgs {
+    /// Checks the options and builds the engine's configuration and
+    /// workload.
+    pub fn load(&self) -> Result<Loaded, SimArgsError> {
+        if self.block_size == 0 {
+            return Err(bad("block-size", "must be at least 1"));
+        }
+        positive("time-scale", self.time_scale)?;
+        positive("rate", self.rate)?;
+        non_negative("length-sigma", self.length_sigma)?;
+        non_negative("prefill-us-per-token", self.prefill_us_per_token)?;
+        non_negative("decode-ms-per-step", self.decode_ms_per_step)?;
+        if let Some(s) = self.real_time {
+            positive("real-time", s)?;
+        }
+        if !(0.0..=1.0).contains(&self.shared_prefix_ratio) {
+            return Err(bad("shared-prefix-ratio", "must be in [0, 1]"));
+        }
+        let mut config = SimConfig {
+            block_size: self.block_size,
+            device_capacity_tokens: self.device_capacity_tokens,
+            host_capacity_tokens: self.host_capacity_tokens,
+            disk_capacity_tokens: self.disk_capacity_tokens,
+            max_batch_tokens: self.max_batch_tokens,
+            offload_mode: match self.offload {
+                Offload::Eager => OffloadMode::Eager,
+                Offload::Lazy => OffloadMode::Lazy,
+            },
+            real_bytes_per_token: self.bytes_per_token,
+            worker: WorkerModel {
+                prefill_ns_per_token: (self.prefill_us_per_token * 1e3) as u64,
+                decode_ns_per_step: (self.decode_ms_per_step * 1e6) as u64,
+                ..WorkerModel::default()
+            },
+            pacing: match self.real_time {
+                Some(speed) => Pacing::RealTime { speed },
+                None => Pacing::Virtual,
+            },
+            ..SimConfig::default()
+        };
+        let (workload, skipped) = match (&self.scenario, &self.trace) {
+            (Some(Scenario::CpuOffload), _) => {
+                scenario::cpu_offload_engine(&mut config);
+                (scenario::cpu_offload_workload(), Vec::new())
+            }
+            (None, Some(path)) => {
+                let f = std::fs::File::open(path).map_err(|source| SimArgsError::OpenTrace {
+                    path: path.clone(),
+                    source,
+                })?;
+                let opts = MooncakeOptions {
+                    max_requests: self.max_requests,
+                    time_scale: self.time_scale,
+                    ..MooncakeOptions::default()
+                };
+                let report =
+                    parse_mooncake_lenient(BufReader::new(f), &opts).map_err(|source| {
+                        SimArgsError::Workload {
+                            what: format!("reading trace {}", path.display()),
+                            source,
+                        }
+                    })?;
+                (report.requests, report.skipped)
+            }
+            (None, None) => {
+                let length = |mean: usize| LengthDist::LogNormal {
+                    mean: mean as f64,
+                    sigma: self.length_sigma,
+                };
+                let workload = generate(&SyntheticConfig {
+                    seed: self.seed,
+                    num_requests: self.requests,
+                    arrival_rate_per_s: self.rate,
+                    prompt_len: length(self.prompt_len),
+                    output_len: length(self.output_len),
+                    shared_prefix_ratio: self.shared_prefix_ratio,
+                    num_shared_prefixes: self.shared_prefixes,
+                    shared_prefix_len: self.shared_prefix_len,
+                    max_len: self.max_len,
+                    ..SyntheticConfig::default()
+                })
+                .map_err(|source| SimArgsError::Workload {
+                    what: "synthetic workload".into(),
+                    source,
+                })?;
+                (workload, Vec::new())
+            }
+        };
+        Ok(Loaded {
+            config,
+            workload,
+            skipped,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+
+    fn parse(args: &[&str]) -> SimArgs {
+        Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
+            .unwrap()
+            .sim
+    }
+
+    #[test]
+    fn defaults_build_a_synthetic_run() {
+        let l = parse(&["--requests", "7"]).load().unwrap();
+        assert_eq!(l.workload.len(), 7);
+        assert_eq!(l.config.device_capacity_tokens, 65_536);
+        assert_eq!(l.config.host_capacity_tokens, 262_144);
+        assert_eq!(l.config.pacing, Pacing::Virtual);
+    }
+
+    #[test]
+    fn the_scenario_sets_its_own_engine() {
+        let l = parse(&["--scenario", "walkthrough"]).load().unwrap();
+        assert_eq!(l.workload.len(), 2);
+        assert!(!l.config.device_prefix_cache);
+        assert_eq!(l.config.block_size, 16);
+    }
+
+    #[test]
+    fn values_clap_accepts_but_the_engine_cannot_use_are_named() {
+        for (args, option) in [
+            (&["--block-size", "0"][..], "block-size"),
+            (&["--rate", "0"], "rate"),
+            (&["--time-scale", "-1"], "time-scale"),
+            (&["--real-time", "nan"], "real-time"),
+            (&["--shared-prefix-ratio", "1.5"], "shared-prefix-ratio"),
+        ] {
+            let err = parse(args).load().unwrap_err().to_string();
+            assert!(err.starts_with(&format!("--{option}:")), "{err}");
+        }
+        let err = parse(&["--trace", "/nonexistent/trace.jsonl"])
+            .load()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("/nonexistent/trace.jsonl"), "{err}");
+    }
+}
