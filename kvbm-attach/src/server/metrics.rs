@@ -422,10 +422,350 @@ pub(super) fn render(state: &AppState) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::{Counters, ServedEngine, ServerConfig};
+    use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, CallInfo, PausedCall};
+    use kvbm_events::bus::BusCounters;
+    use kvbm_events::control::{
+        BreakpointsView, Control, ControlCommand, ControlError, ControlResult,
+    };
+    use kvbm_events::ring::RingBuffer;
+    use kvbm_events::{EntryPoint, Event, EventKind, SequenceHash, SlotState, Tier};
+    use std::path::Path;
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+    use tokio::sync::watch;
 
     #[test]
     fn labels_are_escaped() {
         assert_eq!(esc("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
         assert_eq!(dir_label(Direction::DEVICE_TO_HOST), "G1->G2");
+    }
+
+    /// A control that always shows the same breakpoints.
+    struct FixedControl(BreakpointsView);
+
+    impl Control for FixedControl {
+        fn execute(
+            &self,
+            _: ControlCommand,
+            _: Option<u64>,
+        ) -> Result<ControlResult, ControlError> {
+            Ok(ControlResult::List(self.0.clone()))
+        }
+    }
+
+    fn state(engine: ServedEngine) -> AppState {
+        let cfg = ServerConfig {
+            max_clients: 8,
+            max_connections: 16,
+            ..ServerConfig::default()
+        };
+        AppState::new(cfg, engine, Counters::default(), watch::channel(false).1)
+    }
+
+    fn ev(seq: u64, request: Option<&str>, kind: EventKind) -> Event {
+        Event {
+            engine: 3,
+            seq,
+            ts_ns: 1_000 * seq,
+            iteration: seq / 4,
+            request: request.map(Arc::from),
+            kind,
+        }
+    }
+
+    /// Something in every family: bus and ring counters, server counters,
+    /// breakpoints, pools, prefix lookups, transfers in every outcome (one
+    /// in a direction outside the four usual ones), skips (one reason that
+    /// needs escaping), slots and an inconsistency.
+    fn busy() -> AppState {
+        let ring = Arc::new(RingBuffer::with_capacity(4).unwrap());
+        for s in 0..6 {
+            ring.push(ev(
+                s,
+                None,
+                EventKind::TokensScheduled {
+                    prefill: 0,
+                    decode: 1,
+                    computed: 0,
+                },
+            ));
+        }
+        ring.record_gap(3);
+        let paused = PausedCall {
+            pause_id: 1,
+            breakpoint: 2,
+            call: CallInfo::new(EntryPoint::TransferExecute),
+            waited: Duration::from_millis(5),
+            deadline_in: Duration::from_secs(9),
+        };
+        let bp = |id| BreakpointInfo {
+            id,
+            spec: BreakpointSpec::default().with_state("Decoding"),
+            hits: id,
+        };
+        let view = BreakpointsView {
+            breakpoints: vec![bp(1), bp(2)],
+            paused: vec![paused],
+        };
+        let engine = ServedEngine::new(ring, 3)
+            .with_control(Arc::new(FixedControl(view)))
+            .with_bus_counters(|| BusCounters {
+                published: 1234,
+                lagged_total: 5,
+                tap_dropped: 6,
+                tap_queued: 7,
+                ..BusCounters::default()
+            });
+        let st = state(engine);
+        let c = &st.counters;
+        c.connected.store(2, Ordering::Relaxed);
+        c.accepted.store(9, Ordering::Relaxed);
+        c.rejected.store(1, Ordering::Relaxed);
+        c.slow.store(1, Ordering::Relaxed);
+        c.too_large.store(1, Ordering::Relaxed);
+        c.events_sent.store(500, Ordering::Relaxed);
+        c.gaps_sent.store(2, Ordering::Relaxed);
+        c.gap_events.store(30, Ordering::Relaxed);
+        c.unauthorized.store(4, Ordering::Relaxed);
+        c.conns.refused.store(3, Ordering::Relaxed);
+
+        let device_to_disk = Direction {
+            src: Tier::Device,
+            dst: Tier::Disk,
+        };
+        let (a, b) = (Some("a"), Some("b"));
+        let kinds = [
+            (
+                a,
+                EventKind::SlotCreated {
+                    prompt_tokens: 64,
+                    max_output_tokens: 8,
+                },
+            ),
+            (
+                a,
+                EventKind::SlotTransition {
+                    from: SlotState::Initialized,
+                    to: SlotState::Prefilling,
+                },
+            ),
+            (
+                b,
+                EventKind::SlotCreated {
+                    prompt_tokens: 16,
+                    max_output_tokens: 4,
+                },
+            ),
+            (
+                a,
+                EventKind::MatchResult {
+                    tier: Tier::Host,
+                    looked_up: 4,
+                    hit_blocks: 3,
+                    hit_tokens: 48,
+                },
+            ),
+            (
+                a,
+                EventKind::MatchResult {
+                    tier: Tier::Device,
+                    looked_up: 4,
+                    hit_blocks: 1,
+                    hit_tokens: 16,
+                },
+            ),
+            (
+                None,
+                EventKind::PoolGauge {
+                    tier: Tier::Device,
+                    capacity: 100,
+                    active: 10,
+                    inactive: 5,
+                    empty: 85,
+                },
+            ),
+            (
+                None,
+                EventKind::PoolGauge {
+                    tier: Tier::Host,
+                    capacity: 400,
+                    active: 0,
+                    inactive: 40,
+                    empty: 360,
+                },
+            ),
+            (
+                a,
+                EventKind::BlockRegistered {
+                    tier: Tier::Device,
+                    block: 1,
+                    sequence_hash: SequenceHash(11),
+                    duplicate_of: None,
+                },
+            ),
+            (
+                b,
+                EventKind::BlockRegistered {
+                    tier: Tier::Device,
+                    block: 2,
+                    sequence_hash: SequenceHash(11),
+                    duplicate_of: Some(1),
+                },
+            ),
+            (
+                None,
+                EventKind::BlockEvicted {
+                    tier: Tier::Host,
+                    block: 7,
+                    sequence_hash: SequenceHash(99),
+                },
+            ),
+            (
+                a,
+                EventKind::TransferPlanned {
+                    transfer: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    blocks: 2,
+                },
+            ),
+            (
+                a,
+                EventKind::TransferPromoted {
+                    transfer: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    blocks: 2,
+                },
+            ),
+            (
+                None,
+                EventKind::BatchDispatched {
+                    batch: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    transfers: vec![1],
+                    blocks: 2,
+                },
+            ),
+            (
+                a,
+                EventKind::TransferCompleted {
+                    transfer: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    blocks: 2,
+                },
+            ),
+            (
+                None,
+                EventKind::BatchCompleted {
+                    batch: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    ok: true,
+                    blocks: 2,
+                    bytes: 8192,
+                    elapsed_ns: 400,
+                },
+            ),
+            (
+                b,
+                EventKind::TransferPlanned {
+                    transfer: 2,
+                    direction: Direction::HOST_TO_DEVICE,
+                    blocks: 1,
+                },
+            ),
+            (
+                b,
+                EventKind::TransferSkipped {
+                    transfer: 2,
+                    direction: Direction::HOST_TO_DEVICE,
+                    reason: "already_present".into(),
+                },
+            ),
+            (
+                a,
+                EventKind::TransferPlanned {
+                    transfer: 3,
+                    direction: device_to_disk,
+                    blocks: 1,
+                },
+            ),
+            (
+                a,
+                EventKind::TransferPlanned {
+                    transfer: 4,
+                    direction: Direction::HOST_TO_DISK,
+                    blocks: 1,
+                },
+            ),
+            (
+                a,
+                EventKind::TransferFailed {
+                    transfer: 4,
+                    direction: Direction::HOST_TO_DISK,
+                    error: "io".into(),
+                },
+            ),
+            (
+                b,
+                EventKind::TransferPlanned {
+                    transfer: 5,
+                    direction: Direction::DISK_TO_HOST,
+                    blocks: 1,
+                },
+            ),
+            (
+                b,
+                EventKind::TransferCancelled {
+                    transfer: 5,
+                    direction: Direction::DISK_TO_HOST,
+                },
+            ),
+            (
+                Some("ghost"),
+                EventKind::SlotTransition {
+                    from: SlotState::Decoding,
+                    to: SlotState::Finished,
+                },
+            ),
+        ];
+        {
+            let mut g = st.reduced.lock();
+            for (seq, (request, kind)) in kinds.into_iter().enumerate() {
+                g.state.apply(&ev(seq as u64, request, kind));
+            }
+            g.missed = 11;
+            g.skips
+                .insert((Direction::HOST_TO_DEVICE, "already_present".into()), 2);
+            g.skips
+                .insert((Direction::DEVICE_TO_HOST, "we\"ird\\".into()), 1);
+        }
+        st
+    }
+
+    /// Compares with `tests/metrics/NAME.prom`; `UPDATE_METRICS=1` writes it.
+    fn golden(name: &str, got: &str) {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/metrics")
+            .join(format!("{name}.prom"));
+        if std::env::var_os("UPDATE_METRICS").is_some() {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, got).unwrap();
+            return;
+        }
+        let want = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_METRICS=1 writes it)", path.display()));
+        assert_eq!(got, want, "/metrics differs from {}", path.display());
+    }
+
+    /// The exposition is byte for byte what it was: every family, in order,
+    /// with its help text, labels and values.
+    #[test]
+    fn every_family_renders_as_before() {
+        golden("busy", &render(&busy()));
+        // Without bus counters or control: the ring's fallbacks, no
+        // breakpoint family, and the four usual directions at zero.
+        let bare = ServedEngine::new(Arc::new(RingBuffer::with_capacity(4).unwrap()), 0);
+        golden("bare", &render(&state(bare)));
     }
 }
