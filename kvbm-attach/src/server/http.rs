@@ -12,13 +12,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use kvbm_events::breakpoint::BreakpointSpec;
 use kvbm_events::control::{ControlCommand, ControlResult};
+use kvbm_events::text::{MAX_MESSAGE_CHARS, MAX_QUOTED_CHARS, clip};
 use kvbm_schema::protocol::{ApiError, CLIENT_HEADER, Health, PROTOCOL_VERSION, VERSION_HEADER};
 use serde::Deserialize;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-
-/// Longest error message echoed back.
-const MAX_MESSAGE: usize = 300;
 
 /// What the token check allowed for this request (a request extension).
 #[derive(Debug, Clone, Copy)]
@@ -42,15 +40,8 @@ impl IntoResponse for Fail {
     }
 }
 
-fn shorten(s: &str) -> String {
-    match s.char_indices().nth(MAX_MESSAGE) {
-        None => s.to_string(),
-        Some((cut, _)) => format!("{}…", &s[..cut]),
-    }
-}
-
 pub(super) fn json_error(status: StatusCode, mut e: ApiError) -> Response {
-    e.message = shorten(&e.message);
+    e.message = clip(&e.message, MAX_MESSAGE_CHARS);
     let body = serde_json::to_vec(&e).unwrap_or_else(|_| b"{}".to_vec());
     let mut r = (status, body).into_response();
     r.headers_mut().insert(
@@ -151,7 +142,7 @@ async fn check_version(req: Request, next: Next) -> Response {
                     "protocol_mismatch",
                     format!(
                         "the client speaks protocol version {}, this server speaks version {PROTOCOL_VERSION}",
-                        shorten(&v)
+                        clip(&v, MAX_QUOTED_CHARS)
                     ),
                 ),
             );
@@ -376,9 +367,12 @@ async fn clear_one(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Response, Fail> {
-    let id: u64 = id
-        .parse()
-        .map_err(|_| bad_request(format!("breakpoint id {:?} is not a number", shorten(&id))))?;
+    let id: u64 = id.parse().map_err(|_| {
+        bad_request(format!(
+            "breakpoint id {:?} is not a number",
+            clip(&id, MAX_QUOTED_CHARS)
+        ))
+    })?;
     match run(&state, &headers, ControlCommand::Clear { id })? {
         ControlResult::Done(false) => Err(Fail(
             StatusCode::NOT_FOUND,

@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use kvbm_events::control::ControlCommand;
+use kvbm_events::text::{MAX_MESSAGE_CHARS, MAX_QUOTED_CHARS, clip};
 use kvbm_schema::protocol::{ApiError, ClientMsg, ServerMsg};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -102,7 +103,7 @@ fn parse_since(query: Option<&str>) -> Result<Option<u64>, Fail> {
             since = Some(v.parse::<u64>().map_err(|_| {
                 bad_request(format!(
                     "`since` must be a sequence number, got {:?}",
-                    v.chars().take(40).collect::<String>()
+                    clip(v, MAX_QUOTED_CHARS)
                 ))
             })?);
         }
@@ -448,7 +449,10 @@ fn handle_text(state: &AppState, text: &str, client: u64, control: bool) -> (Ser
         Err(e) => {
             let err = ApiError::new(
                 "bad_request",
-                format!("malformed message: {}", shorten(&e.to_string())),
+                format!(
+                    "malformed message: {}",
+                    clip(&e.to_string(), MAX_MESSAGE_CHARS)
+                ),
             );
             // Answer the command's id when it can be found.
             match serde_json::from_str::<serde_json::Value>(text)
@@ -468,6 +472,23 @@ fn handle_text(state: &AppState, text: &str, client: u64, control: bool) -> (Ser
     }
 }
 
-fn shorten(s: &str) -> String {
-    s.chars().take(300).collect()
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_since_is_refused_quoting_its_start() {
+        assert_eq!(parse_since(None).ok(), Some(None));
+        assert_eq!(parse_since(Some("version=1&since=42")).ok(), Some(Some(42)));
+        let long = "9".repeat(1000) + "x";
+        let Err(Fail(status, e)) = parse_since(Some(&format!("since={long}"))) else {
+            panic!("accepted")
+        };
+        assert_eq!(
+            (status, e.code.as_str()),
+            (StatusCode::BAD_REQUEST, "bad_request")
+        );
+        let quoted = format!("{:?}", clip(&long, MAX_QUOTED_CHARS));
+        assert!(e.message.ends_with(&quoted), "{}", e.message);
+    }
 }
