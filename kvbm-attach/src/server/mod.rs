@@ -68,6 +68,7 @@
 //!   not there. This happens in a drop guard, so it runs however the
 //!   connection ends, the server's shutdown included.
 
+mod api;
 mod conn;
 mod control;
 mod feeder;

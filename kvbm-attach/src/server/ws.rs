@@ -5,8 +5,8 @@
 //! reader (control commands from the client). A [`ConnGuard`] releases the
 //! client's breakpoints however the connection ends.
 
+use super::api::{Access, Fail, bad_request, json_error};
 use super::control;
-use super::http::{Access, Fail, bad_request, json_error};
 use super::live::{Cursor, Out, Step};
 use super::{AppState, Counters};
 use axum::Extension;
