@@ -29,13 +29,15 @@ use tokio::sync::mpsc;
 /// that lets more pile up is disconnected as slow.
 const CONTROL_QUEUE: usize = 64;
 
-/// A reserved place under [`ServerConfig::max_clients`](super::ServerConfig::max_clients).
-pub(super) struct ClientSlot {
+/// Leave for one WebSocket client to be connected, one of at most
+/// [`ServerConfig::max_clients`](super::ServerConfig::max_clients): counted
+/// in `connected` while it lives, given back when dropped.
+struct ClientPermit {
     state: Arc<AppState>,
 }
 
-impl ClientSlot {
-    fn reserve(state: &Arc<AppState>) -> Option<ClientSlot> {
+impl ClientPermit {
+    fn reserve(state: &Arc<AppState>) -> Option<ClientPermit> {
         let max = state.cfg.max_clients;
         state
             .counters
@@ -45,13 +47,13 @@ impl ClientSlot {
             })
             .ok()?;
         state.counters.accepted.fetch_add(1, Ordering::Relaxed);
-        Some(ClientSlot {
+        Some(ClientPermit {
             state: state.clone(),
         })
     }
 }
 
-impl Drop for ClientSlot {
+impl Drop for ClientPermit {
     fn drop(&mut self) {
         self.state.counters.connected.fetch_sub(1, Ordering::AcqRel);
     }
@@ -64,7 +66,7 @@ struct ConnGuard {
     state: Arc<AppState>,
     id: u64,
     reader: Option<tokio::task::AbortHandle>,
-    _slot: ClientSlot,
+    _permit: ClientPermit,
 }
 
 impl Drop for ConnGuard {
@@ -138,7 +140,7 @@ pub(super) async fn events(
             );
         }
     };
-    let Some(slot) = ClientSlot::reserve(&state) else {
+    let Some(permit) = ClientPermit::reserve(&state) else {
         state.counters.rejected.fetch_add(1, Ordering::Relaxed);
         return json_error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -156,7 +158,7 @@ pub(super) async fn events(
     let limit = state.cfg.max_body_bytes;
     ws.max_message_size(limit)
         .max_frame_size(limit)
-        .on_upgrade(move |socket| serve_client(state, socket, slot, id, since, control))
+        .on_upgrade(move |socket| serve_client(state, socket, permit, id, since, control))
 }
 
 /// Why a connection ended.
@@ -173,7 +175,7 @@ enum End {
 async fn serve_client(
     state: Arc<AppState>,
     socket: WebSocket,
-    slot: ClientSlot,
+    permit: ClientPermit,
     id: u64,
     since: Option<u64>,
     control: bool,
@@ -187,7 +189,7 @@ async fn serve_client(
         state: state.clone(),
         id,
         reader: None,
-        _slot: slot,
+        _permit: permit,
     };
     let (mut sink, stream) = socket.split();
     let (tx, mut rx) = mpsc::channel(CONTROL_QUEUE);
