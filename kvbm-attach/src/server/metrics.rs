@@ -1,8 +1,13 @@
 //! `GET /metrics`: Prometheus text exposition (version 0.0.4).
 
-use super::AppState;
+use super::reduce::ReducedInner;
+use super::{AppState, ServerConfig, ServerStats};
 use kvbm_events::Direction;
-use kvbm_events::reducer::DirectionTotals;
+use kvbm_events::bus::BusCounters;
+use kvbm_events::control::BreakpointsView;
+use kvbm_events::reducer::{DirectionTotals, EngineState, PoolView};
+use kvbm_events::ring::RingCounters;
+use std::collections::BTreeMap;
 use std::fmt::Write;
 
 /// A direction as a label value: `G1->G2`.
@@ -24,6 +29,7 @@ fn esc(s: &str) -> String {
     o
 }
 
+/// The exposition being written.
 struct Out(String);
 
 impl Out {
@@ -53,13 +59,38 @@ impl Out {
     }
 }
 
+/// The whole exposition: one family after another, always in this order.
 pub(super) fn render(state: &AppState) -> String {
     let mut o = Out(String::with_capacity(8 * 1024));
     let ring = state.engine.ring.counters();
     let bus = state.engine.bus_counters.as_ref().map(|f| f());
     let stats = state.counters.stats();
+    events(&mut o, &ring, bus);
+    ring_buffer(&mut o, &ring, state.engine.ring.capacity());
+    server(&mut o, &stats, &state.cfg);
+    if let Some(c) = &state.engine.control {
+        breakpoints(&mut o, &c.view());
+    }
+    // Every family the reducer feeds comes from one lock, so they agree
+    // with each other.
+    let g = state.reduced.lock();
+    reducer_progress(&mut o, &g);
+    pools(&mut o, g.state.pools());
+    prefix_and_blocks(&mut o, g.state.pools());
+    let dirs = directions(&g.state);
+    blocks_moved(&mut o, &dirs);
+    transfer_outcomes(&mut o, &dirs);
+    transfer_skips(&mut o, &g.skips);
+    slots(&mut o, &g.state);
+    transfers_in_flight(&mut o, &g.state);
+    reducer_inconsistencies(&mut o, &g.state);
+    drop(g);
+    o.0
+}
 
-    // Events.
+/// What the engine emitted and its bus did with it; without bus counters,
+/// what the ring saw stands in.
+fn events(o: &mut Out, ring: &RingCounters, bus: Option<BusCounters>) {
     let emitted = bus.map_or(ring.pushed + ring.lost, |b| b.published);
     o.one(
         "kvbm_events_emitted_total",
@@ -85,6 +116,10 @@ pub(super) fn render(state: &AppState) -> String {
         "Events waiting in the engine's tap.",
         bus.map_or(0, |b| b.tap_queued),
     );
+}
+
+/// The server's ring.
+fn ring_buffer(o: &mut Out, ring: &RingCounters, capacity: usize) {
     o.one(
         "kvbm_ring_events_total",
         "counter",
@@ -113,10 +148,12 @@ pub(super) fn render(state: &AppState) -> String {
         "kvbm_ring_capacity_events",
         "gauge",
         "Events the ring holds at most.",
-        state.engine.ring.capacity(),
+        capacity,
     );
+}
 
-    // WebSocket clients.
+/// The server's own counters: WebSocket clients, TCP connections, tokens.
+fn server(o: &mut Out, stats: &ServerStats, cfg: &ServerConfig) {
     o.one(
         "kvbm_ws_clients",
         "gauge",
@@ -127,7 +164,7 @@ pub(super) fn render(state: &AppState) -> String {
         "kvbm_ws_clients_max",
         "gauge",
         "WebSocket clients allowed at once.",
-        state.cfg.max_clients,
+        cfg.max_clients,
     );
     o.one(
         "kvbm_http_connections_open",
@@ -139,7 +176,7 @@ pub(super) fn render(state: &AppState) -> String {
         "kvbm_http_connections_max",
         "gauge",
         "TCP connections allowed at once.",
-        state.cfg.max_connections,
+        cfg.max_connections,
     );
     o.one(
         "kvbm_http_connections_refused_total",
@@ -195,32 +232,31 @@ pub(super) fn render(state: &AppState) -> String {
         "Requests refused for a missing or wrong token.",
         stats.unauthorized,
     );
+}
 
-    // Breakpoints.
-    if let Some(c) = &state.engine.control {
-        let v = c.view();
-        o.one(
-            "kvbm_breakpoints",
-            "gauge",
-            "Breakpoints set.",
-            v.breakpoints.len(),
-        );
-        o.one(
-            "kvbm_paused_calls",
-            "gauge",
-            "Engine calls paused at a breakpoint now.",
-            v.paused.len(),
-        );
-    }
+/// Breakpoints set and calls paused (only for an engine with control).
+fn breakpoints(o: &mut Out, v: &BreakpointsView) {
+    o.one(
+        "kvbm_breakpoints",
+        "gauge",
+        "Breakpoints set.",
+        v.breakpoints.len(),
+    );
+    o.one(
+        "kvbm_paused_calls",
+        "gauge",
+        "Engine calls paused at a breakpoint now.",
+        v.paused.len(),
+    );
+}
 
-    // The reducer's view.
-    let g = state.reduced.lock();
-    let st = &g.state;
+/// How far the server's reducer got.
+fn reducer_progress(o: &mut Out, g: &ReducedInner) {
     o.one(
         "kvbm_reducer_events_total",
         "counter",
         "Events the server's reducer applied.",
-        st.stream().events,
+        g.state.stream().events,
     );
     o.one(
         "kvbm_reducer_missed_total",
@@ -228,7 +264,10 @@ pub(super) fn render(state: &AppState) -> String {
         "Events the server's reducer never saw (overwritten in the ring first).",
         g.missed,
     );
-    let pools = st.pools();
+}
+
+/// Blocks per tier, by state, and in all.
+fn pools(o: &mut Out, pools: &[PoolView]) {
     o.head(
         "kvbm_pool_blocks",
         "gauge",
@@ -264,6 +303,10 @@ pub(super) fn render(state: &AppState) -> String {
             p.capacity,
         );
     }
+}
+
+/// Prefix lookups, evictions and registrations per tier.
+fn prefix_and_blocks(o: &mut Out, pools: &[PoolView]) {
     o.head(
         "kvbm_prefix_hit_ratio",
         "gauge",
@@ -281,7 +324,7 @@ pub(super) fn render(state: &AppState) -> String {
         (
             "kvbm_prefix_lookups_total",
             "Prefix lookups per tier.",
-            (|p| p.lookups) as fn(&kvbm_events::reducer::PoolView) -> u64,
+            (|p| p.lookups) as fn(&PoolView) -> u64,
         ),
         (
             "kvbm_prefix_lookup_blocks_total",
@@ -314,9 +357,12 @@ pub(super) fn render(state: &AppState) -> String {
             o.val(name, &[("tier", p.tier.short_name())], f(p));
         }
     }
+}
 
-    // Transfers by direction: the four the tiers link always (zero until
-    // used, so the series are stable), and any other seen.
+/// Every direction with transfer totals: the four the tiers link always
+/// (zero until used, so the series are stable), and any other seen, in
+/// direction order.
+fn directions(st: &EngineState) -> Vec<DirectionTotals> {
     let mut dirs: Vec<DirectionTotals> = [
         Direction::DEVICE_TO_HOST,
         Direction::HOST_TO_DISK,
@@ -329,7 +375,11 @@ pub(super) fn render(state: &AppState) -> String {
     .collect();
     dirs.extend(st.direction_totals().iter().cloned());
     dirs.sort_by_key(|d| d.direction);
-    let dirs = &dirs;
+    dirs
+}
+
+/// Blocks and bytes offloaded and onboarded, by direction.
+fn blocks_moved(o: &mut Out, dirs: &[DirectionTotals]) {
     for (name, help, onboard, f) in [
         (
             "kvbm_offload_blocks_total",
@@ -361,6 +411,10 @@ pub(super) fn render(state: &AppState) -> String {
             o.val(name, &[("direction", &dir_label(d.direction))], f(d));
         }
     }
+}
+
+/// Transfer candidates by direction and outcome.
+fn transfer_outcomes(o: &mut Out, dirs: &[DirectionTotals]) {
     o.head(
         "kvbm_transfers_total",
         "counter",
@@ -383,18 +437,26 @@ pub(super) fn render(state: &AppState) -> String {
             );
         }
     }
+}
+
+/// Skipped transfer candidates by direction and reason.
+fn transfer_skips(o: &mut Out, skips: &BTreeMap<(Direction, String), u64>) {
     o.head(
         "kvbm_transfers_skipped_total",
         "counter",
         "Skipped transfer candidates (offloads and onboards) by direction and reason.",
     );
-    for ((d, reason), v) in &g.skips {
+    for ((d, reason), v) in skips {
         o.val(
             "kvbm_transfers_skipped_total",
             &[("direction", &dir_label(*d)), ("reason", reason)],
             v,
         );
     }
+}
+
+/// Request slots by state.
+fn slots(o: &mut Out, st: &EngineState) {
     o.head(
         "kvbm_slots",
         "gauge",
@@ -403,20 +465,26 @@ pub(super) fn render(state: &AppState) -> String {
     for (name, n) in st.state_counts() {
         o.val("kvbm_slots", &[("state", name)], n);
     }
+}
+
+/// Transfer candidates not yet terminal.
+fn transfers_in_flight(o: &mut Out, st: &EngineState) {
     o.one(
         "kvbm_transfers_in_flight",
         "gauge",
         "Transfer candidates not yet terminal.",
         st.in_flight_count(),
     );
+}
+
+/// Events the reducer could not square with its state.
+fn reducer_inconsistencies(o: &mut Out, st: &EngineState) {
     o.one(
         "kvbm_reducer_inconsistencies_total",
         "counter",
         "Events that contradicted the reducer's state.",
         st.inconsistencies().total(),
     );
-    drop(g);
-    o.0
 }
 
 #[cfg(test)]
