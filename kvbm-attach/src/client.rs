@@ -80,7 +80,7 @@ pub enum UrlError {
         reason: String,
     },
     /// A ZeroMQ KV-event stream (`zmq://` or `tcp://`): read by
-    /// [`kvbm_ingest::vllm::ZmqSource`], not by this client.
+    /// `kvbm_ingest::vllm::ZmqSource`, not by this client.
     #[error(
         "`{url}` is a ZeroMQ KV-event stream, not an attach server (`attach` and `record --from` read it with the vLLM source)"
     )]
