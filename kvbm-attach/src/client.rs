@@ -40,6 +40,7 @@
 //! with [`ControlError::Busy`]) and the table of commands awaiting a reply.
 //! [`ClientHandle::counters`] counts what went through each.
 
+use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use kvbm_events::Event;
 use kvbm_events::control::{BreakpointsView, ControlCommand, ControlResult};
@@ -79,7 +80,7 @@ pub enum UrlError {
         reason: String,
     },
     /// A ZeroMQ KV-event stream (`zmq://` or `tcp://`): read by
-    /// [`kvbm_ingest::vllm::ZmqSource`], not by this client.
+    /// `kvbm_ingest::vllm::ZmqSource`, not by this client.
     #[error(
         "`{url}` is a ZeroMQ KV-event stream, not an attach server (`attach` and `record --from` read it with the vLLM source)"
     )]
@@ -926,10 +927,6 @@ fn http_refusal(resp: &tungstenite::http::Response<Option<Vec<u8>>>) -> (Option<
 }
 
 fn classify_connect_error(e: tungstenite::Error) -> Ended {
-    let lost = |error: String| Ended::Lost {
-        error,
-        connected_for: None,
-    };
     match e {
         tungstenite::Error::Http(resp) => {
             let status = resp.status().as_u16();
@@ -968,6 +965,20 @@ fn fatal_api_error(api: &ApiError) -> Option<ClientError> {
     }
 }
 
+/// The WebSocket as the client holds it.
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// A connection that ended before it was up (no time connected to count).
+fn lost(error: String) -> Ended {
+    Ended::Lost {
+        error,
+        connected_for: None,
+    }
+}
+
+/// One connection, from the upgrade request to its end: the handshake
+/// ([`open`], [`await_hello`], [`check_same_run`]), then [`Session::run`].
 async fn session(
     cfg: &ClientConfig,
     cursor: &mut Cursor,
@@ -976,19 +987,59 @@ async fn session(
     state: &watch::Sender<ConnState>,
     counters: &Counters,
 ) -> Ended {
-    let lost = |error: String| Ended::Lost {
-        error,
-        connected_for: None,
+    let (ws, deadline) = match open(cfg, cursor.next).await {
+        Ok(x) => x,
+        Err(ended) => return ended,
     };
-    let mut req = match cfg.endpoint.events_url(cursor.next).into_client_request() {
-        Ok(r) => r,
-        Err(e) => {
-            return Ended::Fatal(ClientError::Url(UrlError::Malformed {
+    let (sink, mut stream) = ws.split();
+    let hello = match await_hello(&mut stream, deadline, counters).await {
+        Ok(h) => h,
+        Err(ended) => return ended,
+    };
+    if let Err(ended) = check_same_run(cursor, &hello, counters) {
+        return ended;
+    }
+    cursor.check_time = cursor.last_ts.is_some();
+    let connected_at = Instant::now();
+    bump(&counters.connects, 1);
+    state.send_replace(ConnState::Connected {
+        hello: hello.clone(),
+        since: connected_at,
+    });
+    if deliver(tx, counters, ClientEvent::Connected(hello))
+        .await
+        .is_err()
+    {
+        return Ended::ConsumerGone;
+    }
+    let mut session = Session {
+        cursor,
+        tx,
+        counters,
+        sink,
+        pending: Pending::new(cfg.max_pending),
+        connected_at,
+    };
+    let ended = session.run(&mut stream, commands).await;
+    session.close().await;
+    ended
+}
+
+/// Sends the upgrade request for the stream from `since` (with the
+/// protocol version and the token) and checks the version the server
+/// answers with. Returns the socket and the deadline for the whole
+/// handshake, hello included.
+async fn open(cfg: &ClientConfig, since: Option<u64>) -> Result<(Ws, tokio::time::Instant), Ended> {
+    let mut req = cfg
+        .endpoint
+        .events_url(since)
+        .into_client_request()
+        .map_err(|e| {
+            Ended::Fatal(ClientError::Url(UrlError::Malformed {
                 url: cfg.endpoint.to_string(),
                 reason: e.to_string(),
-            }));
-        }
-    };
+            }))
+        })?;
     req.headers_mut()
         .insert(VERSION_HEADER, HeaderValue::from(PROTOCOL_VERSION));
     if let Some(t) = &cfg.token
@@ -1004,233 +1055,323 @@ async fn session(
     )
     .await
     {
-        Err(_) => return lost(format!("no answer within {:?}", cfg.connect_timeout)),
-        Ok(Err(e)) => return classify_connect_error(e),
+        Err(_) => return Err(lost(format!("no answer within {:?}", cfg.connect_timeout))),
+        Ok(Err(e)) => return Err(classify_connect_error(e)),
         Ok(Ok(x)) => x,
     };
     if let Some(v) = resp.headers().get(VERSION_HEADER)
         && let Some(s) = v.to_str().ok().and_then(|v| v.trim().parse::<u32>().ok())
         && s != PROTOCOL_VERSION
     {
-        return Ended::Fatal(ClientError::ProtocolMismatch {
+        return Err(Ended::Fatal(ClientError::ProtocolMismatch {
             client: PROTOCOL_VERSION,
             server: Some(s),
             message: String::new(),
-        });
+        }));
     }
-    let (mut sink, mut stream) = ws.split();
-    // The server speaks first.
-    let hello = loop {
+    Ok((ws, deadline))
+}
+
+/// Waits (until `deadline`) for the server's hello, which comes first, and
+/// checks its protocol version.
+async fn await_hello(
+    stream: &mut SplitStream<Ws>,
+    deadline: tokio::time::Instant,
+    counters: &Counters,
+) -> Result<Hello, Ended> {
+    loop {
         let msg = match tokio::time::timeout_at(deadline, stream.next()).await {
-            Err(_) => return lost("no hello from the server".into()),
-            Ok(None) => return lost("the server closed before its hello".into()),
-            Ok(Some(Err(e))) => return lost(e.to_string()),
+            Err(_) => return Err(lost("no hello from the server".into())),
+            Ok(None) => return Err(lost("the server closed before its hello".into())),
+            Ok(Some(Err(e))) => return Err(lost(e.to_string())),
             Ok(Some(Ok(m))) => m,
         };
-        match msg {
-            Message::Text(t) => match serde_json::from_str::<ServerMsg>(&t) {
-                Ok(ServerMsg::Hello {
-                    protocol,
+        let text = match msg {
+            Message::Text(t) => t,
+            Message::Ping(_) | Message::Pong(_) => continue,
+            Message::Close(f) => {
+                return Err(lost(format!(
+                    "the server closed before its hello{}",
+                    f.map(|f| format!(": {}", f.reason)).unwrap_or_default()
+                )));
+            }
+            other => return Err(lost(format!("expected a hello, got {other:?}"))),
+        };
+        return match serde_json::from_str::<ServerMsg>(&text) {
+            Ok(ServerMsg::Hello {
+                protocol,
+                engine,
+                client,
+                first_seq,
+                last_seq,
+            }) => {
+                if protocol != PROTOCOL_VERSION {
+                    return Err(Ended::Fatal(ClientError::ProtocolMismatch {
+                        client: PROTOCOL_VERSION,
+                        server: Some(protocol),
+                        message: String::new(),
+                    }));
+                }
+                Ok(Hello {
                     engine,
                     client,
                     first_seq,
                     last_seq,
-                }) => {
-                    if protocol != PROTOCOL_VERSION {
-                        return Ended::Fatal(ClientError::ProtocolMismatch {
-                            client: PROTOCOL_VERSION,
-                            server: Some(protocol),
-                            message: String::new(),
-                        });
-                    }
-                    break Hello {
-                        engine,
-                        client,
-                        first_seq,
-                        last_seq,
-                    };
-                }
-                Ok(ServerMsg::Error(api)) => {
-                    return match fatal_api_error(&api) {
-                        Some(e) => Ended::Fatal(e),
-                        None => lost(format!("the server said: {api}")),
-                    };
-                }
-                Ok(other) => {
-                    return lost(format!("expected a hello, got {other:?}"));
-                }
-                Err(e) => {
-                    bump(&counters.bad_frames, 1);
-                    return lost(format!("expected a hello: {e}"));
-                }
-            },
-            Message::Ping(_) | Message::Pong(_) => continue,
-            Message::Close(f) => {
-                return lost(format!(
-                    "the server closed before its hello{}",
-                    f.map(|f| format!(": {}", f.reason)).unwrap_or_default()
-                ));
+                })
             }
-            other => return lost(format!("expected a hello, got {other:?}")),
-        }
-    };
+            Ok(ServerMsg::Error(api)) => Err(match fatal_api_error(&api) {
+                Some(e) => Ended::Fatal(e),
+                None => lost(format!("the server said: {api}")),
+            }),
+            Ok(other) => Err(lost(format!("expected a hello, got {other:?}"))),
+            Err(e) => {
+                bump(&counters.bad_frames, 1);
+                Err(lost(format!("expected a hello: {e}")))
+            }
+        };
+    }
+}
+
+/// After a reconnection, a server that holds fewer events than were
+/// already delivered is another engine run. Only if something was
+/// delivered: a `since` ahead of the server is just a wait.
+fn check_same_run(cursor: &Cursor, hello: &Hello, counters: &Counters) -> Result<(), Ended> {
     if let (Some(next), Some(last)) = (cursor.next, hello.last_seq)
         && next > 0
         && last < next - 1
+        && counters.events.load(Ordering::Relaxed) > 0
     {
-        // Only if something was delivered: a `since` ahead of the server
-        // is just a wait.
-        if counters.events.load(Ordering::Relaxed) > 0 {
-            return Ended::Fatal(ClientError::StreamReset {
-                why: format!(
-                    "it holds up to seq {last}, this client had seq {}",
-                    next - 1
-                ),
-            });
+        return Err(Ended::Fatal(ClientError::StreamReset {
+            why: format!(
+                "it holds up to seq {last}, this client had seq {}",
+                next - 1
+            ),
+        }));
+    }
+    Ok(())
+}
+
+/// Commands sent and awaiting their reply, by the id they were sent with.
+struct Pending {
+    waiting: HashMap<u64, (ReplyTo, Instant)>,
+    next_id: u64,
+    max: usize,
+}
+
+impl Pending {
+    fn new(max: usize) -> Self {
+        Pending {
+            waiting: HashMap::new(),
+            next_id: 1,
+            max: max.max(1),
         }
     }
-    cursor.check_time = cursor.last_ts.is_some();
-    let connected_at = Instant::now();
-    bump(&counters.connects, 1);
-    state.send_replace(ConnState::Connected {
-        hello: hello.clone(),
-        since: connected_at,
-    });
-    if deliver(tx, counters, ClientEvent::Connected(hello))
-        .await
-        .is_err()
-    {
-        return Ended::ConsumerGone;
+
+    /// Forgets the commands whose caller has stopped waiting.
+    fn sweep(&mut self) {
+        let now = Instant::now();
+        self.waiting.retain(|_, (_, d)| *d > now);
     }
-    let mut pending: HashMap<u64, (ReplyTo, Instant)> = HashMap::new();
-    let mut next_id = 1u64;
-    let mut sweep = tokio::time::interval(Duration::from_millis(500));
-    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let up = |error: String| Ended::Lost {
-        error,
-        connected_for: Some(connected_at.elapsed()),
-    };
-    let ended = loop {
-        tokio::select! {
-            msg = stream.next() => {
-                let msg = match msg {
-                    None => break up("the server closed the connection".into()),
-                    Some(Err(e)) => break up(e.to_string()),
-                    Some(Ok(m)) => m,
-                };
-                match msg {
-                    Message::Binary(b) => {
-                        bump(&counters.batches, 1);
-                        bump(&counters.bytes, b.len() as u64);
-                        let events = match decode_batch(&b) {
-                            Ok(ev) => ev,
-                            Err(e) => {
-                                // The events are asked for again on the
-                                // next connection.
-                                bump(&counters.bad_frames, 1);
-                                break up(format!("a bad event batch: {e}"));
-                            }
-                        };
-                        if let Err(e) = deliver_events(events, cursor, tx, counters).await {
-                            break e;
-                        }
-                    }
-                    Message::Text(t) => {
-                        let m = match serde_json::from_str::<ServerMsg>(&t) {
-                            Ok(m) => m,
-                            Err(e) => {
-                                bump(&counters.bad_frames, 1);
-                                tracing::warn!("ignoring a text frame that does not parse: {e}");
-                                continue;
-                            }
-                        };
-                        match m {
-                            ServerMsg::Gap { from_seq, to_seq, reason } => {
-                                if let Some(g) = clip_gap(cursor, from_seq, to_seq, reason, true)
-                                    && deliver_gap(g, cursor, tx, counters).await.is_err()
-                                {
-                                    break Ended::ConsumerGone;
-                                }
-                            }
-                            ServerMsg::Live => {
-                                if deliver(tx, counters, ClientEvent::Live).await.is_err() {
-                                    break Ended::ConsumerGone;
-                                }
-                            }
-                            ServerMsg::Breakpoints(v) => {
-                                if deliver(tx, counters, ClientEvent::Breakpoints(v)).await.is_err() {
-                                    break Ended::ConsumerGone;
-                                }
-                            }
-                            ServerMsg::Reply { id, result } => {
-                                bump(&counters.replies, 1);
-                                let delivered = pending
-                                    .remove(&id)
-                                    .is_some_and(|(r, _)| r.send(result.map_err(ControlError::Server)));
-                                if !delivered {
-                                    bump(&counters.orphan_replies, 1);
-                                }
-                            }
-                            ServerMsg::Error(api) => {
-                                break match fatal_api_error(&api) {
-                                    Some(e) => Ended::Fatal(e),
-                                    None => up(format!("the server said: {api}")),
-                                };
-                            }
-                            ServerMsg::Hello { .. } => {
-                                bump(&counters.bad_frames, 1);
-                            }
-                        }
-                    }
-                    Message::Close(f) => {
-                        break up(format!(
-                            "the server closed the connection{}",
-                            f.map(|f| format!(": {}", f.reason)).unwrap_or_default()
-                        ));
-                    }
-                    _ => {}
+
+    /// Whether one more command may be sent (after a sweep, if full).
+    fn has_room(&mut self) -> bool {
+        if self.waiting.len() >= self.max {
+            self.sweep();
+        }
+        self.waiting.len() < self.max
+    }
+
+    /// The id for the next command.
+    fn take_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn insert(&mut self, id: u64, reply: ReplyTo, deadline: Instant) {
+        self.waiting.insert(id, (reply, deadline));
+    }
+
+    /// Hands command `id` its result; false when nobody waits for it.
+    fn answer(&mut self, id: u64, result: Result<ControlResult, ApiError>) -> bool {
+        self.waiting
+            .remove(&id)
+            .is_some_and(|(r, _)| r.send(result.map_err(ControlError::Server)))
+    }
+
+    /// The connection ended: every command still waiting is told.
+    fn disconnect_all(&mut self) {
+        for (_, (r, _)) in self.waiting.drain() {
+            r.send(Err(ControlError::Disconnected));
+        }
+    }
+}
+
+/// A connection past its hello: what the server sends goes to the
+/// consumer, commands go to the server, replies to whoever waits.
+struct Session<'a> {
+    cursor: &'a mut Cursor,
+    tx: &'a mpsc::Sender<ClientEvent>,
+    counters: &'a Counters,
+    sink: SplitSink<Ws, Message>,
+    pending: Pending,
+    connected_at: Instant,
+}
+
+impl Session<'_> {
+    /// Serves the connection until it ends, and says how.
+    async fn run(
+        &mut self,
+        stream: &mut SplitStream<Ws>,
+        commands: &mut mpsc::Receiver<Command>,
+    ) -> Ended {
+        let mut sweep = tokio::time::interval(Duration::from_millis(500));
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let step = tokio::select! {
+                msg = stream.next() => self.on_frame(msg).await,
+                Some(c) = commands.recv() => self.on_command(c).await,
+                _ = sweep.tick() => {
+                    self.pending.sweep();
+                    Ok(())
                 }
-            }
-            Some(c) = commands.recv() => {
-                if Instant::now() >= c.deadline {
-                    bump(&counters.command_timeouts, 1);
-                    continue;
-                }
-                if pending.len() >= cfg.max_pending.max(1) {
-                    let now = Instant::now();
-                    pending.retain(|_, (_, d)| *d > now);
-                }
-                if pending.len() >= cfg.max_pending.max(1) {
-                    bump(&counters.commands_refused_busy, 1);
-                    c.reply.send(Err(ControlError::Busy));
-                    continue;
-                }
-                let id = next_id;
-                next_id += 1;
-                let text = match serde_json::to_string(&ClientMsg::Control { id, command: c.command }) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        c.reply.send(Err(ControlError::Server(ApiError::new("bad_request", e.to_string()))));
-                        continue;
-                    }
-                };
-                pending.insert(id, (c.reply, c.deadline));
-                bump(&counters.commands_sent, 1);
-                if let Err(e) = sink.send(Message::text(text)).await {
-                    break up(e.to_string());
-                }
-            }
-            _ = sweep.tick() => {
-                let now = Instant::now();
-                pending.retain(|_, (_, d)| *d > now);
+            };
+            if let Err(ended) = step {
+                return ended;
             }
         }
-    };
-    for (_, (r, _)) in pending.drain() {
-        r.send(Err(ControlError::Disconnected));
     }
-    let _ = sink.close().await;
-    ended
+
+    /// Fails the commands still waiting and closes the socket.
+    async fn close(mut self) {
+        self.pending.disconnect_all();
+        let _ = self.sink.close().await;
+    }
+
+    /// A connection that ended after this long up.
+    fn lost(&self, error: String) -> Ended {
+        Ended::Lost {
+            error,
+            connected_for: Some(self.connected_at.elapsed()),
+        }
+    }
+
+    async fn deliver(&self, ev: ClientEvent) -> Result<(), Ended> {
+        deliver(self.tx, self.counters, ev)
+            .await
+            .map_err(|()| Ended::ConsumerGone)
+    }
+
+    /// One frame (or the end of the stream).
+    async fn on_frame(
+        &mut self,
+        msg: Option<Result<Message, tungstenite::Error>>,
+    ) -> Result<(), Ended> {
+        let msg = match msg {
+            None => return Err(self.lost("the server closed the connection".into())),
+            Some(Err(e)) => return Err(self.lost(e.to_string())),
+            Some(Ok(m)) => m,
+        };
+        match msg {
+            Message::Binary(b) => self.on_batch(&b).await,
+            Message::Text(t) => self.on_text(&t).await,
+            Message::Close(f) => Err(self.lost(format!(
+                "the server closed the connection{}",
+                f.map(|f| format!(": {}", f.reason)).unwrap_or_default()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// A binary frame: a batch of events.
+    async fn on_batch(&mut self, frame: &[u8]) -> Result<(), Ended> {
+        bump(&self.counters.batches, 1);
+        bump(&self.counters.bytes, frame.len() as u64);
+        let events = match decode_batch(frame) {
+            Ok(ev) => ev,
+            Err(e) => {
+                // The events are asked for again on the next connection.
+                bump(&self.counters.bad_frames, 1);
+                return Err(self.lost(format!("a bad event batch: {e}")));
+            }
+        };
+        deliver_events(events, self.cursor, self.tx, self.counters).await
+    }
+
+    /// A text frame: any server message but events.
+    async fn on_text(&mut self, text: &str) -> Result<(), Ended> {
+        let m = match serde_json::from_str::<ServerMsg>(text) {
+            Ok(m) => m,
+            Err(e) => {
+                bump(&self.counters.bad_frames, 1);
+                tracing::warn!("ignoring a text frame that does not parse: {e}");
+                return Ok(());
+            }
+        };
+        match m {
+            ServerMsg::Gap {
+                from_seq,
+                to_seq,
+                reason,
+            } => match clip_gap(self.cursor, from_seq, to_seq, reason, true) {
+                Some(g) => deliver_gap(g, self.cursor, self.tx, self.counters)
+                    .await
+                    .map_err(|()| Ended::ConsumerGone),
+                None => Ok(()),
+            },
+            ServerMsg::Live => self.deliver(ClientEvent::Live).await,
+            ServerMsg::Breakpoints(v) => self.deliver(ClientEvent::Breakpoints(v)).await,
+            ServerMsg::Reply { id, result } => {
+                bump(&self.counters.replies, 1);
+                if !self.pending.answer(id, result) {
+                    bump(&self.counters.orphan_replies, 1);
+                }
+                Ok(())
+            }
+            ServerMsg::Error(api) => Err(match fatal_api_error(&api) {
+                Some(e) => Ended::Fatal(e),
+                None => self.lost(format!("the server said: {api}")),
+            }),
+            ServerMsg::Hello { .. } => {
+                bump(&self.counters.bad_frames, 1);
+                Ok(())
+            }
+        }
+    }
+
+    /// A command from the handle: sent with a fresh id, unless its caller
+    /// already gave up or too many are waiting.
+    async fn on_command(&mut self, c: Command) -> Result<(), Ended> {
+        if Instant::now() >= c.deadline {
+            bump(&self.counters.command_timeouts, 1);
+            return Ok(());
+        }
+        if !self.pending.has_room() {
+            bump(&self.counters.commands_refused_busy, 1);
+            c.reply.send(Err(ControlError::Busy));
+            return Ok(());
+        }
+        let id = self.pending.take_id();
+        let text = match serde_json::to_string(&ClientMsg::Control {
+            id,
+            command: c.command,
+        }) {
+            Ok(t) => t,
+            Err(e) => {
+                c.reply.send(Err(ControlError::Server(ApiError::new(
+                    "bad_request",
+                    e.to_string(),
+                ))));
+                return Ok(());
+            }
+        };
+        self.pending.insert(id, c.reply, c.deadline);
+        bump(&self.counters.commands_sent, 1);
+        match self.sink.send(Message::text(text)).await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.lost(e.to_string())),
+        }
+    }
 }
 
 /// Clips a gap to what was not delivered yet; advances the cursor.
@@ -1441,6 +1582,41 @@ mod tests {
             clip_gap(&mut fresh, 0, 4, GapReason::Lost, true).map(|g| g.len()),
             Some(5)
         );
+    }
+
+    /// The reply table: ids in order, room made by forgetting commands
+    /// whose caller gave up, replies matched by id, the rest told when the
+    /// connection ends.
+    #[test]
+    fn pending_commands_are_matched_swept_and_disconnected() {
+        let reply = || {
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            (ReplyTo::Sync(tx), rx)
+        };
+        let mut p = Pending::new(2);
+        let now = Instant::now();
+        let later = now + Duration::from_secs(60);
+        let (r1, rx1) = reply();
+        let (r2, rx2) = reply();
+        let (r3, rx3) = reply();
+        assert!(p.has_room());
+        let id1 = p.take_id();
+        p.insert(id1, r1, later);
+        let id2 = p.take_id();
+        p.insert(id2, r2, now); // its caller has already given up
+        assert_eq!((id1, id2), (1, 2));
+        // Full, but the sweep makes room by dropping id 2.
+        assert!(p.has_room());
+        assert!(!p.answer(id2, Ok(ControlResult::Done(true))));
+        assert!(rx2.try_recv().is_err());
+        let id3 = p.take_id();
+        p.insert(id3, r3, later);
+        assert!(!p.has_room());
+        assert!(p.answer(id1, Ok(ControlResult::Added(7))));
+        assert_eq!(rx1.try_recv().unwrap(), Ok(ControlResult::Added(7)));
+        p.disconnect_all();
+        assert_eq!(rx3.try_recv().unwrap(), Err(ControlError::Disconnected));
+        assert!(p.has_room());
     }
 
     fn ev(seq: u64) -> Event {

@@ -8,6 +8,7 @@
 
 use crate::event::{Direction, EntryPoint, RequestId};
 use crate::slot::SlotState;
+use crate::text::{MAX_QUOTED_CHARS, clip};
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
@@ -169,7 +170,7 @@ impl BreakpointSpec {
         if let Some(s) = &self.state
             && !SlotState::NAMES.contains(&s.as_str())
         {
-            return Err(BreakpointError::UnknownState(shorten(s)));
+            return Err(BreakpointError::UnknownState(clip(s, MAX_QUOTED_CHARS)));
         }
         if let Some(r) = &self.request {
             let p = r.pattern();
@@ -209,16 +210,6 @@ impl BreakpointSpec {
             return false;
         }
         true
-    }
-}
-
-/// Echoing a long bad value back (it may come from the network) helps no
-/// one; keep the start.
-fn shorten(s: &str) -> String {
-    const KEEP: usize = 64;
-    match s.char_indices().nth(KEEP) {
-        None => s.to_string(),
-        Some((cut, _)) => format!("{}…", &s[..cut]),
     }
 }
 

@@ -11,6 +11,7 @@
 //!   replay, the server's snapshots and every analysis.
 //! - [`breakpoint`] and [`control`]: breakpoint specs and the control
 //!   commands, as data.
+//! - [`text`]: clipping untrusted text echoed back in an error.
 //! - `testing` (feature `testing`): property-test strategies for events.
 //!
 //! What must not live here: the block manager itself (`kvbm-core`), file
@@ -27,6 +28,7 @@ pub mod ring;
 pub mod slot;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod text;
 pub mod tier;
 
 pub use emitter::{Clock, Emitter, MonotonicClock, VirtualClock};

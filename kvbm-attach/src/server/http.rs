@@ -1,7 +1,7 @@
 //! Routes, middleware (version, token, JSON errors) and the HTTP handlers.
 
-use super::control::{self, Refusal};
-use super::{AppState, metrics, ws};
+use super::api::{Access, Fail, bad_request, json_error, json_ok};
+use super::{AppState, control, metrics, ws};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -12,77 +12,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use kvbm_events::breakpoint::BreakpointSpec;
 use kvbm_events::control::{ControlCommand, ControlResult};
+use kvbm_events::text::{MAX_QUOTED_CHARS, clip};
 use kvbm_schema::protocol::{ApiError, CLIENT_HEADER, Health, PROTOCOL_VERSION, VERSION_HEADER};
 use serde::Deserialize;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-
-/// Longest error message echoed back.
-const MAX_MESSAGE: usize = 300;
-
-/// What the token check allowed for this request (a request extension).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Access {
-    /// May run control commands (in-band on a WebSocket too).
-    pub control: bool,
-}
-
-/// A JSON error response.
-pub(super) struct Fail(pub StatusCode, pub ApiError);
-
-impl From<Refusal> for Fail {
-    fn from((s, e): Refusal) -> Self {
-        Fail(s, e)
-    }
-}
-
-impl IntoResponse for Fail {
-    fn into_response(self) -> Response {
-        json_error(self.0, self.1)
-    }
-}
-
-fn shorten(s: &str) -> String {
-    match s.char_indices().nth(MAX_MESSAGE) {
-        None => s.to_string(),
-        Some((cut, _)) => format!("{}…", &s[..cut]),
-    }
-}
-
-pub(super) fn json_error(status: StatusCode, mut e: ApiError) -> Response {
-    e.message = shorten(&e.message);
-    let body = serde_json::to_vec(&e).unwrap_or_else(|_| b"{}".to_vec());
-    let mut r = (status, body).into_response();
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    r
-}
-
-fn json_ok(value: &impl serde::Serialize) -> Response {
-    match serde_json::to_vec(value) {
-        Ok(body) => {
-            let mut r = (StatusCode::OK, body).into_response();
-            r.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            r
-        }
-        Err(e) => json_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            ApiError::new("internal", format!("serialising the response: {e}")),
-        ),
-    }
-}
-
-pub(super) fn bad_request(message: impl Into<String>) -> Fail {
-    Fail(
-        StatusCode::BAD_REQUEST,
-        ApiError::new("bad_request", message),
-    )
-}
 
 pub(super) fn router(state: Arc<AppState>) -> Router {
     let limit = state.cfg.max_body_bytes;
@@ -151,7 +85,7 @@ async fn check_version(req: Request, next: Next) -> Response {
                     "protocol_mismatch",
                     format!(
                         "the client speaks protocol version {}, this server speaks version {PROTOCOL_VERSION}",
-                        shorten(&v)
+                        clip(&v, MAX_QUOTED_CHARS)
                     ),
                 ),
             );
@@ -376,9 +310,12 @@ async fn clear_one(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Response, Fail> {
-    let id: u64 = id
-        .parse()
-        .map_err(|_| bad_request(format!("breakpoint id {:?} is not a number", shorten(&id))))?;
+    let id: u64 = id.parse().map_err(|_| {
+        bad_request(format!(
+            "breakpoint id {:?} is not a number",
+            clip(&id, MAX_QUOTED_CHARS)
+        ))
+    })?;
     match run(&state, &headers, ControlCommand::Clear { id })? {
         ControlResult::Done(false) => Err(Fail(
             StatusCode::NOT_FOUND,

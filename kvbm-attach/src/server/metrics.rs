@@ -1,8 +1,13 @@
 //! `GET /metrics`: Prometheus text exposition (version 0.0.4).
 
-use super::AppState;
+use super::reduce::ReducedInner;
+use super::{AppState, ServerConfig, ServerStats};
 use kvbm_events::Direction;
-use kvbm_events::reducer::DirectionTotals;
+use kvbm_events::bus::BusCounters;
+use kvbm_events::control::BreakpointsView;
+use kvbm_events::reducer::{DirectionTotals, EngineState, PoolView};
+use kvbm_events::ring::RingCounters;
+use std::collections::BTreeMap;
 use std::fmt::Write;
 
 /// A direction as a label value: `G1->G2`.
@@ -24,6 +29,7 @@ fn esc(s: &str) -> String {
     o
 }
 
+/// The exposition being written.
 struct Out(String);
 
 impl Out {
@@ -53,13 +59,38 @@ impl Out {
     }
 }
 
+/// The whole exposition: one family after another, always in this order.
 pub(super) fn render(state: &AppState) -> String {
     let mut o = Out(String::with_capacity(8 * 1024));
     let ring = state.engine.ring.counters();
     let bus = state.engine.bus_counters.as_ref().map(|f| f());
     let stats = state.counters.stats();
+    events(&mut o, &ring, bus);
+    ring_buffer(&mut o, &ring, state.engine.ring.capacity());
+    server(&mut o, &stats, &state.cfg);
+    if let Some(c) = &state.engine.control {
+        breakpoints(&mut o, &c.view());
+    }
+    // Every family the reducer feeds comes from one lock, so they agree
+    // with each other.
+    let g = state.reduced.lock();
+    reducer_progress(&mut o, &g);
+    pools(&mut o, g.state.pools());
+    prefix_and_blocks(&mut o, g.state.pools());
+    let dirs = directions(&g.state);
+    blocks_moved(&mut o, &dirs);
+    transfer_outcomes(&mut o, &dirs);
+    transfer_skips(&mut o, &g.skips);
+    slots(&mut o, &g.state);
+    transfers_in_flight(&mut o, &g.state);
+    reducer_inconsistencies(&mut o, &g.state);
+    drop(g);
+    o.0
+}
 
-    // Events.
+/// What the engine emitted and its bus did with it; without bus counters,
+/// what the ring saw stands in.
+fn events(o: &mut Out, ring: &RingCounters, bus: Option<BusCounters>) {
     let emitted = bus.map_or(ring.pushed + ring.lost, |b| b.published);
     o.one(
         "kvbm_events_emitted_total",
@@ -85,6 +116,10 @@ pub(super) fn render(state: &AppState) -> String {
         "Events waiting in the engine's tap.",
         bus.map_or(0, |b| b.tap_queued),
     );
+}
+
+/// The server's ring.
+fn ring_buffer(o: &mut Out, ring: &RingCounters, capacity: usize) {
     o.one(
         "kvbm_ring_events_total",
         "counter",
@@ -113,10 +148,12 @@ pub(super) fn render(state: &AppState) -> String {
         "kvbm_ring_capacity_events",
         "gauge",
         "Events the ring holds at most.",
-        state.engine.ring.capacity(),
+        capacity,
     );
+}
 
-    // WebSocket clients.
+/// The server's own counters: WebSocket clients, TCP connections, tokens.
+fn server(o: &mut Out, stats: &ServerStats, cfg: &ServerConfig) {
     o.one(
         "kvbm_ws_clients",
         "gauge",
@@ -127,7 +164,7 @@ pub(super) fn render(state: &AppState) -> String {
         "kvbm_ws_clients_max",
         "gauge",
         "WebSocket clients allowed at once.",
-        state.cfg.max_clients,
+        cfg.max_clients,
     );
     o.one(
         "kvbm_http_connections_open",
@@ -139,7 +176,7 @@ pub(super) fn render(state: &AppState) -> String {
         "kvbm_http_connections_max",
         "gauge",
         "TCP connections allowed at once.",
-        state.cfg.max_connections,
+        cfg.max_connections,
     );
     o.one(
         "kvbm_http_connections_refused_total",
@@ -195,32 +232,31 @@ pub(super) fn render(state: &AppState) -> String {
         "Requests refused for a missing or wrong token.",
         stats.unauthorized,
     );
+}
 
-    // Breakpoints.
-    if let Some(c) = &state.engine.control {
-        let v = c.view();
-        o.one(
-            "kvbm_breakpoints",
-            "gauge",
-            "Breakpoints set.",
-            v.breakpoints.len(),
-        );
-        o.one(
-            "kvbm_paused_calls",
-            "gauge",
-            "Engine calls paused at a breakpoint now.",
-            v.paused.len(),
-        );
-    }
+/// Breakpoints set and calls paused (only for an engine with control).
+fn breakpoints(o: &mut Out, v: &BreakpointsView) {
+    o.one(
+        "kvbm_breakpoints",
+        "gauge",
+        "Breakpoints set.",
+        v.breakpoints.len(),
+    );
+    o.one(
+        "kvbm_paused_calls",
+        "gauge",
+        "Engine calls paused at a breakpoint now.",
+        v.paused.len(),
+    );
+}
 
-    // The reducer's view.
-    let g = state.reduced.lock();
-    let st = &g.state;
+/// How far the server's reducer got.
+fn reducer_progress(o: &mut Out, g: &ReducedInner) {
     o.one(
         "kvbm_reducer_events_total",
         "counter",
         "Events the server's reducer applied.",
-        st.stream().events,
+        g.state.stream().events,
     );
     o.one(
         "kvbm_reducer_missed_total",
@@ -228,7 +264,10 @@ pub(super) fn render(state: &AppState) -> String {
         "Events the server's reducer never saw (overwritten in the ring first).",
         g.missed,
     );
-    let pools = st.pools();
+}
+
+/// Blocks per tier, by state, and in all.
+fn pools(o: &mut Out, pools: &[PoolView]) {
     o.head(
         "kvbm_pool_blocks",
         "gauge",
@@ -264,6 +303,10 @@ pub(super) fn render(state: &AppState) -> String {
             p.capacity,
         );
     }
+}
+
+/// Prefix lookups, evictions and registrations per tier.
+fn prefix_and_blocks(o: &mut Out, pools: &[PoolView]) {
     o.head(
         "kvbm_prefix_hit_ratio",
         "gauge",
@@ -281,7 +324,7 @@ pub(super) fn render(state: &AppState) -> String {
         (
             "kvbm_prefix_lookups_total",
             "Prefix lookups per tier.",
-            (|p| p.lookups) as fn(&kvbm_events::reducer::PoolView) -> u64,
+            (|p| p.lookups) as fn(&PoolView) -> u64,
         ),
         (
             "kvbm_prefix_lookup_blocks_total",
@@ -314,9 +357,12 @@ pub(super) fn render(state: &AppState) -> String {
             o.val(name, &[("tier", p.tier.short_name())], f(p));
         }
     }
+}
 
-    // Transfers by direction: the four the tiers link always (zero until
-    // used, so the series are stable), and any other seen.
+/// Every direction with transfer totals: the four the tiers link always
+/// (zero until used, so the series are stable), and any other seen, in
+/// direction order.
+fn directions(st: &EngineState) -> Vec<DirectionTotals> {
     let mut dirs: Vec<DirectionTotals> = [
         Direction::DEVICE_TO_HOST,
         Direction::HOST_TO_DISK,
@@ -329,7 +375,11 @@ pub(super) fn render(state: &AppState) -> String {
     .collect();
     dirs.extend(st.direction_totals().iter().cloned());
     dirs.sort_by_key(|d| d.direction);
-    let dirs = &dirs;
+    dirs
+}
+
+/// Blocks and bytes offloaded and onboarded, by direction.
+fn blocks_moved(o: &mut Out, dirs: &[DirectionTotals]) {
     for (name, help, onboard, f) in [
         (
             "kvbm_offload_blocks_total",
@@ -361,6 +411,10 @@ pub(super) fn render(state: &AppState) -> String {
             o.val(name, &[("direction", &dir_label(d.direction))], f(d));
         }
     }
+}
+
+/// Transfer candidates by direction and outcome.
+fn transfer_outcomes(o: &mut Out, dirs: &[DirectionTotals]) {
     o.head(
         "kvbm_transfers_total",
         "counter",
@@ -383,18 +437,26 @@ pub(super) fn render(state: &AppState) -> String {
             );
         }
     }
+}
+
+/// Skipped transfer candidates by direction and reason.
+fn transfer_skips(o: &mut Out, skips: &BTreeMap<(Direction, String), u64>) {
     o.head(
         "kvbm_transfers_skipped_total",
         "counter",
         "Skipped transfer candidates (offloads and onboards) by direction and reason.",
     );
-    for ((d, reason), v) in &g.skips {
+    for ((d, reason), v) in skips {
         o.val(
             "kvbm_transfers_skipped_total",
             &[("direction", &dir_label(*d)), ("reason", reason)],
             v,
         );
     }
+}
+
+/// Request slots by state.
+fn slots(o: &mut Out, st: &EngineState) {
     o.head(
         "kvbm_slots",
         "gauge",
@@ -403,29 +465,375 @@ pub(super) fn render(state: &AppState) -> String {
     for (name, n) in st.state_counts() {
         o.val("kvbm_slots", &[("state", name)], n);
     }
+}
+
+/// Transfer candidates not yet terminal.
+fn transfers_in_flight(o: &mut Out, st: &EngineState) {
     o.one(
         "kvbm_transfers_in_flight",
         "gauge",
         "Transfer candidates not yet terminal.",
         st.in_flight_count(),
     );
+}
+
+/// Events the reducer could not square with its state.
+fn reducer_inconsistencies(o: &mut Out, st: &EngineState) {
     o.one(
         "kvbm_reducer_inconsistencies_total",
         "counter",
         "Events that contradicted the reducer's state.",
         st.inconsistencies().total(),
     );
-    drop(g);
-    o.0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::{Counters, ServedEngine, ServerConfig};
+    use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, CallInfo, PausedCall};
+    use kvbm_events::bus::BusCounters;
+    use kvbm_events::control::{
+        BreakpointsView, Control, ControlCommand, ControlError, ControlResult,
+    };
+    use kvbm_events::ring::RingBuffer;
+    use kvbm_events::{EntryPoint, Event, EventKind, SequenceHash, SlotState, Tier};
+    use std::path::Path;
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+    use tokio::sync::watch;
 
     #[test]
     fn labels_are_escaped() {
         assert_eq!(esc("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
         assert_eq!(dir_label(Direction::DEVICE_TO_HOST), "G1->G2");
+    }
+
+    /// A control that always shows the same breakpoints.
+    struct FixedControl(BreakpointsView);
+
+    impl Control for FixedControl {
+        fn execute(
+            &self,
+            _: ControlCommand,
+            _: Option<u64>,
+        ) -> Result<ControlResult, ControlError> {
+            Ok(ControlResult::List(self.0.clone()))
+        }
+    }
+
+    fn state(engine: ServedEngine) -> AppState {
+        let cfg = ServerConfig {
+            max_clients: 8,
+            max_connections: 16,
+            ..ServerConfig::default()
+        };
+        AppState::new(cfg, engine, Counters::default(), watch::channel(false).1)
+    }
+
+    fn ev(seq: u64, request: Option<&str>, kind: EventKind) -> Event {
+        Event {
+            engine: 3,
+            seq,
+            ts_ns: 1_000 * seq,
+            iteration: seq / 4,
+            request: request.map(Arc::from),
+            kind,
+        }
+    }
+
+    /// Something in every family: bus and ring counters, server counters,
+    /// breakpoints, pools, prefix lookups, transfers in every outcome (one
+    /// in a direction outside the four usual ones), skips (one reason that
+    /// needs escaping), slots and an inconsistency.
+    fn busy() -> AppState {
+        let ring = Arc::new(RingBuffer::with_capacity(4).unwrap());
+        for s in 0..6 {
+            ring.push(ev(
+                s,
+                None,
+                EventKind::TokensScheduled {
+                    prefill: 0,
+                    decode: 1,
+                    computed: 0,
+                },
+            ));
+        }
+        ring.record_gap(3);
+        let paused = PausedCall {
+            pause_id: 1,
+            breakpoint: 2,
+            call: CallInfo::new(EntryPoint::TransferExecute),
+            waited: Duration::from_millis(5),
+            deadline_in: Duration::from_secs(9),
+        };
+        let bp = |id| BreakpointInfo {
+            id,
+            spec: BreakpointSpec::default().with_state("Decoding"),
+            hits: id,
+        };
+        let view = BreakpointsView {
+            breakpoints: vec![bp(1), bp(2)],
+            paused: vec![paused],
+        };
+        let engine = ServedEngine::new(ring, 3)
+            .with_control(Arc::new(FixedControl(view)))
+            .with_bus_counters(|| BusCounters {
+                published: 1234,
+                lagged_total: 5,
+                tap_dropped: 6,
+                tap_queued: 7,
+                ..BusCounters::default()
+            });
+        let st = state(engine);
+        let c = &st.counters;
+        c.connected.store(2, Ordering::Relaxed);
+        c.accepted.store(9, Ordering::Relaxed);
+        c.rejected.store(1, Ordering::Relaxed);
+        c.slow.store(1, Ordering::Relaxed);
+        c.too_large.store(1, Ordering::Relaxed);
+        c.events_sent.store(500, Ordering::Relaxed);
+        c.gaps_sent.store(2, Ordering::Relaxed);
+        c.gap_events.store(30, Ordering::Relaxed);
+        c.unauthorized.store(4, Ordering::Relaxed);
+        c.conns.refused.store(3, Ordering::Relaxed);
+
+        let device_to_disk = Direction {
+            src: Tier::Device,
+            dst: Tier::Disk,
+        };
+        let (a, b) = (Some("a"), Some("b"));
+        let kinds = [
+            (
+                a,
+                EventKind::SlotCreated {
+                    prompt_tokens: 64,
+                    max_output_tokens: 8,
+                },
+            ),
+            (
+                a,
+                EventKind::SlotTransition {
+                    from: SlotState::Initialized,
+                    to: SlotState::Prefilling,
+                },
+            ),
+            (
+                b,
+                EventKind::SlotCreated {
+                    prompt_tokens: 16,
+                    max_output_tokens: 4,
+                },
+            ),
+            (
+                a,
+                EventKind::MatchResult {
+                    tier: Tier::Host,
+                    looked_up: 4,
+                    hit_blocks: 3,
+                    hit_tokens: 48,
+                },
+            ),
+            (
+                a,
+                EventKind::MatchResult {
+                    tier: Tier::Device,
+                    looked_up: 4,
+                    hit_blocks: 1,
+                    hit_tokens: 16,
+                },
+            ),
+            (
+                None,
+                EventKind::PoolGauge {
+                    tier: Tier::Device,
+                    capacity: 100,
+                    active: 10,
+                    inactive: 5,
+                    empty: 85,
+                },
+            ),
+            (
+                None,
+                EventKind::PoolGauge {
+                    tier: Tier::Host,
+                    capacity: 400,
+                    active: 0,
+                    inactive: 40,
+                    empty: 360,
+                },
+            ),
+            (
+                a,
+                EventKind::BlockRegistered {
+                    tier: Tier::Device,
+                    block: 1,
+                    sequence_hash: SequenceHash(11),
+                    duplicate_of: None,
+                },
+            ),
+            (
+                b,
+                EventKind::BlockRegistered {
+                    tier: Tier::Device,
+                    block: 2,
+                    sequence_hash: SequenceHash(11),
+                    duplicate_of: Some(1),
+                },
+            ),
+            (
+                None,
+                EventKind::BlockEvicted {
+                    tier: Tier::Host,
+                    block: 7,
+                    sequence_hash: SequenceHash(99),
+                },
+            ),
+            (
+                a,
+                EventKind::TransferPlanned {
+                    transfer: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    blocks: 2,
+                },
+            ),
+            (
+                a,
+                EventKind::TransferPromoted {
+                    transfer: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    blocks: 2,
+                },
+            ),
+            (
+                None,
+                EventKind::BatchDispatched {
+                    batch: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    transfers: vec![1],
+                    blocks: 2,
+                },
+            ),
+            (
+                a,
+                EventKind::TransferCompleted {
+                    transfer: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    blocks: 2,
+                },
+            ),
+            (
+                None,
+                EventKind::BatchCompleted {
+                    batch: 1,
+                    direction: Direction::DEVICE_TO_HOST,
+                    ok: true,
+                    blocks: 2,
+                    bytes: 8192,
+                    elapsed_ns: 400,
+                },
+            ),
+            (
+                b,
+                EventKind::TransferPlanned {
+                    transfer: 2,
+                    direction: Direction::HOST_TO_DEVICE,
+                    blocks: 1,
+                },
+            ),
+            (
+                b,
+                EventKind::TransferSkipped {
+                    transfer: 2,
+                    direction: Direction::HOST_TO_DEVICE,
+                    reason: "already_present".into(),
+                },
+            ),
+            (
+                a,
+                EventKind::TransferPlanned {
+                    transfer: 3,
+                    direction: device_to_disk,
+                    blocks: 1,
+                },
+            ),
+            (
+                a,
+                EventKind::TransferPlanned {
+                    transfer: 4,
+                    direction: Direction::HOST_TO_DISK,
+                    blocks: 1,
+                },
+            ),
+            (
+                a,
+                EventKind::TransferFailed {
+                    transfer: 4,
+                    direction: Direction::HOST_TO_DISK,
+                    error: "io".into(),
+                },
+            ),
+            (
+                b,
+                EventKind::TransferPlanned {
+                    transfer: 5,
+                    direction: Direction::DISK_TO_HOST,
+                    blocks: 1,
+                },
+            ),
+            (
+                b,
+                EventKind::TransferCancelled {
+                    transfer: 5,
+                    direction: Direction::DISK_TO_HOST,
+                },
+            ),
+            (
+                Some("ghost"),
+                EventKind::SlotTransition {
+                    from: SlotState::Decoding,
+                    to: SlotState::Finished,
+                },
+            ),
+        ];
+        {
+            let mut g = st.reduced.lock();
+            for (seq, (request, kind)) in kinds.into_iter().enumerate() {
+                g.state.apply(&ev(seq as u64, request, kind));
+            }
+            g.missed = 11;
+            g.skips
+                .insert((Direction::HOST_TO_DEVICE, "already_present".into()), 2);
+            g.skips
+                .insert((Direction::DEVICE_TO_HOST, "we\"ird\\".into()), 1);
+        }
+        st
+    }
+
+    /// Compares with `tests/metrics/NAME.prom`; `UPDATE_METRICS=1` writes it.
+    fn golden(name: &str, got: &str) {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/metrics")
+            .join(format!("{name}.prom"));
+        if std::env::var_os("UPDATE_METRICS").is_some() {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, got).unwrap();
+            return;
+        }
+        let want = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_METRICS=1 writes it)", path.display()));
+        assert_eq!(got, want, "/metrics differs from {}", path.display());
+    }
+
+    /// The exposition is byte for byte what it was: every family, in order,
+    /// with its help text, labels and values.
+    #[test]
+    fn every_family_renders_as_before() {
+        golden("busy", &render(&busy()));
+        // Without bus counters or control: the ring's fallbacks, no
+        // breakpoint family, and the four usual directions at zero.
+        let bare = ServedEngine::new(Arc::new(RingBuffer::with_capacity(4).unwrap()), 0);
+        golden("bare", &render(&state(bare)));
     }
 }

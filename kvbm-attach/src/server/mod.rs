@@ -68,6 +68,7 @@
 //!   not there. This happens in a drop guard, so it runs however the
 //!   connection ends, the server's shutdown included.
 
+mod api;
 mod conn;
 mod control;
 mod feeder;
@@ -415,6 +416,32 @@ struct AppState {
 }
 
 impl AppState {
+    fn new(
+        cfg: ServerConfig,
+        engine: ServedEngine,
+        counters: Counters,
+        shutdown: watch::Receiver<bool>,
+    ) -> AppState {
+        let (bp_tx, bp_view) = watch::channel(Arc::new(BreakpointsView::default()));
+        let live = Arc::new(live::LiveWindow::new(
+            cfg.live_window_events,
+            engine.ring.counters().pushed,
+        ));
+        AppState {
+            cfg,
+            engine,
+            counters,
+            next_client: AtomicU64::new(1),
+            clients: Mutex::new(HashSet::new()),
+            live,
+            reduced: Arc::new(reduce::Reduced::new()),
+            bp_view,
+            bp_tx: Arc::new(bp_tx),
+            bp_poke: Notify::new(),
+            shutdown,
+        }
+    }
+
     fn max_batch(&self) -> usize {
         self.cfg
             .max_batch_events
@@ -516,25 +543,7 @@ impl Server {
             ..Counters::default()
         };
         let (shutdown_tx, shutdown) = watch::channel(false);
-        let (bp_tx, bp_view) = watch::channel(Arc::new(BreakpointsView::default()));
-        let live = Arc::new(live::LiveWindow::new(
-            cfg.live_window_events,
-            engine.ring.counters().pushed,
-        ));
-        let reduced = Arc::new(reduce::Reduced::new());
-        let state = Arc::new(AppState {
-            cfg,
-            engine,
-            counters,
-            next_client: AtomicU64::new(1),
-            clients: Mutex::new(HashSet::new()),
-            live,
-            reduced,
-            bp_view,
-            bp_tx: Arc::new(bp_tx),
-            bp_poke: Notify::new(),
-            shutdown,
-        });
+        let state = Arc::new(AppState::new(cfg, engine, counters, shutdown));
         Ok(Server {
             listener,
             local_addr,

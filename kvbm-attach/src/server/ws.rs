@@ -5,8 +5,8 @@
 //! reader (control commands from the client). A [`ConnGuard`] releases the
 //! client's breakpoints however the connection ends.
 
+use super::api::{Access, Fail, bad_request, json_error};
 use super::control;
-use super::http::{Access, Fail, bad_request, json_error};
 use super::live::{Cursor, Out, Step};
 use super::{AppState, Counters};
 use axum::Extension;
@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use kvbm_events::control::ControlCommand;
+use kvbm_events::text::{MAX_MESSAGE_CHARS, MAX_QUOTED_CHARS, clip};
 use kvbm_schema::protocol::{ApiError, ClientMsg, ServerMsg};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,13 +29,15 @@ use tokio::sync::mpsc;
 /// that lets more pile up is disconnected as slow.
 const CONTROL_QUEUE: usize = 64;
 
-/// A reserved place under [`ServerConfig::max_clients`](super::ServerConfig::max_clients).
-pub(super) struct ClientSlot {
+/// Leave for one WebSocket client to be connected, one of at most
+/// [`ServerConfig::max_clients`](super::ServerConfig::max_clients): counted
+/// in `connected` while it lives, given back when dropped.
+struct ClientPermit {
     state: Arc<AppState>,
 }
 
-impl ClientSlot {
-    fn reserve(state: &Arc<AppState>) -> Option<ClientSlot> {
+impl ClientPermit {
+    fn reserve(state: &Arc<AppState>) -> Option<ClientPermit> {
         let max = state.cfg.max_clients;
         state
             .counters
@@ -44,13 +47,13 @@ impl ClientSlot {
             })
             .ok()?;
         state.counters.accepted.fetch_add(1, Ordering::Relaxed);
-        Some(ClientSlot {
+        Some(ClientPermit {
             state: state.clone(),
         })
     }
 }
 
-impl Drop for ClientSlot {
+impl Drop for ClientPermit {
     fn drop(&mut self) {
         self.state.counters.connected.fetch_sub(1, Ordering::AcqRel);
     }
@@ -63,7 +66,7 @@ struct ConnGuard {
     state: Arc<AppState>,
     id: u64,
     reader: Option<tokio::task::AbortHandle>,
-    _slot: ClientSlot,
+    _permit: ClientPermit,
 }
 
 impl Drop for ConnGuard {
@@ -102,7 +105,7 @@ fn parse_since(query: Option<&str>) -> Result<Option<u64>, Fail> {
             since = Some(v.parse::<u64>().map_err(|_| {
                 bad_request(format!(
                     "`since` must be a sequence number, got {:?}",
-                    v.chars().take(40).collect::<String>()
+                    clip(v, MAX_QUOTED_CHARS)
                 ))
             })?);
         }
@@ -137,7 +140,7 @@ pub(super) async fn events(
             );
         }
     };
-    let Some(slot) = ClientSlot::reserve(&state) else {
+    let Some(permit) = ClientPermit::reserve(&state) else {
         state.counters.rejected.fetch_add(1, Ordering::Relaxed);
         return json_error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -155,7 +158,7 @@ pub(super) async fn events(
     let limit = state.cfg.max_body_bytes;
     ws.max_message_size(limit)
         .max_frame_size(limit)
-        .on_upgrade(move |socket| serve_client(state, socket, slot, id, since, control))
+        .on_upgrade(move |socket| serve_client(state, socket, permit, id, since, control))
 }
 
 /// Why a connection ended.
@@ -172,7 +175,7 @@ enum End {
 async fn serve_client(
     state: Arc<AppState>,
     socket: WebSocket,
-    slot: ClientSlot,
+    permit: ClientPermit,
     id: u64,
     since: Option<u64>,
     control: bool,
@@ -186,7 +189,7 @@ async fn serve_client(
         state: state.clone(),
         id,
         reader: None,
-        _slot: slot,
+        _permit: permit,
     };
     let (mut sink, stream) = socket.split();
     let (tx, mut rx) = mpsc::channel(CONTROL_QUEUE);
@@ -448,7 +451,10 @@ fn handle_text(state: &AppState, text: &str, client: u64, control: bool) -> (Ser
         Err(e) => {
             let err = ApiError::new(
                 "bad_request",
-                format!("malformed message: {}", shorten(&e.to_string())),
+                format!(
+                    "malformed message: {}",
+                    clip(&e.to_string(), MAX_MESSAGE_CHARS)
+                ),
             );
             // Answer the command's id when it can be found.
             match serde_json::from_str::<serde_json::Value>(text)
@@ -468,6 +474,23 @@ fn handle_text(state: &AppState, text: &str, client: u64, control: bool) -> (Ser
     }
 }
 
-fn shorten(s: &str) -> String {
-    s.chars().take(300).collect()
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_since_is_refused_quoting_its_start() {
+        assert_eq!(parse_since(None).ok(), Some(None));
+        assert_eq!(parse_since(Some("version=1&since=42")).ok(), Some(Some(42)));
+        let long = "9".repeat(1000) + "x";
+        let Err(Fail(status, e)) = parse_since(Some(&format!("since={long}"))) else {
+            panic!("accepted")
+        };
+        assert_eq!(
+            (status, e.code.as_str()),
+            (StatusCode::BAD_REQUEST, "bad_request")
+        );
+        let quoted = format!("{:?}", clip(&long, MAX_QUOTED_CHARS));
+        assert!(e.message.ends_with(&quoted), "{}", e.message);
+    }
 }

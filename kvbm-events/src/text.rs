@@ -1,0 +1,48 @@
+//! Echoing untrusted text back: a refusal should quote what it refused,
+//! but a value that came from the network can be megabytes long, and
+//! quoting all of it helps no one. [`clip`] keeps the start.
+//!
+//! Two limits, because two things get clipped:
+//!
+//! - a value quoted inside a sentence ([`MAX_QUOTED_CHARS`]): a state name,
+//!   a breakpoint id, a version or a query parameter that did not parse.
+//!   Short, so the sentence around it stays readable;
+//! - a whole message ([`MAX_MESSAGE_CHARS`]): an error sent back to a
+//!   client, or a parser's own error text (which may quote the input and
+//!   list what it expected). Longer, because a useful message can be a
+//!   few lines.
+
+/// Most characters of a value quoted inside an error message.
+pub const MAX_QUOTED_CHARS: usize = 64;
+
+/// Most characters of a whole error message sent back.
+pub const MAX_MESSAGE_CHARS: usize = 300;
+
+/// `s` cut to its first `max_chars` characters (never inside one), with
+/// `…` after the cut to show there was more; `s` itself when it fits.
+pub fn clip(s: &str, max_chars: usize) -> String {
+    match s.char_indices().nth(max_chars) {
+        None => s.to_string(),
+        Some((cut, _)) => format!("{}…", &s[..cut]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clips_by_characters_and_marks_the_cut() {
+        assert_eq!(clip("", 3), "");
+        assert_eq!(clip("abc", 3), "abc");
+        assert_eq!(clip("abcd", 3), "abc…");
+        assert_eq!(clip("abcd", 0), "…");
+        // Characters, not bytes: never a cut inside one.
+        assert_eq!(clip("éèêë", 2), "éè…");
+        assert_eq!(clip("日本語", 3), "日本語");
+        let long = "x".repeat(10 * MAX_MESSAGE_CHARS);
+        let c = clip(&long, MAX_MESSAGE_CHARS);
+        assert_eq!(c.chars().count(), MAX_MESSAGE_CHARS + 1);
+        assert!(c.ends_with('…'));
+    }
+}
