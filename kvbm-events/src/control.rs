@@ -13,7 +13,7 @@ use crate::breakpoint::{
 };
 use serde::{Deserialize, Serialize};
 
-/// `GET /breakpoints`, and the payload of [`ServerMsg::Breakpoints`].
+/// `GET /breakpoints`, and the payload of `ServerMsg::Breakpoints`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BreakpointsView {
     /// Breakpoints set.

@@ -1,6 +1,6 @@
 //! The event vocabulary: one structured event for every slot transition,
 //! match, allocation, registration, eviction, transfer-candidate change,
-//! batch, hook call and breakpoint — and the [`Emitter`] that stamps them.
+//! batch, hook call and breakpoint — and the [`Emitter`](crate::Emitter) that stamps them.
 //!
 //! Every event carries an envelope: the engine id, a per-engine sequence
 //! number without gaps, a monotonic timestamp in nanoseconds (virtual time

@@ -66,7 +66,7 @@
 //! | `tokens_scheduled`  | `request_id`                            | `prefill`, `decode`, `computed` (0)  | [`EventKind::TokensScheduled`] |
 //!
 //! Kind names are the [`EventKind`] names in snake_case; hook and breakpoint
-//! events are not accepted (they belong to [`crate::hooks`]).
+//! events are not accepted (they belong to `kvbm_core::hooks`).
 //!
 //! # Shared state and its bounds
 //!

@@ -2,7 +2,7 @@
 //! column as one flatbuffers `EventBlock` (`schema/kvbm_events.fbs`), with
 //! the file identifier `KVBB`.
 //!
-//! Why columns rather than one [`EventRecord`](crate::EventRecord)
+//! Why columns rather than one [`EventRecord`](crate::fb::EventRecord)
 //! per event: most event kinds are fixed-size, and a column of fixed-size
 //! rows is a flatbuffers vector of structs, which the verifier checks with
 //! one range check however many rows it has, where a table per event costs

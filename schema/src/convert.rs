@@ -1,5 +1,5 @@
 //! Conversion between kvbm-core's [`Event`]s and the flatbuffers
-//! [`EventRecord`](crate::EventRecord)s of `schema/kvbm_events.fbs`,
+//! [`EventRecord`](crate::fb::EventRecord)s of `schema/kvbm_events.fbs`,
 //! one event per record: what the attach protocol sends. (The durable log
 //! stores blocks of events column by column instead: [`crate::columnar`],
 //! which shares this module's enum conversions.)

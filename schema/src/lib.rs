@@ -49,7 +49,7 @@ pub mod fb {
 /// record of any later version stores its number explicitly.
 pub const SCHEMA_VERSION: u32 = 1;
 
-/// The flatbuffers file identifier of an [`EventRecord`] buffer (bytes 4..8).
+/// The flatbuffers file identifier of an [`EventRecord`](fb::EventRecord) buffer (bytes 4..8).
 pub const FILE_IDENTIFIER: &str = "KVBE";
 
 #[cfg(test)]

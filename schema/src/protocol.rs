@@ -1,5 +1,5 @@
 //! The attach protocol, version [`PROTOCOL_VERSION`]: what the attach
-//! server ([`kvbm_attach::server`]) and its clients (the console's `attach`,
+//! server (`kvbm_attach::server`) and its clients (the console's `attach`,
 //! `kvbm-recorder record --from`) say to each other.
 //!
 //! # HTTP
