@@ -80,8 +80,8 @@ use kvbm_events::breakpoint::{
     MAX_DEADLINE, MIN_DEADLINE, OwnerReleased, PausedCall, STEP_BREAKPOINT,
 };
 use kvbm_events::control::{BreakpointsView, Control, ControlCommand, ControlError, ControlResult};
-use kvbm_events::{Emitter, EventKind, HookPhase, ResumeCause};
-use std::collections::BTreeMap;
+use kvbm_events::{Emitter, EventKind, HookPhase, RequestId, ResumeCause};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -216,6 +216,18 @@ impl HookSet {
         }
     }
 
+    /// Like [`will_call`](Self::will_call) for an entry point that can put
+    /// its request off instead of blocking: the breakpoints are asked with
+    /// [`Breakpoints::hold`]. On `Held` the caller answers "not yet" and
+    /// still calls [`finished_call`](Self::finished_call).
+    #[inline]
+    pub fn will_call_or_hold(&self, call: &CallInfo) -> Verdict {
+        match &self.inner {
+            Some(inner) => inner.will_call_or_hold(call),
+            None => Verdict::Go,
+        }
+    }
+
     /// After an entry point ran: emits `HookCall{Finished}` (with an
     /// emitter) and runs the user hook.
     #[inline]
@@ -237,6 +249,18 @@ impl HookInner {
         }
         if let Some(b) = &self.breakpoints {
             b.check(call);
+        }
+    }
+
+    #[inline(never)]
+    fn will_call_or_hold(&self, call: &CallInfo) -> Verdict {
+        self.emit(call, HookPhase::Will);
+        if let Some(h) = &self.hooks {
+            h.will_call(call);
+        }
+        match &self.breakpoints {
+            Some(b) => b.hold(call),
+            None => Verdict::Go,
         }
     }
 
@@ -295,6 +319,13 @@ struct Inner {
     paused: BTreeMap<u64, Pause>,
     next_pause: u64,
     default_deadline: Duration,
+    /// Requests held without a thread waiting ([`Breakpoints::hold`]), by
+    /// request: the pause that holds each.
+    held: HashMap<RequestId, u64>,
+    /// (breakpoint, request) pairs a held pause was released for: that
+    /// breakpoint lets the request through from then on, so a request an
+    /// engine asks about again and again is not held anew each time.
+    passed: HashSet<(u64, RequestId)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -317,8 +348,94 @@ impl Inner {
     }
 
     fn wants_checks(&self) -> bool {
-        !self.breakpoints.is_empty() || self.step.is_some()
+        !self.breakpoints.is_empty() || self.step.is_some() || !self.held.is_empty()
     }
+
+    /// The breakpoint (or step) that pauses `call`, if any, counting the
+    /// hit and using up an armed step; `None` when nothing matches.
+    fn matching(&mut self, call: &CallInfo) -> Option<(u64, Option<u64>)> {
+        let step = self.step.take();
+        let passed = &self.passed;
+        let request = call.request.as_ref();
+        let found = self.breakpoints.iter_mut().find(|(id, e)| {
+            e.spec.matches(call) && request.is_none_or(|r| !passed.contains(&(**id, r.clone())))
+        });
+        match found {
+            Some((&id, e)) => {
+                e.hits += 1;
+                Some((id, e.spec.owner))
+            }
+            None => step.map(|s| (STEP_BREAKPOINT, s.owner)),
+        }
+    }
+
+    /// Registers a pause of `call` by `breakpoint`; its id and deadline.
+    fn pause(&mut self, breakpoint: u64, owner: Option<u64>, call: &CallInfo) -> (u64, Duration) {
+        let pause_id = self.next_pause;
+        self.next_pause += 1;
+        let deadline = self.default_deadline;
+        let since = Instant::now();
+        self.paused.insert(
+            pause_id,
+            Pause {
+                breakpoint,
+                owner,
+                call: call.clone(),
+                since,
+                // In range by construction (at most MAX_DEADLINE); if the
+                // platform's clock still cannot add it, a pause without a
+                // deadline would break the promise, so end it now instead.
+                deadline: since.checked_add(deadline).unwrap_or(since),
+                release: None,
+            },
+        );
+        (pause_id, deadline)
+    }
+
+    /// Ends held pause `pause_id` if it was released or its deadline
+    /// passed: removes it, lets its request pass its breakpoint from now
+    /// on, and returns what to announce.
+    fn end_held(&mut self, pause_id: u64, now: Instant) -> Option<Ended> {
+        let p = self.paused.get(&pause_id)?;
+        let cause = match p.release {
+            Some(c) => c,
+            None if now >= p.deadline => ResumeCause::Deadline,
+            None => return None,
+        };
+        let p = self.paused.remove(&pause_id)?;
+        let request = p.call.request.clone();
+        if let Some(r) = &request {
+            self.held.remove(r);
+            if p.breakpoint != STEP_BREAKPOINT {
+                self.passed.insert((p.breakpoint, r.clone()));
+            }
+        }
+        Some(Ended {
+            breakpoint: p.breakpoint,
+            request,
+            cause,
+        })
+    }
+}
+
+/// A held pause that ended, to announce with a `Resumed` event.
+struct Ended {
+    breakpoint: u64,
+    request: Option<RequestId>,
+    cause: ResumeCause,
+}
+
+/// What [`Breakpoints::hold`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Go on.
+    Go,
+    /// The request is held by pause `pause_id`: put the call off and ask
+    /// again later.
+    Held {
+        /// The pause (as [`Breakpoints::paused`] lists it).
+        pause_id: u64,
+    },
 }
 
 /// Breakpoints on the engine's entry points, shared as `Arc<Breakpoints>`
@@ -367,6 +484,8 @@ impl Breakpoints {
                 paused: BTreeMap::new(),
                 next_pause: 1,
                 default_deadline: default_deadline.clamp(MIN_DEADLINE, MAX_DEADLINE),
+                held: HashMap::new(),
+                passed: HashSet::new(),
             }),
             cond: Condvar::new(),
             emitter,
@@ -608,49 +727,26 @@ impl Breakpoints {
     #[inline(never)]
     fn check_slow(&self, call: &CallInfo) {
         self.slow_checks.fetch_add(1, Ordering::Relaxed);
-        let mut guard = self.lock();
-        let inner = &mut *guard;
+        let mut inner = self.lock();
         // The lowest matching id pauses, once; a step is used up by the
         // first call that gets here, matched or not.
-        let step = inner.step.take();
-        let (breakpoint, owner) = match inner
-            .breakpoints
-            .iter_mut()
-            .find(|(_, e)| e.spec.matches(call))
-        {
-            Some((&id, e)) => {
-                e.hits += 1;
-                (id, e.spec.owner)
-            }
-            None => match step {
-                Some(s) => (STEP_BREAKPOINT, s.owner),
-                None => return,
-            },
+        let Some((breakpoint, owner)) = inner.matching(call) else {
+            self.rearm(&inner);
+            return;
         };
-        self.rearm(inner);
-        let pause_id = inner.next_pause;
-        inner.next_pause += 1;
-        let deadline = inner.default_deadline;
-        let since = Instant::now();
-        inner.paused.insert(
-            pause_id,
-            Pause {
-                breakpoint,
-                owner,
-                call: call.clone(),
-                since,
-                // In range by construction (at most MAX_DEADLINE); if the
-                // platform's clock still cannot add it, a pause without a
-                // deadline would break the promise, so end it now instead.
-                deadline: since.checked_add(deadline).unwrap_or(since),
-                release: None,
-            },
-        );
-        drop(guard);
+        let (pause_id, deadline) = inner.pause(breakpoint, owner, call);
+        self.rearm(&inner);
+        drop(inner);
 
         // Emitted outside our lock so a console looking at the lists is not
         // held up by the bus. The pause is registered first, so a console
         // reacting to the event finds it in `paused()`.
+        self.emit_hit(call, breakpoint, deadline);
+        let cause = self.wait(pause_id);
+        self.emit_resumed(call.request.as_ref(), breakpoint, cause);
+    }
+
+    fn emit_hit(&self, call: &CallInfo, breakpoint: u64, deadline: Duration) {
         if let Some(e) = &self.emitter {
             let deadline_ns = e
                 .clock()
@@ -665,14 +761,122 @@ impl Breakpoints {
                 },
             );
         }
+    }
 
-        let cause = self.wait(pause_id);
-
+    fn emit_resumed(&self, request: Option<&RequestId>, breakpoint: u64, cause: ResumeCause) {
         if let Some(e) = &self.emitter {
-            e.emit(
-                call.request.as_ref(),
-                EventKind::Resumed { breakpoint, cause },
-            );
+            e.emit(request, EventKind::Resumed { breakpoint, cause });
+        }
+    }
+
+    /// Like [`check`](Self::check), for a call the engine can put off
+    /// instead of blocking its thread (vLLM's `get_num_new_matched_tokens`
+    /// may answer "not yet"). When a breakpoint (or an armed step) matches,
+    /// the call's request is *held*: a pause is registered and announced
+    /// (`BreakpointHit`) and `Held` returned, and every later call for
+    /// that request returns `Held` until the pause is released (resume,
+    /// step, clear, its client gone) or its deadline passes. The next call
+    /// after that gets `Go` (`Resumed` is announced), and the released
+    /// breakpoint lets that request through from then on, here and in
+    /// [`check`](Self::check): a request the engine asks about on every
+    /// step is not held anew. A call without a request is checked as by
+    /// [`check`](Self::check) would be, without blocking: it goes.
+    ///
+    /// With nothing armed and nothing held this is one atomic load.
+    #[inline]
+    pub fn hold(&self, call: &CallInfo) -> Verdict {
+        if self.armed.load(Ordering::Acquire) {
+            self.hold_slow(call)
+        } else {
+            Verdict::Go
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn hold_slow(&self, call: &CallInfo) -> Verdict {
+        self.slow_checks.fetch_add(1, Ordering::Relaxed);
+        let Some(request) = call.request.as_ref() else {
+            return Verdict::Go;
+        };
+        let mut inner = self.lock();
+        let mut ended = None;
+        if let Some(&pause_id) = inner.held.get(request) {
+            ended = inner.end_held(pause_id, Instant::now());
+            if ended.is_none() {
+                return Verdict::Held { pause_id };
+            }
+        }
+        let verdict = match inner.matching(call) {
+            Some((breakpoint, owner)) => {
+                let (pause_id, deadline) = inner.pause(breakpoint, owner, call);
+                inner.held.insert(request.clone(), pause_id);
+                Some((pause_id, breakpoint, deadline))
+            }
+            None => None,
+        };
+        self.rearm(&inner);
+        drop(inner);
+        if let Some(e) = ended {
+            self.emit_resumed(e.request.as_ref(), e.breakpoint, e.cause);
+        }
+        match verdict {
+            Some((pause_id, breakpoint, deadline)) => {
+                self.emit_hit(call, breakpoint, deadline);
+                Verdict::Held { pause_id }
+            }
+            None => Verdict::Go,
+        }
+    }
+
+    /// Ends held pauses that were released or ran out of time, announcing
+    /// each (`Resumed`), without waiting for the engine to ask about their
+    /// requests again. An engine that holds requests calls it once per
+    /// step, so a console sees a resume at once and a deadline is kept even
+    /// for a request nobody asks about any more.
+    pub fn sweep_held(&self) {
+        if !self.armed.load(Ordering::Acquire) {
+            return;
+        }
+        let mut inner = self.lock();
+        if inner.held.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let ids: Vec<u64> = inner.held.values().copied().collect();
+        let ended: Vec<Ended> = ids
+            .into_iter()
+            .filter_map(|id| inner.end_held(id, now))
+            .collect();
+        self.rearm(&inner);
+        drop(inner);
+        for e in ended {
+            self.emit_resumed(e.request.as_ref(), e.breakpoint, e.cause);
+        }
+    }
+
+    /// The engine is done with `request` (finished or aborted): a pause
+    /// holding it ends (cause `Cleared`) and the breakpoints it passed
+    /// forget it.
+    pub fn forget_request(&self, request: &str) {
+        if !self.armed.load(Ordering::Acquire) {
+            return;
+        }
+        let mut inner = self.lock();
+        inner.passed.retain(|(_, r)| &**r != request);
+        let ended = match inner.held.get(request).copied() {
+            Some(id) => {
+                if let Some(p) = inner.paused.get_mut(&id) {
+                    p.release.get_or_insert(ResumeCause::Cleared);
+                }
+                inner.end_held(id, Instant::now())
+            }
+            None => None,
+        };
+        self.rearm(&inner);
+        drop(inner);
+        if let Some(e) = ended {
+            self.emit_resumed(e.request.as_ref(), e.breakpoint, e.cause);
         }
     }
 
@@ -1029,5 +1233,95 @@ mod tests {
         h.join().unwrap();
         let names: Vec<_> = drain(&mut tap).iter().map(|e| e.kind.name()).collect();
         assert_eq!(names, ["HookCall", "BreakpointHit", "Resumed", "HookCall"]);
+    }
+
+    /// A held request is put off, not blocked: one hit, `Held` on every
+    /// ask while the pause lasts, `Go` (and `Resumed`) once released, and
+    /// the breakpoint lets that request through from then on, blocking
+    /// checks included; other requests are still held.
+    #[test]
+    fn hold_puts_a_request_off_until_released_then_lets_it_pass() {
+        let (e, mut tap) = emitter();
+        let bp = Breakpoints::new(Some(e), Duration::from_secs(30));
+        let id = bp
+            .add(BreakpointSpec::default().with_request_prefix("r"))
+            .unwrap();
+        let c = call(EntryPoint::GetNumNewMatchedTokens, "r1");
+        let Verdict::Held { pause_id } = bp.hold(&c) else {
+            panic!("not held")
+        };
+        for _ in 0..5 {
+            assert_eq!(bp.hold(&c), Verdict::Held { pause_id });
+        }
+        assert_eq!(bp.paused().len(), 1);
+        let other = call(EntryPoint::GetNumNewMatchedTokens, "r2");
+        assert!(matches!(bp.hold(&other), Verdict::Held { .. }));
+        assert!(bp.resume(pause_id));
+        assert_eq!(bp.hold(&c), Verdict::Go);
+        assert_eq!(bp.hold(&c), Verdict::Go);
+        // A blocking check of the same request does not pause either.
+        bp.check(&call(EntryPoint::RequestFinished, "r1"));
+        assert_eq!(bp.paused().len(), 1, "r2 is still held");
+        let kinds: Vec<EventKind> = drain(&mut tap).into_iter().map(|e| e.kind).collect();
+        let hits = kinds
+            .iter()
+            .filter(|k| matches!(k, EventKind::BreakpointHit { .. }))
+            .count();
+        assert_eq!(hits, 2, "{kinds:?}");
+        assert!(kinds.contains(&EventKind::Resumed {
+            breakpoint: id,
+            cause: ResumeCause::Resume
+        }));
+        // Forgetting r2 ends its pause; a new r1 (same id, reused) passes.
+        bp.forget_request("r2");
+        assert!(bp.paused().is_empty());
+        assert!(drain(&mut tap).iter().any(|e| e.kind
+            == EventKind::Resumed {
+                breakpoint: id,
+                cause: ResumeCause::Cleared
+            }));
+    }
+
+    /// A held pause keeps its deadline even when nobody asks again:
+    /// `sweep_held` ends it; a cleared breakpoint's pause ends at the next
+    /// sweep too.
+    #[test]
+    fn held_pauses_end_at_their_deadline_or_when_cleared() {
+        let (e, mut tap) = emitter();
+        let bp = Breakpoints::new(Some(e), Duration::from_millis(20));
+        let a = bp.add(BreakpointSpec::default().with_request("a")).unwrap();
+        let b = bp.add(BreakpointSpec::default().with_request("b")).unwrap();
+        assert!(matches!(
+            bp.hold(&call(EntryPoint::GetNumNewMatchedTokens, "a")),
+            Verdict::Held { .. }
+        ));
+        assert!(matches!(
+            bp.hold(&call(EntryPoint::CreateSlot, "b")),
+            Verdict::Held { .. }
+        ));
+        bp.set_default_deadline(Duration::from_secs(60)).unwrap();
+        assert!(bp.clear(b));
+        thread::sleep(Duration::from_millis(40));
+        bp.sweep_held();
+        assert!(bp.paused().is_empty());
+        let resumed: Vec<EventKind> = drain(&mut tap)
+            .into_iter()
+            .map(|e| e.kind)
+            .filter(|k| matches!(k, EventKind::Resumed { .. }))
+            .collect();
+        assert_eq!(resumed.len(), 2, "{resumed:?}");
+        assert!(resumed.contains(&EventKind::Resumed {
+            breakpoint: a,
+            cause: ResumeCause::Deadline
+        }));
+        assert!(resumed.contains(&EventKind::Resumed {
+            breakpoint: b,
+            cause: ResumeCause::Cleared
+        }));
+        assert_eq!(
+            bp.list().len(),
+            1,
+            "breakpoint a stays after its pause ended"
+        );
     }
 }

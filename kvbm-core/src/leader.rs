@@ -25,7 +25,7 @@
 //! requests have finished sending and receiving.
 
 use crate::block::{Empty, ImmutableBlock, MutableBlock};
-use crate::hooks::HookSet;
+use crate::hooks::{HookSet, Verdict};
 use crate::offload::{
     OffloadPipeline, PipelineObserver, Precondition, PreconditionTrigger, SourceBlock,
     TransferHandle, TransferStatus, precondition,
@@ -408,6 +408,7 @@ pub struct Leader {
     salt: SaltHash,
     block_size: usize,
     hooks: HookSet,
+    hold_requests: bool,
 }
 
 /// Tier pools for a leader.
@@ -443,7 +444,17 @@ impl Leader {
             mode,
             salt,
             block_size,
+            hold_requests: false,
         }
+    }
+
+    /// Breakpoints hold a request at `create_slot` and
+    /// `get_num_new_matched_tokens` instead of blocking the engine's
+    /// thread ([`Breakpoints::hold`](crate::hooks::Breakpoints::hold)), for
+    /// an engine that can put a request off (vLLM asks again on a later
+    /// step); use [`get_num_new_matched_tokens_or_hold`](Self::get_num_new_matched_tokens_or_hold).
+    pub fn set_hold_requests(&mut self, hold: bool) {
+        self.hold_requests = hold;
     }
 
     /// Installs hooks (user hooks, `HookCall` events, breakpoints) around
@@ -504,6 +515,27 @@ impl Leader {
         Some(info)
     }
 
+    /// [`call`](Self::call) for an entry point that may put its request
+    /// off: with hold mode on, a matching breakpoint holds the request
+    /// rather than blocking.
+    fn call_or_hold(&self, entry: EntryPoint, request: &RequestId) -> (Option<CallInfo>, Verdict) {
+        if !self.hold_requests {
+            return (self.call(entry, Some(request)), Verdict::Go);
+        }
+        if !self.hooks.is_enabled() {
+            return (None, Verdict::Go);
+        }
+        let state = lock(&self.shared.slots).get(request).map(|s| s.state);
+        let info = CallInfo {
+            entry,
+            request: Some(request.clone()),
+            state,
+            direction: None,
+        };
+        let verdict = self.hooks.will_call_or_hold(&info);
+        (Some(info), verdict)
+    }
+
     fn done(&self, info: Option<CallInfo>) {
         if let Some(info) = info {
             self.hooks.finished_call(&info);
@@ -517,7 +549,9 @@ impl Leader {
         prompt: &[Token],
         max_output_tokens: usize,
     ) -> Result<(), SlotError> {
-        let call = self.call(EntryPoint::CreateSlot, Some(request));
+        // A held request's slot is still created: holding it is about what
+        // it is asked next.
+        let (call, _) = self.call_or_hold(EntryPoint::CreateSlot, request);
         let r = (|| {
             let mut slots = lock(&self.shared.slots);
             if slots.contains_key(request) {
@@ -593,57 +627,87 @@ impl Leader {
     /// blocks (held, so they survive until loaded) and moves the slot to
     /// `OnboardStaged`. Returns `(tokens, load_is_async)`; the engine must
     /// still compute at least the prompt's last token, so a fully cached
-    /// prompt reports one block less.
+    /// prompt reports one block less. Asked again before the engine
+    /// allocates, it stages anew.
     pub fn get_num_new_matched_tokens(
         &self,
         request: &RequestId,
         num_computed_tokens: usize,
     ) -> Result<(usize, bool), SlotError> {
         let call = self.call(EntryPoint::GetNumNewMatchedTokens, Some(request));
-        let r = (|| {
-            let mut slots = lock(&self.shared.slots);
-            let slot = slots
-                .get_mut(request)
-                .ok_or_else(|| SlotError::UnknownRequest(request.to_string()))?;
-            let hashes = slot.tokens.sequence_hashes();
-            let prompt_len = slot.tokens.total_tokens();
-            let first = num_computed_tokens / self.block_size;
-            // Leave at least the last token to compute.
-            let limit = (prompt_len.saturating_sub(1)) / self.block_size;
-            let wanted = hashes.get(first..limit.max(first)).unwrap_or(&[]);
-            let mut staged = Vec::new();
-            for (tier, pool) in [(Tier::Host, &self.host), (Tier::Disk, &self.disk)] {
-                let Some(pool) = pool else { continue };
-                let rest = &wanted[staged.len()..];
-                if rest.is_empty() {
-                    break;
-                }
-                let hits = pool.match_prefix(rest);
-                self.shared.emitter.emit(
-                    Some(request),
-                    EventKind::MatchResult {
-                        tier,
-                        looked_up: rest.len() as u32,
-                        hit_blocks: hits.len() as u32,
-                        hit_tokens: (hits.len() * self.block_size) as u32,
-                    },
-                );
-                let stop = hits.len() < rest.len();
-                staged.extend(hits);
-                if stop {
-                    break;
-                }
-            }
-            let tokens = staged.len() * self.block_size;
-            slot.staged = staged;
-            if tokens > 0 {
-                self.shared
-                    .transition(&mut slots, request, SlotState::OnboardStaged(tokens))?;
-            }
-            Ok((tokens, tokens > 0))
-        })();
+        let r = self.match_external(request, num_computed_tokens);
         self.done(call);
         r
+    }
+
+    /// [`get_num_new_matched_tokens`](Self::get_num_new_matched_tokens) for
+    /// an engine that can put a request off: `Ok(None)` while a breakpoint
+    /// holds the request (with hold mode on; see
+    /// [`set_hold_requests`](Self::set_hold_requests)). Nothing is staged
+    /// then.
+    pub fn get_num_new_matched_tokens_or_hold(
+        &self,
+        request: &RequestId,
+        num_computed_tokens: usize,
+    ) -> Result<Option<(usize, bool)>, SlotError> {
+        let (call, verdict) = self.call_or_hold(EntryPoint::GetNumNewMatchedTokens, request);
+        let r = match verdict {
+            Verdict::Held { .. } => Ok(None),
+            Verdict::Go => self.match_external(request, num_computed_tokens).map(Some),
+        };
+        self.done(call);
+        r
+    }
+
+    fn match_external(
+        &self,
+        request: &RequestId,
+        num_computed_tokens: usize,
+    ) -> Result<(usize, bool), SlotError> {
+        let mut slots = lock(&self.shared.slots);
+        let slot = slots
+            .get_mut(request)
+            .ok_or_else(|| SlotError::UnknownRequest(request.to_string()))?;
+        let hashes = slot.tokens.sequence_hashes();
+        let prompt_len = slot.tokens.total_tokens();
+        let first = num_computed_tokens / self.block_size;
+        // Leave at least the last token to compute.
+        let limit = (prompt_len.saturating_sub(1)) / self.block_size;
+        let wanted = hashes.get(first..limit.max(first)).unwrap_or(&[]);
+        // Anything staged by an earlier ask is let go first: the answer is
+        // the tiers' contents now.
+        slot.staged.clear();
+        let mut staged = Vec::new();
+        for (tier, pool) in [(Tier::Host, &self.host), (Tier::Disk, &self.disk)] {
+            let Some(pool) = pool else { continue };
+            let rest = &wanted[staged.len()..];
+            if rest.is_empty() {
+                break;
+            }
+            let hits = pool.match_prefix(rest);
+            self.shared.emitter.emit(
+                Some(request),
+                EventKind::MatchResult {
+                    tier,
+                    looked_up: rest.len() as u32,
+                    hit_blocks: hits.len() as u32,
+                    hit_tokens: (hits.len() * self.block_size) as u32,
+                },
+            );
+            let stop = hits.len() < rest.len();
+            staged.extend(hits);
+            if stop {
+                break;
+            }
+        }
+        let tokens = staged.len() * self.block_size;
+        slot.staged = staged;
+        let state = slot.state;
+        if tokens > 0 && state != SlotState::OnboardStaged(tokens) {
+            self.shared
+                .transition(&mut slots, request, SlotState::OnboardStaged(tokens))?;
+        }
+        Ok((tokens, tokens > 0))
     }
 
     /// The engine allocated device blocks; `onboard_destinations` are the

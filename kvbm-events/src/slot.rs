@@ -8,7 +8,9 @@
 //! ```
 //!
 //! - `OnboardStaged(n)`: host/disk blocks covering `n` tokens were found and
-//!   staged (from `Initialized` or `Preempted`).
+//!   staged (from `Initialized` or `Preempted`); staged anew when the engine
+//!   asks again before allocating, and given up (straight to `Prefilling`
+//!   or `Decoding`) when it allocates none of them.
 //! - `Onboarding(n)`: device blocks were paired with them and loads issued.
 //! - `Prefilling` / `Decoding`: set from what the scheduler ran this
 //!   iteration (prompt tokens vs. generated ones).
@@ -131,6 +133,11 @@ impl SlotState {
             (Finished, _) | (_, Finished) => false,
 
             (Initialized | Preempted, OnboardStaged(n)) => n > 0,
+            // An engine may ask again before it allocates (vLLM does, while
+            // a request waits): the hit is staged anew, or given up and the
+            // prompt computed instead.
+            (OnboardStaged(a), OnboardStaged(b)) => b > 0 && b != a,
+            (OnboardStaged(_), Prefilling | Decoding) => true,
             (OnboardStaged(a), Onboarding(b)) => b > 0 && b <= a,
             (Initialized | Preempted | Onboarding(_), Prefilling) => true,
             // A prompt fully served from cache goes straight to decoding.
@@ -222,6 +229,16 @@ mod tests {
                 Finished,
             ],
             &[Initialized, Finishing, Finished],
+            // Asked again while waiting: staged anew, then given up.
+            &[
+                Initialized,
+                OnboardStaged(64),
+                OnboardStaged(32),
+                Prefilling,
+                Decoding,
+                Finishing,
+                Finished,
+            ],
         ];
         for p in paths {
             for w in p.windows(2) {
@@ -239,6 +256,8 @@ mod tests {
             (Initialized, Onboarding(4)),
             (OnboardStaged(4), Onboarding(8)),
             (Initialized, OnboardStaged(0)),
+            (OnboardStaged(4), OnboardStaged(4)),
+            (OnboardStaged(4), OnboardStaged(0)),
             (Finished, Finishing),
             (Prefilling, Finished),
         ] {
