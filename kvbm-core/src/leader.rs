@@ -302,6 +302,26 @@ pub struct Pipelines {
     pub onboard_host_to_device: Option<Arc<OffloadPipeline>>,
     /// G3 → G2 (pipeline-allocated destinations).
     pub onboard_disk_to_host: Option<Arc<OffloadPipeline>>,
+    /// G1 → G3, when there is no host tier to go through.
+    pub offload_device_to_disk: Option<Arc<OffloadPipeline>>,
+    /// G3 → G1 (caller-provided destinations), when there is no host tier.
+    pub onboard_disk_to_device: Option<Arc<OffloadPipeline>>,
+}
+
+impl Pipelines {
+    /// Every pipeline present.
+    fn all(&self) -> impl Iterator<Item = &Arc<OffloadPipeline>> {
+        [
+            &self.offload_device_to_host,
+            &self.offload_host_to_disk,
+            &self.onboard_host_to_device,
+            &self.onboard_disk_to_host,
+            &self.offload_device_to_disk,
+            &self.onboard_disk_to_device,
+        ]
+        .into_iter()
+        .flatten()
+    }
 }
 
 /// Builds the observer a pipeline in `direction` must be created with, so
@@ -460,19 +480,20 @@ impl Leader {
     /// Installs hooks (user hooks, `HookCall` events, breakpoints) around
     /// the entry points. Without them each entry point pays one branch.
     pub fn set_hooks(&mut self, hooks: HookSet) {
-        let p = &self.pipelines;
-        for pipe in [
-            &p.offload_device_to_host,
-            &p.offload_host_to_disk,
-            &p.onboard_host_to_device,
-            &p.onboard_disk_to_host,
-        ]
-        .into_iter()
-        .flatten()
-        {
+        for pipe in self.pipelines.all() {
             pipe.set_hooks(hooks.clone());
         }
         self.hooks = hooks;
+    }
+
+    /// Where a device block is stored: the host, or straight to disk when
+    /// there is no host tier.
+    fn store_direction(&self) -> Direction {
+        if self.host.is_none() && self.disk.is_some() {
+            Direction::DEVICE_TO_DISK
+        } else {
+            Direction::DEVICE_TO_HOST
+        }
     }
 
     /// The emitter.
@@ -734,23 +755,38 @@ impl Leader {
                 return Ok(());
             }
             let split = staged.iter().take_while(|b| b.tier() == Tier::Host).count();
-            let disk_sources = staged.split_off(split);
-            let disk_destinations = onboard_destinations.split_off(split);
-            let tokens = (staged.len() + disk_sources.len()) * self.block_size;
+            let tokens = staged.len() * self.block_size;
+            // Without a host tier, disk blocks load straight to the device
+            // in one hop, like host blocks do; with one, they go through it
+            // when the load starts.
+            let direct = self.host.is_none();
+            let (first, disk_sources, disk_destinations) = if direct {
+                (Direction::DISK_TO_DEVICE, Vec::new(), Vec::new())
+            } else {
+                let s = staged.split_off(split);
+                let d = onboard_destinations.split_off(split);
+                (Direction::HOST_TO_DEVICE, s, d)
+            };
+            let (from_host, from_disk) = if direct {
+                (0, staged.len())
+            } else {
+                (staged.len(), disk_sources.len())
+            };
             slot.pending_loads.push(LoadOp {
                 request: request.clone(),
                 tokens,
-                from_host: staged.len(),
-                from_disk: disk_sources.len(),
+                from_host,
+                from_disk,
                 handle: None,
                 disk_sources,
                 disk_destinations,
             });
-            // The host part is enqueued now (it is held strongly anyway).
+            // The first hop is enqueued now (its sources are held strongly
+            // anyway).
             drop(slots);
             if !staged.is_empty() {
                 let h = self.plan(
-                    Direction::HOST_TO_DEVICE,
+                    first,
                     Some(request),
                     staged.into_iter().map(SourceBlock::Strong).collect(),
                     Some(onboard_destinations),
@@ -799,6 +835,8 @@ impl Leader {
             (Tier::Host, Tier::Disk) => p.offload_host_to_disk.as_ref(),
             (Tier::Host, Tier::Device) => p.onboard_host_to_device.as_ref(),
             (Tier::Disk, Tier::Host) => p.onboard_disk_to_host.as_ref(),
+            (Tier::Device, Tier::Disk) => p.offload_device_to_disk.as_ref(),
+            (Tier::Disk, Tier::Device) => p.onboard_disk_to_device.as_ref(),
             _ => None,
         }
     }
@@ -841,7 +879,7 @@ impl Leader {
                     .collect();
                 if self
                     .plan(
-                        Direction::DEVICE_TO_HOST,
+                        self.store_direction(),
                         Some(&s.request),
                         blocks,
                         None,
@@ -904,7 +942,7 @@ impl Leader {
                     .iter()
                     .map(|b| SourceBlock::Strong(b.clone()))
                     .collect();
-                self.plan(Direction::DEVICE_TO_HOST, Some(request), src, None, None);
+                self.plan(self.store_direction(), Some(request), src, None, None);
             }
             let mut slots = lock(&self.shared.slots);
             if let Some(s) = slots.get_mut(request) {
@@ -972,7 +1010,8 @@ fn plan_on(
 ) -> Option<TransferHandle> {
     let p = pipeline?;
     let n = blocks.len() as u32;
-    let hashes = if direction == Direction::DEVICE_TO_HOST {
+    let hashes = if direction == Direction::DEVICE_TO_HOST || direction == Direction::DEVICE_TO_DISK
+    {
         blocks.iter().map(|b| b.sequence_hash()).collect()
     } else {
         Vec::new()

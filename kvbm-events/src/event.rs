@@ -51,6 +51,16 @@ impl Direction {
         src: Tier::Disk,
         dst: Tier::Host,
     };
+    /// G1 → G3 (no host tier between them).
+    pub const DEVICE_TO_DISK: Direction = Direction {
+        src: Tier::Device,
+        dst: Tier::Disk,
+    };
+    /// G3 → G1 (no host tier between them).
+    pub const DISK_TO_DEVICE: Direction = Direction {
+        src: Tier::Disk,
+        dst: Tier::Device,
+    };
 
     /// True when the destination is a faster tier than the source.
     pub fn is_onboard(&self) -> bool {

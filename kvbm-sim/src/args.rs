@@ -317,7 +317,7 @@ mod tests {
         for (args, option) in [
             (&["--block-size", "0"][..], "block-size"),
             (&["--rate", "0"], "rate"),
-            (&["--time-scale", "-1"], "time-scale"),
+            (&["--time-scale=-1"], "time-scale"),
             (&["--real-time", "nan"], "real-time"),
             (&["--shared-prefix-ratio", "1.5"], "shared-prefix-ratio"),
         ] {

@@ -378,11 +378,8 @@ impl Simulator {
             });
         }
         let host_blocks = blocks_for(cfg.host_capacity_tokens, bs);
-        let disk_blocks = if host_blocks == 0 {
-            0 // disk is reached through the host
-        } else {
-            blocks_for(cfg.disk_capacity_tokens, bs)
-        };
+        // Without a host tier, G1 and G3 exchange blocks directly.
+        let disk_blocks = blocks_for(cfg.disk_capacity_tokens, bs);
         let (clock, virtual_clock): (Arc<dyn Clock>, _) = match cfg.pacing {
             Pacing::Virtual => {
                 let c = Arc::new(VirtualClock::new());
@@ -463,6 +460,27 @@ impl Simulator {
             Ok(p)
         };
         let mut disk_dir = None;
+        let mut disk_storage = |blocks: usize| -> Result<Arc<DiskStorage>, SimError> {
+            let dir = match &cfg.disk_dir {
+                Some(d) => {
+                    std::fs::create_dir_all(d).map_err(setup)?;
+                    d.clone()
+                }
+                None => {
+                    let t = tempfile_dir::TempDir::new().map_err(setup)?;
+                    let p = t.path().to_path_buf();
+                    disk_dir = Some(t);
+                    p
+                }
+            };
+            Ok(Arc::new(
+                DiskStorage::create(
+                    dir.join(format!("g3-{}.kvbm", cfg.engine_id)),
+                    layout(blocks)?,
+                )
+                .map_err(setup)?,
+            ))
+        };
         if let Some(g2) = &g2 {
             let s2 = Arc::new(HostStorage::new(layout(host_blocks)?).map_err(setup)?);
             let e12 = Arc::new(
@@ -478,25 +496,7 @@ impl Simulator {
             pipelines.onboard_host_to_device =
                 Some(make(Direction::HOST_TO_DEVICE, e21, g2, &g1, false)?);
             if let Some(g3) = &g3 {
-                let dir = match &cfg.disk_dir {
-                    Some(d) => {
-                        std::fs::create_dir_all(d).map_err(setup)?;
-                        d.clone()
-                    }
-                    None => {
-                        let t = tempfile_dir::TempDir::new().map_err(setup)?;
-                        let p = t.path().to_path_buf();
-                        disk_dir = Some(t);
-                        p
-                    }
-                };
-                let s3 = Arc::new(
-                    DiskStorage::create(
-                        dir.join(format!("g3-{}.kvbm", cfg.engine_id)),
-                        layout(disk_blocks)?,
-                    )
-                    .map_err(setup)?,
-                );
+                let s3 = disk_storage(disk_blocks)?;
                 let e23 = Arc::new(
                     DiskEngine::new(
                         s2.clone(),
@@ -515,6 +515,26 @@ impl Simulator {
                 pipelines.onboard_disk_to_host =
                     Some(make(Direction::DISK_TO_HOST, e32, g3, g2, true)?);
             }
+        } else if let Some(g3) = &g3 {
+            // No host tier: G1 and G3 exchange blocks directly.
+            let s3 = disk_storage(disk_blocks)?;
+            let e13 = Arc::new(
+                DiskEngine::new(
+                    s1.clone(),
+                    s3.clone(),
+                    DiskDirection::HostToDisk,
+                    Tier::Device,
+                )
+                .map_err(setup)?,
+            );
+            let e31 = Arc::new(
+                DiskEngine::new(s1.clone(), s3, DiskDirection::DiskToHost, Tier::Device)
+                    .map_err(setup)?,
+            );
+            pipelines.offload_device_to_disk =
+                Some(make(Direction::DEVICE_TO_DISK, e13, &g1, g3, true)?);
+            pipelines.onboard_disk_to_device =
+                Some(make(Direction::DISK_TO_DEVICE, e31, g3, &g1, false)?);
         }
         let leader = Leader::new(
             wiring,

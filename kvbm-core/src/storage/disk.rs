@@ -68,6 +68,44 @@ impl DiskStorage {
         Ok(DiskStorage { layout, path, file })
     }
 
+    /// Opens the file at `path` for `layout` as another process left it,
+    /// or creates it (sized, reading as zeroes) when missing; for a tier two
+    /// processes share (an engine's worker and the block manager each open
+    /// it; whichever comes first creates it). A file of another size is
+    /// refused ([`StorageError::FileSize`]): it holds something else.
+    pub fn open_or_create(
+        path: impl AsRef<Path>,
+        layout: Layout,
+    ) -> Result<DiskStorage, StorageError> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| StorageError::Io {
+            path: path.clone(),
+            source,
+        };
+        if layout.total_bytes() == 0 {
+            return Err(StorageError::ZeroSize);
+        }
+        let size = layout.total_bytes() as u64;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len == 0 {
+            file.set_len(size).map_err(io)?;
+        } else if len != size {
+            return Err(StorageError::FileSize {
+                path,
+                expected: size,
+                found: len,
+            });
+        }
+        Ok(DiskStorage { layout, path, file })
+    }
+
     /// The layout this storage was built for.
     pub fn layout(&self) -> &Layout {
         &self.layout

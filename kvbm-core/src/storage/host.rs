@@ -1,4 +1,7 @@
-//! Host memory storage: one zeroed, page-aligned allocation per layout region.
+//! Host memory storage: one zeroed, page-aligned allocation per layout
+//! region; or one memory-mapped file holding every region, which several
+//! processes can map at once; or memory someone else owns (an engine's KV
+//! tensors), wrapped without a copy.
 
 use super::{StorageError, check_block, check_len};
 use crate::layout::{Layout, MemRange, REGION_ALIGN};
@@ -21,7 +24,11 @@ use std::ptr::NonNull;
 /// are never written) are what uphold this.
 pub struct HostStorage {
     layout: Layout,
-    alloc_layout: alloc::Layout,
+    /// Bytes of each region's memory (at least `region_bytes`); what is
+    /// pinned for CUDA.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    region_len: usize,
+    backing: Backing,
     regions: Vec<NonNull<u8>>,
     /// The CUDA context the regions are registered (pinned) with, if any;
     /// unregistered on drop, before the memory is freed.
@@ -41,6 +48,24 @@ unsafe impl Send for HostStorage {}
 // SAFETY: see `Send` above; shared access is read-only except through
 // `unsafe` methods that require the caller to exclude races.
 unsafe impl Sync for HostStorage {}
+
+/// Who owns a [`HostStorage`]'s memory.
+enum Backing {
+    /// Allocated here with this layout, one allocation per region.
+    Owned(alloc::Layout),
+    /// A shared mapping of a file (regions back to back, page aligned).
+    Mapped {
+        _map: memmap2::MmapRaw,
+        path: std::path::PathBuf,
+    },
+    /// Someone else's; they keep it alive and in place.
+    External,
+}
+
+/// The stride of regions inside one mapping: each starts on a page.
+fn mapped_stride(layout: &Layout) -> usize {
+    layout.region_bytes().div_ceil(REGION_ALIGN) * REGION_ALIGN
+}
 
 impl std::fmt::Debug for HostStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -73,7 +98,8 @@ impl HostStorage {
         })?;
         let mut storage = HostStorage {
             layout,
-            alloc_layout,
+            region_len: bytes,
+            backing: Backing::Owned(alloc_layout),
             regions: Vec::with_capacity(layout.num_regions()),
             #[cfg(feature = "cuda")]
             pinned: std::sync::Mutex::new(None),
@@ -90,6 +116,107 @@ impl HostStorage {
             storage.regions.push(ptr);
         }
         Ok(storage)
+    }
+
+    /// Memory every process can see: the file at `path` (created when
+    /// missing, sized to hold every region of `layout`, each starting on a
+    /// page), mapped shared. Two processes opening the same path with the
+    /// same layout see each other's writes; that is how an engine's worker
+    /// process and the block manager share the host tier. A file that
+    /// exists with another size is refused ([`StorageError::FileSize`]):
+    /// it belongs to something else. The file is not removed on drop.
+    pub fn shared(
+        path: impl AsRef<std::path::Path>,
+        layout: Layout,
+    ) -> Result<HostStorage, StorageError> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| StorageError::Io {
+            path: path.clone(),
+            source,
+        };
+        let stride = mapped_stride(&layout);
+        let total = stride
+            .checked_mul(layout.num_regions())
+            .filter(|t| *t > 0)
+            .ok_or(StorageError::ZeroSize)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len == 0 {
+            file.set_len(total as u64).map_err(io)?;
+        } else if len != total as u64 {
+            return Err(StorageError::FileSize {
+                path,
+                expected: total as u64,
+                found: len,
+            });
+        }
+        let map = memmap2::MmapOptions::new()
+            .len(total)
+            .map_raw(&file)
+            .map_err(io)?;
+        let base = map.as_mut_ptr();
+        let regions = (0..layout.num_regions())
+            .map(|r| {
+                // SAFETY: r * stride < total, the mapping's length.
+                NonNull::new(unsafe { base.add(r * stride) }).ok_or(StorageError::ZeroSize)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(HostStorage {
+            layout,
+            region_len: stride,
+            backing: Backing::Mapped { _map: map, path },
+            regions,
+            #[cfg(feature = "cuda")]
+            pinned: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// Wraps memory this storage does not own: `regions[r]` is the start
+    /// of region `r` of `layout` (an engine's KV tensors, one per layer).
+    /// Nothing is copied or freed.
+    ///
+    /// # Safety
+    ///
+    /// Each pointer must be valid for reads and writes of
+    /// [`Layout::region_bytes`] bytes for as long as the storage (and any
+    /// engine holding it) lives, and nothing outside the block manager may
+    /// touch a block while a transfer of it is pending.
+    pub unsafe fn external(
+        layout: Layout,
+        regions: Vec<*mut u8>,
+    ) -> Result<HostStorage, StorageError> {
+        if regions.len() != layout.num_regions() {
+            return Err(StorageError::RegionCount {
+                expected: layout.num_regions(),
+                found: regions.len(),
+            });
+        }
+        let regions = regions
+            .into_iter()
+            .map(|p| NonNull::new(p).ok_or(StorageError::ZeroSize))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(HostStorage {
+            layout,
+            region_len: layout.region_bytes(),
+            backing: Backing::External,
+            regions,
+            #[cfg(feature = "cuda")]
+            pinned: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The file behind a [`shared`](Self::shared) storage.
+    pub fn shared_path(&self) -> Option<&std::path::Path> {
+        match &self.backing {
+            Backing::Mapped { path, .. } => Some(path),
+            _ => None,
+        }
     }
 
     /// The layout this storage was built for.
@@ -187,7 +314,7 @@ impl HostStorage {
             let res = unsafe {
                 sys::cuMemHostRegister_v2(
                     region.as_ptr().cast(),
-                    self.alloc_layout.size(),
+                    self.region_len,
                     sys::CU_MEMHOSTREGISTER_PORTABLE,
                 )
             }
@@ -201,7 +328,7 @@ impl HostStorage {
                 }
                 return Err(StorageError::Cuda(format!(
                     "cuMemHostRegister of {} bytes: {e}",
-                    self.alloc_layout.size()
+                    self.region_len
                 )));
             }
         }
@@ -234,10 +361,15 @@ impl Drop for HostStorage {
                 }
             }
         }
-        for region in self.regions.drain(..) {
-            // SAFETY: allocated with exactly this layout in `new`, freed once.
-            unsafe { alloc::dealloc(region.as_ptr(), self.alloc_layout) };
+        if let Backing::Owned(alloc_layout) = self.backing {
+            for region in self.regions.drain(..) {
+                // SAFETY: allocated with exactly this layout in `new`, freed
+                // once.
+                unsafe { alloc::dealloc(region.as_ptr(), alloc_layout) };
+            }
         }
+        // A mapping is unmapped when `backing` drops; external memory is
+        // its owner's.
     }
 }
 
@@ -336,5 +468,56 @@ mod tests {
     #[test]
     fn is_send_sync() {
         assert_send_sync::<HostStorage>();
+    }
+
+    /// Two storages on one file (as two processes would map it) see each
+    /// other's writes; a file of another size is refused, not reused.
+    #[test]
+    fn a_shared_file_is_one_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("g2.shm");
+        let l = layout(LayoutKind::LayerSeparate);
+        let a = HostStorage::shared(&path, l).unwrap();
+        let b = HostStorage::shared(&path, l).unwrap();
+        assert_eq!(a.shared_path(), Some(path.as_path()));
+        let data: Vec<u8> = (0..l.block_bytes()).map(|i| (i * 7) as u8).collect();
+        let mut out = vec![0u8; l.block_bytes()];
+        unsafe { a.write_block(3, &data).unwrap() };
+        unsafe { b.read_block(3, &mut out).unwrap() };
+        assert_eq!(out, data);
+        drop((a, b));
+        let other = Layout::new(
+            LayoutConfig {
+                num_blocks: l.num_blocks() * 1000,
+                ..*l.config()
+            },
+            LayoutKind::LayerSeparate,
+        )
+        .unwrap();
+        assert!(matches!(
+            HostStorage::shared(&path, other),
+            Err(StorageError::FileSize { .. })
+        ));
+    }
+
+    /// Memory owned elsewhere is read and written in place, never freed.
+    #[test]
+    fn external_memory_is_used_in_place() {
+        let l = layout(LayoutKind::LayerSeparate);
+        let mut owner: Vec<Vec<u8>> = (0..l.num_regions())
+            .map(|_| vec![0u8; l.region_bytes()])
+            .collect();
+        let ptrs = owner.iter_mut().map(|v| v.as_mut_ptr()).collect();
+        let s = unsafe { HostStorage::external(l, ptrs) }.unwrap();
+        let data: Vec<u8> = (0..l.block_bytes()).map(|i| i as u8 ^ 0x5a).collect();
+        unsafe { s.write_block(1, &data).unwrap() };
+        drop(s);
+        // Region 0 holds block 1's first layer at offset layer_block_bytes.
+        let per = l.layer_block_bytes();
+        assert_eq!(&owner[0][per..2 * per], &data[..per]);
+        assert!(matches!(
+            unsafe { HostStorage::external(l, vec![owner[0].as_mut_ptr()]) },
+            Err(StorageError::RegionCount { .. })
+        ));
     }
 }

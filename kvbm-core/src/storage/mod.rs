@@ -71,6 +71,26 @@ pub enum StorageError {
         /// The buffer's size.
         actual: usize,
     },
+    /// A file to share or reuse exists with another size: it holds
+    /// something else (or another layout).
+    #[error("{} is {found} bytes, expected {expected}: it belongs to something else", path.display())]
+    FileSize {
+        /// The file.
+        path: PathBuf,
+        /// The size the layout needs.
+        expected: u64,
+        /// The size found.
+        found: u64,
+    },
+    /// External memory given for a different number of regions than the
+    /// layout has.
+    #[error("{found} memory regions given, the layout has {expected}")]
+    RegionCount {
+        /// The layout's regions.
+        expected: usize,
+        /// The regions given.
+        found: usize,
+    },
     /// A CUDA driver call failed, or CUDA is unavailable.
     #[cfg(feature = "cuda")]
     #[error("CUDA error: {0}")]

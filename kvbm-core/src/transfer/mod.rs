@@ -19,6 +19,8 @@
 //! * [`DiskEngine`]: host memory to/from a [`DiskStorage`](crate::storage::DiskStorage) file (G2 ↔ G3).
 //! * `CudaEngine` (feature `cuda`): device ↔ pinned host memory on a
 //!   dedicated CUDA stream (G1 ↔ G2).
+//! * [`RemoteEngine`]: copies another process performs (the worker of an
+//!   engine that is not ours); batches are handed out and reported back.
 //!
 //! Dropping an engine stops its worker: the batch being copied finishes,
 //! batches still queued resolve with [`TransferError::EngineStopped`], and
@@ -27,12 +29,14 @@
 
 mod disk;
 mod memcpy;
+mod remote;
 
 #[cfg(feature = "cuda")]
 mod cuda;
 
 pub use disk::{DiskDirection, DiskEngine};
 pub use memcpy::MemcpyEngine;
+pub use remote::{RemoteBatch, RemoteEngine};
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDirection, CudaEngine};
@@ -175,6 +179,15 @@ pub enum TransferError {
     /// A storage operation failed (I/O on the disk file, a range check).
     #[error("storage error: {0}")]
     Storage(#[from] StorageError),
+    /// The process that performs a [`RemoteEngine`]'s copies reported the
+    /// batch failed, or went away before answering.
+    #[error("{engine} engine: the copy failed on the other side: {reason}")]
+    Remote {
+        /// The engine's name.
+        engine: &'static str,
+        /// What the other side said.
+        reason: String,
+    },
     /// A CUDA driver call failed. Only produced with the `cuda` feature;
     /// present regardless so matches do not depend on features.
     #[error("CUDA error: {0}")]
