@@ -31,7 +31,7 @@ use crate::offload::{
     TransferHandle, TransferStatus, precondition,
 };
 use crate::pool::{BlockPool, PoolEvent, PoolObserver};
-use crate::tokens::{SaltHash, SequenceHash, Token, TokenSequence};
+use crate::tokens::{SaltHash, SequenceHash, Token, TokenBlock, TokenSequence};
 use crate::transfer::TransferStats;
 use kvbm_events::breakpoint::CallInfo;
 use kvbm_events::slot::{SlotError, SlotState};
@@ -962,6 +962,69 @@ impl Leader {
         r
     }
 
+    /// Appends tokens the engine generated to a request's sequence (for an
+    /// engine that reports them apart from what it ran; the simulator hands
+    /// them over in [`ScheduledRequest::new_tokens`]). Returns the tokens the
+    /// request holds now.
+    pub fn append_tokens(&self, request: &str, tokens: &[Token]) -> Result<usize, SlotError> {
+        let mut slots = lock(&self.shared.slots);
+        let slot = slots
+            .get_mut(request)
+            .ok_or_else(|| SlotError::UnknownRequest(request.to_string()))?;
+        slot.tokens.extend(tokens);
+        Ok(slot.tokens.total_tokens())
+    }
+
+    /// The full token blocks `range` of a request's sequence (fewer when it
+    /// holds fewer), with their hashes.
+    pub fn token_blocks(
+        &self,
+        request: &str,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<TokenBlock>, SlotError> {
+        let slots = lock(&self.shared.slots);
+        let slot = slots
+            .get(request)
+            .ok_or_else(|| SlotError::UnknownRequest(request.to_string()))?;
+        let blocks = slot.tokens.blocks();
+        let end = range.end.min(blocks.len());
+        let start = range.start.min(end);
+        Ok(blocks[start..end].to_vec())
+    }
+
+    /// For an engine whose worker runs in another process: starts every
+    /// load of `md` without waiting for it to reach the device. A load's
+    /// first hop was enqueued by [`update_state_after_alloc`](Self::update_state_after_alloc);
+    /// a disk part that goes through the host is brought to the host here
+    /// (waited for, on `runtime`: that copy is local) and its host → device
+    /// hop enqueued. Returns, per request, the handles of its device-bound
+    /// transfers; a part that could not start is left out (the engine
+    /// computes those tokens instead).
+    pub fn start_loads(
+        &self,
+        md: &mut ConnectorMetadata,
+        runtime: &tokio::runtime::Handle,
+    ) -> Vec<(RequestId, Vec<TransferHandle>)> {
+        let (d2h, h2d) = self.onboard_paths();
+        std::mem::take(&mut md.loads)
+            .into_iter()
+            .map(|mut l| {
+                let mut handles: Vec<TransferHandle> = l.handle.take().into_iter().collect();
+                if !l.disk_sources.is_empty() {
+                    handles.extend(disk_then_host(
+                        &self.shared,
+                        runtime,
+                        (d2h.as_ref(), h2d.as_ref()),
+                        &l.request,
+                        std::mem::take(&mut l.disk_sources),
+                        std::mem::take(&mut l.disk_destinations),
+                    ));
+                }
+                (l.request, handles)
+            })
+            .collect()
+    }
+
     /// Forgets Finished slots (the engine is done with them).
     pub fn remove_finished(&self) -> usize {
         let mut slots = lock(&self.shared.slots);
@@ -1082,6 +1145,47 @@ fn plan_on(
     }
 }
 
+/// The two-hop load of disk blocks: disk → host (waited for on
+/// `runtime`), then the host → device hop enqueued into `destinations`; its
+/// handle, or `None` when a hop is missing or failed (the engine computes
+/// those tokens instead).
+fn disk_then_host(
+    shared: &Arc<Shared>,
+    runtime: &tokio::runtime::Handle,
+    (d2h, h2d): (Option<&Arc<OffloadPipeline>>, Option<&Arc<OffloadPipeline>>),
+    request: &RequestId,
+    sources: Vec<ImmutableBlock>,
+    mut destinations: Vec<MutableBlock<Empty>>,
+) -> Option<TransferHandle> {
+    let (d2h, h2d) = (d2h?, h2d?);
+    let hashes: Vec<_> = sources.iter().map(|b| b.sequence_hash()).collect();
+    let src = sources.into_iter().map(SourceBlock::Strong).collect();
+    let h = plan_on(
+        shared,
+        Some(d2h),
+        Direction::DISK_TO_HOST,
+        Some(request),
+        src,
+        None,
+        None,
+    )?;
+    if !matches!(runtime.block_on(h.wait()), TransferStatus::Completed { .. }) {
+        return None;
+    }
+    let on_host = shared.host.as_ref()?.match_prefix(&hashes);
+    destinations.truncate(on_host.len());
+    let src = on_host.into_iter().map(SourceBlock::Strong).collect();
+    plan_on(
+        shared,
+        Some(h2d),
+        Direction::HOST_TO_DEVICE,
+        Some(request),
+        src,
+        Some(destinations),
+        None,
+    )
+}
+
 fn flush_spills(shared: &Arc<Shared>) {
     let spill = lock(&shared.spill).clone();
     let (Some(p), Some(host)) = (spill, &shared.host) else {
@@ -1190,53 +1294,19 @@ impl Worker {
         sources: Vec<ImmutableBlock>,
         destinations: Vec<MutableBlock<Empty>>,
     ) -> Vec<ImmutableBlock> {
-        let (Some(d2h), Some(h2d)) = (&self.disk_to_host, &self.host_to_device) else {
-            return Vec::new();
-        };
-        let hashes: Vec<_> = sources.iter().map(|b| b.sequence_hash()).collect();
-        let src = sources.into_iter().map(SourceBlock::Strong).collect();
-        let Some(h) = plan_on(
+        let Some(h) = disk_then_host(
             &self.shared,
-            Some(d2h),
-            Direction::DISK_TO_HOST,
-            Some(request),
-            src,
-            None,
-            None,
-        ) else {
-            return Vec::new();
-        };
-        if !matches!(
-            self.runtime.block_on(h.wait()),
-            TransferStatus::Completed { .. }
-        ) {
-            return Vec::new();
-        }
-        let Some(host) = &self.shared.host else {
-            return Vec::new();
-        };
-        let on_host = host.match_prefix(&hashes);
-        let mut destinations = destinations;
-        destinations.truncate(on_host.len());
-        let n = on_host.len();
-        let src = on_host.into_iter().map(SourceBlock::Strong).collect();
-        let Some(h) = plan_on(
-            &self.shared,
-            Some(h2d),
-            Direction::HOST_TO_DEVICE,
-            Some(request),
-            src,
-            Some(destinations),
-            None,
+            &self.runtime,
+            (self.disk_to_host.as_ref(), self.host_to_device.as_ref()),
+            request,
+            sources,
+            destinations,
         ) else {
             return Vec::new();
         };
         match self.runtime.block_on(h.wait()) {
             TransferStatus::Completed { .. } => h.take_blocks().unwrap_or_default(),
-            _ => {
-                let _ = n;
-                Vec::new()
-            }
+            _ => Vec::new(),
         }
     }
 

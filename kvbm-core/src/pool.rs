@@ -336,6 +336,15 @@ impl BlockPool {
         Some(st.activate(&self.shared, id))
     }
 
+    /// The sequence hash block `id` is registered under (active or
+    /// inactive); `None` for a block that is empty, still mutable, or out of
+    /// range.
+    pub fn hash_of(&self, id: BlockId) -> Option<SequenceHash> {
+        let st = self.shared.lock();
+        let e = st.slots.get(id as usize)?;
+        matches!(e.status, Status::Active | Status::Inactive).then_some(e.meta.sequence_hash)
+    }
+
     /// True when `hash` is registered here (active or inactive).
     pub fn contains(&self, hash: SequenceHash) -> bool {
         self.shared.lock().registry.contains_key(&hash)

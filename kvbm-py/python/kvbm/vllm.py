@@ -1,0 +1,335 @@
+"""kvbm as vLLM's KV connector: ``kvbm.vllm.KvbmConnector``.
+
+vLLM owns the device tier (its block pool, prefix cache and block ids);
+kvbm owns a host tier and a disk tier and their prefix index, and follows
+vLLM's device blocks through the connector calls. This module only reads
+vLLM's objects and hands plain data to the Rust core (``kvbm._kvbm``):
+
+- in vLLM's engine-core process (role SCHEDULER) a ``Scheduler`` plans
+  loads and stores, runs kvbm's breakpoints, the attach server and the
+  recording;
+- in vLLM's worker process (role WORKER) a ``Worker`` wraps vLLM's KV
+  tensors (no copy) and runs each step's copies before its forward pass.
+
+Settings (``kv_connector_extra_config``, all optional): ``host_capacity_tokens``
+(default: 10% of RAM; 0 disables the host tier), ``disk_path`` and
+``disk_capacity_tokens``, ``offload`` (``eager`` or ``lazy``), ``serve``
+(``host:port`` of an attach server), ``token``, ``record`` (a new directory),
+``breakpoint_deadline_s``, ``ship_timeout_s``, ``shm_dir``. An unknown key is
+an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvbm import _kvbm
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger("kvbm")
+
+
+@dataclass
+class KvbmMetadata(KVConnectorMetadata):
+    """One step's plan (stores, then loads), from the scheduler side."""
+
+    plan: bytes = b""
+
+
+@dataclass
+class KvbmWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers' copies of a step came to, for the scheduler side."""
+
+    reports: List[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KvbmWorkerMetadata":
+        more = other.reports if isinstance(other, KvbmWorkerMetadata) else []
+        return KvbmWorkerMetadata(reports=self.reports + more)
+
+
+def _extra(vllm_config: Any) -> Dict[str, Any]:
+    ktc = vllm_config.kv_transfer_config
+    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+    return dict(extra)
+
+
+def _geometry(kv_cache_config: Any) -> Tuple[int, int, int, int]:
+    """(num_gpu_blocks, block_size, num_layers, page_bytes) from vLLM's
+    ``KVCacheConfig``; kvbm follows one KV-cache group."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise ValueError(
+            f"kvbm: vLLM's KV cache has {len(groups)} groups; kvbm follows models with one "
+            "(hybrid models are not supported yet)"
+        )
+    spec = groups[0].kv_cache_spec
+    return (
+        int(kv_cache_config.num_blocks),
+        int(spec.block_size),
+        len(groups[0].layer_names),
+        int(spec.page_size_bytes),
+    )
+
+
+class KvbmConnector(KVConnectorBase_V1):
+    """vLLM's KV connector backed by kvbm. See the module docs."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._config_json = json.dumps(_extra(vllm_config))
+        # Refused here, in both processes, with the key named.
+        _kvbm.check_config(self._config_json)
+        if getattr(vllm_config, "max_concurrent_batches", 1) > 1:
+            raise ValueError(
+                "kvbm: needs one batch in flight at a time (its stores run before the next "
+                "step's forward pass); set async_scheduling=False and no pipeline parallelism"
+            )
+        ktc = vllm_config.kv_transfer_config
+        self._engine_id = str(getattr(ktc, "engine_id", None) or "kvbm")
+        self._geometry = _geometry(kv_cache_config)
+        self._sched: Optional[_kvbm.Scheduler] = None
+        self._worker: Optional[_kvbm.Worker] = None
+        self._tensors: List["torch.Tensor"] = []
+        self._layer_names: List[str] = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        # Per request on the scheduler side: the vLLM Request, the tokens
+        # kvbm has, and the block table.
+        self._reqs: Dict[str, Any] = {}
+        self._sent: Dict[str, int] = {}
+        self._blocks: Dict[str, List[int]] = {}
+        self._stats_at = 0.0
+        if role == KVConnectorRole.SCHEDULER:
+            if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+                # A load kvbm cannot deliver must be recomputed, never fail
+                # the request: the scheduler reads this right after
+                # building the connector.
+                logger.info("kvbm: kv_load_failure_policy set to 'recompute'")
+                ktc.kv_load_failure_policy = "recompute"
+            self._sched = _kvbm.Scheduler(self._config_json, self._geometry, self._engine_id)
+            addr = self._sched.serving()
+            if addr:
+                logger.warning("kvbm: attach server on http://%s", addr)
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a store that never happens is a future miss, not a loss.
+        return False
+
+    # --------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> Tuple[Optional[int], bool]:
+        assert self._sched is not None
+        rid = request.request_id
+        if rid not in self._reqs:
+            self._reqs[rid] = request
+            self._sent[rid] = len(request.prompt_token_ids or [])
+        n = self._sched.get_num_new_matched_tokens(
+            rid, list(request.prompt_token_ids or []), int(num_computed_tokens)
+        )
+        if n is None:
+            return None, False  # held by a breakpoint: vLLM asks again
+        return n, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        rid = request.request_id
+        ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        self._blocks[rid] = ids
+        self._sched.update_state_after_alloc(rid, ids, int(num_external_tokens))
+
+    def _block_table(self, scheduler_output: Any, rid: str, added: Optional[Any], resumed: bool) -> List[int]:
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if state is not None:
+            full = state.get_block_ids(rid)
+            if full is not None:
+                return list(full[0])
+        table = [] if resumed else self._blocks.get(rid, [])
+        if added is not None:
+            table = table + list(added[0])
+        return table
+
+    def _new_tokens(self, rid: str) -> List[int]:
+        req = self._reqs.get(rid)
+        if req is None:
+            return []
+        toks = req.all_token_ids
+        sent = self._sent.get(rid, 0)
+        if len(toks) <= sent:
+            return []
+        self._sent[rid] = len(toks)
+        return list(toks[sent:])
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        n_sched = scheduler_output.num_scheduled_tokens
+        scheduled = []
+        for new in scheduler_output.scheduled_new_reqs:
+            rid = new.req_id
+            if rid not in self._reqs:
+                continue
+            table = self._block_table(scheduler_output, rid, None, False) or list(new.block_ids[0])
+            self._blocks[rid] = table
+            scheduled.append(
+                (
+                    rid,
+                    self._new_tokens(rid),
+                    len(new.prompt_token_ids or []),
+                    int(new.num_computed_tokens),
+                    int(n_sched.get(rid, 0)),
+                    table,
+                )
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed_ids = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            if rid not in self._reqs:
+                continue
+            added = cached.new_block_ids[i]
+            table = self._block_table(scheduler_output, rid, added, rid in resumed_ids)
+            self._blocks[rid] = table
+            req = self._reqs[rid]
+            scheduled.append(
+                (
+                    rid,
+                    self._new_tokens(rid),
+                    int(req.num_prompt_tokens),
+                    int(cached.num_computed_tokens[i]),
+                    int(n_sched.get(rid, 0)),
+                    table,
+                )
+            )
+        preempted = [r for r in (getattr(scheduler_output, "preempted_req_ids", None) or ()) if r in self._reqs]
+        g1_free = None
+        pool = getattr(self._kv_cache_manager, "block_pool", None) if self._kv_cache_manager else None
+        if pool is not None:
+            try:
+                g1_free = int(pool.get_num_free_blocks())
+            except Exception:  # noqa: BLE001 - a gauge is not worth failing a step
+                g1_free = None
+        plan = self._sched.build_meta(scheduled, preempted, g1_free)
+        self._write_stats()
+        return KvbmMetadata(plan=plan)
+
+    def _write_stats(self, force: bool = False) -> None:
+        """With ``KVBM_STATS_FILE`` set, keeps the connector's counters and
+        its own time per step there (at most once a second), for
+        benchmarks and diagnostics."""
+        path = os.environ.get("KVBM_STATS_FILE")
+        if not path or self._sched is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._stats_at < 1.0:
+            return
+        self._stats_at = now
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(self._sched.counters())
+        os.replace(tmp, path)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        reports = list(meta.reports) if isinstance(meta, KvbmWorkerMetadata) else []
+        self._sched.update_connector_output(reports)
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        assert self._sched is not None
+        rid = request.request_id
+        delay = self._sched.request_finished(rid, [int(b) for b in block_ids])
+        self._reqs.pop(rid, None)
+        self._sent.pop(rid, None)
+        self._blocks.pop(rid, None)
+        return delay, None
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: Dict[str, "torch.Tensor"]) -> None:
+        names = [n for n in self._layer_names if n in kv_caches] or list(kv_caches)
+        described = []
+        for name in names:
+            t = kv_caches[name]
+            self._tensors.append(t)
+            described.append(
+                {
+                    "name": name,
+                    "data_ptr": int(t.data_ptr()),
+                    "nbytes": int(t.numel() * t.element_size()),
+                    "num_blocks": int(t.shape[0]),
+                    "block_stride_bytes": int(t.stride(0) * t.element_size()),
+                    "contiguous": bool(t.is_contiguous()),
+                    "device": str(t.device),
+                }
+            )
+        self._worker = _kvbm.Worker(
+            self._config_json, self._geometry, self._engine_id, json.dumps(described)
+        )
+
+    def _run(self, metadata: Any) -> None:
+        if self._worker is None or not isinstance(metadata, KvbmMetadata):
+            return
+        if getattr(metadata, "_kvbm_ran", False):
+            return
+        self._worker.bind(metadata.plan)
+        self._worker.run()
+        metadata._kvbm_ran = True  # noqa: SLF001 - our own marker
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # Called every step before the forward pass (and before vLLM may
+        # write blocks it freed): the step's stores, then its loads, run
+        # here.
+        self._run(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Older vLLMs without handle_preemptions: run the plan here.
+        if self._connector_metadata is not None:
+            self._run(self._connector_metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        if self._worker is None:
+            return None, None
+        sending = set(self._worker.take_finished_sending())
+        return (sending or None), None
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        if self._worker is None:
+            return set()
+        return set(self._worker.take_load_errors())
+
+    def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
+        if self._worker is None:
+            return None
+        report = self._worker.take_report()
+        return KvbmWorkerMetadata(reports=[report]) if report else None
+
+    def shutdown(self) -> None:
+        if self._sched is not None:
+            self._write_stats(force=True)
+            self._sched.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

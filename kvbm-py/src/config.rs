@@ -1,0 +1,307 @@
+//! The connector's settings: vLLM's `kv_connector_extra_config`, checked.
+//!
+//! Every key is optional; an unknown key, a value of the wrong type or out
+//! of range is an error that names the key, so a typo never silently turns
+//! a feature off.
+
+use serde_json::Value;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Eager or lazy offload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Offload {
+    /// Store each block after the forward pass that computed it.
+    Eager,
+    /// Store a request's blocks when it finishes.
+    Lazy,
+}
+
+/// The connector's settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Host (G2) capacity in tokens; `None`: [`default_host_capacity_tokens`]
+    /// of the machine. 0 disables the host tier.
+    pub host_capacity_tokens: Option<u64>,
+    /// The disk (G3) tier's file; no disk tier without it.
+    pub disk_path: Option<PathBuf>,
+    /// Disk capacity in tokens (required with `disk_path`).
+    pub disk_capacity_tokens: Option<u64>,
+    /// Eager (default) or lazy offload.
+    pub offload: Offload,
+    /// Serve the attach protocol here (as `kvbm-sim --serve` does).
+    pub serve: Option<SocketAddr>,
+    /// The attach server's bearer token (needed off loopback).
+    pub token: Option<String>,
+    /// Record every event into a durable log in this directory.
+    pub record: Option<PathBuf>,
+    /// How long a paused call waits before it goes on by itself.
+    pub breakpoint_deadline: Duration,
+    /// How long the scheduler waits, once per step, for the transfers it
+    /// planned to reach the worker's queue before it ships the step.
+    pub ship_timeout: Duration,
+    /// Where the shared host tier's file is made (default `/dev/shm`, or
+    /// the temporary directory where there is none).
+    pub shm_dir: Option<PathBuf>,
+}
+
+/// Why the settings were refused; always names the key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// Not a JSON object.
+    #[error("kvbm: kv_connector_extra_config must be a mapping of settings, got {0}")]
+    NotAMapping(String),
+    /// A key kvbm does not know.
+    #[error("kvbm: unknown key `{key}` in kv_connector_extra_config (known: {known})", known = KNOWN.join(", "))]
+    UnknownKey {
+        /// The key.
+        key: String,
+    },
+    /// A value kvbm cannot use.
+    #[error("kvbm: kv_connector_extra_config `{key}`: {reason}")]
+    BadValue {
+        /// The key.
+        key: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// The keys kvbm reads.
+pub const KNOWN: [&str; 10] = [
+    "host_capacity_tokens",
+    "disk_path",
+    "disk_capacity_tokens",
+    "offload",
+    "serve",
+    "token",
+    "record",
+    "breakpoint_deadline_s",
+    "ship_timeout_s",
+    "shm_dir",
+];
+
+/// The host tier's default share of the machine's memory.
+pub const DEFAULT_HOST_SHARE: f64 = 0.10;
+
+/// A default host capacity: [`DEFAULT_HOST_SHARE`] of the machine's
+/// physical memory (read from `/proc/meminfo`; 4 GiB where it cannot be
+/// read), in tokens of `bytes_per_token` bytes.
+pub fn default_host_capacity_tokens(bytes_per_token: u64) -> u64 {
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map(|kib| kib * 1024)
+        .unwrap_or(4 << 30);
+    ((total as f64 * DEFAULT_HOST_SHARE) as u64) / bytes_per_token.max(1)
+}
+
+fn bad(key: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::BadValue {
+        key,
+        reason: reason.into(),
+    }
+}
+
+fn tokens(key: &'static str, v: &Value) -> Result<u64, ConfigError> {
+    v.as_u64()
+        .ok_or_else(|| bad(key, format!("expected a whole number of tokens, got {v}")))
+}
+
+fn text<'a>(key: &'static str, v: &'a Value) -> Result<&'a str, ConfigError> {
+    match v.as_str() {
+        Some(s) if !s.trim().is_empty() => Ok(s),
+        _ => Err(bad(key, format!("expected a non-empty string, got {v}"))),
+    }
+}
+
+fn seconds(key: &'static str, v: &Value) -> Result<Duration, ConfigError> {
+    let s = v
+        .as_f64()
+        .ok_or_else(|| bad(key, format!("expected a number of seconds, got {v}")))?;
+    if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
+        return Err(bad(key, format!("{s} is not in (0, 86400] seconds")));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            host_capacity_tokens: None,
+            disk_path: None,
+            disk_capacity_tokens: None,
+            offload: Offload::Eager,
+            serve: None,
+            token: None,
+            record: None,
+            breakpoint_deadline: Duration::from_secs(60),
+            ship_timeout: Duration::from_secs(1),
+            shm_dir: None,
+        }
+    }
+}
+
+impl Config {
+    /// Reads and checks the settings from vLLM's extra config (a JSON
+    /// object; `null` is no settings). Checks what can be checked without
+    /// the engine (files and ports are checked when they are opened).
+    pub fn from_json(v: &Value) -> Result<Config, ConfigError> {
+        let mut c = Config::default();
+        let map = match v {
+            Value::Null => return Ok(c),
+            Value::Object(m) => m,
+            other => return Err(ConfigError::NotAMapping(shorten(&other.to_string()))),
+        };
+        for (key, v) in map {
+            match key.as_str() {
+                "host_capacity_tokens" => {
+                    c.host_capacity_tokens = Some(tokens("host_capacity_tokens", v)?)
+                }
+                "disk_path" => c.disk_path = Some(PathBuf::from(text("disk_path", v)?)),
+                "disk_capacity_tokens" => {
+                    c.disk_capacity_tokens = Some(tokens("disk_capacity_tokens", v)?)
+                }
+                "offload" => {
+                    c.offload = match v.as_str() {
+                        Some("eager") => Offload::Eager,
+                        Some("lazy") => Offload::Lazy,
+                        _ => return Err(bad("offload", format!("expected \"eager\" or \"lazy\", got {v}"))),
+                    }
+                }
+                "serve" => {
+                    let s = text("serve", v)?;
+                    c.serve = Some(s.parse().map_err(|_| {
+                        bad("serve", format!("`{}` is not an address such as 127.0.0.1:7071", shorten(s)))
+                    })?);
+                }
+                "token" => c.token = Some(text("token", v)?.to_string()),
+                "record" => c.record = Some(PathBuf::from(text("record", v)?)),
+                "breakpoint_deadline_s" => {
+                    c.breakpoint_deadline = seconds("breakpoint_deadline_s", v)?
+                }
+                "ship_timeout_s" => c.ship_timeout = seconds("ship_timeout_s", v)?,
+                "shm_dir" => c.shm_dir = Some(PathBuf::from(text("shm_dir", v)?)),
+                other => {
+                    return Err(ConfigError::UnknownKey {
+                        key: shorten(other),
+                    });
+                }
+            }
+        }
+        match (&c.disk_path, c.disk_capacity_tokens) {
+            (None, Some(_)) => {
+                return Err(bad(
+                    "disk_capacity_tokens",
+                    "set without disk_path: the disk tier needs a file",
+                ));
+            }
+            (Some(_), None) => {
+                return Err(bad(
+                    "disk_capacity_tokens",
+                    "required with disk_path (the disk tier's size in tokens)",
+                ));
+            }
+            (Some(_), Some(0)) => {
+                return Err(bad("disk_capacity_tokens", "must be positive"));
+            }
+            _ => {}
+        }
+        if c.host_capacity_tokens == Some(0) && c.disk_path.is_none() {
+            return Err(bad(
+                "host_capacity_tokens",
+                "is 0 and there is no disk_path: kvbm would have no tier to keep blocks in",
+            ));
+        }
+        if c.token.is_some() && c.serve.is_none() {
+            return Err(bad("token", "set without serve"));
+        }
+        Ok(c)
+    }
+
+    /// Blocks of `block_size` tokens a capacity in tokens gives; an error
+    /// naming `key` when it is not even one block.
+    pub fn blocks(key: &'static str, tokens: u64, block_size: usize) -> Result<usize, ConfigError> {
+        let blocks = tokens / block_size.max(1) as u64;
+        if blocks == 0 {
+            return Err(bad(
+                key,
+                format!("{tokens} tokens is less than one block of {block_size}"),
+            ));
+        }
+        usize::try_from(blocks).map_err(|_| bad(key, "too large"))
+    }
+}
+
+fn shorten(s: &str) -> String {
+    kvbm_events::text::clip(s, kvbm_events::text::MAX_QUOTED_CHARS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn every_key_is_read() {
+        let c = Config::from_json(&json!({
+            "host_capacity_tokens": 4096,
+            "disk_path": "/tmp/g3.kvbm",
+            "disk_capacity_tokens": 8192,
+            "offload": "lazy",
+            "serve": "127.0.0.1:7071",
+            "token": "t",
+            "record": "/tmp/rec",
+            "breakpoint_deadline_s": 2.5,
+            "ship_timeout_s": 0.5,
+            "shm_dir": "/tmp",
+        }))
+        .unwrap();
+        assert_eq!(c.host_capacity_tokens, Some(4096));
+        assert_eq!(c.offload, Offload::Lazy);
+        assert_eq!(c.serve, Some("127.0.0.1:7071".parse().unwrap()));
+        assert_eq!(c.breakpoint_deadline, Duration::from_millis(2500));
+        assert_eq!(Config::from_json(&Value::Null).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn a_bad_setting_is_refused_naming_its_key() {
+        for (v, key) in [
+            (json!({"host_capacty_tokens": 1}), "host_capacty_tokens"),
+            (json!({"host_capacity_tokens": -5}), "host_capacity_tokens"),
+            (json!({"host_capacity_tokens": "lots"}), "host_capacity_tokens"),
+            (json!({"offload": "sometimes"}), "offload"),
+            (json!({"serve": "localhost"}), "serve"),
+            (json!({"disk_path": "/x"}), "disk_capacity_tokens"),
+            (json!({"disk_path": "/x", "disk_capacity_tokens": 0}), "disk_capacity_tokens"),
+            (json!({"disk_capacity_tokens": 10}), "disk_capacity_tokens"),
+            (json!({"host_capacity_tokens": 0}), "host_capacity_tokens"),
+            (json!({"breakpoint_deadline_s": 0}), "breakpoint_deadline_s"),
+            (json!({"token": "t"}), "token"),
+            (json!({"record": ""}), "record"),
+        ] {
+            let e = Config::from_json(&v).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")), "{v}: {e}");
+        }
+        assert!(Config::from_json(&json!([1])).is_err());
+        assert!(
+            Config::blocks("host_capacity_tokens", 10, 32)
+                .unwrap_err()
+                .to_string()
+                .contains("less than one block")
+        );
+    }
+
+    #[test]
+    fn the_default_host_tier_is_a_share_of_memory() {
+        let t = default_host_capacity_tokens(1024);
+        assert!(t > 0);
+        // 10% of at least 64 MiB of memory, in 1 KiB tokens.
+        assert!(t >= 6 * 1024, "{t}");
+    }
+}

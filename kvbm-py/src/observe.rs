@@ -1,0 +1,145 @@
+//! What watches the connector: the attach server (`serve`, the same server,
+//! protocol, limits and token rules as `kvbm-sim --serve`) and the durable
+//! recording (`record`). Both read the engine's one lossless tap: with a
+//! recording, the recorder drains it into the log and into the server's
+//! ring; without one, a feeder drains it into the ring.
+
+use crate::config::Config;
+use kvbm_attach::server::{
+    Feeder, FeederConfig, ServedEngine, Server, ServerConfig, ServerHandle, spawn_feeder,
+};
+use kvbm_core::hooks::Breakpoints;
+use kvbm_events::Emitter;
+use kvbm_events::ring::{RingBuffer, RingConfig};
+use kvbm_recorder::recorder::{RecordError, RecorderConfig, Recording, spawn_recorder};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+/// Events the server's ring keeps.
+const RING_EVENTS: usize = 1 << 20;
+
+/// The running observers.
+pub struct Observers {
+    server: Option<ServerHandle>,
+    feeder: Option<Feeder>,
+    recorder: Option<JoinHandle<Result<Recording, RecordError>>>,
+    recorder_stop: Arc<AtomicBool>,
+}
+
+impl Observers {
+    /// Starts what `cfg` asks for on `runtime`.
+    pub fn start(
+        cfg: &Config,
+        emitter: &Arc<Emitter>,
+        breakpoints: &Arc<Breakpoints>,
+        runtime: &tokio::runtime::Handle,
+    ) -> Result<Self, String> {
+        let mut obs = Observers {
+            server: None,
+            feeder: None,
+            recorder: None,
+            recorder_stop: Arc::new(AtomicBool::new(false)),
+        };
+        if cfg.serve.is_none() && cfg.record.is_none() {
+            return Ok(obs);
+        }
+        let tap = emitter
+            .bus()
+            .take_tap()
+            .ok_or("the engine's event tap was already taken")?;
+        let ring = match cfg.serve {
+            Some(_) => Some(Arc::new(
+                RingBuffer::new(RingConfig::with_capacity(RING_EVENTS)).map_err(|e| e.to_string())?,
+            )),
+            None => None,
+        };
+        let mut engine = ring.as_ref().map(|ring| {
+            let bus = emitter.clone();
+            ServedEngine::new(ring.clone(), emitter.engine())
+                .with_control(breakpoints.clone())
+                .with_bus_counters(move || bus.bus().counters())
+        });
+        match &cfg.record {
+            Some(dir) => {
+                if dir.exists() {
+                    return Err(format!(
+                        "kv_connector_extra_config `record`: {} exists; kvbm records into a new directory",
+                        dir.display()
+                    ));
+                }
+                let mut rcfg = RecorderConfig {
+                    stop: Some(obs.recorder_stop.clone()),
+                    ..RecorderConfig::default()
+                };
+                rcfg.log.engine_id = u64::from(emitter.engine());
+                obs.recorder = Some(
+                    spawn_recorder(tap, dir.clone(), rcfg, ring.clone())
+                        .map_err(|e| format!("starting the recorder into {}: {e}", dir.display()))?,
+                );
+            }
+            None => {
+                let (Some(ring), Some(e)) = (&ring, &engine) else {
+                    return Ok(obs);
+                };
+                obs.feeder = Some(
+                    spawn_feeder(tap, ring.clone(), e.signal(), FeederConfig::default())
+                        .map_err(|e| format!("starting the feeder: {e}"))?,
+                );
+            }
+        }
+        if let (Some(addr), Some(engine)) = (cfg.serve, engine.take()) {
+            let token = cfg
+                .token
+                .clone()
+                .or_else(|| std::env::var("KVBM_TOKEN").ok().filter(|t| !t.is_empty()));
+            let scfg = ServerConfig {
+                addr,
+                token,
+                ..ServerConfig::default()
+            };
+            let server = runtime
+                .block_on(Server::bind(scfg, engine))
+                .map_err(|e| format!("kv_connector_extra_config `serve`: {e}"))?;
+            let _g = runtime.enter();
+            obs.server = Some(server.spawn());
+        }
+        Ok(obs)
+    }
+
+    /// The server's address, when serving.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        self.server.as_ref().map(|s| s.local_addr())
+    }
+
+    /// Stops the server, the feeder and the recorder (which writes what is
+    /// left and its sidecar).
+    pub fn stop(mut self, runtime: &tokio::runtime::Runtime) -> Result<(), String> {
+        let mut first_err = None;
+        if let Some(s) = self.server.take()
+            && let Err(e) = runtime.block_on(s.shutdown())
+        {
+            first_err.get_or_insert(format!("stopping the attach server: {e}"));
+        }
+        if let Some(f) = self.feeder.take() {
+            f.stop();
+        }
+        self.recorder_stop.store(true, Ordering::Release);
+        if let Some(r) = self.recorder.take() {
+            match r.join() {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(format!("the recording: {e}"));
+                }
+                Err(_) => {
+                    first_err.get_or_insert("the recorder thread panicked".into());
+                }
+            }
+        }
+        match first_err {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+}

@@ -1,0 +1,290 @@
+//! The Python module `kvbm._kvbm`: the scheduler and worker sides behind a
+//! thin layer of plain arguments (strings, ints, lists, bytes; settings and
+//! tensor descriptions as JSON text), so the Python class that reads
+//! vLLM's objects stays small. Errors become Python exceptions with the
+//! Rust message intact: `ValueError` for settings, `RuntimeError` for the
+//! rest.
+
+use crate::config::{Config, ConfigError};
+use crate::scheduler::{Scheduled, SchedulerError, SchedulerSide, StepInput};
+use crate::tiers::Geometry;
+use crate::worker::{KvTensor, WorkerError, WorkerSide};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::sync::{Mutex, MutexGuard};
+
+fn config(json: &str) -> PyResult<Config> {
+    let v: serde_json::Value = serde_json::from_str(json)
+        .map_err(|e| PyValueError::new_err(format!("kvbm: settings are not JSON: {e}")))?;
+    Config::from_json(&v).map_err(|e: ConfigError| PyValueError::new_err(e.to_string()))
+}
+
+fn geometry((num_gpu_blocks, block_size, num_layers, page_bytes): (usize, usize, usize, usize)) -> Geometry {
+    Geometry {
+        num_gpu_blocks,
+        block_size,
+        num_layers,
+        page_bytes,
+    }
+}
+
+fn sched_err(e: SchedulerError) -> PyErr {
+    match e {
+        SchedulerError::Config(c) => PyValueError::new_err(c.to_string()),
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+fn worker_err(e: WorkerError) -> PyErr {
+    match e {
+        WorkerError::Config(c) => PyValueError::new_err(c.to_string()),
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+fn gone() -> PyErr {
+    PyRuntimeError::new_err("kvbm: the connector was shut down")
+}
+
+/// Checks `kv_connector_extra_config` (as JSON text) without starting
+/// anything; raises `ValueError` naming the bad key.
+#[pyfunction]
+fn check_config(config_json: &str) -> PyResult<()> {
+    config(config_json).map(|_| ())
+}
+
+/// The scheduler side (vLLM's engine-core process).
+#[pyclass(name = "Scheduler", module = "kvbm._kvbm", frozen)]
+struct PyScheduler {
+    inner: Mutex<Option<SchedulerSide>>,
+}
+
+impl PyScheduler {
+    fn lock(&self) -> MutexGuard<'_, Option<SchedulerSide>> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One scheduled request: (id, new tokens, prompt length, computed before,
+/// scheduled now, block table).
+type ScheduledArg = (String, Vec<u32>, usize, usize, usize, Vec<u32>);
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        config_json: &str,
+        geometry_: (usize, usize, usize, usize),
+        engine_id: &str,
+    ) -> PyResult<Self> {
+        let cfg = config(config_json)?;
+        let g = geometry(geometry_);
+        let side = py
+            .detach(|| SchedulerSide::start(cfg, g, engine_id))
+            .map_err(sched_err)?;
+        Ok(PyScheduler {
+            inner: Mutex::new(Some(side)),
+        })
+    }
+
+    /// External tokens beyond `num_computed_tokens`, or `None` while a
+    /// breakpoint holds the request.
+    fn get_num_new_matched_tokens(
+        &self,
+        py: Python<'_>,
+        request: &str,
+        prompt: Vec<u32>,
+        num_computed_tokens: usize,
+    ) -> PyResult<Option<usize>> {
+        py.detach(|| {
+            let mut g = self.lock();
+            let s = g.as_mut().ok_or_else(gone)?;
+            s.get_num_new_matched_tokens(request, &prompt, num_computed_tokens)
+                .map_err(sched_err)
+        })
+    }
+
+    fn update_state_after_alloc(
+        &self,
+        py: Python<'_>,
+        request: &str,
+        block_ids: Vec<u32>,
+        num_external_tokens: usize,
+    ) -> PyResult<()> {
+        py.detach(|| {
+            let mut g = self.lock();
+            let s = g.as_mut().ok_or_else(gone)?;
+            s.update_state_after_alloc(request, &block_ids, num_external_tokens)
+                .map_err(sched_err)
+        })
+    }
+
+    /// The step's plan, as bytes for the worker.
+    fn build_meta<'py>(
+        &self,
+        py: Python<'py>,
+        scheduled: Vec<ScheduledArg>,
+        preempted: Vec<String>,
+        g1_free: Option<usize>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let input = StepInput {
+            scheduled: scheduled
+                .into_iter()
+                .map(
+                    |(request, new_tokens, prompt_len, computed_before, scheduled, block_ids)| {
+                        Scheduled {
+                            request,
+                            new_tokens,
+                            prompt_len,
+                            computed_before,
+                            scheduled,
+                            block_ids,
+                        }
+                    },
+                )
+                .collect(),
+            preempted,
+            g1_free,
+        };
+        let bytes = py.detach(|| {
+            let mut g = self.lock();
+            let s = g.as_mut().ok_or_else(gone)?;
+            s.build_meta(&input).map(|p| p.to_bytes()).map_err(sched_err)
+        })?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// The worker's reports of the step that just ran.
+    fn update_connector_output(&self, py: Python<'_>, reports: Vec<Vec<u8>>) -> PyResult<()> {
+        py.detach(|| {
+            let mut g = self.lock();
+            let s = g.as_mut().ok_or_else(gone)?;
+            s.update_connector_output(&reports);
+            Ok(())
+        })
+    }
+
+    /// `delay_free`: true while the request's stores are out.
+    fn request_finished(&self, py: Python<'_>, request: &str, block_ids: Vec<u32>) -> PyResult<bool> {
+        py.detach(|| {
+            let mut g = self.lock();
+            let s = g.as_mut().ok_or_else(gone)?;
+            s.request_finished(request, &block_ids).map_err(sched_err)
+        })
+    }
+
+    /// The attach server's address (`host:port`), when serving.
+    fn serving(&self) -> Option<String> {
+        self.lock().as_ref()?.serving().map(|a| a.to_string())
+    }
+
+    /// The connector's counters and its own time per step, as JSON text.
+    fn counters(&self) -> String {
+        self.lock()
+            .as_ref()
+            .map(|s| {
+                serde_json::json!({
+                    "counters": s.counters(),
+                    "step_timing": s.step_timing(),
+                })
+                .to_string()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Stops everything (idempotent).
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let side = self.lock().take();
+            match side {
+                Some(mut s) => s.shutdown().map_err(sched_err),
+                None => Ok(()),
+            }
+        })
+    }
+}
+
+/// The worker side (vLLM's worker process).
+#[pyclass(name = "Worker", module = "kvbm._kvbm", frozen)]
+struct PyWorker {
+    inner: Mutex<Option<WorkerSide>>,
+}
+
+impl PyWorker {
+    fn lock(&self) -> MutexGuard<'_, Option<WorkerSide>> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyWorker {
+    /// `tensors_json`: a list of `{name, data_ptr, nbytes, num_blocks,
+    /// block_stride_bytes, contiguous, device}`, one per layer. The caller
+    /// (the Python class) keeps the tensors alive as long as this object.
+    #[new]
+    fn new(
+        config_json: &str,
+        geometry_: (usize, usize, usize, usize),
+        engine_id: &str,
+        tensors_json: &str,
+    ) -> PyResult<Self> {
+        let cfg = config(config_json)?;
+        let tensors: Vec<KvTensor> = serde_json::from_str(tensors_json).map_err(|e| {
+            PyValueError::new_err(format!("kvbm: the KV tensors' description: {e}"))
+        })?;
+        // SAFETY: the Python class holds vLLM's KV tensors (which vLLM keeps
+        // for the engine's life) for as long as this object, and calls `run`
+        // only between forward passes.
+        let side = unsafe { WorkerSide::start(&cfg, geometry(geometry_), engine_id, tensors) }
+            .map_err(worker_err)?;
+        Ok(PyWorker {
+            inner: Mutex::new(Some(side)),
+        })
+    }
+
+    fn bind(&self, plan: &[u8]) -> PyResult<()> {
+        let mut g = self.lock();
+        g.as_mut().ok_or_else(gone)?.bind(plan).map_err(worker_err)
+    }
+
+    /// Runs the bound plan (stores, then loads).
+    fn run(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            let mut g = self.lock();
+            g.as_mut().ok_or_else(gone)?.run();
+            Ok(())
+        })
+    }
+
+    fn take_report<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let mut g = self.lock();
+        let r = g.as_mut().ok_or_else(gone)?.take_report();
+        Ok(r.map(|b| PyBytes::new(py, &b)))
+    }
+
+    fn take_load_errors(&self) -> PyResult<Vec<u32>> {
+        let mut g = self.lock();
+        Ok(g.as_mut().ok_or_else(gone)?.take_load_errors())
+    }
+
+    fn take_finished_sending(&self) -> PyResult<Vec<String>> {
+        let mut g = self.lock();
+        Ok(g.as_mut().ok_or_else(gone)?.take_finished_sending())
+    }
+
+    fn shutdown(&self) {
+        self.lock().take();
+    }
+}
+
+/// The Rust core of kvbm's vLLM connector.
+#[pymodule]
+fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(check_config, m)?)?;
+    m.add_class::<PyScheduler>()?;
+    m.add_class::<PyWorker>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,1089 @@
+//! The scheduler side of the connector, in vLLM's engine-core process.
+//!
+//! vLLM owns the device tier (G1): its block pool, its prefix cache, its
+//! block ids. kvbm owns the host (G2) and disk (G3) tiers and their prefix
+//! index, and follows vLLM's G1 blocks in a *mirror* pool: a full block
+//! vLLM computed for a request becomes a registered mirror block (kvbm's
+//! hashes of the request's tokens) mapped to vLLM's block id, and a block
+//! vLLM allocated for a load becomes a mirror destination. Everything else
+//! is kvbm's own machinery, exactly as in the simulator: a [`Leader`] with
+//! its slots, transfer candidates, offload pipelines and events.
+//!
+//! Copies that touch G1 happen in vLLM's worker process: the pipelines
+//! into and out of G1 end in [`RemoteEngine`]s, whose batches this side
+//! ships once per step in a [`StepPlan`] (block ids translated from mirror
+//! ids to vLLM's) and resolves when the worker's [`StepReport`] comes back.
+//! Host ↔ disk copies run here (both tiers are files this process maps).
+//!
+//! The timing vLLM allows, and what it means here:
+//!
+//! - `get_num_new_matched_tokens` may be asked many times for a waiting
+//!   request; it re-matches each time, and a breakpoint that names the
+//!   request *holds* it (answers "not yet") without blocking vLLM.
+//! - Loads are synchronous: a hit is loaded before the forward pass of the
+//!   step that admits the request. `build_connector_meta` waits (at most
+//!   `ship_timeout`) for the step's loads to reach the worker's queue; a
+//!   load that does not make it is reported as failed, and vLLM computes
+//!   those tokens instead (it must run with
+//!   `kv_load_failure_policy="recompute"`, which the Python class sets).
+//! - Eager stores of the blocks a forward pass computes wait for that pass
+//!   (vLLM reports it in `update_connector_output`) and ship with the next
+//!   step, whose worker runs them before its own forward pass, i.e. before
+//!   vLLM can reuse a freed block. A request that finishes with stores
+//!   still out keeps its blocks (`request_finished` answers `delay_free`)
+//!   until they drain; a store whose blocks vLLM freed anyway (preemption)
+//!   is failed instead of shipped.
+
+use crate::config::{Config, Offload};
+use crate::meta::{Batch, Pair, Route, StepPlan, StepReport};
+use crate::observe::Observers;
+use crate::tiers::{Geometry, TierSizes, shm_path};
+use kvbm_core::block::{Empty, ImmutableBlock, MutableBlock};
+use kvbm_core::hooks::{Breakpoints, HookSet};
+use kvbm_core::layout::LayoutKind;
+use kvbm_core::leader::{
+    Leader, LeaderPools, LeaderWiring, OffloadMode, Pipelines, PoolEvents, ScheduledRequest,
+    SchedulerOutput,
+};
+use kvbm_core::link::TierLink;
+use kvbm_core::offload::{
+    BatchConfig, OffloadPipeline, PipelineConfig, PreconditionTrigger, PresencePolicy,
+    TransferHandle,
+};
+use kvbm_core::pool::{BlockPool, PoolConfig};
+use kvbm_core::storage::{DiskStorage, HostStorage};
+use kvbm_core::transfer::{
+    DiskDirection, DiskEngine, EngineConfig, RemoteEngine, TransferEngine, TransferStats,
+};
+use kvbm_events::bus::BusConfig;
+use kvbm_events::{BlockId, Direction, Emitter, EventKind, MonotonicClock, RequestId, Tier};
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Why the scheduler side could not start or go on.
+#[derive(Debug, thiserror::Error)]
+pub enum SchedulerError {
+    /// The settings.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// vLLM's geometry.
+    #[error(transparent)]
+    Geometry(#[from] crate::tiers::GeometryError),
+    /// A tier's storage (the shared host file, the disk file).
+    #[error("kvbm: {what}: {source}")]
+    Storage {
+        /// Which.
+        what: String,
+        /// Why.
+        #[source]
+        source: kvbm_core::storage::StorageError,
+    },
+    /// Starting the attach server or the recorder.
+    #[error("kvbm: {0}")]
+    Observe(String),
+    /// Anything else that stopped the block manager from starting.
+    #[error("kvbm: {0}")]
+    Setup(String),
+    /// A request vLLM asks about that kvbm cannot take.
+    #[error("kvbm: request {request}: {reason}")]
+    Request {
+        /// The request.
+        request: String,
+        /// Why.
+        reason: String,
+    },
+    /// A report from the worker that does not parse.
+    #[error(transparent)]
+    Meta(#[from] crate::meta::MetaError),
+}
+
+fn setup<E: std::fmt::Display>(e: E) -> SchedulerError {
+    SchedulerError::Setup(e.to_string())
+}
+
+/// What vLLM scheduled for one request in a step.
+#[derive(Debug, Clone, Default)]
+pub struct Scheduled {
+    /// The request.
+    pub request: String,
+    /// Tokens of the request (prompt and generated) kvbm has not been given
+    /// yet.
+    pub new_tokens: Vec<u32>,
+    /// The request's prompt length.
+    pub prompt_len: usize,
+    /// Tokens computed before this step.
+    pub computed_before: usize,
+    /// Tokens this step computes.
+    pub scheduled: usize,
+    /// The request's whole block table now (vLLM block ids, group 0).
+    pub block_ids: Vec<u32>,
+}
+
+/// vLLM's scheduler output, as the connector needs it.
+#[derive(Debug, Clone, Default)]
+pub struct StepInput {
+    /// Requests run this step.
+    pub scheduled: Vec<Scheduled>,
+    /// Requests vLLM preempted this step (their blocks are free now).
+    pub preempted: Vec<String>,
+    /// vLLM's free device blocks now, if known (for the G1 gauge).
+    pub g1_free: Option<usize>,
+}
+
+/// What the connector counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counters {
+    /// Steps shipped.
+    pub steps: u64,
+    /// Loads that could not be shipped in their step (vLLM recomputed).
+    pub late_loads: u64,
+    /// Load blocks the worker reported failed (vLLM recomputed).
+    pub failed_load_blocks: u64,
+    /// Store batches failed before shipping (their G1 blocks were freed).
+    pub unshippable_stores: u64,
+    /// Requests held by a breakpoint at some point.
+    pub held_asks: u64,
+    /// Requests whose blocks were kept for stores still out.
+    pub delayed_frees: u64,
+    /// Reports from the worker that did not parse.
+    pub bad_reports: u64,
+}
+
+/// One request as the connector follows it.
+struct Req {
+    id: RequestId,
+    /// vLLM's block table (group 0).
+    block_ids: Vec<u32>,
+    /// Full blocks already mirrored (or skipped), from the start.
+    mirrored: usize,
+    /// The `num_computed_tokens` of the last lookup (where a load starts).
+    lookup_computed: usize,
+    /// Block indices a load filled (not stored again).
+    loaded: std::ops::Range<usize>,
+    /// Mirror blocks held for this request: `own` are the ones it made
+    /// (mapped to its G1 blocks, what lazy mode stores when it finishes),
+    /// `shared` the ones vLLM's prefix cache shares with another request.
+    own: Vec<ImmutableBlock>,
+    shared: Vec<ImmutableBlock>,
+    /// Mirror ids this request mapped to vLLM ids.
+    mapped: Vec<BlockId>,
+    /// Loads started this step: mirror destinations, for the late check.
+    load_dests: Vec<(BlockId, u32)>,
+}
+
+impl Req {
+    fn new(id: RequestId) -> Self {
+        Req {
+            id,
+            block_ids: Vec::new(),
+            mirrored: 0,
+            lookup_computed: 0,
+            loaded: 0..0,
+            own: Vec::new(),
+            shared: Vec::new(),
+            mapped: Vec::new(),
+            load_dests: Vec::new(),
+        }
+    }
+}
+
+/// The scheduler side. See the module docs.
+pub struct SchedulerSide {
+    cfg: Config,
+    geometry: Geometry,
+    runtime: tokio::runtime::Runtime,
+    emitter: Arc<Emitter>,
+    breakpoints: Arc<Breakpoints>,
+    leader: Leader,
+    mirror: BlockPool,
+    engines: Vec<(Route, Arc<RemoteEngine>)>,
+    pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)>,
+    _host: Option<Arc<HostStorage>>,
+    _disk: Option<Arc<DiskStorage>>,
+    shm: Option<PathBuf>,
+    requests: HashMap<String, Req>,
+    /// Mirror block id → vLLM block id, with how many requests map it.
+    g1: HashMap<BlockId, (u32, u32)>,
+    triggers: Vec<PreconditionTrigger>,
+    /// Finished requests whose blocks vLLM keeps until their stores drain.
+    delayed: HashSet<String>,
+    step: u64,
+    counters: Counters,
+    observers: Option<Observers>,
+    /// Time spent in the connector since the last step was shipped, and
+    /// per step before that (the last [`TIMING_SAMPLES`]).
+    spent_ns: u64,
+    step_ns: std::collections::VecDeque<u64>,
+}
+
+/// Steps whose connector time is kept for [`SchedulerSide::step_timing`].
+pub const TIMING_SAMPLES: usize = 100_000;
+
+/// The connector's own time per vLLM step, µs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct StepTiming {
+    /// Steps measured.
+    pub steps: usize,
+    /// Median.
+    pub p50_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+    /// Largest.
+    pub max_us: f64,
+}
+
+impl std::fmt::Debug for SchedulerSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SchedulerSide")
+            .field("step", &self.step)
+            .field("requests", &self.requests.len())
+            .field("counters", &self.counters)
+            .finish_non_exhaustive()
+    }
+}
+
+fn route_of(d: Direction) -> Option<Route> {
+    match (d.src, d.dst) {
+        (Tier::Device, Tier::Host) => Some(Route::DeviceToHost),
+        (Tier::Host, Tier::Device) => Some(Route::HostToDevice),
+        (Tier::Device, Tier::Disk) => Some(Route::DeviceToDisk),
+        (Tier::Disk, Tier::Device) => Some(Route::DiskToDevice),
+        _ => None,
+    }
+}
+
+impl SchedulerSide {
+    /// Starts the block manager for vLLM engine `engine_id` with this
+    /// geometry: the tiers (the host tier's shared file, the disk file),
+    /// the pipelines, breakpoints, and the attach server and recording
+    /// when configured.
+    pub fn start(cfg: Config, geometry: Geometry, engine_id: &str) -> Result<Self, SchedulerError> {
+        geometry.check()?;
+        let sizes = TierSizes::of(&cfg, &geometry)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvbm-scheduler")
+            .enable_all()
+            .build()
+            .map_err(setup)?;
+        let _guard = runtime.enter();
+        let emitter = Arc::new(
+            Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).map_err(setup)?,
+        );
+        let breakpoints = Arc::new(Breakpoints::new(
+            Some(emitter.clone()),
+            cfg.breakpoint_deadline,
+        ));
+        let observer = Arc::new(PoolEvents(emitter.clone()));
+        let pool = |tier, capacity| -> Result<BlockPool, SchedulerError> {
+            BlockPool::with_observer(
+                PoolConfig {
+                    tier,
+                    capacity,
+                    block_size: geometry.block_size,
+                },
+                observer.clone(),
+            )
+            .map_err(setup)
+        };
+        // Room for a mirror of every vLLM block and as many load
+        // destinations in flight; evicted (LRU) when vLLM's blocks move on.
+        let mirror = pool(Tier::Device, geometry.num_gpu_blocks * 2)?;
+        let g2 = (sizes.host_blocks > 0)
+            .then(|| pool(Tier::Host, sizes.host_blocks))
+            .transpose()?;
+        let g3 = (sizes.disk_blocks > 0)
+            .then(|| pool(Tier::Disk, sizes.disk_blocks))
+            .transpose()?;
+        let wiring = LeaderWiring::new(emitter.clone(), g2.clone());
+
+        let mut engines = Vec::new();
+        let mut pipelines = Vec::new();
+        let mut p = Pipelines::default();
+        let remote_cfg = PipelineConfig {
+            batch_config: BatchConfig {
+                max_batch_size: 64,
+                min_batch_size: 1,
+                flush_interval: Duration::from_millis(1),
+            },
+            // A remote batch is out until the next step: let many be.
+            max_concurrent_transfers: 256,
+            on_deck_capacity: 16,
+            ..PipelineConfig::default()
+        };
+        let local_cfg = PipelineConfig {
+            batch_config: BatchConfig {
+                min_batch_size: 1,
+                flush_interval: Duration::from_millis(1),
+                ..BatchConfig::default()
+            },
+            ..PipelineConfig::default()
+        };
+        let mut make = |d: Direction,
+                        e: Arc<dyn TransferEngine>,
+                        remote: Option<Arc<RemoteEngine>>,
+                        src: &BlockPool,
+                        dst: &BlockPool,
+                        policy: bool,
+                        pcfg: PipelineConfig|
+         -> Result<Arc<OffloadPipeline>, SchedulerError> {
+            // SAFETY: each storage belongs to exactly one pool here; G1's
+            // blocks are vLLM's and reached only by the worker, through the
+            // batches this side ships.
+            let link = unsafe { TierLink::new(e, src.clone(), dst.clone()) }.map_err(setup)?;
+            let policies: Vec<Arc<dyn kvbm_core::offload::OffloadPolicy>> = if policy {
+                vec![Arc::new(PresencePolicy)]
+            } else {
+                Vec::new()
+            };
+            let pipe = Arc::new(
+                OffloadPipeline::with_observer(link, policies, pcfg, Some(wiring.observer(d)))
+                    .map_err(setup)?,
+            );
+            if let (Some(r), Some(route)) = (&remote, route_of(d)) {
+                engines.push((route, r.clone()));
+            }
+            pipelines.push((pipe.clone(), remote));
+            Ok(pipe)
+        };
+        let remote = |name, src: (Tier, usize), dst: (Tier, usize)| -> Result<Arc<RemoteEngine>, SchedulerError> {
+            let l = |t: Tier, n| {
+                geometry.layout(
+                    n,
+                    if t == Tier::Device {
+                        LayoutKind::LayerSeparate
+                    } else {
+                        LayoutKind::FullyContiguous
+                    },
+                )
+            };
+            Ok(Arc::new(
+                RemoteEngine::new(
+                    name,
+                    (l(src.0, src.1)?, src.0),
+                    (l(dst.0, dst.1)?, dst.0),
+                    EngineConfig { queue_depth: 4096 },
+                )
+                .map_err(setup)?,
+            ))
+        };
+        let shm = shm_path(&cfg, engine_id);
+        let mut host_storage = None;
+        if let Some(g2) = &g2 {
+            let hl = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
+            let s2 = Arc::new(HostStorage::shared(&shm, hl).map_err(|source| {
+                SchedulerError::Storage {
+                    what: format!("the host tier's shared file {}", shm.display()),
+                    source,
+                }
+            })?);
+            let e12 = remote(
+                "G1→G2 (vLLM worker)",
+                (Tier::Device, mirror.capacity()),
+                (Tier::Host, sizes.host_blocks),
+            )?;
+            let e21 = remote(
+                "G2→G1 (vLLM worker)",
+                (Tier::Host, sizes.host_blocks),
+                (Tier::Device, mirror.capacity()),
+            )?;
+            p.offload_device_to_host = Some(make(
+                Direction::DEVICE_TO_HOST,
+                e12.clone(),
+                Some(e12),
+                &mirror,
+                g2,
+                true,
+                remote_cfg,
+            )?);
+            p.onboard_host_to_device = Some(make(
+                Direction::HOST_TO_DEVICE,
+                e21.clone(),
+                Some(e21),
+                g2,
+                &mirror,
+                false,
+                remote_cfg,
+            )?);
+            host_storage = Some(s2);
+        }
+        let mut disk_storage = None;
+        if let (Some(g3), Some(path)) = (&g3, &cfg.disk_path) {
+            let dl = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
+            let s3 = Arc::new(DiskStorage::open_or_create(path, dl).map_err(|source| {
+                SchedulerError::Storage {
+                    what: format!("the disk tier's file {}", path.display()),
+                    source,
+                }
+            })?);
+            match (&g2, &host_storage) {
+                (Some(g2), Some(s2)) => {
+                    let e23 = Arc::new(
+                        DiskEngine::new(s2.clone(), s3.clone(), DiskDirection::HostToDisk, Tier::Host)
+                            .map_err(setup)?,
+                    );
+                    let e32 = Arc::new(
+                        DiskEngine::new(s2.clone(), s3.clone(), DiskDirection::DiskToHost, Tier::Host)
+                            .map_err(setup)?,
+                    );
+                    p.offload_host_to_disk =
+                        Some(make(Direction::HOST_TO_DISK, e23, None, g2, g3, true, local_cfg)?);
+                    p.onboard_disk_to_host =
+                        Some(make(Direction::DISK_TO_HOST, e32, None, g3, g2, true, local_cfg)?);
+                }
+                _ => {
+                    let e13 = remote(
+                        "G1→G3 (vLLM worker)",
+                        (Tier::Device, mirror.capacity()),
+                        (Tier::Disk, sizes.disk_blocks),
+                    )?;
+                    let e31 = remote(
+                        "G3→G1 (vLLM worker)",
+                        (Tier::Disk, sizes.disk_blocks),
+                        (Tier::Device, mirror.capacity()),
+                    )?;
+                    p.offload_device_to_disk = Some(make(
+                        Direction::DEVICE_TO_DISK,
+                        e13.clone(),
+                        Some(e13),
+                        &mirror,
+                        g3,
+                        true,
+                        remote_cfg,
+                    )?);
+                    p.onboard_disk_to_device = Some(make(
+                        Direction::DISK_TO_DEVICE,
+                        e31.clone(),
+                        Some(e31),
+                        g3,
+                        &mirror,
+                        false,
+                        remote_cfg,
+                    )?);
+                }
+            }
+            disk_storage = Some(s3);
+        }
+        let mut leader = Leader::new(
+            wiring,
+            LeaderPools {
+                device: mirror.clone(),
+                host: g2,
+                disk: g3,
+            },
+            p,
+            match cfg.offload {
+                Offload::Eager => OffloadMode::Eager,
+                Offload::Lazy => OffloadMode::Lazy,
+            },
+            kvbm_core::tokens::salt_hash(b"kvbm-vllm"),
+        );
+        leader.set_hooks(
+            HookSet::none()
+                .with_emitter(emitter.clone())
+                .with_breakpoints(breakpoints.clone()),
+        );
+        leader.set_hold_requests(true);
+        let observers = Observers::start(&cfg, &emitter, &breakpoints, runtime.handle())
+            .map_err(SchedulerError::Observe)?;
+        drop(_guard);
+        Ok(SchedulerSide {
+            shm: host_storage.as_ref().map(|_| shm),
+            cfg,
+            geometry,
+            runtime,
+            emitter,
+            breakpoints,
+            leader,
+            mirror,
+            engines,
+            pipelines,
+            _host: host_storage,
+            _disk: disk_storage,
+            requests: HashMap::new(),
+            g1: HashMap::new(),
+            triggers: Vec::new(),
+            delayed: HashSet::new(),
+            step: 0,
+            counters: Counters::default(),
+            observers: Some(observers),
+            spent_ns: 0,
+            step_ns: std::collections::VecDeque::new(),
+        })
+    }
+
+    /// The emitter (tests subscribe to it).
+    pub fn emitter(&self) -> &Arc<Emitter> {
+        &self.emitter
+    }
+
+    /// The breakpoints.
+    pub fn breakpoints(&self) -> &Arc<Breakpoints> {
+        &self.breakpoints
+    }
+
+    /// What the connector counted.
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// The connector's own time per step (every call vLLM made to it from
+    /// one `build_connector_meta` to the next, waits included).
+    pub fn step_timing(&self) -> StepTiming {
+        let mut v: Vec<u64> = self.step_ns.iter().copied().collect();
+        if v.is_empty() {
+            return StepTiming::default();
+        }
+        v.sort_unstable();
+        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] as f64 / 1e3;
+        StepTiming {
+            steps: v.len(),
+            p50_us: at(0.5),
+            p99_us: at(0.99),
+            max_us: *v.last().unwrap_or(&0) as f64 / 1e3,
+        }
+    }
+
+    fn spent(&mut self, since: Instant) {
+        self.spent_ns += u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    }
+
+    /// The attach server's address, when serving.
+    pub fn serving(&self) -> Option<std::net::SocketAddr> {
+        self.observers.as_ref().and_then(|o| o.addr())
+    }
+
+    fn req(&mut self, request: &str) -> &mut Req {
+        self.requests
+            .entry(request.to_string())
+            .or_insert_with(|| Req::new(RequestId::from(request)))
+    }
+
+    /// vLLM's `get_num_new_matched_tokens`: external tokens beyond
+    /// `num_computed_tokens` that G2/G3 hold (loaded synchronously), or
+    /// `None` while a breakpoint holds the request (vLLM asks again).
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        request: &str,
+        prompt: &[u32],
+        num_computed_tokens: usize,
+    ) -> Result<Option<usize>, SchedulerError> {
+        let t = Instant::now();
+        let r = self.get_num_new_matched_tokens_inner(request, prompt, num_computed_tokens);
+        self.spent(t);
+        r
+    }
+
+    fn get_num_new_matched_tokens_inner(
+        &mut self,
+        request: &str,
+        prompt: &[u32],
+        num_computed_tokens: usize,
+    ) -> Result<Option<usize>, SchedulerError> {
+        let _guard = self.runtime.enter();
+        let fail = |e: kvbm_events::slot::SlotError| SchedulerError::Request {
+            request: request.to_string(),
+            reason: e.to_string(),
+        };
+        let id = self.req(request).id.clone();
+        if !self.leader.has_slot(request) {
+            self.leader.create_slot(&id, prompt, 0).map_err(fail)?;
+        }
+        let r = self
+            .leader
+            .get_num_new_matched_tokens_or_hold(&id, num_computed_tokens)
+            .map_err(fail)?;
+        match r {
+            None => {
+                self.counters.held_asks += 1;
+                Ok(None)
+            }
+            Some((tokens, _)) => {
+                self.req(request).lookup_computed = num_computed_tokens;
+                Ok(Some(tokens))
+            }
+        }
+    }
+
+    /// vLLM's `update_state_after_alloc`: `block_ids` is the request's
+    /// whole block table; the `num_external_tokens` it was promised go into
+    /// the blocks after the last lookup's local hit.
+    pub fn update_state_after_alloc(
+        &mut self,
+        request: &str,
+        block_ids: &[u32],
+        num_external_tokens: usize,
+    ) -> Result<(), SchedulerError> {
+        let t = Instant::now();
+        let r = self.update_state_after_alloc_inner(request, block_ids, num_external_tokens);
+        self.spent(t);
+        r
+    }
+
+    fn update_state_after_alloc_inner(
+        &mut self,
+        request: &str,
+        block_ids: &[u32],
+        num_external_tokens: usize,
+    ) -> Result<(), SchedulerError> {
+        let _guard = self.runtime.enter();
+        let bs = self.geometry.block_size;
+        let r = self.req(request);
+        r.block_ids = block_ids.to_vec();
+        let id = r.id.clone();
+        let first = r.lookup_computed / bs;
+        let n = num_external_tokens / bs;
+        let mut dests: Vec<MutableBlock<Empty>> = Vec::new();
+        if n > 0 {
+            let targets: Vec<u32> = block_ids.iter().skip(first).take(n).copied().collect();
+            dests = self.mirror.allocate(targets.len()).map_err(|e| SchedulerError::Request {
+                request: request.to_string(),
+                reason: format!("no mirror blocks for its load: {e}"),
+            })?;
+            for (d, v) in dests.iter().zip(&targets) {
+                self.map_g1(request, d.id(), *v);
+                self.req(request).load_dests.push((d.id(), *v));
+            }
+            self.req(request).loaded = first..first + targets.len();
+        }
+        self.leader
+            .update_state_after_alloc(&id, dests, num_external_tokens)
+            .map_err(|e| SchedulerError::Request {
+                request: request.to_string(),
+                reason: e.to_string(),
+            })
+    }
+
+    fn map_g1(&mut self, request: &str, mirror: BlockId, vllm: u32) {
+        let e = self.g1.entry(mirror).or_insert((vllm, 0));
+        if e.0 != vllm {
+            // A mirror id freed and reused: the newest mapping wins.
+            *e = (vllm, 0);
+        }
+        e.1 += 1;
+        if let Some(r) = self.requests.get_mut(request) {
+            r.mapped.push(mirror);
+        }
+    }
+
+    /// The request lets go of its G1 blocks: its mirror mappings end (a
+    /// batch still naming them fails instead of shipping).
+    fn release_g1(&mut self, request: &str) {
+        let Some(r) = self.requests.get_mut(request) else {
+            return;
+        };
+        let mapped = std::mem::take(&mut r.mapped);
+        r.own.clear();
+        r.shared.clear();
+        r.load_dests.clear();
+        r.mirrored = 0;
+        r.loaded = 0..0;
+        for m in mapped {
+            if let Some(e) = self.g1.get_mut(&m) {
+                e.1 = e.1.saturating_sub(1);
+                if e.1 == 0 {
+                    self.g1.remove(&m);
+                }
+            }
+        }
+    }
+
+    /// Mirrors the blocks of `s.request` that this step completes; returns
+    /// the newly registered ones (for eager stores).
+    fn mirror_full_blocks(&mut self, s: &Scheduled) -> Result<Vec<ImmutableBlock>, SchedulerError> {
+        let bs = self.geometry.block_size;
+        let known = self
+            .leader
+            .append_tokens(&s.request, &s.new_tokens)
+            .map_err(|e| SchedulerError::Request {
+                request: s.request.clone(),
+                reason: e.to_string(),
+            })?;
+        let r = self.req(&s.request);
+        r.block_ids.clone_from(&s.block_ids);
+        let full_after = ((s.computed_before + s.scheduled).min(known) / bs).min(r.block_ids.len());
+        let from = r.mirrored;
+        if full_after <= from {
+            return Ok(Vec::new());
+        }
+        let loaded = r.loaded.clone();
+        let ids: Vec<u32> = r.block_ids[from..full_after].to_vec();
+        let blocks = self
+            .leader
+            .token_blocks(&s.request, from..full_after)
+            .map_err(|e| SchedulerError::Request {
+                request: s.request.clone(),
+                reason: e.to_string(),
+            })?;
+        let mut fresh = Vec::new();
+        for (k, (tb, vllm)) in blocks.iter().zip(ids).enumerate() {
+            let j = from + k;
+            if loaded.contains(&j) {
+                continue; // it came from kvbm's own tiers
+            }
+            let Ok(b) = self.mirror.allocate_one() else {
+                continue; // no room: this block is not stored, a future miss
+            };
+            let mid = b.id();
+            let Ok(c) = b.fill_from(tb) else { continue };
+            let reg = c.register();
+            if reg.id() != mid {
+                // vLLM's prefix cache shares a block kvbm mirrors already:
+                // it was stored (or planned) by the request that made it.
+                self.req(&s.request).shared.push(reg);
+                continue;
+            }
+            self.map_g1(&s.request, mid, vllm);
+            self.req(&s.request).own.push(reg.clone());
+            fresh.push(reg);
+        }
+        self.req(&s.request).mirrored = full_after;
+        Ok(fresh)
+    }
+
+    /// vLLM's `build_connector_meta`: follows what vLLM scheduled (slot
+    /// states, tokens, blocks), plans this step's stores, starts its loads,
+    /// waits (bounded) for them to reach the worker's queue and returns the
+    /// step's plan.
+    pub fn build_meta(&mut self, input: &StepInput) -> Result<StepPlan, SchedulerError> {
+        let t = Instant::now();
+        let r = self.build_meta_inner(input);
+        self.spent(t);
+        if self.step_ns.len() == TIMING_SAMPLES {
+            self.step_ns.pop_front();
+        }
+        self.step_ns.push_back(std::mem::take(&mut self.spent_ns));
+        r
+    }
+
+    fn build_meta_inner(&mut self, input: &StepInput) -> Result<StepPlan, SchedulerError> {
+        let _guard = self.runtime.enter();
+        self.step += 1;
+        self.breakpoints.sweep_held();
+        let mut out = SchedulerOutput::default();
+        let mut scheduled = HashSet::new();
+        for s in &input.scheduled {
+            let Some(id) = self.requests.get(&s.request).map(|r| r.id.clone()) else {
+                continue; // a request kvbm never saw (added before the connector)
+            };
+            scheduled.insert(s.request.clone());
+            let fresh = self.mirror_full_blocks(s)?;
+            let prefill = s.scheduled.min(s.prompt_len.saturating_sub(s.computed_before));
+            out.scheduled.push(ScheduledRequest {
+                request: id,
+                prefill_tokens: prefill,
+                decode_tokens: s.scheduled - prefill,
+                computed_tokens: s.computed_before + s.scheduled,
+                new_full_blocks: if self.cfg.offload == Offload::Eager {
+                    fresh
+                } else {
+                    Vec::new()
+                },
+                new_tokens: Vec::new(),
+            });
+        }
+        let preempted: HashSet<&String> = input.preempted.iter().collect();
+        for (name, r) in &self.requests {
+            if scheduled.contains(name) || preempted.contains(name) || self.delayed.contains(name) {
+                continue;
+            }
+            if self.leader.slot_state(name).is_some_and(|s| s.is_running()) {
+                out.skipped.push(r.id.clone());
+            }
+        }
+        let mut md = self.leader.build_connector_metadata(&out);
+        if let Some(t) = md.store_trigger.take() {
+            self.triggers.push(t);
+        }
+        let loads = self.leader.start_loads(&mut md, self.runtime.handle());
+        self.wait_until_shipped(&loads);
+        let mut plan = StepPlan {
+            step: self.step,
+            ..StepPlan::default()
+        };
+        let mut shipped_loads: HashSet<BlockId> = HashSet::new();
+        for (route, engine) in &self.engines {
+            let registered = match route {
+                Route::DeviceToHost | Route::DeviceToDisk => Some(&self.mirror),
+                Route::HostToDevice => self.leader.pool(Tier::Host),
+                Route::DiskToDevice => self.leader.pool(Tier::Disk),
+            };
+            for b in engine.take_batches() {
+                let pairs = registered.and_then(|pool| translate(*route, &b.pairs, &self.g1, pool));
+                match pairs {
+                    Some(pairs) => {
+                        if route.is_load() {
+                            shipped_loads.extend(b.pairs.iter().map(|p| p.dst));
+                            plan.loads.push(Batch { route: *route, id: b.id, pairs });
+                        } else {
+                            plan.stores.push(Batch { route: *route, id: b.id, pairs });
+                        }
+                    }
+                    None => {
+                        // A G1 block it names was freed: copying it now could
+                        // move another request's data.
+                        if !route.is_load() {
+                            self.counters.unshippable_stores += 1;
+                        }
+                        engine.complete(b.id, Err("its device blocks were freed before it shipped".into()));
+                    }
+                }
+            }
+        }
+        // Loads promised for this step that did not ship: vLLM computes
+        // those blocks, and their copies must never land later.
+        let late: Vec<(String, Vec<(BlockId, u32)>)> = self
+            .requests
+            .iter_mut()
+            .map(|(n, r)| (n.clone(), std::mem::take(&mut r.load_dests)))
+            .filter(|(_, d)| !d.is_empty())
+            .collect();
+        for (_, dests) in late {
+            let missing: Vec<(BlockId, u32)> = dests
+                .into_iter()
+                .filter(|(m, _)| !shipped_loads.contains(m))
+                .collect();
+            if !missing.is_empty() {
+                self.counters.late_loads += 1;
+            }
+            for (m, v) in missing {
+                plan.failed_loads.push(v);
+                self.g1.remove(&m);
+            }
+        }
+        drop(loads);
+        for name in &input.preempted {
+            if let Some(id) = self.requests.get(name).map(|r| r.id.clone()) {
+                let _ = self.leader.request_preempted(&id);
+            }
+            self.release_g1(name);
+        }
+        // Finished requests whose stores have drained: vLLM may free their
+        // blocks now.
+        let drained: Vec<String> = self
+            .delayed
+            .iter()
+            .filter(|n| {
+                self.leader
+                    .slot_state(n)
+                    .is_none_or(|s| s == kvbm_events::SlotState::Finished)
+            })
+            .cloned()
+            .collect();
+        for n in drained {
+            self.delayed.remove(&n);
+            self.forget(&n);
+            plan.finished_sending.push(n);
+        }
+        self.leader.remove_finished();
+        self.emit_gauges(input.g1_free);
+        self.counters.steps += 1;
+        Ok(plan)
+    }
+
+    /// Waits until the transfers planned so far (but stores still waiting
+    /// for their forward pass) are in the worker-bound queues, at most
+    /// `ship_timeout`.
+    fn wait_until_shipped(&self, loads: &[(RequestId, Vec<TransferHandle>)]) {
+        let deadline = Instant::now() + self.cfg.ship_timeout;
+        loop {
+            let ready = self.pipelines.iter().all(|(p, remote)| {
+                let s = p.stats();
+                let before_engine = s.queued_for_policy + s.queued_for_batcher + s.in_queue + s.on_deck;
+                let unsubmitted = match remote {
+                    Some(r) => s.in_flight.saturating_sub(r.pending()),
+                    None => 0,
+                };
+                before_engine == 0 && unsubmitted == 0
+            }) && loads
+                .iter()
+                .flat_map(|(_, h)| h)
+                .all(|h| h.status().is_final() || h.status() == kvbm_core::offload::TransferStatus::Transferring);
+            if ready || Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+
+    /// vLLM's `update_connector_output`: the step's forward pass is done
+    /// (its stores may go), and the worker's report resolves the batches it
+    /// ran.
+    pub fn update_connector_output(&mut self, reports: &[Vec<u8>]) {
+        let t = Instant::now();
+        self.update_connector_output_inner(reports);
+        self.spent(t);
+    }
+
+    fn update_connector_output_inner(&mut self, reports: &[Vec<u8>]) {
+        let _guard = self.runtime.enter();
+        for t in self.triggers.drain(..) {
+            t.trigger();
+        }
+        for bytes in reports {
+            let report = match StepReport::from_bytes(bytes) {
+                Ok(r) => r,
+                Err(e) => {
+                    self.counters.bad_reports += 1;
+                    tracing::warn!("{e}");
+                    continue;
+                }
+            };
+            for d in report.done {
+                let Some((_, engine)) = self.engines.iter().find(|(r, _)| *r == d.route) else {
+                    continue;
+                };
+                let result = match &d.error {
+                    None => Ok(TransferStats {
+                        blocks: 0,
+                        bytes: d.bytes,
+                        elapsed: Duration::from_nanos(d.elapsed_ns),
+                    }),
+                    Some(e) => {
+                        if d.route.is_load() {
+                            self.counters.failed_load_blocks += 1;
+                        }
+                        Err(e.clone())
+                    }
+                };
+                engine.complete(d.id, result);
+            }
+        }
+    }
+
+    /// vLLM's `request_finished` with the request's computed blocks (group
+    /// 0): lazy mode stores them now. Returns `delay_free`: true while the
+    /// request's stores are out (vLLM keeps its blocks until the worker
+    /// reports it finished sending).
+    pub fn request_finished(&mut self, request: &str, block_ids: &[u32]) -> Result<bool, SchedulerError> {
+        let t = Instant::now();
+        let r = self.request_finished_inner(request, block_ids);
+        self.spent(t);
+        r
+    }
+
+    fn request_finished_inner(&mut self, request: &str, block_ids: &[u32]) -> Result<bool, SchedulerError> {
+        let _guard = self.runtime.enter();
+        let Some(id) = self.requests.get(request).map(|r| r.id.clone()) else {
+            return Ok(false);
+        };
+        let mut blocks = Vec::new();
+        if self.cfg.offload == Offload::Lazy && !block_ids.is_empty() {
+            // Mirror what vLLM computed that no step has yet, then store
+            // every block the request made.
+            let computed = block_ids.len() * self.geometry.block_size;
+            let s = Scheduled {
+                request: request.to_string(),
+                new_tokens: Vec::new(),
+                prompt_len: 0,
+                computed_before: computed,
+                scheduled: 0,
+                block_ids: block_ids.to_vec(),
+            };
+            self.mirror_full_blocks(&s)?;
+            blocks = self.requests.get(request).map(|r| r.own.clone()).unwrap_or_default();
+        }
+        let outstanding = self.leader.request_finished(&id, &blocks).map_err(|e| {
+            SchedulerError::Request {
+                request: request.to_string(),
+                reason: e.to_string(),
+            }
+        })?;
+        if outstanding {
+            self.delayed.insert(request.to_string());
+            self.counters.delayed_frees += 1;
+            Ok(true)
+        } else {
+            self.forget(request);
+            Ok(false)
+        }
+    }
+
+    fn forget(&mut self, request: &str) {
+        self.release_g1(request);
+        self.requests.remove(request);
+        self.breakpoints.forget_request(request);
+    }
+
+    fn emit_gauges(&self, g1_free: Option<usize>) {
+        if let Some(free) = g1_free {
+            let cap = self.geometry.num_gpu_blocks;
+            self.emitter.emit(
+                None,
+                EventKind::PoolGauge {
+                    tier: Tier::Device,
+                    capacity: cap as u32,
+                    active: cap.saturating_sub(free) as u32,
+                    inactive: 0,
+                    empty: free.min(cap) as u32,
+                },
+            );
+        }
+        for tier in [Tier::Host, Tier::Disk] {
+            if let Some(p) = self.leader.pool(tier) {
+                let s = p.status();
+                self.emitter.emit(
+                    None,
+                    EventKind::PoolGauge {
+                        tier,
+                        capacity: s.capacity as u32,
+                        active: s.active as u32,
+                        inactive: s.inactive as u32,
+                        empty: s.empty as u32,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Stops: every paused call goes on, every batch out fails, the attach
+    /// server and the recording finish, the shared host file is removed.
+    pub fn shutdown(&mut self) -> Result<(), SchedulerError> {
+        self.breakpoints.clear_all();
+        self.breakpoints.resume_all();
+        for (_, e) in &self.engines {
+            e.fail_all("vLLM shut down");
+        }
+        let obs = self.observers.take();
+        let r = match obs {
+            Some(o) => o.stop(&self.runtime).map_err(SchedulerError::Observe),
+            None => Ok(()),
+        };
+        if let Some(p) = self.shm.take() {
+            let _ = std::fs::remove_file(p);
+        }
+        r
+    }
+}
+
+impl Drop for SchedulerSide {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+/// A batch's block ids for the worker: the G1 side from mirror ids to
+/// vLLM's, the other side as it is, each with the block's hash (read from
+/// the pool that holds it registered: the mirror for a store, the source
+/// tier for a load). `None` when a G1 block it names is no longer mapped.
+fn translate(
+    route: Route,
+    pairs: &[kvbm_core::transfer::BlockPair],
+    g1: &HashMap<BlockId, (u32, u32)>,
+    registered: &BlockPool,
+) -> Option<Vec<Pair>> {
+    pairs
+        .iter()
+        .map(|p| {
+            let (src, dst) = if route.is_load() {
+                (p.src, g1.get(&p.dst)?.0)
+            } else {
+                (g1.get(&p.src)?.0, p.dst)
+            };
+            let hash = registered.hash_of(p.src).map_or(0, |h| h.0);
+            Some(Pair { src, dst, hash })
+        })
+        .collect()
+}

@@ -1,0 +1,364 @@
+//! The worker side of the connector, in vLLM's worker process: vLLM's KV
+//! tensors wrapped as the G1 storage (no copy), the shared host tier and
+//! the disk file opened, and each step's [`StepPlan`] run with kvbm's
+//! transfer engines before that step's forward pass (stores first, then
+//! loads), reported back in a [`StepReport`].
+//!
+//! A load that fails is reported as failed blocks, which vLLM computes
+//! instead: never different tokens.
+
+use crate::config::Config;
+use crate::meta::{Batch, Done, Pair, Route, StepPlan, StepReport};
+use crate::tiers::{Geometry, TierSizes, shm_path};
+use kvbm_core::layout::LayoutKind;
+use kvbm_core::storage::{DiskStorage, HostStorage};
+use kvbm_core::transfer::{
+    BlockPair, DiskDirection, DiskEngine, MemcpyEngine, TransferEngine, TransferError,
+};
+use kvbm_events::Tier;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// One of vLLM's per-layer KV tensors, as the Python side reads it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct KvTensor {
+    /// The layer's name.
+    pub name: String,
+    /// Address of its first byte.
+    pub data_ptr: u64,
+    /// Its size in bytes.
+    pub nbytes: u64,
+    /// Its first dimension (vLLM's blocks on the CPU backend).
+    pub num_blocks: usize,
+    /// Bytes between consecutive blocks.
+    pub block_stride_bytes: usize,
+    /// Whether its bytes are contiguous.
+    pub contiguous: bool,
+    /// `cpu`, `cuda:0`, ...
+    pub device: String,
+}
+
+/// Why the worker side could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The settings.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// vLLM's geometry.
+    #[error(transparent)]
+    Geometry(#[from] crate::tiers::GeometryError),
+    /// The KV tensors are not what kvbm can copy.
+    #[error("kvbm: vLLM's KV cache tensor {name}: {reason}")]
+    Tensor {
+        /// The layer.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tier's storage or engine.
+    #[error("kvbm: {what}: {reason}")]
+    Tier {
+        /// Which.
+        what: String,
+        /// Why.
+        reason: String,
+    },
+    /// A plan that does not parse.
+    #[error(transparent)]
+    Meta(#[from] crate::meta::MetaError),
+}
+
+/// Test-only behaviour, from the environment (the real-engine tests use it
+/// to check bytes, and to show that the check catches a corrupt load).
+#[derive(Debug, Clone, Default)]
+struct TestHooks {
+    /// `KVBM_TEST_DUMP_DIR`: every stored block's bytes go to
+    /// `stored/<hash>`, every loaded block's (as it lies in vLLM's tensor
+    /// after the load) to `loaded/<hash>`.
+    dump: Option<PathBuf>,
+    /// `KVBM_TEST_CORRUPT_LOADS=1`: flips a byte of the first block of each
+    /// load, after the copy.
+    corrupt_loads: bool,
+}
+
+impl TestHooks {
+    fn from_env() -> Self {
+        TestHooks {
+            dump: std::env::var_os("KVBM_TEST_DUMP_DIR").map(PathBuf::from),
+            corrupt_loads: std::env::var("KVBM_TEST_CORRUPT_LOADS").is_ok_and(|v| v == "1"),
+        }
+    }
+}
+
+/// The worker side. See the module docs.
+pub struct WorkerSide {
+    g1: Arc<HostStorage>,
+    engines: HashMap<Route, Arc<dyn TransferEngine>>,
+    plan: Option<StepPlan>,
+    report: StepReport,
+    load_errors: Vec<u32>,
+    finished_sending: Vec<String>,
+    hooks: TestHooks,
+    /// Every layer's tensor kept as reported, to check later calls against.
+    _tensors: Vec<KvTensor>,
+}
+
+impl std::fmt::Debug for WorkerSide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerSide")
+            .field("routes", &self.engines.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+fn tier_err(what: impl Into<String>, e: impl std::fmt::Display) -> WorkerError {
+    WorkerError::Tier {
+        what: what.into(),
+        reason: e.to_string(),
+    }
+}
+
+impl WorkerSide {
+    /// Wraps `tensors` (one per layer, in vLLM's order) as G1 and opens the
+    /// tiers `cfg` configures for vLLM engine `engine_id`.
+    ///
+    /// # Safety
+    ///
+    /// The tensors' memory must stay valid and in place for as long as the
+    /// returned value lives (vLLM keeps its KV cache for the engine's
+    /// life), and vLLM must not touch a block while a plan that names it
+    /// runs (it does not: plans run between its steps' forward passes).
+    pub unsafe fn start(
+        cfg: &Config,
+        geometry: Geometry,
+        engine_id: &str,
+        tensors: Vec<KvTensor>,
+    ) -> Result<Self, WorkerError> {
+        geometry.check()?;
+        if tensors.len() != geometry.num_layers {
+            return Err(WorkerError::Tensor {
+                name: "(all)".into(),
+                reason: format!(
+                    "{} tensors for {} layers",
+                    tensors.len(),
+                    geometry.num_layers
+                ),
+            });
+        }
+        for t in &tensors {
+            let bad = |reason: String| WorkerError::Tensor {
+                name: t.name.clone(),
+                reason,
+            };
+            if t.device != "cpu" {
+                return Err(bad(format!(
+                    "on {}; this build of kvbm copies CPU tensors only (the cuda engine has not been run on a GPU yet)",
+                    t.device
+                )));
+            }
+            if !t.contiguous {
+                return Err(bad("not contiguous".into()));
+            }
+            if t.num_blocks < geometry.num_gpu_blocks {
+                return Err(bad(format!(
+                    "{} blocks, vLLM configured {}",
+                    t.num_blocks, geometry.num_gpu_blocks
+                )));
+            }
+            if t.block_stride_bytes != geometry.page_bytes {
+                return Err(bad(format!(
+                    "{} bytes per block, the cache config says {} (the block dimension must come first)",
+                    t.block_stride_bytes, geometry.page_bytes
+                )));
+            }
+            let need = (geometry.num_gpu_blocks * geometry.page_bytes) as u64;
+            if t.nbytes < need || t.data_ptr == 0 {
+                return Err(bad(format!("{} bytes at {:#x}, need {need}", t.nbytes, t.data_ptr)));
+            }
+        }
+        let g1_layout = geometry.layout(geometry.num_gpu_blocks, LayoutKind::LayerSeparate)?;
+        let regions = tensors.iter().map(|t| t.data_ptr as usize as *mut u8).collect();
+        // SAFETY: checked above that each region holds the layout's bytes;
+        // the caller keeps them alive and in place.
+        let g1 = Arc::new(
+            unsafe { HostStorage::external(g1_layout, regions) }
+                .map_err(|e| tier_err("wrapping vLLM's KV tensors", e))?,
+        );
+        let sizes = TierSizes::of(cfg, &geometry)?;
+        let mut engines: HashMap<Route, Arc<dyn TransferEngine>> = HashMap::new();
+        if sizes.host_blocks > 0 {
+            let path = shm_path(cfg, engine_id);
+            let l = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
+            let g2 = Arc::new(
+                HostStorage::shared(&path, l)
+                    .map_err(|e| tier_err(format!("the host tier's shared file {}", path.display()), e))?,
+            );
+            engines.insert(
+                Route::DeviceToHost,
+                Arc::new(
+                    MemcpyEngine::new(g1.clone(), Tier::Device, g2.clone(), Tier::Host)
+                        .map_err(|e| tier_err("the G1→G2 engine", e))?,
+                ),
+            );
+            engines.insert(
+                Route::HostToDevice,
+                Arc::new(
+                    MemcpyEngine::new(g2, Tier::Host, g1.clone(), Tier::Device)
+                        .map_err(|e| tier_err("the G2→G1 engine", e))?,
+                ),
+            );
+        } else if let (true, Some(path)) = (sizes.disk_blocks > 0, &cfg.disk_path) {
+            let l = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
+            let g3 = Arc::new(
+                DiskStorage::open_or_create(path, l)
+                    .map_err(|e| tier_err(format!("the disk tier's file {}", path.display()), e))?,
+            );
+            engines.insert(
+                Route::DeviceToDisk,
+                Arc::new(
+                    DiskEngine::new(g1.clone(), g3.clone(), DiskDirection::HostToDisk, Tier::Device)
+                        .map_err(|e| tier_err("the G1→G3 engine", e))?,
+                ),
+            );
+            engines.insert(
+                Route::DiskToDevice,
+                Arc::new(
+                    DiskEngine::new(g1.clone(), g3, DiskDirection::DiskToHost, Tier::Device)
+                        .map_err(|e| tier_err("the G3→G1 engine", e))?,
+                ),
+            );
+        }
+        Ok(WorkerSide {
+            g1,
+            engines,
+            plan: None,
+            report: StepReport::default(),
+            load_errors: Vec::new(),
+            finished_sending: Vec::new(),
+            hooks: TestHooks::from_env(),
+            _tensors: tensors,
+        })
+    }
+
+    /// Takes this step's plan (vLLM's `bind_connector_metadata`).
+    pub fn bind(&mut self, plan: &[u8]) -> Result<(), WorkerError> {
+        self.plan = Some(StepPlan::from_bytes(plan)?);
+        Ok(())
+    }
+
+    /// Runs the bound plan: stores, then loads. Called once per step before
+    /// the forward pass (vLLM's `handle_preemptions`); a second call in the
+    /// same step does nothing.
+    pub fn run(&mut self) {
+        let Some(plan) = self.plan.take() else {
+            return;
+        };
+        self.report = StepReport {
+            step: plan.step,
+            done: Vec::with_capacity(plan.stores.len() + plan.loads.len()),
+        };
+        for b in &plan.stores {
+            let d = self.copy(b);
+            self.report.done.push(d);
+        }
+        for b in &plan.loads {
+            let d = self.copy(b);
+            if d.error.is_some() {
+                self.load_errors.extend(b.pairs.iter().map(|p| p.dst));
+            }
+            self.report.done.push(d);
+        }
+        self.load_errors.extend(&plan.failed_loads);
+        self.finished_sending.extend(plan.finished_sending);
+    }
+
+    fn copy(&self, b: &Batch) -> Done {
+        let fail = |error: String| Done {
+            route: b.route,
+            id: b.id,
+            bytes: 0,
+            elapsed_ns: 0,
+            error: Some(error),
+        };
+        let Some(engine) = self.engines.get(&b.route) else {
+            return fail(format!("this worker has no {:?} engine", b.route));
+        };
+        let pairs: Vec<BlockPair> = b.pairs.iter().map(|p| BlockPair::new(p.src, p.dst)).collect();
+        if !b.route.is_load() {
+            self.dump("stored", b.pairs.iter().map(|p| (p.src, p.hash)));
+        }
+        // SAFETY: the plan's blocks are not touched by vLLM between its
+        // forward passes, and each engine's storages are distinct.
+        let r = unsafe { engine.submit(pairs) }.and_then(|t| t.wait_blocking());
+        match r {
+            Ok(stats) => {
+                if b.route.is_load() {
+                    if self.hooks.corrupt_loads
+                        && let Some(p) = b.pairs.first()
+                    {
+                        self.corrupt(p);
+                    }
+                    self.dump("loaded", b.pairs.iter().map(|p| (p.dst, p.hash)));
+                }
+                Done {
+                    route: b.route,
+                    id: b.id,
+                    bytes: stats.bytes,
+                    elapsed_ns: u64::try_from(stats.elapsed.as_nanos()).unwrap_or(u64::MAX),
+                    error: None,
+                }
+            }
+            Err(e) => fail(describe(&e)),
+        }
+    }
+
+    fn dump(&self, kind: &str, blocks: impl Iterator<Item = (u32, u64)>) {
+        let Some(dir) = &self.hooks.dump else { return };
+        let dir = dir.join(kind);
+        if std::fs::create_dir_all(&dir).is_err() {
+            return;
+        }
+        let mut buf = vec![0u8; self.g1.layout().block_bytes()];
+        for (block, hash) in blocks {
+            // SAFETY: as for the copies: vLLM is not writing this block now.
+            if unsafe { self.g1.read_block(block, &mut buf) }.is_ok() {
+                let _ = std::fs::write(dir.join(format!("{hash:016x}")), &buf);
+            }
+        }
+    }
+
+    fn corrupt(&self, p: &Pair) {
+        let mut buf = vec![0u8; self.g1.layout().block_bytes()];
+        // SAFETY: as for the copies.
+        unsafe {
+            if self.g1.read_block(p.dst, &mut buf).is_ok() {
+                let mid = buf.len() / 2;
+                buf[mid] ^= 0x40;
+                let _ = self.g1.write_block(p.dst, &buf);
+            }
+        }
+    }
+
+    /// The report of the last run (vLLM's worker metadata), once.
+    pub fn take_report(&mut self) -> Option<Vec<u8>> {
+        if self.report.done.is_empty() && self.report.step == 0 {
+            return None;
+        }
+        Some(std::mem::take(&mut self.report).to_bytes())
+    }
+
+    /// G1 blocks whose load failed this step (vLLM recomputes them).
+    pub fn take_load_errors(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.load_errors)
+    }
+
+    /// Requests whose stores are all done (vLLM frees their blocks).
+    pub fn take_finished_sending(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.finished_sending)
+    }
+}
+
+fn describe(e: &TransferError) -> String {
+    kvbm_events::text::clip(&e.to_string(), kvbm_events::text::MAX_MESSAGE_CHARS)
+}

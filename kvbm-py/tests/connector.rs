@@ -1,0 +1,279 @@
+//! The connector's two sides in one process, driven the way vLLM drives
+//! them (the call order observed on a real vLLM, see the README): a
+//! request is computed and stored, the device cache is forgotten, a second
+//! request with the same prefix gets an external hit, and its blocks come
+//! back into "vLLM's" memory byte for byte. The real-engine tests in
+//! `kvbm-py/tests/vllm/` do the same through vLLM itself; this one is the
+//! fast layer.
+
+use kvbm_events::bus::TapItem;
+use kvbm_events::{Event, EventKind};
+use kvbm_py::config::Config;
+use kvbm_py::scheduler::{Scheduled, SchedulerSide, StepInput};
+use kvbm_py::tiers::Geometry;
+use kvbm_py::worker::{KvTensor, WorkerSide};
+use serde_json::json;
+
+const BS: usize = 4;
+const PAGE: usize = 64;
+const LAYERS: usize = 2;
+const BLOCKS: usize = 16;
+
+/// "vLLM's" KV cache: one buffer per layer, block-major.
+struct Cache {
+    layers: Vec<Vec<u8>>,
+}
+
+impl Cache {
+    fn new() -> Self {
+        Cache {
+            layers: (0..LAYERS).map(|_| vec![0u8; BLOCKS * PAGE]).collect(),
+        }
+    }
+
+    fn tensors(&mut self) -> Vec<KvTensor> {
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .map(|(i, l)| KvTensor {
+                name: format!("layer.{i}"),
+                data_ptr: l.as_mut_ptr() as u64,
+                nbytes: l.len() as u64,
+                num_blocks: BLOCKS,
+                block_stride_bytes: PAGE,
+                contiguous: true,
+                device: "cpu".into(),
+            })
+            .collect()
+    }
+
+    /// The forward pass "computes" block `b` for token block `j` of a
+    /// prompt: bytes that depend on the prompt's tokens up to it.
+    fn compute(&mut self, b: u32, prompt: &[u32], j: usize) {
+        let seed: u64 = prompt[..(j + 1) * BS]
+            .iter()
+            .fold(7, |a, t| a.wrapping_mul(31).wrapping_add(u64::from(*t)));
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let page = &mut layer[b as usize * PAGE..(b as usize + 1) * PAGE];
+            for (i, x) in page.iter_mut().enumerate() {
+                *x = (seed.wrapping_add((l * 1000 + i) as u64) % 251) as u8;
+            }
+        }
+    }
+
+    fn block(&self, b: u32) -> Vec<u8> {
+        self.layers
+            .iter()
+            .flat_map(|l| l[b as usize * PAGE..(b as usize + 1) * PAGE].to_vec())
+            .collect()
+    }
+
+    fn wipe(&mut self, b: u32) {
+        for l in &mut self.layers {
+            l[b as usize * PAGE..(b as usize + 1) * PAGE].fill(0);
+        }
+    }
+}
+
+fn geometry() -> Geometry {
+    Geometry {
+        num_gpu_blocks: BLOCKS,
+        block_size: BS,
+        num_layers: LAYERS,
+        page_bytes: PAGE,
+    }
+}
+
+struct Rig {
+    sched: SchedulerSide,
+    worker: WorkerSide,
+    cache: Cache,
+    _dir: tempfile::TempDir,
+}
+
+fn rig(extra: serde_json::Value) -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let mut extra = extra;
+    extra["shm_dir"] = json!(dir.path().to_str().unwrap());
+    if extra.get("disk_path").is_some() {
+        extra["disk_path"] = json!(dir.path().join("g3.kvbm").to_str().unwrap());
+    }
+    let cfg = Config::from_json(&extra).unwrap();
+    let mut cache = Cache::new();
+    // The worker starts first, as in vLLM.
+    let worker =
+        unsafe { WorkerSide::start(&cfg, geometry(), "engine-1", cache.tensors()) }.unwrap();
+    let sched = SchedulerSide::start(cfg, geometry(), "engine-1").unwrap();
+    Rig {
+        sched,
+        worker,
+        cache,
+        _dir: dir,
+    }
+}
+
+impl Rig {
+    /// One vLLM step: build the plan, run it on the worker before the
+    /// forward pass, compute what was scheduled, report back.
+    fn step(&mut self, input: StepInput, compute: &[(u32, &[u32], usize)]) -> Vec<u32> {
+        self.step_plan(input, compute).1
+    }
+
+    fn step_plan(
+        &mut self,
+        input: StepInput,
+        compute: &[(u32, &[u32], usize)],
+    ) -> (kvbm_py::meta::StepPlan, Vec<u32>) {
+        let plan = self.sched.build_meta(&input).unwrap();
+        self.worker.bind(&plan.to_bytes()).unwrap();
+        self.worker.run();
+        let errors = self.worker.take_load_errors();
+        for &(b, prompt, j) in compute {
+            self.cache.compute(b, prompt, j);
+        }
+        let report: Vec<Vec<u8>> = self.worker.take_report().into_iter().collect();
+        self.sched.update_connector_output(&report);
+        (plan, errors)
+    }
+}
+
+fn prompt(base: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| base + i).collect()
+}
+
+fn events(tap: &mut kvbm_events::bus::TapReceiver<Event>) -> Vec<Event> {
+    let mut out = Vec::new();
+    while let Ok(TapItem::Event(e)) = tap.try_recv() {
+        out.push(e);
+    }
+    out
+}
+
+fn run_store_then_load(extra: serde_json::Value) {
+    let mut r = rig(extra);
+    let mut tap = r.sched.emitter().bus().take_tap().unwrap();
+    // Request A: 9 tokens, two full blocks, computed in one step into
+    // vLLM blocks 1, 2, 3.
+    let a = prompt(100, 9);
+    assert_eq!(
+        r.sched.get_num_new_matched_tokens("A", &a, 0).unwrap(),
+        Some(0)
+    );
+    r.sched
+        .update_state_after_alloc("A", &[1, 2, 3], 0)
+        .unwrap();
+    let step =
+        |req: &str, p: &[u32], before: usize, n: usize, blocks: &[u32], new: Vec<u32>| StepInput {
+            scheduled: vec![Scheduled {
+                request: req.into(),
+                new_tokens: new,
+                prompt_len: p.len(),
+                computed_before: before,
+                scheduled: n,
+                block_ids: blocks.to_vec(),
+            }],
+            preempted: Vec::new(),
+            g1_free: Some(BLOCKS - blocks.len()),
+        };
+    r.step(
+        step("A", &a, 0, 9, &[1, 2, 3], Vec::new()),
+        &[(1, &a, 0), (2, &a, 1)],
+    );
+    // Next step: A's stores (blocks 1 and 2) ship and run before the
+    // forward pass; A decodes one token.
+    r.step(step("A", &a, 9, 1, &[1, 2, 3], vec![7]), &[]);
+    let computed_1 = r.cache.block(1);
+    let computed_2 = r.cache.block(2);
+    if r.sched.request_finished("A", &[1, 2]).unwrap() {
+        // Stores still out (lazy mode stores now; eager ones may not have
+        // been counted done yet): vLLM keeps the blocks until the worker
+        // reports A finished sending, a step or two later.
+        let mut announced = false;
+        for _ in 0..50 {
+            let (plan, _) = r.step_plan(StepInput::default(), &[]);
+            if plan.finished_sending == ["A"] {
+                announced = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(announced, "A never finished sending");
+    }
+    // vLLM forgets its cache (reset_prefix_cache) and reuses the blocks.
+    for b in 1..4 {
+        r.cache.wipe(b);
+    }
+    r.step(StepInput::default(), &[]);
+    // Request B shares A's 8-token prefix: an external hit of two blocks.
+    let mut b_prompt = a[..8].to_vec();
+    b_prompt.extend(prompt(500, 3));
+    let hit = r
+        .sched
+        .get_num_new_matched_tokens("B", &b_prompt, 0)
+        .unwrap();
+    assert_eq!(hit, Some(8));
+    r.sched
+        .update_state_after_alloc("B", &[5, 6, 7], 8)
+        .unwrap();
+    let errors = r.step(step("B", &b_prompt, 8, 3, &[5, 6, 7], Vec::new()), &[]);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(r.cache.block(5), computed_1, "block 0 loaded byte for byte");
+    assert_eq!(r.cache.block(6), computed_2, "block 1 loaded byte for byte");
+    // Completions are events of the pipelines' own tasks: give them a
+    // moment.
+    let mut completed = Vec::new();
+    let t = std::time::Instant::now();
+    while t.elapsed() < std::time::Duration::from_secs(5)
+        && !completed
+            .iter()
+            .any(|(d, _): &(String, u32)| d.ends_with("→G1"))
+    {
+        completed.extend(events(&mut tap).into_iter().filter_map(|e| match e.kind {
+            EventKind::TransferCompleted {
+                direction, blocks, ..
+            } => Some((direction.to_string(), blocks)),
+            _ => None,
+        }));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(
+        completed
+            .iter()
+            .any(|(d, n)| d.starts_with("G1→") && *n == 2),
+        "{completed:?}"
+    );
+    assert!(
+        completed.iter().any(|(d, n)| d.ends_with("→G1") && *n == 2),
+        "{completed:?}"
+    );
+    let c = r.sched.counters();
+    assert_eq!(
+        (c.late_loads, c.failed_load_blocks, c.unshippable_stores),
+        (0, 0, 0)
+    );
+    r.sched.shutdown().unwrap();
+}
+
+#[test]
+fn a_prefix_stored_on_the_host_comes_back_byte_for_byte() {
+    run_store_then_load(json!({"host_capacity_tokens": 64}));
+}
+
+#[test]
+fn with_only_a_disk_tier_too() {
+    run_store_then_load(json!({
+        "host_capacity_tokens": 0,
+        "disk_path": "set by rig",
+        "disk_capacity_tokens": 64,
+    }));
+}
+
+#[test]
+fn with_host_and_disk_and_lazy_offload() {
+    run_store_then_load(json!({
+        "host_capacity_tokens": 64,
+        "disk_path": "set by rig",
+        "disk_capacity_tokens": 64,
+        "offload": "lazy",
+    }));
+}

@@ -1,0 +1,114 @@
+"""A real vLLM (CPU backend) with a tiny random-weight Llama, for kvbm's
+real-engine tests. Greedy decoding and token-id prompts make outputs
+deterministic; the KV cache is small, so blocks move.
+
+Every function that builds an engine must run under
+``if __name__ == "__main__":`` (vLLM spawns its engine core).
+"""
+
+import json
+import os
+import signal
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = os.path.join(HERE, "tiny-llama")
+BLOCK = 32
+
+
+def bounded(seconds):
+    """Kill this process (and so its engine) if it runs past `seconds`."""
+    signal.signal(signal.SIGALRM, lambda *_: os._exit(124))
+    signal.alarm(int(seconds))
+
+
+def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8):
+    from vllm import LLM
+
+    kw = dict(
+        model=MODEL,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=max_num_seqs,
+        block_size=BLOCK,
+        kv_cache_memory_bytes=kv_bytes,
+        dtype="bfloat16",
+        seed=0,
+    )
+    if connector:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KvbmConnector",
+            "kv_connector_module_path": "kvbm.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra or {},
+        }
+    return LLM(**kw)
+
+
+def noop_engine(kv_bytes=2 * 1024 * 1024, max_num_seqs=8):
+    """The same engine with a connector that does nothing (the benchmark's
+    baseline: vLLM's connector plumbing without kvbm)."""
+    from vllm import LLM
+
+    return LLM(
+        model=MODEL,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=max_num_seqs,
+        block_size=BLOCK,
+        kv_cache_memory_bytes=kv_bytes,
+        dtype="bfloat16",
+        seed=0,
+        kv_transfer_config={
+            "kv_connector": "NoopConnector",
+            "kv_connector_module_path": "noop",
+            "kv_role": "kv_both",
+        },
+    )
+
+
+def prompts(groups=3, per_group=4, prefix_blocks=3, tail=(5, 40)):
+    """Requests sharing a prefix of `prefix_blocks` blocks within each group."""
+    from vllm.inputs import TokensPrompt
+
+    out = []
+    for g in range(groups):
+        prefix = [(97 * g + 13 * j) % 990 + 5 for j in range(prefix_blocks * BLOCK)]
+        for k in range(per_group):
+            n = tail[0] + (k * 11) % (tail[1] - tail[0])
+            out.append(TokensPrompt(prompt_token_ids=prefix + [(7 * g + 3 * k + j) % 990 + 5 for j in range(n)]))
+    return out
+
+
+def generate(llm, ps, max_tokens=8):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def say(**kv):
+    """One JSON line on stdout, for the test driver."""
+    print("RESULT " + json.dumps(kv), flush=True)
+
+
+def elapsed(t0):
+    return round(time.time() - t0, 2)
+
+
+def close(llm):
+    """Shuts the engine down the way vLLM does on exit (the engine core
+    gets SIGTERM and runs its shutdown, the connector's included), and
+    waits for it."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()

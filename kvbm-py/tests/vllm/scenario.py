@@ -1,0 +1,152 @@
+"""One real-engine scenario per process: `python scenario.py NAME JSON_ARGS`.
+
+Each prints `RESULT {...}` lines that the driver (`run.py`) checks.
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine  # noqa: E402
+
+
+def baseline(args):
+    """Outputs without any connector."""
+    llm = engine.engine(connector=False)
+    outs, cached = engine.generate(llm, engine.prompts())
+    engine.say(outputs=outs, cached=cached)
+
+
+def roundtrip(args):
+    """Round 1 computes and stores; the device cache is reset; round 2
+    must hit kvbm's tiers and produce the same tokens."""
+    t0 = time.time()
+    llm = engine.engine(extra=args.get("extra", {}))
+    up = engine.elapsed(t0)
+    ps = engine.prompts()
+    outs1, cached1 = engine.generate(llm, ps)
+    llm.reset_prefix_cache()
+    outs2, cached2 = engine.generate(llm, ps)
+    engine.say(up_s=up, outputs1=outs1, cached1=cached1, outputs2=outs2, cached2=cached2)
+    engine.close(llm)
+
+
+def http(method, url, body=None, timeout=10):
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+def breakpoints(args):
+    """A breakpoint on one request holds that request only: the others
+    finish while it makes no progress; resumed, it finishes with the
+    tokens it would have had. Then a request held with nobody resuming it
+    goes on by itself at its short deadline."""
+    import threading
+
+    port = args["port"]
+    base = f"http://127.0.0.1:{port}"
+    extra = dict(args.get("extra", {}), serve=f"127.0.0.1:{port}", breakpoint_deadline_s=args["deadline_s"])
+    llm = engine.engine(extra=extra)
+    ps = engine.prompts()
+    held = args["held"]
+    # vLLM's request ids are `<n>-<random>`: the breakpoint names a prefix.
+    bp = http("POST", base + "/breakpoints", {"request": {"Prefix": held}})
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps)))
+    t0 = time.time()
+    t.start()
+    others_done = False
+    held_seen = False
+    snap = None
+    while time.time() - t0 < 60:
+        snap = http("GET", base + "/snapshot")
+        slots = snap.get("slots", {})
+        paused = http("GET", base + "/breakpoints")["paused"]
+        held_seen = held_seen or any(str(p["call"].get("request", "")).startswith(held) for p in paused)
+        mine = [r for r in slots if r.startswith(held)]
+        others = [s for r, s in slots.items() if not r.startswith(held)]
+        if held_seen and len(others) == len(ps) - 1 and all(s["state"] == "Finished" for s in others):
+            others_done = True
+            break
+        time.sleep(0.2)
+    h = slots.get(mine[0], {}) if mine else {}
+    engine.say(
+        phase="held",
+        others_done=others_done,
+        held_seen=held_seen,
+        held_state=h.get("state"),
+        held_computed=h.get("computed", 0),
+        still_running=t.is_alive(),
+    )
+    http("POST", base + "/resume", {})
+    t.join(120)
+    outs, cached = result.get("gen", (None, None))
+    engine.say(phase="resumed", outputs=outs, breakpoint=bp)
+    # Part two: nobody resumes; the deadline does.
+    http("POST", base + "/breakpoints/clear", {})
+    later = args["late"]
+    http("POST", base + "/breakpoints", {"request": {"Prefix": later}})
+    t1 = time.time()
+    outs2, _ = engine.generate(llm, ps[:2])
+    engine.say(phase="deadline", outputs=outs2, took_s=engine.elapsed(t1))
+
+
+def badconfig(args):
+    """Starting vLLM with this extra config must fail."""
+    engine.engine(extra=args["extra"])
+    engine.say(started=True)
+
+
+def serve_workload(args):
+    """A long-running engine for the console test: rounds of requests, the
+    device cache reset between them so blocks come back from kvbm."""
+    port = args["port"]
+    llm = engine.engine(extra={"serve": f"127.0.0.1:{port}", "host_capacity_tokens": 8192})
+    engine.say(serving=port)
+    deadline = time.time() + args["seconds"]
+    rounds = 0
+    while time.time() < deadline:
+        engine.generate(llm, engine.prompts(), max_tokens=args.get("max_tokens", 48))
+        llm.reset_prefix_cache()
+        rounds += 1
+    engine.say(rounds=rounds)
+
+
+def bench(args):
+    """The same workload with kvbm's connector (recording on) or a
+    connector that does nothing: wall time over several rounds."""
+    from vllm import LLM  # noqa: F401
+
+    kind = args["connector"]
+    kw = {}
+    if kind == "kvbm":
+        llm = engine.engine(extra=args.get("extra", {}))
+    elif kind == "noop":
+        llm = engine.noop_engine()
+    else:
+        llm = engine.engine(connector=False)
+    ps = engine.prompts(groups=4, per_group=6)
+    engine.generate(llm, ps)  # warm up
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    for _ in range(args["rounds"]):
+        engine.generate(llm, ps, max_tokens=args.get("max_tokens", 32))
+        llm.reset_prefix_cache()
+    engine.say(connector=kind, wall_s=round(time.perf_counter() - t0, 4), **kw)
+
+
+def main():
+    engine.bounded(int(os.environ.get("KVBM_SCENARIO_TIMEOUT_S", "240")))
+    name = sys.argv[1]
+    args = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    globals()[name](args)
+
+
+if __name__ == "__main__":
+    main()
