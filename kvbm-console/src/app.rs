@@ -8,10 +8,11 @@
 use crate::bpspec;
 use crate::keys::{self, Action, Context, ViewId};
 use crate::model::Model;
-use crate::source::{Control, LiveSource, ReplaySource};
+use crate::source::{LiveSource, ReplaySource};
 use crate::ui;
 use kvbm_events::RequestId;
-use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, PausedCall, RequestMatch};
+use kvbm_events::breakpoint::{BreakpointSpec, RequestMatch};
+use kvbm_events::control::{BreakpointsView, Control, ControlCommand, ControlResult};
 use kvbm_events::reducer::SlotView;
 use ratatui::crossterm::event::{
     KeyCode, KeyEvent, KeyModifiers, MouseButton, MouseEvent, MouseEventKind,
@@ -194,16 +195,6 @@ pub struct Message {
     pub error: bool,
 }
 
-/// The engine's breakpoints and paused calls, read in the update step so
-/// drawing never calls into the engine.
-#[derive(Debug, Clone, Default)]
-pub struct ControlView {
-    /// Breakpoints set.
-    pub breakpoints: Vec<BreakpointInfo>,
-    /// Calls paused.
-    pub paused: Vec<PausedCall>,
-}
-
 /// The UI state.
 #[derive(Debug, Clone)]
 pub struct Ui {
@@ -235,8 +226,9 @@ pub struct Ui {
     pub message: Option<Message>,
     /// The terminal's size.
     pub size: Rect,
-    /// The engine's breakpoints, if it takes commands.
-    pub control: Option<ControlView>,
+    /// The engine's breakpoints and paused calls, if it takes commands;
+    /// read in the update step so drawing never calls into the engine.
+    pub control: Option<BreakpointsView>,
     /// Set when the source has no per-request slots (vLLM KV events): the
     /// Slots view says so instead of "no requests yet".
     pub no_slots_reason: Option<String>,
@@ -354,10 +346,7 @@ impl App {
     }
 
     fn refresh_control(&mut self) {
-        self.ui.control = self.control().map(|c| ControlView {
-            breakpoints: c.breakpoints(),
-            paused: c.paused(),
-        });
+        self.ui.control = self.control().map(|c| c.view());
     }
 
     /// Pulls new events from the source.
@@ -668,11 +657,28 @@ impl App {
             return;
         };
         let text = bpspec::describe(&spec);
-        match c.add(spec) {
-            Ok(id) => self.say(format!("breakpoint #{id} set: {text}")),
+        match c.execute(ControlCommand::Add { spec }, None) {
+            Ok(ControlResult::Added(id)) => self.say(format!("breakpoint #{id} set: {text}")),
+            Ok(other) => self.err(format!("breakpoint refused: unexpected reply {other:?}")),
             Err(e) => self.err(format!("breakpoint refused: {e}")),
         }
         self.refresh_control();
+    }
+
+    /// Carries out `command` on `control`; a failure (a refused command, a
+    /// remote engine out of reach) is said on the bottom line.
+    fn command(
+        &mut self,
+        control: &Arc<dyn Control>,
+        command: ControlCommand,
+    ) -> Option<ControlResult> {
+        match control.execute(command, None) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                self.err(e.to_string());
+                None
+            }
+        }
     }
 
     fn act(&mut self, action: Action) {
@@ -779,17 +785,19 @@ impl App {
                     .map(|b| b.id);
                 match (id, self.control().cloned()) {
                     (Some(id), Some(c)) => {
-                        c.clear(id);
-                        self.say(format!("breakpoint #{id} cleared"));
+                        if self.command(&c, ControlCommand::Clear { id }).is_some() {
+                            self.say(format!("breakpoint #{id} cleared"));
+                        }
                     }
                     _ => self.err("select a breakpoint first"),
                 }
                 self.refresh_control();
             }
             Action::ClearBreakpoints => {
-                if let Some(c) = self.control().cloned() {
-                    let n = c.clear_all();
-                    self.say(format!("{n} breakpoints cleared"));
+                if let Some(c) = self.control().cloned()
+                    && let Some(r) = self.command(&c, ControlCommand::ClearAll)
+                {
+                    self.say(format!("{} breakpoints cleared", count(&r)));
                 }
                 self.refresh_control();
             }
@@ -803,23 +811,27 @@ impl App {
                 });
                 match (pause, self.control().cloned()) {
                     (Some(id), Some(c)) => {
-                        c.resume(id);
-                        self.say(format!("pause {id} resumed"));
+                        let resume = ControlCommand::Resume { pause_id: Some(id) };
+                        if self.command(&c, resume).is_some() {
+                            self.say(format!("pause {id} resumed"));
+                        }
                     }
                     _ => self.err("nothing is paused"),
                 }
                 self.refresh_control();
             }
             Action::ResumeAll => {
-                if let Some(c) = self.control().cloned() {
-                    let n = c.resume_all();
-                    self.say(format!("{n} paused calls resumed"));
+                if let Some(c) = self.control().cloned()
+                    && let Some(r) = self.command(&c, ControlCommand::Resume { pause_id: None })
+                {
+                    self.say(format!("{} paused calls resumed", count(&r)));
                 }
                 self.refresh_control();
             }
             Action::Step => {
-                if let Some(c) = self.control().cloned() {
-                    c.step();
+                if let Some(c) = self.control().cloned()
+                    && self.command(&c, ControlCommand::Step).is_some()
+                {
                     self.say("step: the next call will pause");
                 }
                 self.refresh_control();
@@ -845,7 +857,7 @@ impl App {
             self.err("this source takes no breakpoints (replay)");
             return;
         };
-        let existing = c.breakpoints().into_iter().find(|b| {
+        let existing = c.view().breakpoints.into_iter().find(|b| {
             b.spec.request == Some(RequestMatch::Exact(request.to_string()))
                 && b.spec.state.is_none()
                 && b.spec.direction.is_none()
@@ -853,11 +865,15 @@ impl App {
         });
         match existing {
             Some(b) => {
-                c.clear(b.id);
-                self.say(format!(
-                    "breakpoint #{} on {request} cleared (its pauses resume)",
-                    b.id
-                ));
+                if self
+                    .command(&c, ControlCommand::Clear { id: b.id })
+                    .is_some()
+                {
+                    self.say(format!(
+                        "breakpoint #{} on {request} cleared (its pauses resume)",
+                        b.id
+                    ));
+                }
                 self.refresh_control();
             }
             None => {
@@ -921,6 +937,14 @@ impl App {
             _ => {}
         }
         self.settle();
+    }
+}
+
+/// How many a command did (`Count`), for the confirmations.
+fn count(r: &ControlResult) -> u64 {
+    match r {
+        ControlResult::Count(n) => *n,
+        _ => 0,
     }
 }
 

@@ -4,7 +4,8 @@
 //! - [`model`]: what the engine did, folded from events by the shared
 //!   reducer (the same live and in replay), plus histories, rates, lints.
 //! - [`source`]: where events come from (a live engine's ring, a recorded
-//!   log) and the breakpoint [`source::Control`] of a live engine.
+//!   log), with a live engine's breakpoint
+//!   [`Control`](kvbm_events::control::Control).
 //! - [`app`]: the UI state and the update step; [`keys`]: the key table
 //!   that dispatches keys and writes the help.
 //! - [`ui`]: the views, drawn from `&App`.

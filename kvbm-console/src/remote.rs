@@ -18,12 +18,12 @@
 
 use crate::app::{App, Source};
 use crate::model::Model;
-use crate::source::{Control, LiveSource};
+use crate::source::LiveSource;
 use kvbm_attach::client::{
-    Client, ClientConfig, ClientCounters, ClientEvent, ClientHandle, ConnState, ControlError,
+    Client, ClientConfig, ClientCounters, ClientEvent, ClientHandle, ConnState,
+    ControlError as ClientControlError,
 };
-use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, PausedCall};
-use kvbm_events::control::{BreakpointsView, ControlCommand, ControlResult};
+use kvbm_events::control::{BreakpointsView, Control, ControlCommand, ControlError, ControlResult};
 use kvbm_events::ring::{RingBuffer, RingConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -177,12 +177,13 @@ impl RemoteStatus {
     }
 }
 
-/// [`Control`] over the attach connection. Reads (`breakpoints`, `paused`)
-/// come from the cache of what the server pushed; commands are sent and
-/// their reply awaited for at most [`CONTROL_TIMEOUT`] on a std channel
-/// (never a tokio primitive, so calling it inside the runtime cannot
-/// panic); after a change the cache is read again from the server so the
-/// screen shows it at once. A failure is kept for
+/// [`Control`] over the attach connection. `List` is answered from the
+/// cache of what the server pushed (a read never waits on the network);
+/// every other command is sent and its reply awaited for at most
+/// [`CONTROL_TIMEOUT`] on a std channel (never a tokio primitive, so
+/// calling it inside the runtime cannot panic); after a change the cache
+/// is read again from the server so the screen shows it at once. A failure
+/// is returned as [`ControlError::Unavailable`], kept for
 /// [`RemoteControl::take_error`] and counted.
 pub struct RemoteControl {
     handle: ClientHandle,
@@ -194,13 +195,17 @@ pub struct RemoteControl {
 
 impl RemoteControl {
     /// Sends one command and waits for its reply.
-    pub fn call(&self, command: ControlCommand) -> Result<ControlResult, ControlError> {
+    fn call(&self, command: ControlCommand) -> Result<ControlResult, ClientControlError> {
         let r = self.handle.control_blocking(command, self.timeout);
         if let Err(e) = &r {
-            self.errors.fetch_add(1, Ordering::Relaxed);
-            *lock(&self.last_error) = Some(format!("remote control: {e}"));
+            self.failed(format!("remote control: {e}"));
         }
         r
+    }
+
+    fn failed(&self, error: String) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        *lock(&self.last_error) = Some(error);
     }
 
     /// The last command failure, once.
@@ -219,88 +224,44 @@ impl RemoteControl {
             *lock(&self.view) = v;
         }
     }
+}
 
-    fn changed<T>(
-        &self,
-        r: Result<ControlResult, ControlError>,
-        f: impl Fn(ControlResult) -> Option<T>,
-    ) -> Option<T> {
-        let ok = r.ok()?;
-        let out = f(ok.clone());
-        if out.is_none() {
-            self.errors.fetch_add(1, Ordering::Relaxed);
-            *lock(&self.last_error) = Some(format!("remote control: unexpected reply {ok:?}"));
-        }
-        self.refresh();
-        out
+/// Whether `reply` is the kind of answer `command` gets.
+fn answers(command: &ControlCommand, reply: &ControlResult) -> bool {
+    use ControlCommand as C;
+    use ControlResult as R;
+    match command {
+        C::Add { .. } => matches!(reply, R::Added(_)),
+        C::Clear { .. } | C::Step | C::Resume { pause_id: Some(_) } => matches!(reply, R::Done(_)),
+        C::ClearAll | C::Resume { pause_id: None } => matches!(reply, R::Count(_)),
+        C::List => matches!(reply, R::List(_)),
     }
 }
 
 impl Control for RemoteControl {
-    fn breakpoints(&self) -> Vec<BreakpointInfo> {
-        lock(&self.view).breakpoints.clone()
-    }
-
-    fn paused(&self) -> Vec<PausedCall> {
-        lock(&self.view).paused.clone()
-    }
-
-    fn add(&self, spec: BreakpointSpec) -> Result<u64, String> {
-        match self.call(ControlCommand::Add { spec }) {
-            Ok(ControlResult::Added(id)) => {
-                self.refresh();
-                Ok(id)
-            }
-            Ok(other) => Err(format!("unexpected reply {other:?}")),
-            Err(e) => Err(e.to_string()),
+    /// The server makes this connection the owner of what it sets, so
+    /// `owner` is not sent.
+    fn execute(
+        &self,
+        command: ControlCommand,
+        _owner: Option<u64>,
+    ) -> Result<ControlResult, ControlError> {
+        if command == ControlCommand::List {
+            return Ok(ControlResult::List(lock(&self.view).clone()));
         }
-    }
-
-    fn clear(&self, id: u64) -> bool {
-        let r = self.call(ControlCommand::Clear { id });
-        self.changed(r, |r| match r {
-            ControlResult::Done(b) => Some(b),
-            _ => None,
-        })
-        .unwrap_or(false)
-    }
-
-    fn clear_all(&self) -> usize {
-        let r = self.call(ControlCommand::ClearAll);
-        self.changed(r, |r| match r {
-            ControlResult::Count(n) => Some(n as usize),
-            _ => None,
-        })
-        .unwrap_or(0)
-    }
-
-    fn resume(&self, pause_id: u64) -> bool {
-        let r = self.call(ControlCommand::Resume {
-            pause_id: Some(pause_id),
-        });
-        self.changed(r, |r| match r {
-            ControlResult::Done(b) => Some(b),
-            _ => None,
-        })
-        .unwrap_or(false)
-    }
-
-    fn resume_all(&self) -> usize {
-        let r = self.call(ControlCommand::Resume { pause_id: None });
-        self.changed(r, |r| match r {
-            ControlResult::Count(n) => Some(n as usize),
-            _ => None,
-        })
-        .unwrap_or(0)
-    }
-
-    fn step(&self) -> bool {
-        let r = self.call(ControlCommand::Step);
-        self.changed(r, |r| match r {
-            ControlResult::Done(b) => Some(b),
-            _ => None,
-        })
-        .unwrap_or(false)
+        let probe = command.clone();
+        let reply = self
+            .call(command)
+            .map_err(|e| ControlError::Unavailable(e.to_string()))?;
+        self.refresh();
+        if answers(&probe, &reply) {
+            Ok(reply)
+        } else {
+            self.failed(format!("remote control: unexpected reply {reply:?}"));
+            Err(ControlError::Unavailable(format!(
+                "unexpected reply {reply:?}"
+            )))
+        }
     }
 }
 

@@ -1,62 +1,15 @@
 //! Where the console's events come from: a live engine (through the
 //! recorder's ring buffer) or a recorded log (replayed with play/pause,
-//! speed, seek and step), and the breakpoint control of a live engine.
+//! speed, seek and step). A live engine may take breakpoint commands: its
+//! [`Control`] (the engine's own `Breakpoints`, or a remote one) travels
+//! with its source.
 
 use crate::model::{Model, ModelConfig};
-use kvbm_core::hooks::Breakpoints;
 use kvbm_events::Event;
-use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, PausedCall};
+use kvbm_events::control::Control;
 use kvbm_events::ring::{RingBuffer, RingCounters};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Breakpoint commands to an engine. The embedded engine implements it on
-/// its [`Breakpoints`]; a remote engine implements it over the wire.
-pub trait Control: Send + Sync {
-    /// The breakpoints set now.
-    fn breakpoints(&self) -> Vec<BreakpointInfo>;
-    /// The calls paused now.
-    fn paused(&self) -> Vec<PausedCall>;
-    /// Sets a breakpoint; its id, or why not.
-    fn add(&self, spec: BreakpointSpec) -> Result<u64, String>;
-    /// Clears one (its paused calls resume); false when there was none.
-    fn clear(&self, id: u64) -> bool;
-    /// Clears every breakpoint; how many.
-    fn clear_all(&self) -> usize;
-    /// Resumes one paused call; false when it was not paused.
-    fn resume(&self, pause_id: u64) -> bool;
-    /// Resumes every paused call; how many.
-    fn resume_all(&self) -> usize;
-    /// Resumes everything and pauses the very next call.
-    fn step(&self) -> bool;
-}
-
-impl Control for Breakpoints {
-    fn breakpoints(&self) -> Vec<BreakpointInfo> {
-        self.list()
-    }
-    fn paused(&self) -> Vec<PausedCall> {
-        Breakpoints::paused(self)
-    }
-    fn add(&self, spec: BreakpointSpec) -> Result<u64, String> {
-        Breakpoints::add(self, spec).map_err(|e| e.to_string())
-    }
-    fn clear(&self, id: u64) -> bool {
-        Breakpoints::clear(self, id)
-    }
-    fn clear_all(&self) -> usize {
-        Breakpoints::clear_all(self)
-    }
-    fn resume(&self, pause_id: u64) -> bool {
-        Breakpoints::resume(self, pause_id)
-    }
-    fn resume_all(&self) -> usize {
-        Breakpoints::resume_all(self)
-    }
-    fn step(&self) -> bool {
-        Breakpoints::step(self)
-    }
-}
 
 /// Most events applied per pull, so one pull never holds up input or
 /// drawing for long; the rest come on the next pull.

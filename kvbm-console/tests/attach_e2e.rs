@@ -17,9 +17,9 @@ use kvbm_attach::client::ClientConfig;
 use kvbm_console::app::App;
 use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::remote::Remote;
-use kvbm_console::source::Control;
 use kvbm_console::ui;
 use kvbm_events::breakpoint::BreakpointSpec;
+use kvbm_events::control::{Control, ControlCommand, ControlError, ControlResult};
 use kvbm_events::slot::SlotState;
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
@@ -151,20 +151,34 @@ fn breakpoints_over_the_wire_pause_resume_and_are_released_when_the_console_goes
     let spec = BreakpointSpec::default()
         .with_state("Decoding")
         .with_request(r.clone());
-    let bp = control.add(spec).expect("the breakpoint is set");
-    assert!(control.breakpoints().iter().any(|b| b.id == bp));
+    let bp = match control.execute(ControlCommand::Add { spec }, None) {
+        Ok(ControlResult::Added(id)) => id,
+        other => panic!("the breakpoint is not set: {other:?}"),
+    };
+    assert!(control.view().breakpoints.iter().any(|b| b.id == bp));
     let pause = wait(&mut app, 20, "the pause", |a| paused_on(a, &r));
     // The model saw the hit too (the BreakpointHit event).
     wait(&mut app, 10, "the BreakpointHit", |a| {
         (a.model.state().paused_count() > 0).then_some(())
     });
     assert!(!finished(&app, &r));
-    assert!(control.resume(pause), "resumed");
-    assert!(control.clear(bp), "cleared");
+    let resume = ControlCommand::Resume {
+        pause_id: Some(pause),
+    };
+    assert_eq!(
+        control.execute(resume, None),
+        Ok(ControlResult::Done(true)),
+        "resumed"
+    );
+    assert_eq!(
+        control.execute(ControlCommand::Clear { id: bp }, None),
+        Ok(ControlResult::Done(true)),
+        "cleared"
+    );
     wait(&mut app, 30, "the request to finish", |a| {
         finished(a, &r).then_some(())
     });
-    assert!(control.breakpoints().is_empty());
+    assert!(control.view().breakpoints.is_empty());
     assert_eq!(control.errors(), 0, "{:?}", control.take_error());
 
     // Round 2: pause, then the console goes away while paused.
@@ -174,7 +188,11 @@ fn breakpoints_over_the_wire_pause_resume_and_are_released_when_the_console_goes
     let spec = BreakpointSpec::default()
         .with_state("Decoding")
         .with_request(r2.clone());
-    control.add(spec).expect("the second breakpoint is set");
+    let added = control.execute(ControlCommand::Add { spec }, None);
+    assert!(
+        matches!(added, Ok(ControlResult::Added(_))),
+        "the second breakpoint is not set: {added:?}"
+    );
     wait(&mut app, 20, "the second pause", |a| paused_on(a, &r2));
     let paused_at = Instant::now();
     drop(app);
@@ -189,8 +207,9 @@ fn breakpoints_over_the_wire_pause_resume_and_are_released_when_the_console_goes
     assert!(paused_at.elapsed() < Duration::from_secs(60));
     let c2 = remote2.control();
     c2.refresh();
-    assert!(c2.breakpoints().is_empty(), "{:?}", c2.breakpoints());
-    assert!(c2.paused().is_empty());
+    let view = c2.view();
+    assert!(view.breakpoints.is_empty(), "{:?}", view.breakpoints);
+    assert!(view.paused.is_empty());
 }
 
 #[test]
@@ -211,8 +230,18 @@ fn attach_to_nothing_shows_reconnecting_and_keys_fail_cleanly() {
     let h = header(&mut app);
     assert!(h.contains("RECONNECTING (attempt"), "{h}");
     let c = remote.control();
-    let e = c.add(BreakpointSpec::default().with_state("Decoding"));
-    assert_eq!(e, Err("not connected to the server".to_string()));
-    assert!(!c.resume(1));
+    let spec = BreakpointSpec::default().with_state("Decoding");
+    let e = c.execute(ControlCommand::Add { spec }, None);
+    assert_eq!(
+        e,
+        Err(ControlError::Unavailable(
+            "not connected to the server".to_string()
+        ))
+    );
+    let resume = ControlCommand::Resume { pause_id: Some(1) };
+    assert!(matches!(
+        c.execute(resume, None),
+        Err(ControlError::Unavailable(_))
+    ));
     assert!(c.take_error().is_some());
 }
