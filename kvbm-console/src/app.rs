@@ -8,7 +8,7 @@
 use crate::bpspec;
 use crate::keys::{self, Action, Context, ViewId};
 use crate::model::Model;
-use crate::source::{LiveSource, ReplaySource};
+pub use crate::source::Source;
 use crate::ui;
 use kvbm_events::RequestId;
 use kvbm_events::breakpoint::{BreakpointSpec, RequestMatch};
@@ -21,16 +21,6 @@ use ratatui::layout::Rect;
 use regex::Regex;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// Where events come from.
-pub enum Source {
-    /// A live engine.
-    Live(LiveSource),
-    /// A recorded log.
-    Replay(ReplaySource),
-    /// Nothing: the model is fed by the caller (tests, benchmarks).
-    Fixed,
-}
 
 /// A list's selection and scroll position.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -302,26 +292,22 @@ pub struct App {
     pub quit: bool,
     /// The open request's events (see [`DetailCache`]).
     pub detail_cache: Option<DetailCache>,
-    /// For a console attached to a remote engine: the connection state,
-    /// shown in the header's mode badge instead of `LIVE`. `None` otherwise.
-    pub remote: Option<Arc<crate::remote::RemoteStatus>>,
-    /// For a console on a vLLM ZMQ stream: the subscription's state, shown
-    /// in the header's mode badge instead of `LIVE`. `None` otherwise.
-    pub zmq: Option<kvbm_ingest::vllm::ZmqHandle>,
 }
 
 impl App {
     /// A console over `model` fed by `source`.
     pub fn new(model: Model, source: Source, label: impl Into<String>) -> Self {
+        let ui = Ui {
+            no_slots_reason: source.no_slots_reason().map(str::to_string),
+            ..Ui::default()
+        };
         let mut app = App {
             model,
             source,
-            ui: Ui::default(),
+            ui,
             label: label.into(),
             quit: false,
             detail_cache: None,
-            remote: None,
-            zmq: None,
         };
         app.refresh_control();
         app
@@ -339,10 +325,7 @@ impl App {
 
     /// The engine's breakpoint control, if any.
     pub fn control(&self) -> Option<&Arc<dyn Control>> {
-        match &self.source {
-            Source::Live(l) => l.control(),
-            _ => None,
-        }
+        self.source.control()
     }
 
     fn refresh_control(&mut self) {
@@ -351,11 +334,7 @@ impl App {
 
     /// Pulls new events from the source.
     pub fn pull(&mut self, now: Instant) -> usize {
-        match &mut self.source {
-            Source::Live(l) => l.pull(&mut self.model),
-            Source::Replay(r) => r.pull(&mut self.model, now),
-            Source::Fixed => 0,
-        }
+        self.source.pull(&mut self.model, now)
     }
 
     /// The periodic step before drawing: reads the engine's breakpoints

@@ -11,6 +11,132 @@ use kvbm_events::ring::{RingBuffer, RingCounters};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Where the console's events come from.
+pub enum Source {
+    /// A live engine.
+    Live(LiveSource),
+    /// A recorded log.
+    Replay(ReplaySource),
+    /// Nothing: the model is fed by the caller (tests, benchmarks).
+    Fixed,
+}
+
+impl Source {
+    /// Pulls new events into `model` (a replay: those due at `now`).
+    pub fn pull(&mut self, model: &mut Model, now: Instant) -> usize {
+        match self {
+            Source::Live(l) => l.pull(model),
+            Source::Replay(r) => r.pull(model, now),
+            Source::Fixed => 0,
+        }
+    }
+
+    /// The engine's breakpoint control, if it takes commands.
+    pub fn control(&self) -> Option<&Arc<dyn Control>> {
+        match self {
+            Source::Live(l) => l.control(),
+            _ => None,
+        }
+    }
+
+    /// The header's mode badge at `now`: `FROZEN +n` while a live view is
+    /// frozen, else its link's state (or `LIVE`); `REPLAY ▶ 2× 40%`;
+    /// `SNAPSHOT`.
+    pub fn badge(&self, now: Instant) -> Badge {
+        match self {
+            Source::Live(l) if l.frozen() => Badge::new(
+                format!("FROZEN +{}", crate::fmt::count(l.behind())),
+                Tone::Caution,
+            ),
+            Source::Live(l) => l
+                .link
+                .as_ref()
+                .map_or_else(|| Badge::new("LIVE", Tone::Ok), |k| k.badge(now)),
+            Source::Replay(r) => {
+                let icon = if r.playing() { "▶" } else { "⏸" };
+                let pct = if r.is_empty() {
+                    100.0
+                } else {
+                    r.position() as f64 * 100.0 / r.len() as f64
+                };
+                Badge::new(
+                    format!("REPLAY {icon} {}× {:.0}%", r.speed(), pct),
+                    Tone::Replay,
+                )
+            }
+            Source::Fixed => Badge::new("SNAPSHOT", Tone::Still),
+        }
+    }
+
+    /// Events the console missed: overwritten in a live ring before they
+    /// were read (0 otherwise).
+    pub fn lagged(&self) -> u64 {
+        match self {
+            Source::Live(l) => l.lagged(),
+            _ => 0,
+        }
+    }
+
+    /// Events lost before the console could see them: dropped by the
+    /// engine's bus, by a remote stream, or by the recording.
+    pub fn dropped(&self) -> u64 {
+        match self {
+            Source::Live(l) => l.counters().lost,
+            Source::Replay(r) => r.lost(),
+            Source::Fixed => 0,
+        }
+    }
+
+    /// Why the source has no per-request slots, when it has none.
+    pub fn no_slots_reason(&self) -> Option<&str> {
+        match self {
+            Source::Live(l) => l.no_slots_reason.as_deref(),
+            _ => None,
+        }
+    }
+}
+
+/// A source's mode badge, for the header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Badge {
+    /// Its text, e.g. `LIVE`.
+    pub text: String,
+    /// How it is coloured.
+    pub tone: Tone,
+}
+
+impl Badge {
+    /// A badge.
+    pub fn new(text: impl Into<String>, tone: Tone) -> Self {
+        Badge {
+            text: text.into(),
+            tone,
+        }
+    }
+}
+
+/// What a badge's colour says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tone {
+    /// Live and well.
+    Ok,
+    /// Frozen, or (re)connecting.
+    Caution,
+    /// Failed or stopped.
+    Down,
+    /// A replay.
+    Replay,
+    /// A fixed snapshot.
+    Still,
+}
+
+/// How a live source reaches an engine outside this process (an attach
+/// connection, a ZMQ subscription): its badge replaces `LIVE`.
+pub trait Link: Send + Sync {
+    /// The badge at `now`.
+    fn badge(&self, now: Instant) -> Badge;
+}
+
 /// Most events applied per pull, so one pull never holds up input or
 /// drawing for long; the rest come on the next pull.
 pub const MAX_PULL: usize = 200_000;
@@ -23,6 +149,8 @@ pub struct LiveSource {
     frozen: bool,
     control: Option<Arc<dyn Control>>,
     counters: RingCounters,
+    link: Option<Arc<dyn Link>>,
+    no_slots_reason: Option<String>,
 }
 
 impl LiveSource {
@@ -36,7 +164,22 @@ impl LiveSource {
             frozen: false,
             control,
             counters,
+            link: None,
+            no_slots_reason: None,
         }
+    }
+
+    /// Reached through `link`, whose badge the header shows.
+    pub fn with_link(mut self, link: Arc<dyn Link>) -> Self {
+        self.link = Some(link);
+        self
+    }
+
+    /// A source without per-request slots (vLLM KV events): the Slots
+    /// view says `reason` instead of "no requests yet".
+    pub fn without_slots(mut self, reason: impl Into<String>) -> Self {
+        self.no_slots_reason = Some(reason.into());
+        self
     }
 
     /// Applies what arrived since the last pull (nothing while frozen: the

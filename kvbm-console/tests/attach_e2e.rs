@@ -14,7 +14,7 @@
 //! `KVBM_SIM_BIN`.
 
 use kvbm_attach::client::ClientConfig;
-use kvbm_console::app::App;
+use kvbm_console::app::{App, Source};
 use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::remote::Remote;
 use kvbm_console::ui;
@@ -73,7 +73,11 @@ fn runtime() -> tokio::runtime::Runtime {
 
 fn attach(url: &str, rt: &tokio::runtime::Runtime) -> (Remote, App) {
     let remote = Remote::start(ClientConfig::new(url).unwrap(), 1 << 20, rt.handle()).unwrap();
-    let app = remote.app(Model::new(ModelConfig::default()));
+    let app = App::new(
+        Model::new(ModelConfig::default()),
+        Source::Live(remote.source()),
+        remote.status().url(),
+    );
     (remote, app)
 }
 

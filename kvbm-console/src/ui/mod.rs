@@ -15,6 +15,7 @@ use crate::app::{App, InputKind, Source};
 use crate::fmt;
 use crate::keys::{self, ViewId};
 use crate::lints::LintKind;
+use crate::source::Tone;
 use kvbm_events::slot::SlotState;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -63,6 +64,17 @@ pub fn state_color(s: &SlotState) -> Color {
         SlotState::Preempted => Color::Red,
         SlotState::Finishing => Color::Magenta,
         SlotState::Finished => Color::DarkGray,
+    }
+}
+
+/// The background of a badge of `tone`.
+pub fn tone_color(tone: Tone) -> Color {
+    match tone {
+        Tone::Ok => Color::Green,
+        Tone::Caution => Color::Yellow,
+        Tone::Down => Color::Red,
+        Tone::Replay => Color::Cyan,
+        Tone::Still => Color::Gray,
     }
 }
 
@@ -190,75 +202,10 @@ fn sep() -> Span<'static> {
 fn header(app: &App, f: &mut Frame, area: Rect) {
     let m = &app.model;
     let st = m.state();
-    let (mode, mode_style, lagged, dropped) = match &app.source {
-        Source::Live(l) => {
-            let c = l.counters();
-            if l.frozen() {
-                (
-                    format!("FROZEN +{}", fmt::count(l.behind())),
-                    Style::new().fg(Color::Black).bg(Color::Yellow),
-                    l.lagged(),
-                    c.lost,
-                )
-            } else if let Some(r) = &app.remote {
-                // Attached to a remote engine: the connection state.
-                use kvbm_attach::client::ConnState;
-                let state = r.state();
-                let bg = match state {
-                    ConnState::Connected { .. } => Color::Green,
-                    ConnState::Connecting { .. } | ConnState::Reconnecting { .. } => Color::Yellow,
-                    ConnState::Failed { .. } | ConnState::Stopped => Color::Red,
-                };
-                (
-                    state.describe(std::time::Instant::now()),
-                    Style::new().fg(Color::Black).bg(bg),
-                    l.lagged(),
-                    c.lost,
-                )
-            } else if let Some(z) = &app.zmq {
-                // On a vLLM ZMQ stream: the subscription's state.
-                use kvbm_ingest::vllm::ZmqState;
-                let (text, bg) = match z.state() {
-                    ZmqState::Connecting => ("ZMQ CONNECTING", Color::Yellow),
-                    ZmqState::Subscribed => ("ZMQ SUBSCRIBED", Color::Green),
-                    ZmqState::Stopped => ("ZMQ STOPPED", Color::Red),
-                };
-                (
-                    text.to_string(),
-                    Style::new().fg(Color::Black).bg(bg),
-                    l.lagged(),
-                    c.lost,
-                )
-            } else {
-                (
-                    "LIVE".to_string(),
-                    Style::new().fg(Color::Black).bg(Color::Green),
-                    l.lagged(),
-                    c.lost,
-                )
-            }
-        }
-        Source::Replay(r) => {
-            let icon = if r.playing() { "▶" } else { "⏸" };
-            let pct = if r.is_empty() {
-                100.0
-            } else {
-                r.position() as f64 * 100.0 / r.len() as f64
-            };
-            (
-                format!("REPLAY {icon} {}× {:.0}%", r.speed(), pct),
-                Style::new().fg(Color::Black).bg(Color::Cyan),
-                0,
-                r.lost(),
-            )
-        }
-        Source::Fixed => (
-            "SNAPSHOT".to_string(),
-            Style::new().fg(Color::Black).bg(Color::Gray),
-            0,
-            0,
-        ),
-    };
+    let badge = app.source.badge(std::time::Instant::now());
+    let mode = badge.text;
+    let mode_style = Style::new().fg(Color::Black).bg(tone_color(badge.tone));
+    let (lagged, dropped) = (app.source.lagged(), app.source.dropped());
     let engine = st.engine().map_or("-".to_string(), |e| e.to_string());
     let mut l1 = vec![
         Span::styled(" kvbm ", Style::new().add_modifier(Modifier::BOLD)),
