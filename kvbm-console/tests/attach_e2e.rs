@@ -17,7 +17,6 @@ use kvbm_attach::client::ClientConfig;
 use kvbm_console::app::{App, Source};
 use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::remote::Remote;
-use kvbm_console::ui;
 use kvbm_events::breakpoint::BreakpointSpec;
 use kvbm_events::control::{Control, ControlCommand, ControlError, ControlResult};
 use kvbm_events::slot::SlotState;
@@ -102,7 +101,7 @@ fn wait<T>(app: &mut App, secs: u64, what: &str, mut pred: impl FnMut(&App) -> O
 fn header(app: &mut App) -> String {
     app.resize(120, 30);
     let mut t = Terminal::new(TestBackend::new(120, 30)).unwrap();
-    t.draw(|f| ui::render(app, f)).unwrap();
+    t.draw(|f| app.render(f)).unwrap();
     let buf = t.backend().buffer();
     (0..120).map(|x| buf[(x, 0)].symbol().to_string()).collect()
 }
@@ -123,9 +122,9 @@ fn finished(app: &App, r: &str) -> bool {
 }
 
 fn paused_on(app: &App, r: &str) -> Option<u64> {
-    app.ui
-        .control
-        .as_ref()?
+    app.views
+        .breakpoints
+        .control()?
         .paused
         .iter()
         .find(|p| p.call.request.as_deref() == Some(r))

@@ -6,7 +6,6 @@ use kvbm_console::app::{App, Source};
 use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::remote::{ZmqRemote, forward_zmq};
 use kvbm_console::source::LiveSource;
-use kvbm_console::ui;
 use kvbm_events::ring::RingBuffer;
 use kvbm_events::tier::Tier;
 use kvbm_ingest::vllm::{
@@ -58,7 +57,7 @@ fn zmq_items_reach_the_views_and_slots_say_there_are_none() {
     assert_eq!(app.model.state().pool(Tier::Device).registered.len(), 3);
     app.resize(160, 30);
     let mut t = Terminal::new(TestBackend::new(160, 30)).unwrap();
-    t.draw(|f| ui::render(&app, f)).unwrap();
+    t.draw(|f| app.render(f)).unwrap();
     let buf = t.backend().buffer();
     let text: String = (0..30)
         .map(|y| (0..160).map(|x| buf[(x, y)].symbol()).collect::<String>() + "\n")
@@ -86,7 +85,7 @@ fn the_header_shows_the_zmq_subscription_state() {
     );
     app.resize(160, 30);
     let mut t = Terminal::new(TestBackend::new(160, 30)).unwrap();
-    t.draw(|f| ui::render(&app, f)).unwrap();
+    t.draw(|f| app.render(f)).unwrap();
     let top: String = (0..160)
         .map(|x| t.backend().buffer()[(x, 0)].symbol().to_string())
         .collect();
