@@ -106,14 +106,28 @@ fn header(app: &mut App) -> String {
     (0..120).map(|x| buf[(x, 0)].symbol().to_string()).collect()
 }
 
-/// A request now decoding whose slot was created last (so it has the most
-/// decoding left), other than `not`.
+/// A request now decoding whose slot was created last (so others are
+/// still decoding when it is done), other than `not`.
 fn decoding_request(app: &App, not: Option<&str>) -> Option<String> {
     app.model
         .state()
         .slots()
         .filter(|s| s.state == SlotState::Decoding && Some(&*s.request) != not)
         .max_by_key(|s| s.created_ns)
+        .map(|s| s.request.to_string())
+}
+
+/// A request now decoding with the most tokens left to generate, other
+/// than `not`. Output lengths vary: the newest request may be a few
+/// tokens from its end, and finish before a breakpoint set on it lands
+/// (the engine runs fast for a while after a pause, catching up with
+/// real time).
+fn longest_decoding_request(app: &App, not: Option<&str>) -> Option<String> {
+    app.model
+        .state()
+        .slots()
+        .filter(|s| s.state == SlotState::Decoding && Some(&*s.request) != not)
+        .max_by_key(|s| u64::from(s.max_output_tokens).saturating_sub(s.generated))
         .map(|s| s.request.to_string())
 }
 
@@ -186,7 +200,7 @@ fn breakpoints_over_the_wire_pause_resume_and_are_released_when_the_console_goes
 
     // Round 2: pause, then the console goes away while paused.
     let r2 = wait(&mut app, 30, "another decoding request", |a| {
-        decoding_request(a, Some(&r)).filter(|x| !finished(a, x))
+        longest_decoding_request(a, Some(&r)).filter(|x| !finished(a, x))
     });
     let spec = BreakpointSpec::default()
         .with_state("Decoding")
