@@ -606,3 +606,88 @@ fn count(r: &ControlResult) -> u64 {
         _ => 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelConfig;
+    use crate::source::LiveSource;
+    use kvbm_core::hooks::Breakpoints;
+    use kvbm_events::ring::RingBuffer;
+    use std::time::Duration;
+
+    fn press(app: &mut App, keys: &str) {
+        for c in keys.chars() {
+            let code = if c == '\n' {
+                KeyCode::Enter
+            } else {
+                KeyCode::Char(c)
+            };
+            app.key(KeyEvent::new(code, KeyModifiers::NONE));
+        }
+    }
+
+    /// Keys on the breakpoints view send commands to the engine's own
+    /// `Breakpoints` (the embedded engine's control); a refusal is said in
+    /// red with the engine's reason.
+    #[test]
+    fn breakpoint_keys_execute_commands_and_show_refusals() {
+        let bps = Arc::new(Breakpoints::new(None, Duration::from_secs(60)).with_max_breakpoints(1));
+        let ring = Arc::new(RingBuffer::with_capacity(16).unwrap());
+        let control: Arc<dyn Control> = bps.clone();
+        let source = LiveSource::new(ring, Some(control));
+        let mut app = App::new(
+            Model::new(ModelConfig::default()),
+            Source::Live(source),
+            "test",
+        );
+        let said = |app: &App| app.ui.message.clone().unwrap();
+        press(&mut app, "5astate=Decoding\n");
+        assert_eq!(
+            said(&app),
+            Message {
+                text: "breakpoint #1 set: state=Decoding".into(),
+                error: false
+            }
+        );
+        assert_eq!(bps.list().len(), 1);
+        assert_eq!(
+            app.views.breakpoints.control().unwrap().breakpoints.len(),
+            1
+        );
+
+        press(&mut app, "astate=Prefilling\n");
+        let m = said(&app);
+        assert!(m.error, "{m:?}");
+        assert!(
+            m.text
+                .starts_with("breakpoint refused: too many breakpoints"),
+            "{m:?}"
+        );
+
+        press(&mut app, "d");
+        assert_eq!(said(&app).text, "breakpoint #1 cleared");
+        assert!(bps.list().is_empty());
+        assert!(
+            app.views
+                .breakpoints
+                .control()
+                .unwrap()
+                .breakpoints
+                .is_empty()
+        );
+
+        press(&mut app, "n");
+        assert_eq!(said(&app).text, "step: the next call will pause");
+        press(&mut app, "R");
+        assert_eq!(said(&app).text, "0 paused calls resumed");
+        press(&mut app, "r");
+        assert_eq!(
+            said(&app),
+            Message {
+                text: "nothing is paused".into(),
+                error: true
+            }
+        );
+    }
+}
