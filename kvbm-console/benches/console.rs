@@ -29,7 +29,6 @@
 use kvbm_console::app::{App, Source};
 use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::source::{LiveSource, ReplaySource};
-use kvbm_console::ui;
 use kvbm_events::ring::RingBuffer;
 use kvbm_events::slot::SlotState;
 use kvbm_events::tier::Tier;
@@ -309,7 +308,7 @@ fn term() -> Terminal<TestBackend> {
 }
 
 fn draw(t: &mut Terminal<TestBackend>, app: &App) {
-    t.draw(|f| ui::render(app, f)).unwrap();
+    t.draw(|f| app.render(f)).unwrap();
 }
 
 fn ms(t: Instant) -> f64 {
@@ -444,7 +443,7 @@ fn main() {
             key(&mut app, *k);
         }
         if name.starts_with("Request") {
-            assert!(app.ui.detail.is_some(), "Enter opened the detail");
+            assert!(app.views.detail.is_some(), "Enter opened the detail");
         }
         let f = frames(&mut app, &ring, &mut gen_, &mut t, batch, warm, n_frames);
         rows.push((name, f));

@@ -1,233 +1,49 @@
 //! The console's state and its update step.
 //!
-//! [`App`] holds the [`Model`] (what the engine did), the source it comes
-//! from, and the UI state (view, selection, filter, popups). It changes
-//! only in [`App::key`], [`App::mouse`], [`App::pull`] and [`App::tick`];
-//! the views in [`crate::ui`] draw from `&App`.
+//! [`App`] holds the [`Model`] (what the engine did), the [`Source`] it
+//! comes from, the chrome's state ([`Ui`]: the view on screen, popups, the
+//! prompt, the filter as typed) and the views' state ([`Views`]: each view
+//! owns its rows and its selection). It changes only in [`App::key`],
+//! [`App::mouse`], [`App::resize`], [`App::pull`] and [`App::tick`]; each
+//! of these but `pull` ends by updating the view on screen from the model,
+//! so [`App::render`] draws it as it is and changes nothing.
+//!
+//! The app drives the views through their [`View`] trait and their own
+//! methods (sort, follow, the selected breakpoint); it never builds their
+//! rows.
 
 use crate::bpspec;
 use crate::keys::{self, Action, Context, ViewId};
 use crate::model::Model;
-use crate::source::{Control, LiveSource, ReplaySource};
-use crate::ui;
+pub use crate::source::Source;
+pub use crate::ui::chrome::Message;
+use crate::ui::chrome::{self, Header, Input, InputKind};
+use crate::ui::detail::Detail;
+use crate::ui::filter::Filter;
+use crate::ui::list::ListState;
+use crate::ui::{self, View, Views};
 use kvbm_events::RequestId;
-use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, PausedCall, RequestMatch};
-use kvbm_events::reducer::SlotView;
+use kvbm_events::breakpoint::{BreakpointSpec, RequestMatch};
+use kvbm_events::control::{Control, ControlCommand, ControlResult};
+use ratatui::Frame;
 use ratatui::crossterm::event::{
     KeyCode, KeyEvent, KeyModifiers, MouseButton, MouseEvent, MouseEventKind,
 };
 use ratatui::layout::Rect;
-use regex::Regex;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Where events come from.
-pub enum Source {
-    /// A live engine.
-    Live(LiveSource),
-    /// A recorded log.
-    Replay(ReplaySource),
-    /// Nothing: the model is fed by the caller (tests, benchmarks).
-    Fixed,
-}
-
-/// A list's selection and scroll position.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ListState {
-    /// Selected row.
-    pub selected: usize,
-    /// First row shown.
-    pub offset: usize,
-}
-
-impl ListState {
-    /// The first row to show so that `selected` is visible among `visible`
-    /// rows of a `len`-row list. Pure, so drawing and updating agree.
-    pub fn offset_for(&self, len: usize, visible: usize) -> usize {
-        let visible = visible.max(1);
-        let sel = self.selected.min(len.saturating_sub(1));
-        let mut off = self.offset.min(len.saturating_sub(visible));
-        if sel < off {
-            off = sel;
-        } else if sel >= off + visible {
-            off = sel + 1 - visible;
-        }
-        off
-    }
-
-    fn moved(&mut self, delta: isize, len: usize, visible: usize) {
-        let max = len.saturating_sub(1);
-        self.selected = self.selected.min(max).saturating_add_signed(delta).min(max);
-        self.offset = self.offset_for(len, visible);
-    }
-}
-
-/// Columns the slots table sorts by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SlotSort {
-    /// Lifecycle order of the state, finished last.
-    State,
-    /// Request id.
-    Request,
-    /// Age (oldest first).
-    Age,
-    /// Prompt tokens.
-    Prompt,
-    /// Generated tokens.
-    Generated,
-    /// Blocks on G1.
-    Blocks,
-    /// Tokens hit in the caches.
-    Hits,
-    /// Outstanding transfers.
-    Outstanding,
-}
-
-impl SlotSort {
-    const ALL: [SlotSort; 8] = [
-        SlotSort::State,
-        SlotSort::Request,
-        SlotSort::Age,
-        SlotSort::Prompt,
-        SlotSort::Generated,
-        SlotSort::Blocks,
-        SlotSort::Hits,
-        SlotSort::Outstanding,
-    ];
-
-    /// Column name.
-    pub fn name(self) -> &'static str {
-        match self {
-            SlotSort::State => "state",
-            SlotSort::Request => "request",
-            SlotSort::Age => "age",
-            SlotSort::Prompt => "prompt",
-            SlotSort::Generated => "generated",
-            SlotSort::Blocks => "G1 blocks",
-            SlotSort::Hits => "hits",
-            SlotSort::Outstanding => "outstanding",
-        }
-    }
-
-    fn next(self) -> Self {
-        let i = SlotSort::ALL.iter().position(|s| *s == self).unwrap_or(0);
-        SlotSort::ALL[(i + 1) % SlotSort::ALL.len()]
-    }
-}
-
-/// A filter typed after `/`: a substring (case-insensitive), or a regex
-/// written between slashes (`/^req-1[0-9]$/`).
-#[derive(Debug, Clone)]
-pub struct Filter {
-    /// As typed.
-    pub text: String,
-    lower: String,
-    re: Option<Regex>,
-}
-
-impl Filter {
-    /// Reads a filter; the error says why a regex did not compile.
-    pub fn new(text: &str) -> Result<Option<Filter>, String> {
-        let t = text.trim();
-        if t.is_empty() {
-            return Ok(None);
-        }
-        let re = match t.strip_prefix('/').and_then(|r| r.strip_suffix('/')) {
-            Some(pattern) if !pattern.is_empty() => Some(
-                regex::RegexBuilder::new(pattern)
-                    .size_limit(1 << 20)
-                    .build()
-                    .map_err(|e| format!("bad regex: {e}"))?,
-            ),
-            _ => None,
-        };
-        Ok(Some(Filter {
-            text: t.to_string(),
-            lower: t.to_lowercase(),
-            re,
-        }))
-    }
-
-    /// Whether any of `fields` matches.
-    pub fn matches(&self, fields: &[&str]) -> bool {
-        match &self.re {
-            Some(re) => fields.iter().any(|f| re.is_match(f)),
-            None => fields.iter().any(|f| {
-                // Most fields are ASCII; avoid an allocation for them.
-                if f.is_ascii() && self.lower.is_ascii() {
-                    f.as_bytes()
-                        .windows(self.lower.len().max(1))
-                        .any(|w| w.eq_ignore_ascii_case(self.lower.as_bytes()))
-                        || self.lower.is_empty()
-                } else {
-                    f.to_lowercase().contains(&self.lower)
-                }
-            }),
-        }
-    }
-}
-
-/// What a prompt at the bottom line is typing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InputKind {
-    /// A filter.
-    Filter,
-    /// A breakpoint spec.
-    Breakpoint,
-}
-
-/// A line being typed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Input {
-    /// What for.
-    pub kind: InputKind,
-    /// The text so far.
-    pub text: String,
-}
-
-/// A short message on the bottom line.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Message {
-    /// The text.
-    pub text: String,
-    /// An error (drawn red) rather than a confirmation.
-    pub error: bool,
-}
-
-/// The engine's breakpoints and paused calls, read in the update step so
-/// drawing never calls into the engine.
-#[derive(Debug, Clone, Default)]
-pub struct ControlView {
-    /// Breakpoints set.
-    pub breakpoints: Vec<BreakpointInfo>,
-    /// Calls paused.
-    pub paused: Vec<PausedCall>,
-}
-
-/// The UI state.
+/// The chrome's state: what is on screen around the views.
 #[derive(Debug, Clone)]
 pub struct Ui {
-    /// The view on screen.
+    /// The view on screen (under the detail, when one is open).
     pub view: ViewId,
-    /// The request whose detail is open.
-    pub detail: Option<RequestId>,
     /// Help popup open.
     pub help: bool,
     /// Warnings popup open.
     pub warnings: bool,
-    /// Per-view selection.
-    pub lists: [ListState; 6],
-    /// The detail's event list.
-    pub detail_list: ListState,
-    /// The selected slot, followed across re-sorts.
-    pub selected_slot: Option<RequestId>,
-    /// The event log sticks to its newest row.
-    pub follow: bool,
-    /// Slots sort column.
-    pub sort: SlotSort,
-    /// Reverse the sort.
-    pub reverse: bool,
-    /// The active filter.
+    /// The filter as typed; every view that filters holds a copy (see
+    /// [`App::set_filter`]).
     pub filter: Option<Filter>,
     /// A prompt being typed.
     pub input: Option<Input>,
@@ -235,64 +51,19 @@ pub struct Ui {
     pub message: Option<Message>,
     /// The terminal's size.
     pub size: Rect,
-    /// The engine's breakpoints, if it takes commands.
-    pub control: Option<ControlView>,
-    /// Set when the source has no per-request slots (vLLM KV events): the
-    /// Slots view says so instead of "no requests yet".
-    pub no_slots_reason: Option<String>,
 }
 
 impl Default for Ui {
     fn default() -> Self {
         Ui {
             view: ViewId::Slots,
-            detail: None,
             help: false,
             warnings: false,
-            lists: [ListState::default(); 6],
-            detail_list: ListState::default(),
-            selected_slot: None,
-            follow: true,
-            sort: SlotSort::State,
-            reverse: false,
             filter: None,
             input: None,
             message: None,
             size: Rect::new(0, 0, 80, 24),
-            control: None,
-            no_slots_reason: None,
         }
-    }
-}
-
-/// The open request's events, kept up to date in the update step so that
-/// drawing the detail does not scan the whole history (twice) per frame.
-/// Positions are absolute (events dropped from the history's front before
-/// them + their index), so drops do not shift them.
-#[derive(Debug, Clone)]
-pub struct DetailCache {
-    /// The request.
-    pub request: RequestId,
-    /// Absolute position the last scan reached.
-    pub end: u64,
-    /// Absolute positions of the request's events, oldest first.
-    pub positions: std::collections::VecDeque<u64>,
-}
-
-impl DetailCache {
-    /// Indices into `history` of the cached events still held.
-    pub fn indices(&self, history: &crate::model::History) -> Vec<usize> {
-        let base = history.dropped();
-        self.positions
-            .iter()
-            .filter(|&&p| p >= base)
-            .map(|&p| (p - base) as usize)
-            .collect()
-    }
-
-    /// Whether the cache is for `request` and current for `history`.
-    pub fn is_current(&self, request: &str, history: &crate::model::History) -> bool {
-        &*self.request == request && self.end == history.dropped() + history.len() as u64
     }
 }
 
@@ -302,36 +73,29 @@ pub struct App {
     pub model: Model,
     /// Where it comes from.
     pub source: Source,
-    /// The UI state.
+    /// The chrome's state.
     pub ui: Ui,
+    /// Each view's state.
+    pub views: Views,
     /// A name for the header (`demo`, a file name, a URL).
     pub label: String,
     /// Set when the console should exit.
     pub quit: bool,
-    /// The open request's events (see [`DetailCache`]).
-    pub detail_cache: Option<DetailCache>,
-    /// For a console attached to a remote engine: the connection state,
-    /// shown in the header's mode badge instead of `LIVE`. `None` otherwise.
-    pub remote: Option<Arc<crate::remote::RemoteStatus>>,
-    /// For a console on a vLLM ZMQ stream: the subscription's state, shown
-    /// in the header's mode badge instead of `LIVE`. `None` otherwise.
-    pub zmq: Option<kvbm_ingest::vllm::ZmqHandle>,
 }
 
 impl App {
     /// A console over `model` fed by `source`.
     pub fn new(model: Model, source: Source, label: impl Into<String>) -> Self {
+        let views = Views::new(source.no_slots_reason().map(str::to_string));
         let mut app = App {
             model,
             source,
             ui: Ui::default(),
+            views,
             label: label.into(),
             quit: false,
-            detail_cache: None,
-            remote: None,
-            zmq: None,
         };
-        app.refresh_control();
+        app.tick();
         app
     }
 
@@ -341,36 +105,29 @@ impl App {
             view: self.ui.view,
             replay: matches!(self.source, Source::Replay(_)),
             control: self.control().is_some(),
-            detail: self.ui.detail.is_some(),
+            detail: self.views.detail.is_some(),
         }
     }
 
     /// The engine's breakpoint control, if any.
     pub fn control(&self) -> Option<&Arc<dyn Control>> {
-        match &self.source {
-            Source::Live(l) => l.control(),
-            _ => None,
-        }
+        self.source.control()
     }
 
+    /// Reads the engine's breakpoints and paused calls for the breakpoints
+    /// view, so drawing never calls into the engine.
     fn refresh_control(&mut self) {
-        self.ui.control = self.control().map(|c| ControlView {
-            breakpoints: c.breakpoints(),
-            paused: c.paused(),
-        });
+        let view = self.control().map(|c| c.view());
+        self.views.breakpoints.set_control(view);
     }
 
     /// Pulls new events from the source.
     pub fn pull(&mut self, now: Instant) -> usize {
-        match &mut self.source {
-            Source::Live(l) => l.pull(&mut self.model),
-            Source::Replay(r) => r.pull(&mut self.model, now),
-            Source::Fixed => 0,
-        }
+        self.source.pull(&mut self.model, now)
     }
 
-    /// The periodic step before drawing: reads the engine's breakpoints
-    /// and keeps selections in range.
+    /// The periodic step before drawing: reads the engine's breakpoints,
+    /// updates the view on screen and keeps its selection in range.
     pub fn tick(&mut self) {
         self.refresh_control();
         self.settle();
@@ -396,189 +153,65 @@ impl App {
         });
     }
 
-    /// The slots the table shows, filtered and sorted.
-    pub fn slot_rows(&self) -> Vec<&SlotView> {
-        let state = self.model.state();
-        let mut rows: Vec<&SlotView> = state
-            .slots()
-            .filter(|s| {
-                self.ui
-                    .filter
-                    .as_ref()
-                    .is_none_or(|f| f.matches(&[&s.request, s.state.name()]))
-            })
-            .collect();
-        let state_rank = |s: &SlotView| {
-            kvbm_events::slot::SlotState::NAMES
-                .iter()
-                .position(|n| *n == s.state.name())
-                .unwrap_or(0)
-        };
-        match self.ui.sort {
-            SlotSort::State => rows.sort_by_key(|s| (state_rank(s), s.created_ns)),
-            SlotSort::Request => rows.sort_by(|a, b| a.request.cmp(&b.request)),
-            SlotSort::Age => rows.sort_by_key(|s| s.created_ns),
-            SlotSort::Prompt => rows.sort_by_key(|s| std::cmp::Reverse(s.prompt_tokens)),
-            SlotSort::Generated => rows.sort_by_key(|s| std::cmp::Reverse(s.generated)),
-            SlotSort::Blocks => rows.sort_by_key(|s| std::cmp::Reverse(s.blocks[0])),
-            SlotSort::Hits => rows.sort_by_key(|s| std::cmp::Reverse(s.total_hit_tokens())),
-            SlotSort::Outstanding => rows.sort_by_key(|s| std::cmp::Reverse(s.outstanding)),
-        }
-        if self.ui.reverse {
-            rows.reverse();
-        }
-        rows
+    /// Sets the filter (`None` clears it) and gives every view that
+    /// filters a copy.
+    pub fn set_filter(&mut self, filter: Option<Filter>) {
+        self.views.set_filter(filter.as_ref());
+        self.ui.filter = filter;
     }
 
-    /// Indices into the history of the events the log shows (filtered),
-    /// oldest first.
-    pub fn event_rows(&self) -> Vec<usize> {
-        let h = self.model.history();
-        match &self.ui.filter {
-            None => (0..h.len()).collect(),
-            Some(f) => (0..h.len())
-                .filter(|&i| {
-                    h.get(i).is_some_and(|e| {
-                        f.matches(&[
-                            e.request.as_deref().unwrap_or(""),
-                            e.kind.name(),
-                            &ui::events::describe(&e.kind),
-                        ])
-                    })
-                })
-                .collect(),
-        }
+    /// Opens `request`'s detail over the current view.
+    pub fn open(&mut self, request: RequestId) {
+        self.views.detail = Some(Detail::new(request));
+    }
+
+    /// The view on screen: the open detail, else the selected view.
+    pub fn current(&self) -> &dyn View {
+        self.views.current(self.ui.view)
+    }
+
+    fn current_mut(&mut self) -> &mut dyn View {
+        self.views.current_mut(self.ui.view)
     }
 
     /// Rows in the current view's list.
     pub fn list_len(&self) -> usize {
-        if self.ui.detail.is_some() {
-            return ui::detail::event_count(self);
-        }
-        match self.ui.view {
-            ViewId::Slots => self.slot_rows().len(),
-            ViewId::Transfers => ui::transfers::row_count(self),
-            ViewId::Pools => 0,
-            ViewId::Histograms => ui::hist::row_count(self),
-            ViewId::Breakpoints => ui::breakpoints::row_count(self),
-            ViewId::Events => self.event_rows().len(),
-        }
-    }
-
-    fn list_mut(&mut self) -> &mut ListState {
-        if self.ui.detail.is_some() {
-            return &mut self.ui.detail_list;
-        }
-        &mut self.ui.lists[self.ui.view.index()]
+        self.current().row_count()
     }
 
     /// The current view's list state.
     pub fn list(&self) -> &ListState {
-        if self.ui.detail.is_some() {
-            return &self.ui.detail_list;
-        }
-        &self.ui.lists[self.ui.view.index()]
+        self.current().list()
     }
 
-    /// Brings the detail's event indices up to date: only the new events
-    /// are scanned while the history just grew.
-    fn refresh_detail(&mut self) {
-        let Some(request) = self.ui.detail.clone() else {
-            self.detail_cache = None;
-            return;
-        };
-        let h = self.model.history();
-        let (base, end) = (h.dropped(), h.dropped() + h.len() as u64);
-        let mut cache = match self.detail_cache.take() {
-            // The history only moved forward: keep what is still held and
-            // scan the new events.
-            Some(mut c) if c.request == request && c.end <= end && c.end >= base => {
-                while c.positions.front().is_some_and(|&p| p < base) {
-                    c.positions.pop_front();
-                }
-                c
-            }
-            _ => DetailCache {
-                request: request.clone(),
-                end: base,
-                positions: Default::default(),
-            },
-        };
-        let from = (cache.end - base) as usize;
-        cache.positions.extend(
-            ui::detail::scan_events_of(self, &request, from)
-                .into_iter()
-                .map(|i| base + i as u64),
-        );
-        cache.end = end;
-        self.detail_cache = Some(cache);
+    /// Rows the current view's list has room for.
+    fn visible_rows(&self) -> usize {
+        self.current().visible_rows(ui::areas(self.ui.size).body)
     }
 
-    /// Keeps the selection in range and on the same slot after re-sorting.
+    /// Recomputes the current view's rows from the model.
+    fn update_view(&mut self) {
+        let view = self.ui.view;
+        self.views.current_mut(view).update(&self.model);
+    }
+
+    /// Updates the current view and keeps its selection in range (and on
+    /// the same slot after re-sorting).
     fn settle(&mut self) {
-        self.refresh_detail();
-        let visible = ui::list_rows(self);
-        if self.ui.detail.is_none() && self.ui.view == ViewId::Slots {
-            let rows = self.slot_rows();
-            let pos = self
-                .ui
-                .selected_slot
-                .as_ref()
-                .and_then(|id| rows.iter().position(|s| &s.request == id));
-            let len = rows.len();
-            let sel = match pos {
-                Some(p) => p,
-                None => self.ui.lists[0].selected.min(len.saturating_sub(1)),
-            };
-            let id = rows.get(sel).map(|s| s.request.clone());
-            self.ui.lists[0].selected = sel;
-            self.ui.lists[0].offset = self.ui.lists[0].offset_for(len, visible);
-            self.ui.selected_slot = id;
-            return;
-        }
-        let len = self.list_len();
-        let follow = self.ui.detail.is_none() && self.ui.view == ViewId::Events && self.ui.follow;
-        let l = self.list_mut();
-        if follow {
-            l.selected = len.saturating_sub(1);
-        }
-        l.selected = l.selected.min(len.saturating_sub(1));
-        l.offset = l.offset_for(len, visible);
+        self.update_view();
+        let visible = self.visible_rows();
+        self.current_mut().settle(visible);
     }
 
     fn move_selection(&mut self, delta: isize) {
-        let len = self.list_len();
-        let visible = ui::list_rows(self);
-        self.list_mut().moved(delta, len, visible);
-        if self.ui.view == ViewId::Events && self.ui.detail.is_none() {
-            self.ui.follow = self.ui.lists[5].selected + 1 >= len;
-        }
-        self.after_move();
-    }
-
-    fn after_move(&mut self) {
-        if self.ui.view == ViewId::Slots && self.ui.detail.is_none() {
-            let sel = self.ui.lists[0].selected;
-            self.ui.selected_slot = self.slot_rows().get(sel).map(|s| s.request.clone());
-        }
+        let visible = self.visible_rows();
+        self.current_mut().moved(delta, visible);
     }
 
     /// The request the selection points at, in the slots table or the
-    /// event log or the detail.
+    /// event log or the transfers or the detail.
     pub fn selected_request(&self) -> Option<RequestId> {
-        if let Some(d) = &self.ui.detail {
-            return Some(d.clone());
-        }
-        match self.ui.view {
-            ViewId::Slots => self.ui.selected_slot.clone(),
-            ViewId::Events => {
-                let rows = self.event_rows();
-                let i = *rows.get(self.ui.lists[5].selected)?;
-                self.model.history().get(i)?.request.clone()
-            }
-            ViewId::Transfers => ui::transfers::selected_request(self),
-            _ => None,
-        }
+        self.current().selected_request(&self.model)
     }
 
     /// Handles one key.
@@ -593,6 +226,9 @@ impl App {
         // Any popup closes on its own key or Esc; q still quits.
         if let Some(action) = keys::dispatch(&ev, self.context()) {
             self.ui.message = None;
+            // The rows as the model is now: events may have arrived since
+            // the last update.
+            self.update_view();
             self.act(action);
         }
         self.settle();
@@ -630,14 +266,16 @@ impl App {
             }
             _ => {}
         }
-        if let Some(i) = &self.ui.input
-            && i.kind == InputKind::Filter
-        {
-            // Filter as you type; a regex that does not compile yet keeps
-            // the previous filter.
-            if let Ok(f) = Filter::new(&i.text) {
-                self.ui.filter = f;
-            }
+        // Filter as you type; a regex that does not compile yet keeps the
+        // previous filter.
+        let typed = self
+            .ui
+            .input
+            .as_ref()
+            .filter(|i| i.kind == InputKind::Filter)
+            .map(|i| Filter::new(&i.text));
+        if let Some(Ok(f)) = typed {
+            self.set_filter(f);
         }
         self.settle();
     }
@@ -647,7 +285,7 @@ impl App {
             InputKind::Filter => match Filter::new(&input.text) {
                 Ok(f) => {
                     let text = f.as_ref().map(|f| f.text.clone());
-                    self.ui.filter = f;
+                    self.set_filter(f);
                     match text {
                         Some(t) => self.say(format!("filter: {t}  (Esc clears)")),
                         None => self.say("filter cleared"),
@@ -668,15 +306,32 @@ impl App {
             return;
         };
         let text = bpspec::describe(&spec);
-        match c.add(spec) {
-            Ok(id) => self.say(format!("breakpoint #{id} set: {text}")),
+        match c.execute(ControlCommand::Add { spec }, None) {
+            Ok(ControlResult::Added(id)) => self.say(format!("breakpoint #{id} set: {text}")),
+            Ok(other) => self.err(format!("breakpoint refused: unexpected reply {other:?}")),
             Err(e) => self.err(format!("breakpoint refused: {e}")),
         }
         self.refresh_control();
     }
 
+    /// Carries out `command` on `control`; a failure (a refused command, a
+    /// remote engine out of reach) is said on the bottom line.
+    fn command(
+        &mut self,
+        control: &Arc<dyn Control>,
+        command: ControlCommand,
+    ) -> Option<ControlResult> {
+        match control.execute(command, None) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                self.err(e.to_string());
+                None
+            }
+        }
+    }
+
     fn act(&mut self, action: Action) {
-        let page = ui::list_rows(self).max(1) as isize;
+        let page = self.visible_rows().max(1) as isize;
         match action {
             Action::Quit => self.quit = true,
             Action::Help => {
@@ -696,13 +351,13 @@ impl App {
                     (i + n - 1) % n
                 };
                 self.ui.view = ViewId::ALL[j];
-                self.ui.detail = None;
+                self.views.detail = None;
                 self.ui.help = false;
                 self.ui.warnings = false;
             }
             Action::View(v) => {
                 self.ui.view = v;
-                self.ui.detail = None;
+                self.views.detail = None;
                 self.ui.help = false;
                 self.ui.warnings = false;
             }
@@ -714,24 +369,21 @@ impl App {
             Action::Bottom => {
                 self.move_selection(isize::MAX / 2);
                 if self.ui.view == ViewId::Events {
-                    self.ui.follow = true;
+                    self.views.events.set_follow(true);
                 }
             }
             Action::Open => match self.selected_request() {
-                Some(r) if self.ui.detail.is_none() => {
-                    self.ui.detail = Some(r);
-                    self.ui.detail_list = ListState::default();
-                }
+                Some(r) if self.views.detail.is_none() => self.open(r),
                 _ => {}
             },
             Action::Back => {
                 if self.ui.help || self.ui.warnings {
                     self.ui.help = false;
                     self.ui.warnings = false;
-                } else if self.ui.detail.is_some() {
-                    self.ui.detail = None;
+                } else if self.views.detail.is_some() {
+                    self.views.detail = None;
                 } else if self.ui.filter.is_some() {
-                    self.ui.filter = None;
+                    self.set_filter(None);
                     self.say("filter cleared");
                 }
             }
@@ -758,10 +410,10 @@ impl App {
                 });
             }
             Action::Sort => {
-                self.ui.sort = self.ui.sort.next();
-                self.say(format!("sorted by {}", self.ui.sort.name()));
+                let sort = self.views.slots.next_sort();
+                self.say(format!("sorted by {}", sort.name()));
             }
-            Action::Reverse => self.ui.reverse = !self.ui.reverse,
+            Action::Reverse => self.views.slots.toggle_reverse(),
             Action::BreakOnSelected => self.toggle_request_breakpoint(),
             Action::AddBreakpoint => {
                 self.ui.input = Some(Input {
@@ -770,56 +422,50 @@ impl App {
                 });
             }
             Action::DeleteBreakpoint => {
-                let sel = self.ui.lists[ViewId::Breakpoints.index()].selected;
-                let id = self
-                    .ui
-                    .control
-                    .as_ref()
-                    .and_then(|c| c.breakpoints.get(sel))
-                    .map(|b| b.id);
+                let id = self.views.breakpoints.selected_breakpoint();
                 match (id, self.control().cloned()) {
                     (Some(id), Some(c)) => {
-                        c.clear(id);
-                        self.say(format!("breakpoint #{id} cleared"));
+                        if self.command(&c, ControlCommand::Clear { id }).is_some() {
+                            self.say(format!("breakpoint #{id} cleared"));
+                        }
                     }
                     _ => self.err("select a breakpoint first"),
                 }
                 self.refresh_control();
             }
             Action::ClearBreakpoints => {
-                if let Some(c) = self.control().cloned() {
-                    let n = c.clear_all();
-                    self.say(format!("{n} breakpoints cleared"));
+                if let Some(c) = self.control().cloned()
+                    && let Some(r) = self.command(&c, ControlCommand::ClearAll)
+                {
+                    self.say(format!("{} breakpoints cleared", count(&r)));
                 }
                 self.refresh_control();
             }
             Action::Resume => {
-                let pause = self.ui.control.as_ref().and_then(|c| {
-                    let sel = self.ui.lists[ViewId::Breakpoints.index()].selected;
-                    sel.checked_sub(c.breakpoints.len())
-                        .and_then(|i| c.paused.get(i))
-                        .or(c.paused.first())
-                        .map(|p| p.pause_id)
-                });
+                let pause = self.views.breakpoints.pause_to_resume();
                 match (pause, self.control().cloned()) {
                     (Some(id), Some(c)) => {
-                        c.resume(id);
-                        self.say(format!("pause {id} resumed"));
+                        let resume = ControlCommand::Resume { pause_id: Some(id) };
+                        if self.command(&c, resume).is_some() {
+                            self.say(format!("pause {id} resumed"));
+                        }
                     }
                     _ => self.err("nothing is paused"),
                 }
                 self.refresh_control();
             }
             Action::ResumeAll => {
-                if let Some(c) = self.control().cloned() {
-                    let n = c.resume_all();
-                    self.say(format!("{n} paused calls resumed"));
+                if let Some(c) = self.control().cloned()
+                    && let Some(r) = self.command(&c, ControlCommand::Resume { pause_id: None })
+                {
+                    self.say(format!("{} paused calls resumed", count(&r)));
                 }
                 self.refresh_control();
             }
             Action::Step => {
-                if let Some(c) = self.control().cloned() {
-                    c.step();
+                if let Some(c) = self.control().cloned()
+                    && self.command(&c, ControlCommand::Step).is_some()
+                {
                     self.say("step: the next call will pause");
                 }
                 self.refresh_control();
@@ -845,7 +491,7 @@ impl App {
             self.err("this source takes no breakpoints (replay)");
             return;
         };
-        let existing = c.breakpoints().into_iter().find(|b| {
+        let existing = c.view().breakpoints.into_iter().find(|b| {
             b.spec.request == Some(RequestMatch::Exact(request.to_string()))
                 && b.spec.state.is_none()
                 && b.spec.direction.is_none()
@@ -853,11 +499,15 @@ impl App {
         });
         match existing {
             Some(b) => {
-                c.clear(b.id);
-                self.say(format!(
-                    "breakpoint #{} on {request} cleared (its pauses resume)",
-                    b.id
-                ));
+                if self
+                    .command(&c, ControlCommand::Clear { id: b.id })
+                    .is_some()
+                {
+                    self.say(format!(
+                        "breakpoint #{} on {request} cleared (its pauses resume)",
+                        b.id
+                    ));
+                }
                 self.refresh_control();
             }
             None => {
@@ -892,28 +542,25 @@ impl App {
     /// view, a click on a row selects it and a click on the selected row
     /// opens it.
     pub fn mouse(&mut self, ev: MouseEvent) {
+        self.update_view();
         match ev.kind {
             MouseEventKind::ScrollDown => self.move_selection(3),
             MouseEventKind::ScrollUp => self.move_selection(-3),
             MouseEventKind::Down(MouseButton::Left) => {
                 let areas = ui::areas(self.ui.size);
                 if ev.row == areas.tabs.y {
-                    if let Some(v) = ui::tab_at(ev.column) {
+                    if let Some(v) = chrome::tab_at(ev.column) {
                         self.ui.view = v;
-                        self.ui.detail = None;
+                        self.views.detail = None;
                     }
-                } else if let Some(row) = ui::row_at(self, ev.column, ev.row) {
+                } else if let Some(row) = self.current().row_at(areas.body, ev.column, ev.row) {
                     let before = self.list().selected;
-                    let len = self.list_len();
-                    let visible = ui::list_rows(self);
-                    let l = self.list_mut();
-                    l.selected = row.min(len.saturating_sub(1));
-                    l.offset = l.offset_for(len, visible);
-                    self.after_move();
+                    let visible = self.visible_rows();
+                    self.current_mut().select(row, visible);
                     if self.ui.view == ViewId::Events {
-                        self.ui.follow = false;
+                        self.views.events.set_follow(false);
                     }
-                    if before == row && self.ui.detail.is_none() {
+                    if before == row && self.views.detail.is_none() {
                         self.act(Action::Open);
                     }
                 }
@@ -922,49 +569,125 @@ impl App {
         }
         self.settle();
     }
+
+    /// Draws the screen as the last update left it.
+    pub fn render(&self, f: &mut Frame) {
+        let a = ui::areas(f.area());
+        let header = Header {
+            badge: self.source.badge(Instant::now()),
+            lagged: self.source.lagged(),
+            dropped: self.source.dropped(),
+            label: &self.label,
+        };
+        chrome::header(f, a.header, &self.model, &header);
+        let detail = self.views.detail.as_ref().map(|d| &**d.request());
+        chrome::tabs(f, a.tabs, self.ui.view, detail, self.ui.filter.as_ref());
+        self.current().draw(&self.model, f, a.body);
+        let ctx = self.context();
+        chrome::footer(
+            f,
+            a.footer,
+            self.ui.input.as_ref(),
+            self.ui.message.as_ref(),
+            ctx,
+        );
+        if self.ui.help {
+            chrome::help(f, a.body, ctx);
+        } else if self.ui.warnings {
+            chrome::warnings(f, a.body, &self.model);
+        }
+    }
+}
+
+/// How many a command did (`Count`), for the confirmations.
+fn count(r: &ControlResult) -> u64 {
+    match r {
+        ControlResult::Count(n) => *n,
+        _ => 0,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::ModelConfig;
+    use crate::source::LiveSource;
+    use kvbm_core::hooks::Breakpoints;
+    use kvbm_events::ring::RingBuffer;
+    use std::time::Duration;
 
-    #[test]
-    fn list_offsets_keep_the_selection_visible() {
-        let l = ListState {
-            selected: 15,
-            offset: 0,
-        };
-        assert_eq!(l.offset_for(100, 10), 6);
-        let l = ListState {
-            selected: 3,
-            offset: 6,
-        };
-        assert_eq!(l.offset_for(100, 10), 3);
-        let l = ListState {
-            selected: 0,
-            offset: 50,
-        };
-        assert_eq!(l.offset_for(5, 10), 0);
-        let mut l = ListState::default();
-        l.moved(-5, 10, 4);
-        assert_eq!(l.selected, 0);
-        l.moved(100, 10, 4);
-        assert_eq!((l.selected, l.offset), (9, 6));
-        l.moved(1, 0, 4);
-        assert_eq!(l.selected, 0);
+    fn press(app: &mut App, keys: &str) {
+        for c in keys.chars() {
+            let code = if c == '\n' {
+                KeyCode::Enter
+            } else {
+                KeyCode::Char(c)
+            };
+            app.key(KeyEvent::new(code, KeyModifiers::NONE));
+        }
     }
 
+    /// Keys on the breakpoints view send commands to the engine's own
+    /// `Breakpoints` (the embedded engine's control); a refusal is said in
+    /// red with the engine's reason.
     #[test]
-    fn filters_by_substring_or_regex() {
-        let f = Filter::new("DECOD").unwrap().unwrap();
-        assert!(f.matches(&["req-1", "Decoding"]));
-        assert!(!f.matches(&["req-1", "Prefilling"]));
-        let f = Filter::new("/^req-1[0-9]$/").unwrap().unwrap();
-        assert!(f.matches(&["req-12"]));
-        assert!(!f.matches(&["req-123", "req-1"]));
-        assert!(Filter::new("/(/").unwrap_err().contains("bad regex"));
-        assert!(Filter::new("  ").unwrap().is_none());
-        let f = Filter::new("é").unwrap().unwrap();
-        assert!(f.matches(&["cafÉ"]));
+    fn breakpoint_keys_execute_commands_and_show_refusals() {
+        let bps = Arc::new(Breakpoints::new(None, Duration::from_secs(60)).with_max_breakpoints(1));
+        let ring = Arc::new(RingBuffer::with_capacity(16).unwrap());
+        let control: Arc<dyn Control> = bps.clone();
+        let source = LiveSource::new(ring, Some(control));
+        let mut app = App::new(
+            Model::new(ModelConfig::default()),
+            Source::Live(source),
+            "test",
+        );
+        let said = |app: &App| app.ui.message.clone().unwrap();
+        press(&mut app, "5astate=Decoding\n");
+        assert_eq!(
+            said(&app),
+            Message {
+                text: "breakpoint #1 set: state=Decoding".into(),
+                error: false
+            }
+        );
+        assert_eq!(bps.list().len(), 1);
+        assert_eq!(
+            app.views.breakpoints.control().unwrap().breakpoints.len(),
+            1
+        );
+
+        press(&mut app, "astate=Prefilling\n");
+        let m = said(&app);
+        assert!(m.error, "{m:?}");
+        assert!(
+            m.text
+                .starts_with("breakpoint refused: too many breakpoints"),
+            "{m:?}"
+        );
+
+        press(&mut app, "d");
+        assert_eq!(said(&app).text, "breakpoint #1 cleared");
+        assert!(bps.list().is_empty());
+        assert!(
+            app.views
+                .breakpoints
+                .control()
+                .unwrap()
+                .breakpoints
+                .is_empty()
+        );
+
+        press(&mut app, "n");
+        assert_eq!(said(&app).text, "step: the next call will pause");
+        press(&mut app, "R");
+        assert_eq!(said(&app).text, "0 paused calls resumed");
+        press(&mut app, "r");
+        assert_eq!(
+            said(&app),
+            Message {
+                text: "nothing is paused".into(),
+                error: true
+            }
+        );
     }
 }

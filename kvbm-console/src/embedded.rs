@@ -2,9 +2,9 @@
 //! in real time on its own thread, with breakpoints installed, every event
 //! recorded to a durable log and kept in a ring the console reads.
 
-use crate::source::Control;
 use anyhow::{Context, Result};
 use kvbm_core::hooks::{Breakpoints, HookSet};
+use kvbm_events::control::Control;
 use kvbm_events::ring::{RingBuffer, RingConfig};
 use kvbm_recorder::recorder::{RecordError, RecorderConfig, Recording, spawn_recorder};
 use kvbm_sim::args::SimArgs;

@@ -172,7 +172,11 @@ fn main() -> Result<()> {
                 .map_err(anyhow::Error::msg)?;
             let remote = ZmqRemote::start(cfg, ring as usize, rt.handle())?;
             let handle = remote.handle().clone();
-            let mut app = remote.app(Model::new(view.model()));
+            let mut app = App::new(
+                Model::new(view.model()),
+                Source::Live(remote.source()),
+                handle.url(),
+            );
             let mut term = Term::enter()?;
             let mut said_error: Option<String> = None;
             let mut said_stopped = false;
@@ -216,7 +220,11 @@ fn main() -> Result<()> {
             let remote = Remote::start(cfg, ring as usize, rt.handle())?;
             let control = remote.control();
             let status = remote.status();
-            let mut app = remote.app(Model::new(view.model()));
+            let mut app = App::new(
+                Model::new(view.model()),
+                Source::Live(remote.source()),
+                status.url(),
+            );
             let mut term = Term::enter()?;
             let mut said_failed = false;
             rt.block_on(run(&mut app, &mut term, |app| {

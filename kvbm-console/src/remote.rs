@@ -7,23 +7,24 @@
 //! console reads that ring with the ordinary [`LiveSource`], so every view
 //! works unchanged. The breakpoint views the server pushes are cached for
 //! [`RemoteControl`], which implements [`Control`] over the connection.
-//! [`RemoteStatus`] (set as [`App::remote`]) puts the connection state in
-//! the header's mode badge: `ATTACHED`, `RECONNECTING (attempt 3, next in
-//! 0.8 s)`, `DETACHED (failed)`.
+//! [`RemoteStatus`] is the source's [`Link`]: it puts the connection state
+//! in the header's mode badge: `ATTACHED`, `RECONNECTING (attempt 3, next
+//! in 0.8 s)`, `DETACHED (failed)`.
+//!
+//! This module builds sources, never an app: the caller puts
+//! [`Remote::source`] (or [`ZmqRemote::source`]) in an `App`.
 //!
 //! Breakpoints set from the console belong to its connection: when the
 //! connection drops, the server removes them and resumes their paused
 //! calls (the engine is never left paused by a console that went away), so
 //! the cache is emptied on a disconnect and read again on connect.
 
-use crate::app::{App, Source};
-use crate::model::Model;
-use crate::source::{Control, LiveSource};
+use crate::source::{Badge, Link, LiveSource, Tone};
 use kvbm_attach::client::{
-    Client, ClientConfig, ClientCounters, ClientEvent, ClientHandle, ConnState, ControlError,
+    Client, ClientConfig, ClientCounters, ClientEvent, ClientHandle, ConnState,
+    ControlError as ClientControlError,
 };
-use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, PausedCall};
-use kvbm_events::control::{BreakpointsView, ControlCommand, ControlResult};
+use kvbm_events::control::{BreakpointsView, Control, ControlCommand, ControlError, ControlResult};
 use kvbm_events::ring::{RingBuffer, RingConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -90,24 +91,14 @@ impl Remote {
         self.control.clone()
     }
 
-    /// A live source reading the ring, with the remote control.
+    /// A live source reading the ring, with the remote control, whose
+    /// header badge is the connection's state.
     pub fn source(&self) -> LiveSource {
         LiveSource::new(
             self.ring.clone(),
             Some(self.control.clone() as Arc<dyn Control>),
         )
-    }
-
-    /// A console on this engine: [`Source::Live`] over [`Remote::source`],
-    /// labelled with the URL, the status in the header.
-    pub fn app(&self, model: Model) -> App {
-        let mut app = App::new(
-            model,
-            Source::Live(self.source()),
-            self.status.url().to_string(),
-        );
-        app.remote = Some(self.status());
-        app
+        .with_link(self.status.clone())
     }
 }
 
@@ -177,12 +168,25 @@ impl RemoteStatus {
     }
 }
 
-/// [`Control`] over the attach connection. Reads (`breakpoints`, `paused`)
-/// come from the cache of what the server pushed; commands are sent and
-/// their reply awaited for at most [`CONTROL_TIMEOUT`] on a std channel
-/// (never a tokio primitive, so calling it inside the runtime cannot
-/// panic); after a change the cache is read again from the server so the
-/// screen shows it at once. A failure is kept for
+impl Link for RemoteStatus {
+    fn badge(&self, now: Instant) -> Badge {
+        let state = self.state();
+        let tone = match state {
+            ConnState::Connected { .. } => Tone::Ok,
+            ConnState::Connecting { .. } | ConnState::Reconnecting { .. } => Tone::Caution,
+            ConnState::Failed { .. } | ConnState::Stopped => Tone::Down,
+        };
+        Badge::new(state.describe(now), tone)
+    }
+}
+
+/// [`Control`] over the attach connection. `List` is answered from the
+/// cache of what the server pushed (a read never waits on the network);
+/// every other command is sent and its reply awaited for at most
+/// [`CONTROL_TIMEOUT`] on a std channel (never a tokio primitive, so
+/// calling it inside the runtime cannot panic); after a change the cache
+/// is read again from the server so the screen shows it at once. A failure
+/// is returned as [`ControlError::Unavailable`], kept for
 /// [`RemoteControl::take_error`] and counted.
 pub struct RemoteControl {
     handle: ClientHandle,
@@ -194,13 +198,17 @@ pub struct RemoteControl {
 
 impl RemoteControl {
     /// Sends one command and waits for its reply.
-    pub fn call(&self, command: ControlCommand) -> Result<ControlResult, ControlError> {
+    fn call(&self, command: ControlCommand) -> Result<ControlResult, ClientControlError> {
         let r = self.handle.control_blocking(command, self.timeout);
         if let Err(e) = &r {
-            self.errors.fetch_add(1, Ordering::Relaxed);
-            *lock(&self.last_error) = Some(format!("remote control: {e}"));
+            self.failed(format!("remote control: {e}"));
         }
         r
+    }
+
+    fn failed(&self, error: String) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        *lock(&self.last_error) = Some(error);
     }
 
     /// The last command failure, once.
@@ -219,88 +227,44 @@ impl RemoteControl {
             *lock(&self.view) = v;
         }
     }
+}
 
-    fn changed<T>(
-        &self,
-        r: Result<ControlResult, ControlError>,
-        f: impl Fn(ControlResult) -> Option<T>,
-    ) -> Option<T> {
-        let ok = r.ok()?;
-        let out = f(ok.clone());
-        if out.is_none() {
-            self.errors.fetch_add(1, Ordering::Relaxed);
-            *lock(&self.last_error) = Some(format!("remote control: unexpected reply {ok:?}"));
-        }
-        self.refresh();
-        out
+/// Whether `reply` is the kind of answer `command` gets.
+fn answers(command: &ControlCommand, reply: &ControlResult) -> bool {
+    use ControlCommand as C;
+    use ControlResult as R;
+    match command {
+        C::Add { .. } => matches!(reply, R::Added(_)),
+        C::Clear { .. } | C::Step | C::Resume { pause_id: Some(_) } => matches!(reply, R::Done(_)),
+        C::ClearAll | C::Resume { pause_id: None } => matches!(reply, R::Count(_)),
+        C::List => matches!(reply, R::List(_)),
     }
 }
 
 impl Control for RemoteControl {
-    fn breakpoints(&self) -> Vec<BreakpointInfo> {
-        lock(&self.view).breakpoints.clone()
-    }
-
-    fn paused(&self) -> Vec<PausedCall> {
-        lock(&self.view).paused.clone()
-    }
-
-    fn add(&self, spec: BreakpointSpec) -> Result<u64, String> {
-        match self.call(ControlCommand::Add { spec }) {
-            Ok(ControlResult::Added(id)) => {
-                self.refresh();
-                Ok(id)
-            }
-            Ok(other) => Err(format!("unexpected reply {other:?}")),
-            Err(e) => Err(e.to_string()),
+    /// The server makes this connection the owner of what it sets, so
+    /// `owner` is not sent.
+    fn execute(
+        &self,
+        command: ControlCommand,
+        _owner: Option<u64>,
+    ) -> Result<ControlResult, ControlError> {
+        if command == ControlCommand::List {
+            return Ok(ControlResult::List(lock(&self.view).clone()));
         }
-    }
-
-    fn clear(&self, id: u64) -> bool {
-        let r = self.call(ControlCommand::Clear { id });
-        self.changed(r, |r| match r {
-            ControlResult::Done(b) => Some(b),
-            _ => None,
-        })
-        .unwrap_or(false)
-    }
-
-    fn clear_all(&self) -> usize {
-        let r = self.call(ControlCommand::ClearAll);
-        self.changed(r, |r| match r {
-            ControlResult::Count(n) => Some(n as usize),
-            _ => None,
-        })
-        .unwrap_or(0)
-    }
-
-    fn resume(&self, pause_id: u64) -> bool {
-        let r = self.call(ControlCommand::Resume {
-            pause_id: Some(pause_id),
-        });
-        self.changed(r, |r| match r {
-            ControlResult::Done(b) => Some(b),
-            _ => None,
-        })
-        .unwrap_or(false)
-    }
-
-    fn resume_all(&self) -> usize {
-        let r = self.call(ControlCommand::Resume { pause_id: None });
-        self.changed(r, |r| match r {
-            ControlResult::Count(n) => Some(n as usize),
-            _ => None,
-        })
-        .unwrap_or(0)
-    }
-
-    fn step(&self) -> bool {
-        let r = self.call(ControlCommand::Step);
-        self.changed(r, |r| match r {
-            ControlResult::Done(b) => Some(b),
-            _ => None,
-        })
-        .unwrap_or(false)
+        let probe = command.clone();
+        let reply = self
+            .call(command)
+            .map_err(|e| ControlError::Unavailable(e.to_string()))?;
+        self.refresh();
+        if answers(&probe, &reply) {
+            Ok(reply)
+        } else {
+            self.failed(format!("remote control: unexpected reply {reply:?}"));
+            Err(ControlError::Unavailable(format!(
+                "unexpected reply {reply:?}"
+            )))
+        }
     }
 }
 
@@ -309,8 +273,8 @@ impl Control for RemoteControl {
 /// events (block registrations, evictions, per-tier gauges) are pushed into
 /// a local ring, read by the ordinary [`LiveSource`]; the publisher's
 /// unrecovered gaps are recorded in the ring as losses (one per missed
-/// publisher batch). There are no breakpoints and no requests: the app's
-/// [`crate::app::Ui::no_slots_reason`] says so in the Slots view.
+/// publisher batch). There are no breakpoints and no requests: its source
+/// says so ([`LiveSource::without_slots`]), and the Slots view shows that.
 /// Dropping it unsubscribes.
 pub struct ZmqRemote {
     ring: Arc<RingBuffer>,
@@ -348,22 +312,23 @@ impl ZmqRemote {
         &self.handle
     }
 
-    /// A live source reading the ring (no control).
+    /// A live source reading the ring (no control, no slots), whose
+    /// header badge is the subscription's state.
     pub fn source(&self) -> LiveSource {
         LiveSource::new(self.ring.clone(), None)
+            .with_link(Arc::new(self.handle.clone()))
+            .without_slots(kvbm_ingest::vllm::NO_SLOTS_REASON)
     }
+}
 
-    /// A console on this stream, labelled with the URL, its Slots view
-    /// saying that the source has no slots.
-    pub fn app(&self, model: Model) -> App {
-        let mut app = App::new(
-            model,
-            Source::Live(self.source()),
-            self.handle.url().to_string(),
-        );
-        app.ui.no_slots_reason = Some(kvbm_ingest::vllm::NO_SLOTS_REASON.to_string());
-        app.zmq = Some(self.handle.clone());
-        app
+impl Link for kvbm_ingest::vllm::ZmqHandle {
+    fn badge(&self, _now: Instant) -> Badge {
+        use kvbm_ingest::vllm::ZmqState;
+        match self.state() {
+            ZmqState::Connecting => Badge::new("ZMQ CONNECTING", Tone::Caution),
+            ZmqState::Subscribed => Badge::new("ZMQ SUBSCRIBED", Tone::Ok),
+            ZmqState::Stopped => Badge::new("ZMQ STOPPED", Tone::Down),
+        }
     }
 }
 
@@ -384,95 +349,5 @@ pub fn forward_zmq(ring: &RingBuffer, item: kvbm_ingest::vllm::ZmqItem) {
         }
         g @ ZmqItem::Gap { .. } => ring.record_gap(g.missed()),
         ZmqItem::Restart { .. } => {}
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kvbm_events::tier::Tier;
-    use kvbm_ingest::vllm::{
-        KvBatch, KvEvent, NO_SLOTS_REASON, Translator, TranslatorConfig, ZmqItem,
-    };
-    use ratatui::Terminal;
-    use ratatui::backend::TestBackend;
-
-    #[test]
-    fn zmq_items_reach_the_views_and_slots_say_there_are_none() {
-        let ring = Arc::new(RingBuffer::with_capacity(1000).unwrap());
-        let mut tr = Translator::new(TranslatorConfig::default());
-        let mut evs = Vec::new();
-        tr.batch(
-            &KvBatch {
-                ts: 1.0,
-                events: vec![KvEvent::Stored {
-                    block_hashes: vec![1, 2, 3],
-                    parent: None,
-                    num_tokens: 48,
-                    block_size: Some(16),
-                    tier: Tier::Device,
-                }],
-                bad_events: 0,
-                dp_rank: None,
-            },
-            &mut evs,
-        );
-        forward_zmq(&ring, ZmqItem::Events(evs));
-        forward_zmq(
-            &ring,
-            ZmqItem::Gap {
-                from_seq: 4,
-                to_seq: 6,
-            },
-        );
-        assert_eq!(ring.counters().lost, 3);
-        let mut app = App::new(
-            Model::new(crate::model::ModelConfig::default()),
-            Source::Live(LiveSource::new(ring.clone(), None)),
-            "zmq://127.0.0.1:5557",
-        );
-        app.ui.no_slots_reason = Some(NO_SLOTS_REASON.to_string());
-        app.pull(std::time::Instant::now());
-        app.tick();
-        assert_eq!(app.model.state().pool(Tier::Device).active, 3);
-        assert_eq!(app.model.state().pool(Tier::Device).registered.len(), 3);
-        app.resize(160, 30);
-        let mut t = Terminal::new(TestBackend::new(160, 30)).unwrap();
-        t.draw(|f| crate::ui::render(&app, f)).unwrap();
-        let buf = t.backend().buffer();
-        let text: String = (0..30)
-            .map(|y| (0..160).map(|x| buf[(x, y)].symbol()).collect::<String>() + "\n")
-            .collect();
-        assert!(text.contains("this source has no slots"), "{text}");
-        assert!(!text.contains("no requests yet"), "{text}");
-        assert!(text.contains("LIVE"), "{text}");
-    }
-
-    #[test]
-    fn the_header_shows_the_zmq_subscription_state() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        // Nothing listens on port 9 of loopback: the subscription keeps
-        // trying to connect (ZeroMQ retries), so the state stays put.
-        let endpoint = kvbm_ingest::vllm::ZmqEndpoint::parse("zmq://127.0.0.1:9").unwrap();
-        let remote = ZmqRemote::start(
-            kvbm_ingest::vllm::ZmqConfig::new(endpoint),
-            1000,
-            rt.handle(),
-        )
-        .unwrap();
-        let mut app = remote.app(Model::new(crate::model::ModelConfig::default()));
-        app.resize(160, 30);
-        let mut t = Terminal::new(TestBackend::new(160, 30)).unwrap();
-        t.draw(|f| crate::ui::render(&app, f)).unwrap();
-        let top: String = (0..160)
-            .map(|x| t.backend().buffer()[(x, 0)].symbol().to_string())
-            .collect();
-        assert!(top.contains("ZMQ CONNECTING"), "{top}");
-        assert!(!top.contains("LIVE"), "{top}");
-        drop(remote);
     }
 }

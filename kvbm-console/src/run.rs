@@ -7,7 +7,6 @@
 //! source and a render tick.
 
 use crate::app::App;
-use crate::ui;
 use anyhow::Result;
 use ratatui::Terminal;
 use ratatui::backend::CrosstermBackend;
@@ -131,7 +130,7 @@ pub async fn run(app: &mut App, term: &mut Term, mut on_tick: impl FnMut(&mut Ap
         if app.quit {
             break Ok(());
         }
-        if redraw && let Err(e) = term.terminal.draw(|f| ui::render(app, f)) {
+        if redraw && let Err(e) = term.terminal.draw(|f| app.render(f)) {
             break Err(e.into());
         }
     };

@@ -1,61 +1,140 @@
 //! Where the console's events come from: a live engine (through the
 //! recorder's ring buffer) or a recorded log (replayed with play/pause,
-//! speed, seek and step), and the breakpoint control of a live engine.
+//! speed, seek and step). A live engine may take breakpoint commands: its
+//! [`Control`] (the engine's own `Breakpoints`, or a remote one) travels
+//! with its source.
 
 use crate::model::{Model, ModelConfig};
-use kvbm_core::hooks::Breakpoints;
 use kvbm_events::Event;
-use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec, PausedCall};
+use kvbm_events::control::Control;
 use kvbm_events::ring::{RingBuffer, RingCounters};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Breakpoint commands to an engine. The embedded engine implements it on
-/// its [`Breakpoints`]; a remote engine implements it over the wire.
-pub trait Control: Send + Sync {
-    /// The breakpoints set now.
-    fn breakpoints(&self) -> Vec<BreakpointInfo>;
-    /// The calls paused now.
-    fn paused(&self) -> Vec<PausedCall>;
-    /// Sets a breakpoint; its id, or why not.
-    fn add(&self, spec: BreakpointSpec) -> Result<u64, String>;
-    /// Clears one (its paused calls resume); false when there was none.
-    fn clear(&self, id: u64) -> bool;
-    /// Clears every breakpoint; how many.
-    fn clear_all(&self) -> usize;
-    /// Resumes one paused call; false when it was not paused.
-    fn resume(&self, pause_id: u64) -> bool;
-    /// Resumes every paused call; how many.
-    fn resume_all(&self) -> usize;
-    /// Resumes everything and pauses the very next call.
-    fn step(&self) -> bool;
+/// Where the console's events come from.
+pub enum Source {
+    /// A live engine.
+    Live(LiveSource),
+    /// A recorded log.
+    Replay(ReplaySource),
+    /// Nothing: the model is fed by the caller (tests, benchmarks).
+    Fixed,
 }
 
-impl Control for Breakpoints {
-    fn breakpoints(&self) -> Vec<BreakpointInfo> {
-        self.list()
+impl Source {
+    /// Pulls new events into `model` (a replay: those due at `now`).
+    pub fn pull(&mut self, model: &mut Model, now: Instant) -> usize {
+        match self {
+            Source::Live(l) => l.pull(model),
+            Source::Replay(r) => r.pull(model, now),
+            Source::Fixed => 0,
+        }
     }
-    fn paused(&self) -> Vec<PausedCall> {
-        Breakpoints::paused(self)
+
+    /// The engine's breakpoint control, if it takes commands.
+    pub fn control(&self) -> Option<&Arc<dyn Control>> {
+        match self {
+            Source::Live(l) => l.control(),
+            _ => None,
+        }
     }
-    fn add(&self, spec: BreakpointSpec) -> Result<u64, String> {
-        Breakpoints::add(self, spec).map_err(|e| e.to_string())
+
+    /// The header's mode badge at `now`: `FROZEN +n` while a live view is
+    /// frozen, else its link's state (or `LIVE`); `REPLAY ▶ 2× 40%`;
+    /// `SNAPSHOT`.
+    pub fn badge(&self, now: Instant) -> Badge {
+        match self {
+            Source::Live(l) if l.frozen() => Badge::new(
+                format!("FROZEN +{}", crate::fmt::count(l.behind())),
+                Tone::Caution,
+            ),
+            Source::Live(l) => l
+                .link
+                .as_ref()
+                .map_or_else(|| Badge::new("LIVE", Tone::Ok), |k| k.badge(now)),
+            Source::Replay(r) => {
+                let icon = if r.playing() { "▶" } else { "⏸" };
+                let pct = if r.is_empty() {
+                    100.0
+                } else {
+                    r.position() as f64 * 100.0 / r.len() as f64
+                };
+                Badge::new(
+                    format!("REPLAY {icon} {}× {:.0}%", r.speed(), pct),
+                    Tone::Replay,
+                )
+            }
+            Source::Fixed => Badge::new("SNAPSHOT", Tone::Still),
+        }
     }
-    fn clear(&self, id: u64) -> bool {
-        Breakpoints::clear(self, id)
+
+    /// Events the console missed: overwritten in a live ring before they
+    /// were read (0 otherwise).
+    pub fn lagged(&self) -> u64 {
+        match self {
+            Source::Live(l) => l.lagged(),
+            _ => 0,
+        }
     }
-    fn clear_all(&self) -> usize {
-        Breakpoints::clear_all(self)
+
+    /// Events lost before the console could see them: dropped by the
+    /// engine's bus, by a remote stream, or by the recording.
+    pub fn dropped(&self) -> u64 {
+        match self {
+            Source::Live(l) => l.counters().lost,
+            Source::Replay(r) => r.lost(),
+            Source::Fixed => 0,
+        }
     }
-    fn resume(&self, pause_id: u64) -> bool {
-        Breakpoints::resume(self, pause_id)
+
+    /// Why the source has no per-request slots, when it has none.
+    pub fn no_slots_reason(&self) -> Option<&str> {
+        match self {
+            Source::Live(l) => l.no_slots_reason.as_deref(),
+            _ => None,
+        }
     }
-    fn resume_all(&self) -> usize {
-        Breakpoints::resume_all(self)
+}
+
+/// A source's mode badge, for the header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Badge {
+    /// Its text, e.g. `LIVE`.
+    pub text: String,
+    /// How it is coloured.
+    pub tone: Tone,
+}
+
+impl Badge {
+    /// A badge.
+    pub fn new(text: impl Into<String>, tone: Tone) -> Self {
+        Badge {
+            text: text.into(),
+            tone,
+        }
     }
-    fn step(&self) -> bool {
-        Breakpoints::step(self)
-    }
+}
+
+/// What a badge's colour says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tone {
+    /// Live and well.
+    Ok,
+    /// Frozen, or (re)connecting.
+    Caution,
+    /// Failed or stopped.
+    Down,
+    /// A replay.
+    Replay,
+    /// A fixed snapshot.
+    Still,
+}
+
+/// How a live source reaches an engine outside this process (an attach
+/// connection, a ZMQ subscription): its badge replaces `LIVE`.
+pub trait Link: Send + Sync {
+    /// The badge at `now`.
+    fn badge(&self, now: Instant) -> Badge;
 }
 
 /// Most events applied per pull, so one pull never holds up input or
@@ -70,6 +149,8 @@ pub struct LiveSource {
     frozen: bool,
     control: Option<Arc<dyn Control>>,
     counters: RingCounters,
+    link: Option<Arc<dyn Link>>,
+    no_slots_reason: Option<String>,
 }
 
 impl LiveSource {
@@ -83,7 +164,22 @@ impl LiveSource {
             frozen: false,
             control,
             counters,
+            link: None,
+            no_slots_reason: None,
         }
+    }
+
+    /// Reached through `link`, whose badge the header shows.
+    pub fn with_link(mut self, link: Arc<dyn Link>) -> Self {
+        self.link = Some(link);
+        self
+    }
+
+    /// A source without per-request slots (vLLM KV events): the Slots
+    /// view says `reason` instead of "no requests yet".
+    pub fn without_slots(mut self, reason: impl Into<String>) -> Self {
+        self.no_slots_reason = Some(reason.into());
+        self
     }
 
     /// Applies what arrived since the last pull (nothing while frozen: the

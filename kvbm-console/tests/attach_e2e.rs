@@ -14,12 +14,11 @@
 //! `KVBM_SIM_BIN`.
 
 use kvbm_attach::client::ClientConfig;
-use kvbm_console::app::App;
+use kvbm_console::app::{App, Source};
 use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::remote::Remote;
-use kvbm_console::source::Control;
-use kvbm_console::ui;
 use kvbm_events::breakpoint::BreakpointSpec;
+use kvbm_events::control::{Control, ControlCommand, ControlError, ControlResult};
 use kvbm_events::slot::SlotState;
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
@@ -73,7 +72,11 @@ fn runtime() -> tokio::runtime::Runtime {
 
 fn attach(url: &str, rt: &tokio::runtime::Runtime) -> (Remote, App) {
     let remote = Remote::start(ClientConfig::new(url).unwrap(), 1 << 20, rt.handle()).unwrap();
-    let app = remote.app(Model::new(ModelConfig::default()));
+    let app = App::new(
+        Model::new(ModelConfig::default()),
+        Source::Live(remote.source()),
+        remote.status().url(),
+    );
     (remote, app)
 }
 
@@ -98,13 +101,13 @@ fn wait<T>(app: &mut App, secs: u64, what: &str, mut pred: impl FnMut(&App) -> O
 fn header(app: &mut App) -> String {
     app.resize(120, 30);
     let mut t = Terminal::new(TestBackend::new(120, 30)).unwrap();
-    t.draw(|f| ui::render(app, f)).unwrap();
+    t.draw(|f| app.render(f)).unwrap();
     let buf = t.backend().buffer();
     (0..120).map(|x| buf[(x, 0)].symbol().to_string()).collect()
 }
 
-/// A request now decoding whose slot was created last (so it has the most
-/// decoding left), other than `not`.
+/// A request now decoding whose slot was created last (so others are
+/// still decoding when it is done), other than `not`.
 fn decoding_request(app: &App, not: Option<&str>) -> Option<String> {
     app.model
         .state()
@@ -114,14 +117,28 @@ fn decoding_request(app: &App, not: Option<&str>) -> Option<String> {
         .map(|s| s.request.to_string())
 }
 
+/// A request now decoding with the most tokens left to generate, other
+/// than `not`. Output lengths vary: the newest request may be a few
+/// tokens from its end, and finish before a breakpoint set on it lands
+/// (the engine runs fast for a while after a pause, catching up with
+/// real time).
+fn longest_decoding_request(app: &App, not: Option<&str>) -> Option<String> {
+    app.model
+        .state()
+        .slots()
+        .filter(|s| s.state == SlotState::Decoding && Some(&*s.request) != not)
+        .max_by_key(|s| u64::from(s.max_output_tokens).saturating_sub(s.generated))
+        .map(|s| s.request.to_string())
+}
+
 fn finished(app: &App, r: &str) -> bool {
     app.model.state().slot(r).is_some_and(|s| s.is_finished())
 }
 
 fn paused_on(app: &App, r: &str) -> Option<u64> {
-    app.ui
-        .control
-        .as_ref()?
+    app.views
+        .breakpoints
+        .control()?
         .paused
         .iter()
         .find(|p| p.call.request.as_deref() == Some(r))
@@ -151,30 +168,48 @@ fn breakpoints_over_the_wire_pause_resume_and_are_released_when_the_console_goes
     let spec = BreakpointSpec::default()
         .with_state("Decoding")
         .with_request(r.clone());
-    let bp = control.add(spec).expect("the breakpoint is set");
-    assert!(control.breakpoints().iter().any(|b| b.id == bp));
+    let bp = match control.execute(ControlCommand::Add { spec }, None) {
+        Ok(ControlResult::Added(id)) => id,
+        other => panic!("the breakpoint is not set: {other:?}"),
+    };
+    assert!(control.view().breakpoints.iter().any(|b| b.id == bp));
     let pause = wait(&mut app, 20, "the pause", |a| paused_on(a, &r));
     // The model saw the hit too (the BreakpointHit event).
     wait(&mut app, 10, "the BreakpointHit", |a| {
         (a.model.state().paused_count() > 0).then_some(())
     });
     assert!(!finished(&app, &r));
-    assert!(control.resume(pause), "resumed");
-    assert!(control.clear(bp), "cleared");
+    let resume = ControlCommand::Resume {
+        pause_id: Some(pause),
+    };
+    assert_eq!(
+        control.execute(resume, None),
+        Ok(ControlResult::Done(true)),
+        "resumed"
+    );
+    assert_eq!(
+        control.execute(ControlCommand::Clear { id: bp }, None),
+        Ok(ControlResult::Done(true)),
+        "cleared"
+    );
     wait(&mut app, 30, "the request to finish", |a| {
         finished(a, &r).then_some(())
     });
-    assert!(control.breakpoints().is_empty());
+    assert!(control.view().breakpoints.is_empty());
     assert_eq!(control.errors(), 0, "{:?}", control.take_error());
 
     // Round 2: pause, then the console goes away while paused.
     let r2 = wait(&mut app, 30, "another decoding request", |a| {
-        decoding_request(a, Some(&r)).filter(|x| !finished(a, x))
+        longest_decoding_request(a, Some(&r)).filter(|x| !finished(a, x))
     });
     let spec = BreakpointSpec::default()
         .with_state("Decoding")
         .with_request(r2.clone());
-    control.add(spec).expect("the second breakpoint is set");
+    let added = control.execute(ControlCommand::Add { spec }, None);
+    assert!(
+        matches!(added, Ok(ControlResult::Added(_))),
+        "the second breakpoint is not set: {added:?}"
+    );
     wait(&mut app, 20, "the second pause", |a| paused_on(a, &r2));
     let paused_at = Instant::now();
     drop(app);
@@ -189,8 +224,9 @@ fn breakpoints_over_the_wire_pause_resume_and_are_released_when_the_console_goes
     assert!(paused_at.elapsed() < Duration::from_secs(60));
     let c2 = remote2.control();
     c2.refresh();
-    assert!(c2.breakpoints().is_empty(), "{:?}", c2.breakpoints());
-    assert!(c2.paused().is_empty());
+    let view = c2.view();
+    assert!(view.breakpoints.is_empty(), "{:?}", view.breakpoints);
+    assert!(view.paused.is_empty());
 }
 
 #[test]
@@ -211,8 +247,18 @@ fn attach_to_nothing_shows_reconnecting_and_keys_fail_cleanly() {
     let h = header(&mut app);
     assert!(h.contains("RECONNECTING (attempt"), "{h}");
     let c = remote.control();
-    let e = c.add(BreakpointSpec::default().with_state("Decoding"));
-    assert_eq!(e, Err("not connected to the server".to_string()));
-    assert!(!c.resume(1));
+    let spec = BreakpointSpec::default().with_state("Decoding");
+    let e = c.execute(ControlCommand::Add { spec }, None);
+    assert_eq!(
+        e,
+        Err(ControlError::Unavailable(
+            "not connected to the server".to_string()
+        ))
+    );
+    let resume = ControlCommand::Resume { pause_id: Some(1) };
+    assert!(matches!(
+        c.execute(resume, None),
+        Err(ControlError::Unavailable(_))
+    ));
     assert!(c.take_error().is_some());
 }

@@ -7,7 +7,6 @@ use kvbm_console::app::{App, Source};
 use kvbm_console::keys::ViewId;
 use kvbm_console::model::{Model, ModelConfig};
 use kvbm_console::source::ReplaySource;
-use kvbm_console::ui;
 use kvbm_events::slot::SlotState;
 use kvbm_events::tier::Tier;
 use kvbm_events::{Direction, Event, EventKind, RequestId};
@@ -36,7 +35,7 @@ fn draw(app: &mut App, w: u16, h: u16) -> Vec<String> {
     app.resize(w, h);
     app.tick();
     let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
-    t.draw(|f| ui::render(app, f)).unwrap();
+    t.draw(|f| app.render(f)).unwrap();
     let buf = t.backend().buffer();
     (0..h)
         .map(|y| {
@@ -252,10 +251,13 @@ fn the_mouse_selects_rows_scrolls_and_switches_views() {
     // table header: the third row is at y = 7.
     app.mouse(mouse(MouseEventKind::Down(MouseButton::Left), 10, 7));
     assert_eq!(app.list().selected, 2);
-    assert_eq!(app.ui.selected_slot.as_deref(), Some("req-002"));
+    assert_eq!(app.views.slots.selected().map(|r| &**r), Some("req-002"));
     // A second click on the selected row opens it.
     app.mouse(mouse(MouseEventKind::Down(MouseButton::Left), 10, 7));
-    assert_eq!(app.ui.detail.as_deref(), Some("req-002"));
+    assert_eq!(
+        app.views.detail.as_ref().map(|d| &**d.request()),
+        Some("req-002")
+    );
     special(&mut app, KeyCode::Esc);
     app.mouse(mouse(MouseEventKind::ScrollDown, 10, 20));
     app.mouse(mouse(MouseEventKind::ScrollDown, 10, 20));
@@ -298,7 +300,7 @@ fn the_detail_event_list_survives_history_drops_and_seeks() {
         seq += 1;
     };
     push(&mut app, "a");
-    app.ui.detail = Some("a".into());
+    app.open("a".into());
     for round in 0..10 {
         for i in 0..7 {
             push(&mut app, if i % 3 == 0 { "a" } else { "b" });

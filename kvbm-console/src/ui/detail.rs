@@ -1,16 +1,18 @@
 //! One request: its states as a horizontal timeline, its transfers as
 //! spans beneath, and its own events.
 
-use super::{head, panel, selected, state_color};
-use crate::app::App;
+use super::list::ListState;
+use super::{View, head, panel, selected, state_color};
 use crate::fmt;
+use crate::model::{History, Model};
 use kvbm_events::slot::SlotState;
-use kvbm_events::{Event, EventKind};
+use kvbm_events::{Event, EventKind, RequestId};
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Row, Table};
+use std::collections::VecDeque;
 
 /// Transfer spans drawn at most.
 const MAX_SPANS: usize = 6;
@@ -35,9 +37,9 @@ pub fn list_area(body: Rect) -> Rect {
 /// Indices into the history of `request`'s events, oldest first, from
 /// index `from` on. The history is in time order, so the scan starts no
 /// earlier than the slot's creation.
-pub fn scan_events_of(app: &App, request: &str, from: usize) -> Vec<usize> {
-    let h = app.model.history();
-    let from_ns = app.model.state().slot(request).map_or(0, |s| s.created_ns);
+fn scan_events_of(model: &Model, request: &str, from: usize) -> Vec<usize> {
+    let h = model.history();
+    let from_ns = model.state().slot(request).map_or(0, |s| s.created_ns);
     // Binary search on time over the history's indices.
     let (mut lo, mut hi) = (from, h.len().max(from));
     while lo < hi {
@@ -53,22 +55,289 @@ pub fn scan_events_of(app: &App, request: &str, from: usize) -> Vec<usize> {
         .collect()
 }
 
-/// `request`'s events: the update step's cache when it is for this
-/// request (it is, whenever the detail is open), else a scan.
-pub fn events_of(app: &App, request: &str) -> Vec<usize> {
-    let h = app.model.history();
-    match &app.detail_cache {
-        Some(c) if c.is_current(request, h) => c.indices(h),
-        _ => scan_events_of(app, request, 0),
+/// The detail of one request. Its rows are the request's events, found
+/// incrementally: it keeps their absolute positions (events dropped from
+/// the history's front before them + their index, so drops do not shift
+/// them) and, while the history only grows, scans just the new events.
+#[derive(Debug, Clone)]
+pub struct Detail {
+    request: RequestId,
+    /// Absolute position the last scan reached.
+    end: u64,
+    /// Absolute positions of the request's events, oldest first.
+    positions: VecDeque<u64>,
+    /// Indices into the history of those still held.
+    rows: Vec<usize>,
+    list: ListState,
+}
+
+impl Detail {
+    /// The detail of `request`, not yet scanned.
+    pub fn new(request: RequestId) -> Self {
+        Detail {
+            request,
+            end: 0,
+            positions: VecDeque::new(),
+            rows: Vec::new(),
+            list: ListState::default(),
+        }
+    }
+
+    /// The request.
+    pub fn request(&self) -> &RequestId {
+        &self.request
+    }
+
+    /// Brings the positions up to date with `history`: only the new events
+    /// are scanned while the history just grew; after it went back (a
+    /// replay's seek) everything is scanned again.
+    fn rescan(&mut self, model: &Model) {
+        let h: &History = model.history();
+        let (base, end) = (h.dropped(), h.dropped() + h.len() as u64);
+        if self.end <= end && self.end >= base {
+            while self.positions.front().is_some_and(|&p| p < base) {
+                self.positions.pop_front();
+            }
+        } else {
+            self.end = base;
+            self.positions.clear();
+        }
+        let from = (self.end - base) as usize;
+        self.positions.extend(
+            scan_events_of(model, &self.request, from)
+                .into_iter()
+                .map(|i| base + i as u64),
+        );
+        self.end = end;
     }
 }
 
-/// Rows in the detail's event list.
-pub fn event_count(app: &App) -> usize {
-    app.ui
-        .detail
-        .as_deref()
-        .map_or(0, |r| events_of(app, r).len())
+impl View for Detail {
+    fn update(&mut self, model: &Model) {
+        self.rescan(model);
+        let base = model.history().dropped();
+        self.rows.clear();
+        self.rows.extend(
+            self.positions
+                .iter()
+                .filter(|&&p| p >= base)
+                .map(|&p| (p - base) as usize),
+        );
+    }
+
+    fn row_count(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn list(&self) -> &ListState {
+        &self.list
+    }
+
+    fn list_mut(&mut self) -> &mut ListState {
+        &mut self.list
+    }
+
+    fn visible_rows(&self, body: Rect) -> usize {
+        list_area(body).height.saturating_sub(1) as usize
+    }
+
+    fn rows_area(&self, body: Rect) -> Option<Rect> {
+        let a = list_area(body);
+        Some(Rect::new(a.x, a.y + 1, a.width, a.height.saturating_sub(1)))
+    }
+
+    fn selected_request(&self, _model: &Model) -> Option<RequestId> {
+        Some(self.request.clone())
+    }
+
+    fn draw(&self, model: &Model, f: &mut Frame, area: Rect) {
+        let [info_a, time_a, list_a] = Layout::vertical([
+            Constraint::Length(4),
+            Constraint::Length(4 + MAX_SPANS as u16),
+            Constraint::Min(3),
+        ])
+        .areas(area);
+        let request: &str = &self.request;
+        let st = model.state();
+        let now = model.now_ns();
+        let h = model.history();
+        let evs: Vec<&Event> = self.rows.iter().filter_map(|&i| h.get(i)).collect();
+
+        // Summary.
+        let info = match st.slot(request) {
+            Some(s) => vec![
+                Line::from(vec![
+                    Span::styled(s.state.to_string(), Style::new().fg(state_color(&s.state))),
+                    Span::raw(format!(
+                        "  age {} · in state {} · prompt {} · computed {} · generated {}/{}",
+                        fmt::dur(now.saturating_sub(s.created_ns)),
+                        fmt::dur(now.saturating_sub(s.state_since_ns)),
+                        s.prompt_tokens,
+                        s.computed,
+                        s.generated,
+                        s.max_output_tokens
+                    )),
+                ]),
+                Line::from(format!(
+                    "blocks G1 {} G2 {} G3 {} · cached tokens hit G1 {} G2 {} G3 {} · outstanding {} · TTFT {}",
+                    s.blocks[0],
+                    s.blocks[1],
+                    s.blocks[2],
+                    s.hit_tokens[0],
+                    s.hit_tokens[1],
+                    s.hit_tokens[2],
+                    s.outstanding,
+                    s.ttft_ns().map_or("-".into(), fmt::dur)
+                )),
+            ],
+            None => vec![Line::from(Span::styled(
+                "no longer tracked (pruned after finishing, or not seen yet); its events follow",
+                Style::new().fg(Color::DarkGray),
+            ))],
+        };
+        f.render_widget(
+            Paragraph::new(info).block(panel(format!("Request {request}"))),
+            info_a,
+        );
+
+        // Timeline.
+        let inner_w = time_a.width.saturating_sub(2) as usize;
+        let mut lines = Vec::new();
+        let t0 = st
+            .slot(request)
+            .map(|s| s.created_ns)
+            .or(evs.first().map(|e| e.ts_ns))
+            .unwrap_or(now);
+        let sp = spans(&evs);
+        // The axis runs to the end of the request, or of its last transfer
+        // (offloads can outlive a finished request), or to now.
+        let end = st
+            .slot(request)
+            .filter(|s| s.is_finished())
+            .map(|s| s.state_since_ns)
+            .unwrap_or(now)
+            .max(sp.iter().map(|s| s.end.unwrap_or(now)).max().unwrap_or(0))
+            .max(t0 + 1);
+        if let Some(s) = st.slot(request) {
+            let mut bar: Vec<Span> = Vec::new();
+            let mut drawn = 0usize;
+            for (a, b, state) in s.intervals(end) {
+                let to = if state == SlotState::Finished {
+                    inner_w
+                } else {
+                    col(b, t0, end, inner_w).max(drawn)
+                };
+                let to = to.max(col(a, t0, end, inner_w) + 1).min(inner_w);
+                if to > drawn {
+                    bar.push(Span::styled(
+                        "█".repeat(to - drawn),
+                        Style::new().fg(state_color(&state)),
+                    ));
+                    drawn = to;
+                }
+            }
+            lines.push(Line::from(bar));
+            let legend: Vec<Span> = s
+                .intervals(end)
+                .flat_map(|(a, b, state)| {
+                    [
+                        Span::styled("■ ", Style::new().fg(state_color(&state))),
+                        Span::raw(format!("{} {}  ", state.name(), fmt::dur(b - a))),
+                    ]
+                })
+                .collect();
+            lines.push(Line::from(legend));
+            if s.history_dropped > 0 {
+                lines.push(Line::from(Span::styled(
+                    format!("({} earlier states not kept)", s.history_dropped),
+                    Style::new().fg(Color::Red),
+                )));
+            }
+        }
+        if sp.is_empty() {
+            lines.push(Line::from(Span::styled(
+                "no transfers",
+                Style::new().fg(Color::DarkGray),
+            )));
+        }
+        let hidden = sp.len().saturating_sub(MAX_SPANS);
+        for s in sp.iter().skip(hidden) {
+            let a = col(s.start, t0, end, inner_w);
+            let b = col(s.end.unwrap_or(now), t0, end, inner_w)
+                .max(a + 1)
+                .min(inner_w);
+            let color = match s.status {
+                "completed" => Color::Green,
+                "skipped" | "cancelled" => Color::DarkGray,
+                "failed" => Color::Red,
+                _ => Color::Cyan,
+            };
+            let label = format!(" {} {}", s.label, s.status);
+            let bar = Span::styled("━".repeat(b - a), Style::new().fg(color));
+            let width = label.chars().count();
+            let line = if b + width > inner_w && a > width {
+                // No room on the right: the label goes on the left of the span.
+                vec![
+                    Span::raw(" ".repeat(a - width - 1)),
+                    Span::raw(label),
+                    Span::raw(" "),
+                    bar,
+                ]
+            } else {
+                // Otherwise on the right, clipped at the border if need be.
+                vec![Span::raw(" ".repeat(a)), bar, Span::raw(label)]
+            };
+            lines.push(Line::from(line));
+        }
+        let title = format!(
+            "Timeline from {} for {}{}",
+            fmt::clock(t0),
+            fmt::dur(end - t0),
+            if hidden > 0 {
+                format!(" · {hidden} earlier transfers not drawn")
+            } else {
+                String::new()
+            }
+        );
+        f.render_widget(Paragraph::new(lines).block(panel(title)), time_a);
+
+        // Events.
+        let inner = list_area(area);
+        let visible = inner.height.saturating_sub(1) as usize;
+        let l = &self.list;
+        let off = l.offset_for(evs.len(), visible);
+        let rows: Vec<Row> = evs
+            .iter()
+            .enumerate()
+            .skip(off)
+            .take(visible)
+            .map(|(i, e)| {
+                let r = Row::new(vec![
+                    e.seq.to_string(),
+                    fmt::clock(e.ts_ns),
+                    e.kind.name().to_string(),
+                    super::events::describe(&e.kind),
+                ]);
+                if i == l.selected {
+                    r.style(selected())
+                } else {
+                    r
+                }
+            })
+            .collect();
+        let table = Table::new(
+            rows,
+            [
+                Constraint::Length(9),
+                Constraint::Length(10),
+                Constraint::Length(17),
+                Constraint::Min(10),
+            ],
+        )
+        .header(Row::new(vec!["Seq", "Time", "Kind", "Detail"]).style(head()))
+        .block(panel(format!("Events of {request} ({})", evs.len())));
+        f.render_widget(table, list_a);
+    }
 }
 
 /// A transfer of this request as a span on the timeline.
@@ -121,194 +390,4 @@ fn col(t: u64, t0: u64, t1: u64, width: usize) -> usize {
     }
     (((t.saturating_sub(t0)) as f64 / (t1 - t0) as f64) * width as f64).min(width as f64 - 1.0)
         as usize
-}
-
-/// Draws the view.
-pub fn render(app: &App, request: &str, f: &mut Frame, area: Rect) {
-    let [info_a, time_a, list_a] = Layout::vertical([
-        Constraint::Length(4),
-        Constraint::Length(4 + MAX_SPANS as u16),
-        Constraint::Min(3),
-    ])
-    .areas(area);
-    let st = app.model.state();
-    let now = app.model.now_ns();
-    let idx = events_of(app, request);
-    let h = app.model.history();
-    let evs: Vec<&Event> = idx.iter().filter_map(|&i| h.get(i)).collect();
-
-    // Summary.
-    let info = match st.slot(request) {
-        Some(s) => vec![
-            Line::from(vec![
-                Span::styled(s.state.to_string(), Style::new().fg(state_color(&s.state))),
-                Span::raw(format!(
-                    "  age {} · in state {} · prompt {} · computed {} · generated {}/{}",
-                    fmt::dur(now.saturating_sub(s.created_ns)),
-                    fmt::dur(now.saturating_sub(s.state_since_ns)),
-                    s.prompt_tokens,
-                    s.computed,
-                    s.generated,
-                    s.max_output_tokens
-                )),
-            ]),
-            Line::from(format!(
-                "blocks G1 {} G2 {} G3 {} · cached tokens hit G1 {} G2 {} G3 {} · outstanding {} · TTFT {}",
-                s.blocks[0],
-                s.blocks[1],
-                s.blocks[2],
-                s.hit_tokens[0],
-                s.hit_tokens[1],
-                s.hit_tokens[2],
-                s.outstanding,
-                s.ttft_ns().map_or("-".into(), fmt::dur)
-            )),
-        ],
-        None => vec![Line::from(Span::styled(
-            "no longer tracked (pruned after finishing, or not seen yet); its events follow",
-            Style::new().fg(Color::DarkGray),
-        ))],
-    };
-    f.render_widget(
-        Paragraph::new(info).block(panel(format!("Request {request}"))),
-        info_a,
-    );
-
-    // Timeline.
-    let inner_w = time_a.width.saturating_sub(2) as usize;
-    let mut lines = Vec::new();
-    let t0 = st
-        .slot(request)
-        .map(|s| s.created_ns)
-        .or(evs.first().map(|e| e.ts_ns))
-        .unwrap_or(now);
-    let sp = spans(&evs);
-    // The axis runs to the end of the request, or of its last transfer
-    // (offloads can outlive a finished request), or to now.
-    let end = st
-        .slot(request)
-        .filter(|s| s.is_finished())
-        .map(|s| s.state_since_ns)
-        .unwrap_or(now)
-        .max(sp.iter().map(|s| s.end.unwrap_or(now)).max().unwrap_or(0))
-        .max(t0 + 1);
-    if let Some(s) = st.slot(request) {
-        let mut bar: Vec<Span> = Vec::new();
-        let mut drawn = 0usize;
-        for (a, b, state) in s.intervals(end) {
-            let to = if state == SlotState::Finished {
-                inner_w
-            } else {
-                col(b, t0, end, inner_w).max(drawn)
-            };
-            let to = to.max(col(a, t0, end, inner_w) + 1).min(inner_w);
-            if to > drawn {
-                bar.push(Span::styled(
-                    "█".repeat(to - drawn),
-                    Style::new().fg(state_color(&state)),
-                ));
-                drawn = to;
-            }
-        }
-        lines.push(Line::from(bar));
-        let legend: Vec<Span> = s
-            .intervals(end)
-            .flat_map(|(a, b, state)| {
-                [
-                    Span::styled("■ ", Style::new().fg(state_color(&state))),
-                    Span::raw(format!("{} {}  ", state.name(), fmt::dur(b - a))),
-                ]
-            })
-            .collect();
-        lines.push(Line::from(legend));
-        if s.history_dropped > 0 {
-            lines.push(Line::from(Span::styled(
-                format!("({} earlier states not kept)", s.history_dropped),
-                Style::new().fg(Color::Red),
-            )));
-        }
-    }
-    if sp.is_empty() {
-        lines.push(Line::from(Span::styled(
-            "no transfers",
-            Style::new().fg(Color::DarkGray),
-        )));
-    }
-    let hidden = sp.len().saturating_sub(MAX_SPANS);
-    for s in sp.iter().skip(hidden) {
-        let a = col(s.start, t0, end, inner_w);
-        let b = col(s.end.unwrap_or(now), t0, end, inner_w)
-            .max(a + 1)
-            .min(inner_w);
-        let color = match s.status {
-            "completed" => Color::Green,
-            "skipped" | "cancelled" => Color::DarkGray,
-            "failed" => Color::Red,
-            _ => Color::Cyan,
-        };
-        let label = format!(" {} {}", s.label, s.status);
-        let bar = Span::styled("━".repeat(b - a), Style::new().fg(color));
-        let width = label.chars().count();
-        let line = if b + width > inner_w && a > width {
-            // No room on the right: the label goes on the left of the span.
-            vec![
-                Span::raw(" ".repeat(a - width - 1)),
-                Span::raw(label),
-                Span::raw(" "),
-                bar,
-            ]
-        } else {
-            // Otherwise on the right, clipped at the border if need be.
-            vec![Span::raw(" ".repeat(a)), bar, Span::raw(label)]
-        };
-        lines.push(Line::from(line));
-    }
-    let title = format!(
-        "Timeline from {} for {}{}",
-        fmt::clock(t0),
-        fmt::dur(end - t0),
-        if hidden > 0 {
-            format!(" · {hidden} earlier transfers not drawn")
-        } else {
-            String::new()
-        }
-    );
-    f.render_widget(Paragraph::new(lines).block(panel(title)), time_a);
-
-    // Events.
-    let inner = list_area(area);
-    let visible = inner.height.saturating_sub(1) as usize;
-    let l = &app.ui.detail_list;
-    let off = l.offset_for(evs.len(), visible);
-    let rows: Vec<Row> = evs
-        .iter()
-        .enumerate()
-        .skip(off)
-        .take(visible)
-        .map(|(i, e)| {
-            let r = Row::new(vec![
-                e.seq.to_string(),
-                fmt::clock(e.ts_ns),
-                e.kind.name().to_string(),
-                super::events::describe(&e.kind),
-            ]);
-            if i == l.selected {
-                r.style(selected())
-            } else {
-                r
-            }
-        })
-        .collect();
-    let table = Table::new(
-        rows,
-        [
-            Constraint::Length(9),
-            Constraint::Length(10),
-            Constraint::Length(17),
-            Constraint::Min(10),
-        ],
-    )
-    .header(Row::new(vec!["Seq", "Time", "Kind", "Detail"]).style(head()))
-    .block(panel(format!("Events of {request} ({})", evs.len())));
-    f.render_widget(table, list_a);
 }

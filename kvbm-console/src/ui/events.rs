@@ -1,9 +1,12 @@
-//! The event log: every event, newest at the bottom, filterable.
+//! The event log: every event, newest at the bottom, filterable; it
+//! follows the newest event until scrolled away from it.
 
-use super::{head, panel, selected};
-use crate::app::App;
+use super::filter::Filter;
+use super::list::ListState;
+use super::{View, head, panel, selected};
 use crate::fmt;
-use kvbm_events::{Category, EventKind};
+use crate::model::Model;
+use kvbm_events::{Category, EventKind, RequestId};
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Rect};
 use ratatui::style::{Color, Style};
@@ -141,69 +144,157 @@ fn kind_color(kind: &EventKind) -> Color {
     }
 }
 
-/// Draws the view.
-pub fn render(app: &App, f: &mut Frame, area: Rect) {
-    let rows = app.event_rows();
-    let visible = area.height.saturating_sub(3) as usize;
-    let list = app.list();
-    let off = list.offset_for(rows.len(), visible);
-    let h = app.model.history();
-    let title = format!(
-        "Events — {} shown of {} kept{}{}{}",
-        fmt::count(rows.len() as u64),
-        fmt::count(h.len() as u64),
-        if h.dropped() > 0 {
-            format!(" ({} older dropped)", fmt::count(h.dropped()))
-        } else {
-            String::new()
-        },
-        app.ui
-            .filter
-            .as_ref()
-            .map_or(String::new(), |f| format!(" · filter `{}`", f.text)),
-        if app.ui.follow { " · following" } else { "" },
-    );
-    if rows.is_empty() {
-        f.render_widget(Paragraph::new("  no events").block(panel(title)), area);
-        return;
+/// The event log's state. Its rows are indices into the model's history
+/// (oldest first) of the events that pass the filter.
+#[derive(Debug, Clone)]
+pub struct EventLog {
+    rows: Vec<usize>,
+    list: ListState,
+    filter: Option<Filter>,
+    /// The selection sticks to the newest row.
+    follow: bool,
+}
+
+impl Default for EventLog {
+    fn default() -> Self {
+        EventLog {
+            rows: Vec::new(),
+            list: ListState::default(),
+            filter: None,
+            follow: true,
+        }
     }
-    let body: Vec<Row> = rows
-        .iter()
-        .enumerate()
-        .skip(off)
-        .take(visible)
-        .filter_map(|(i, &idx)| {
-            let e = h.get(idx)?;
-            let r = Row::new(vec![
-                Cell::from(e.seq.to_string()),
-                Cell::from(fmt::clock(e.ts_ns)),
-                Cell::from(e.iteration.to_string()),
-                Cell::from(e.request.as_deref().unwrap_or("-")),
-                Cell::from(Span::styled(
-                    e.kind.name(),
-                    Style::new().fg(kind_color(&e.kind)),
-                )),
-                Cell::from(describe(&e.kind)),
-            ]);
-            Some(if i == list.selected {
-                r.style(selected())
+}
+
+impl EventLog {
+    /// Filters the rows from the next update on.
+    pub fn set_filter(&mut self, filter: Option<Filter>) {
+        self.filter = filter;
+    }
+
+    /// Follows the newest row (or stops).
+    pub fn set_follow(&mut self, follow: bool) {
+        self.follow = follow;
+    }
+
+    /// Whether it follows the newest row.
+    pub fn follows(&self) -> bool {
+        self.follow
+    }
+}
+
+impl View for EventLog {
+    fn update(&mut self, model: &Model) {
+        let h = model.history();
+        self.rows.clear();
+        match &self.filter {
+            None => self.rows.extend(0..h.len()),
+            Some(f) => self.rows.extend((0..h.len()).filter(|&i| {
+                h.get(i).is_some_and(|e| {
+                    f.matches(&[
+                        e.request.as_deref().unwrap_or(""),
+                        e.kind.name(),
+                        &describe(&e.kind),
+                    ])
+                })
+            })),
+        }
+    }
+
+    fn row_count(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn list(&self) -> &ListState {
+        &self.list
+    }
+
+    fn list_mut(&mut self) -> &mut ListState {
+        &mut self.list
+    }
+
+    /// Moving onto the last row follows new rows; moving off it stops.
+    fn moved(&mut self, delta: isize, visible: usize) {
+        let len = self.rows.len();
+        self.list.moved(delta, len, visible);
+        self.follow = self.list.selected + 1 >= len;
+    }
+
+    fn settle(&mut self, visible: usize) {
+        let len = self.rows.len();
+        if self.follow {
+            self.list.selected = len.saturating_sub(1);
+        }
+        self.list.clamp(len, visible);
+    }
+
+    fn selected_request(&self, model: &Model) -> Option<RequestId> {
+        let i = *self.rows.get(self.list.selected)?;
+        model.history().get(i)?.request.clone()
+    }
+
+    fn draw(&self, model: &Model, f: &mut Frame, area: Rect) {
+        let rows = &self.rows;
+        let visible = area.height.saturating_sub(3) as usize;
+        let list = &self.list;
+        let off = list.offset_for(rows.len(), visible);
+        let h = model.history();
+        let title = format!(
+            "Events — {} shown of {} kept{}{}{}",
+            fmt::count(rows.len() as u64),
+            fmt::count(h.len() as u64),
+            if h.dropped() > 0 {
+                format!(" ({} older dropped)", fmt::count(h.dropped()))
             } else {
-                r
+                String::new()
+            },
+            self.filter
+                .as_ref()
+                .map_or(String::new(), |f| format!(" · filter `{}`", f.text)),
+            if self.follow { " · following" } else { "" },
+        );
+        if rows.is_empty() {
+            f.render_widget(Paragraph::new("  no events").block(panel(title)), area);
+            return;
+        }
+        let body: Vec<Row> = rows
+            .iter()
+            .enumerate()
+            .skip(off)
+            .take(visible)
+            .filter_map(|(i, &idx)| {
+                let e = h.get(idx)?;
+                let r = Row::new(vec![
+                    Cell::from(e.seq.to_string()),
+                    Cell::from(fmt::clock(e.ts_ns)),
+                    Cell::from(e.iteration.to_string()),
+                    Cell::from(e.request.as_deref().unwrap_or("-")),
+                    Cell::from(Span::styled(
+                        e.kind.name(),
+                        Style::new().fg(kind_color(&e.kind)),
+                    )),
+                    Cell::from(describe(&e.kind)),
+                ]);
+                Some(if i == list.selected {
+                    r.style(selected())
+                } else {
+                    r
+                })
             })
-        })
-        .collect();
-    let table = Table::new(
-        body,
-        [
-            Constraint::Length(8),
-            Constraint::Length(10),
-            Constraint::Length(6),
-            Constraint::Length(12),
-            Constraint::Length(17),
-            Constraint::Min(10),
-        ],
-    )
-    .header(Row::new(vec!["Seq", "Time", "Iter", "Request", "Kind", "Detail"]).style(head()))
-    .block(panel(title));
-    f.render_widget(table, area);
+            .collect();
+        let table = Table::new(
+            body,
+            [
+                Constraint::Length(8),
+                Constraint::Length(10),
+                Constraint::Length(6),
+                Constraint::Length(12),
+                Constraint::Length(17),
+                Constraint::Min(10),
+            ],
+        )
+        .header(Row::new(vec!["Seq", "Time", "Iter", "Request", "Kind", "Detail"]).style(head()))
+        .block(panel(title));
+        f.render_widget(table, area);
+    }
 }

@@ -1,26 +1,188 @@
-//! Drawing. Every function here takes `&App` and a frame; nothing here
-//! changes state (see [`crate::app`]). The layout is a pure function of the
-//! terminal size, so mouse clicks are mapped with the same arithmetic that
-//! drew the screen.
+//! Drawing, one type per view.
+//!
+//! Each view ([`slots::Slots`], [`detail::Detail`],
+//! [`transfers::Transfers`], [`pools::Pools`], [`hist::Histograms`],
+//! [`breakpoints::Breakpoints`], [`events::EventLog`]) owns its rows, its
+//! selection and, where it has one, its filter. It implements [`View`]:
+//! [`View::update`] computes the rows from the [`Model`] in the update
+//! step, and [`View::draw`] takes `&self`, so drawing cannot change state.
+//! [`chrome`] draws what surrounds the views (header, tabs, footer,
+//! popups) from plain values.
+//!
+//! Nothing here knows the app: the app drives these types, never the
+//! reverse. The layout is a pure function of the terminal size, so
+//! mouse clicks are mapped with the same arithmetic that drew the screen.
 
 pub mod breakpoints;
+pub mod chrome;
 pub mod detail;
 pub mod events;
+pub mod filter;
 pub mod hist;
+pub mod list;
 pub mod pools;
 pub mod slots;
 pub mod transfers;
 
-use crate::app::{App, InputKind, Source};
-use crate::fmt;
-use crate::keys::{self, ViewId};
-use crate::lints::LintKind;
+use crate::keys::ViewId;
+use crate::model::Model;
+use crate::source::Tone;
+use filter::Filter;
+use kvbm_events::RequestId;
 use kvbm_events::slot::SlotState;
+use list::ListState;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style, Stylize};
-use ratatui::text::{Line, Span};
-use ratatui::widgets::{Block, Clear, Paragraph, Wrap};
+use ratatui::text::Span;
+use ratatui::widgets::Block;
+
+/// What every view does. Its rows are computed in [`update`](Self::update)
+/// (the update step); the list methods keep its selection in range; only
+/// [`draw`](Self::draw) touches the frame, and it cannot change the view.
+pub trait View {
+    /// Recomputes the rows from `model`.
+    fn update(&mut self, model: &Model);
+
+    /// Rows in its list (0 for a view without one).
+    fn row_count(&self) -> usize;
+
+    /// Its selection and scroll position.
+    fn list(&self) -> &ListState;
+
+    /// Its selection and scroll position, to change.
+    fn list_mut(&mut self) -> &mut ListState;
+
+    /// Rows of its list that fit in `body` (its area less borders and the
+    /// header row).
+    fn visible_rows(&self, body: Rect) -> usize {
+        body.height.saturating_sub(3) as usize
+    }
+
+    /// Where its list's rows are on screen, for clicks; `None` when a click
+    /// selects nothing.
+    fn rows_area(&self, body: Rect) -> Option<Rect> {
+        Some(Rect::new(
+            body.x,
+            body.y + 2,
+            body.width,
+            body.height.saturating_sub(3),
+        ))
+    }
+
+    /// Moves the selection by `delta` rows (`visible` show).
+    fn moved(&mut self, delta: isize, visible: usize) {
+        let len = self.row_count();
+        self.list_mut().moved(delta, len, visible);
+    }
+
+    /// Selects `row` (a click).
+    fn select(&mut self, row: usize, visible: usize) {
+        let len = self.row_count();
+        self.list_mut().select(row, len, visible);
+    }
+
+    /// Keeps the selection in range after [`update`](Self::update).
+    fn settle(&mut self, visible: usize) {
+        let len = self.row_count();
+        self.list_mut().clamp(len, visible);
+    }
+
+    /// The request of the selected row, if it has one.
+    fn selected_request(&self, model: &Model) -> Option<RequestId> {
+        let _ = model;
+        None
+    }
+
+    /// The list row under a click at `(x, y)` with the view drawn in
+    /// `body`, if any.
+    fn row_at(&self, body: Rect, x: u16, y: u16) -> Option<usize> {
+        let list = self.rows_area(body)?;
+        if x < list.x || x >= list.right() || y < list.y || y >= list.bottom() {
+            return None;
+        }
+        let len = self.row_count();
+        let off = self.list().offset_for(len, list.height as usize);
+        let row = off + (y - list.y) as usize;
+        (row < len).then_some(row)
+    }
+
+    /// Draws it into `area`.
+    fn draw(&self, model: &Model, f: &mut Frame, area: Rect);
+}
+
+/// Every view's state, each owning its rows. Only the view on screen (the
+/// detail, when one is open) is updated, so a view that comes on screen is
+/// updated before it is drawn.
+pub struct Views {
+    /// One row per request.
+    pub slots: slots::Slots,
+    /// Candidates, batches, recent ends.
+    pub transfers: transfers::Transfers,
+    /// Per-tier gauges.
+    pub pools: pools::Pools,
+    /// Distributions.
+    pub histograms: hist::Histograms,
+    /// Breakpoints and paused calls.
+    pub breakpoints: breakpoints::Breakpoints,
+    /// The event log.
+    pub events: events::EventLog,
+    /// The open request's detail, over whichever view is selected.
+    pub detail: Option<detail::Detail>,
+}
+
+impl Views {
+    /// Every view empty; the slots view says `no_slots_reason` (when
+    /// given) instead of "no requests yet".
+    pub fn new(no_slots_reason: Option<String>) -> Self {
+        Views {
+            slots: slots::Slots::new(no_slots_reason),
+            transfers: transfers::Transfers::default(),
+            pools: pools::Pools::default(),
+            histograms: hist::Histograms::default(),
+            breakpoints: breakpoints::Breakpoints::default(),
+            events: events::EventLog::default(),
+            detail: None,
+        }
+    }
+
+    /// The view on screen: the detail when one is open, else `view`.
+    pub fn current(&self, view: ViewId) -> &dyn View {
+        match &self.detail {
+            Some(d) => d,
+            None => match view {
+                ViewId::Slots => &self.slots,
+                ViewId::Transfers => &self.transfers,
+                ViewId::Pools => &self.pools,
+                ViewId::Histograms => &self.histograms,
+                ViewId::Breakpoints => &self.breakpoints,
+                ViewId::Events => &self.events,
+            },
+        }
+    }
+
+    /// [`current`](Self::current), to change.
+    pub fn current_mut(&mut self, view: ViewId) -> &mut dyn View {
+        match &mut self.detail {
+            Some(d) => d,
+            None => match view {
+                ViewId::Slots => &mut self.slots,
+                ViewId::Transfers => &mut self.transfers,
+                ViewId::Pools => &mut self.pools,
+                ViewId::Histograms => &mut self.histograms,
+                ViewId::Breakpoints => &mut self.breakpoints,
+                ViewId::Events => &mut self.events,
+            },
+        }
+    }
+
+    /// Gives every view that filters a copy of `filter`.
+    pub fn set_filter(&mut self, filter: Option<&Filter>) {
+        self.slots.set_filter(filter.cloned());
+        self.transfers.set_filter(filter.cloned());
+        self.events.set_filter(filter.cloned());
+    }
+}
 
 /// The screen's regions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +228,17 @@ pub fn state_color(s: &SlotState) -> Color {
     }
 }
 
+/// The background of a badge of `tone`.
+pub fn tone_color(tone: Tone) -> Color {
+    match tone {
+        Tone::Ok => Color::Green,
+        Tone::Caution => Color::Yellow,
+        Tone::Down => Color::Red,
+        Tone::Replay => Color::Cyan,
+        Tone::Still => Color::Gray,
+    }
+}
+
 /// A bordered block with a title.
 pub fn panel(title: impl Into<String>) -> Block<'static> {
     Block::bordered().title(Span::styled(
@@ -84,298 +257,6 @@ pub fn selected() -> Style {
     Style::new().add_modifier(Modifier::REVERSED)
 }
 
-/// Rows a list in the current view has room for (its body height less
-/// borders and its header row).
-pub fn list_rows(app: &App) -> usize {
-    let body = areas(app.ui.size).body;
-    if app.ui.detail.is_some() {
-        return detail::list_area(body).height.saturating_sub(1) as usize;
-    }
-    match app.ui.view {
-        ViewId::Transfers => transfers::list_area(body).height.saturating_sub(3) as usize,
-        _ => body.height.saturating_sub(3) as usize,
-    }
-}
-
-/// The list row under a click, if any.
-pub fn row_at(app: &App, x: u16, y: u16) -> Option<usize> {
-    let body = areas(app.ui.size).body;
-    let list = if app.ui.detail.is_some() {
-        let a = detail::list_area(body);
-        Rect::new(a.x, a.y + 1, a.width, a.height.saturating_sub(1))
-    } else {
-        match app.ui.view {
-            // Pools have no list; transfers split theirs over two tables
-            // and are selected with the keys.
-            ViewId::Pools | ViewId::Transfers => return None,
-            _ => Rect::new(
-                body.x,
-                body.y + 2,
-                body.width,
-                body.height.saturating_sub(3),
-            ),
-        }
-    };
-    if x < list.x || x >= list.right() || y < list.y || y >= list.bottom() {
-        return None;
-    }
-    let l = app.list();
-    let off = l.offset_for(app.list_len(), list.height as usize);
-    let row = off + (y - list.y) as usize;
-    (row < app.list_len()).then_some(row)
-}
-
-fn tab_titles() -> Vec<(ViewId, String)> {
-    ViewId::ALL
-        .iter()
-        .enumerate()
-        .map(|(i, v)| (*v, format!(" {} {} ", i + 1, v.title())))
-        .collect()
-}
-
-/// The view whose tab is at column `x`.
-pub fn tab_at(x: u16) -> Option<ViewId> {
-    let mut col = 0u16;
-    for (v, t) in tab_titles() {
-        let w = t.chars().count() as u16;
-        if x >= col && x < col + w {
-            return Some(v);
-        }
-        col += w + 1;
-    }
-    None
-}
-
-/// Draws the whole screen.
-pub fn render(app: &App, f: &mut Frame) {
-    let a = areas(f.area());
-    header(app, f, a.header);
-    tabs(app, f, a.tabs);
-    if let Some(r) = &app.ui.detail {
-        detail::render(app, r, f, a.body);
-    } else {
-        match app.ui.view {
-            ViewId::Slots => slots::render(app, f, a.body),
-            ViewId::Transfers => transfers::render(app, f, a.body),
-            ViewId::Pools => pools::render(app, f, a.body),
-            ViewId::Histograms => hist::render(app, f, a.body),
-            ViewId::Breakpoints => breakpoints::render(app, f, a.body),
-            ViewId::Events => events::render(app, f, a.body),
-        }
-    }
-    footer(app, f, a.footer);
-    if app.ui.help {
-        help(app, f, a.body);
-    } else if app.ui.warnings {
-        warnings(app, f, a.body);
-    }
-}
-
-fn counter(name: &str, n: u64) -> Vec<Span<'static>> {
-    let style = if n > 0 {
-        Style::new().fg(Color::Red).add_modifier(Modifier::BOLD)
-    } else {
-        Style::new().fg(Color::DarkGray)
-    };
-    vec![
-        Span::raw(format!("{name} ")),
-        Span::styled(fmt::count(n), style),
-    ]
-}
-
-fn sep() -> Span<'static> {
-    Span::styled(" │ ", Style::new().fg(Color::DarkGray))
-}
-
-fn header(app: &App, f: &mut Frame, area: Rect) {
-    let m = &app.model;
-    let st = m.state();
-    let (mode, mode_style, lagged, dropped) = match &app.source {
-        Source::Live(l) => {
-            let c = l.counters();
-            if l.frozen() {
-                (
-                    format!("FROZEN +{}", fmt::count(l.behind())),
-                    Style::new().fg(Color::Black).bg(Color::Yellow),
-                    l.lagged(),
-                    c.lost,
-                )
-            } else if let Some(r) = &app.remote {
-                // Attached to a remote engine: the connection state.
-                use kvbm_attach::client::ConnState;
-                let state = r.state();
-                let bg = match state {
-                    ConnState::Connected { .. } => Color::Green,
-                    ConnState::Connecting { .. } | ConnState::Reconnecting { .. } => Color::Yellow,
-                    ConnState::Failed { .. } | ConnState::Stopped => Color::Red,
-                };
-                (
-                    state.describe(std::time::Instant::now()),
-                    Style::new().fg(Color::Black).bg(bg),
-                    l.lagged(),
-                    c.lost,
-                )
-            } else if let Some(z) = &app.zmq {
-                // On a vLLM ZMQ stream: the subscription's state.
-                use kvbm_ingest::vllm::ZmqState;
-                let (text, bg) = match z.state() {
-                    ZmqState::Connecting => ("ZMQ CONNECTING", Color::Yellow),
-                    ZmqState::Subscribed => ("ZMQ SUBSCRIBED", Color::Green),
-                    ZmqState::Stopped => ("ZMQ STOPPED", Color::Red),
-                };
-                (
-                    text.to_string(),
-                    Style::new().fg(Color::Black).bg(bg),
-                    l.lagged(),
-                    c.lost,
-                )
-            } else {
-                (
-                    "LIVE".to_string(),
-                    Style::new().fg(Color::Black).bg(Color::Green),
-                    l.lagged(),
-                    c.lost,
-                )
-            }
-        }
-        Source::Replay(r) => {
-            let icon = if r.playing() { "▶" } else { "⏸" };
-            let pct = if r.is_empty() {
-                100.0
-            } else {
-                r.position() as f64 * 100.0 / r.len() as f64
-            };
-            (
-                format!("REPLAY {icon} {}× {:.0}%", r.speed(), pct),
-                Style::new().fg(Color::Black).bg(Color::Cyan),
-                0,
-                r.lost(),
-            )
-        }
-        Source::Fixed => (
-            "SNAPSHOT".to_string(),
-            Style::new().fg(Color::Black).bg(Color::Gray),
-            0,
-            0,
-        ),
-    };
-    let engine = st.engine().map_or("-".to_string(), |e| e.to_string());
-    let mut l1 = vec![
-        Span::styled(" kvbm ", Style::new().add_modifier(Modifier::BOLD)),
-        Span::styled(format!(" {mode} "), mode_style),
-        sep(),
-        Span::raw(format!("{} ", fmt::clock(m.now_ns()))),
-        sep(),
-        Span::raw(format!("{} ev/s", fmt::count(m.events_per_s()))),
-        sep(),
-    ];
-    l1.extend(counter("lagged", lagged));
-    l1.push(Span::raw("  "));
-    l1.extend(counter("dropped", dropped));
-    l1.push(Span::raw("  "));
-    l1.extend(counter("history-dropped", m.history().dropped()));
-    l1.push(sep());
-    l1.push(Span::raw(format!(
-        "engine {engine} · {} · {} events",
-        app.label,
-        fmt::count(m.applied())
-    )));
-    let live = st.slots().filter(|s| !s.is_finished()).count();
-    let lints = m.lints();
-    let current = lints.current(st, m.now_ns());
-    let n_cur = |k: LintKind| current.iter().filter(|l| l.kind == k).count() as u64;
-    let warn_total = current.len() as u64 + lints.destination_full() + lints.thrash();
-    let mut l2 = vec![
-        Span::raw(format!(
-            " slots {} live / {} shown · in flight {} · paused {}",
-            live,
-            st.slot_count(),
-            st.in_flight_count(),
-            st.paused_count()
-        )),
-        sep(),
-    ];
-    let warn_style = if warn_total > 0 {
-        Style::new().fg(Color::Yellow)
-    } else {
-        Style::new().fg(Color::DarkGray)
-    };
-    l2.push(Span::styled(
-        format!(
-            "⚠ stuck {} · dest-full {} · thrash {} · near-deadline {} (w)",
-            n_cur(LintKind::StuckFinishing),
-            lints.destination_full(),
-            lints.thrash(),
-            n_cur(LintKind::PauseNearDeadline)
-        ),
-        warn_style,
-    ));
-    f.render_widget(Paragraph::new(vec![Line::from(l1), Line::from(l2)]), area);
-}
-
-fn tabs(app: &App, f: &mut Frame, area: Rect) {
-    let mut spans = Vec::new();
-    for (v, t) in tab_titles() {
-        let style = if v == app.ui.view {
-            Style::new()
-                .fg(Color::Black)
-                .bg(Color::White)
-                .add_modifier(Modifier::BOLD)
-        } else {
-            Style::new().fg(Color::Gray)
-        };
-        spans.push(Span::styled(t, style));
-        spans.push(Span::raw(" "));
-    }
-    if let Some(d) = &app.ui.detail {
-        spans.push(Span::styled(format!("› {d}"), Style::new().fg(Color::Cyan)));
-    }
-    if let Some(flt) = &app.ui.filter {
-        spans.push(Span::styled(
-            format!("  filter: {}", flt.text),
-            Style::new().fg(Color::Yellow),
-        ));
-    }
-    f.render_widget(Paragraph::new(Line::from(spans)), area);
-}
-
-fn footer(app: &App, f: &mut Frame, area: Rect) {
-    let line = if let Some(i) = &app.ui.input {
-        let prompt = match i.kind {
-            InputKind::Filter => "filter (text or /regex/): ",
-            InputKind::Breakpoint => "breakpoint (state= request= prefix= direction= entry=): ",
-        };
-        Line::from(vec![
-            Span::styled(prompt, Style::new().fg(Color::Yellow)),
-            Span::raw(i.text.clone()),
-            Span::styled("█", Style::new().fg(Color::Gray)),
-        ])
-    } else if let Some(m) = &app.ui.message {
-        let style = if m.error {
-            Style::new().fg(Color::Red)
-        } else {
-            Style::new().fg(Color::Green)
-        };
-        Line::from(Span::styled(m.text.clone(), style))
-    } else {
-        let hints = match (app.ui.detail.is_some(), app.ui.view, &app.source) {
-            (true, _, _) => "Esc back · j/k scroll · b break on this request · ? help · q quit",
-            (_, _, Source::Replay(_)) => {
-                "Space play/pause · +/- speed · ←/→ seek 10s · ,/. step · Home/End · ? help · q quit"
-            }
-            (_, ViewId::Slots, _) => {
-                "Enter detail · / filter · s sort · b break · Space freeze · ? help · q quit"
-            }
-            (_, ViewId::Breakpoints, _) => {
-                "a add · d clear · r resume · R resume all · n step · ? help · q quit"
-            }
-            _ => "Tab/1-6 views · / filter · Enter detail · Space freeze · ? help · q quit",
-        };
-        Line::from(Span::styled(hints, Style::new().fg(Color::DarkGray)))
-    };
-    f.render_widget(Paragraph::new(line), area);
-}
-
 /// A rectangle of at most `w`×`h` centred in `area`.
 pub fn centered(area: Rect, w: u16, h: u16) -> Rect {
     let w = w.min(area.width);
@@ -386,79 +267,6 @@ pub fn centered(area: Rect, w: u16, h: u16) -> Rect {
         w,
         h,
     )
-}
-
-fn help(app: &App, f: &mut Frame, area: Rect) {
-    let mut lines = Vec::new();
-    for (title, rows) in keys::help(app.context()) {
-        lines.push(Line::from(Span::styled(title, head().fg(Color::Cyan))));
-        for (k, text) in rows {
-            lines.push(Line::from(vec![
-                Span::styled(format!("  {k:<18}"), Style::new().fg(Color::Yellow)),
-                Span::raw(text),
-            ]));
-        }
-    }
-    let r = centered(area, 76, lines.len() as u16 + 2);
-    f.render_widget(Clear, r);
-    f.render_widget(
-        Paragraph::new(lines)
-            .block(panel("Help — keys (Esc or ? closes)"))
-            .wrap(Wrap { trim: false }),
-        r,
-    );
-}
-
-fn warnings(app: &App, f: &mut Frame, area: Rect) {
-    let m = &app.model;
-    let lints = m.lints();
-    let mut lines = vec![Line::from(vec![Span::styled("Now", head())])];
-    let current = lints.current(m.state(), m.now_ns());
-    if current.is_empty() {
-        lines.push(Line::from(Span::styled(
-            "  nothing",
-            Style::new().fg(Color::DarkGray),
-        )));
-    }
-    for l in &current {
-        lines.push(Line::from(vec![
-            Span::styled(
-                format!("  {:<20}", l.kind.name()),
-                Style::new().fg(Color::Yellow),
-            ),
-            Span::raw(l.detail.clone()),
-        ]));
-    }
-    lines.push(Line::from(Span::styled(
-        format!(
-            "Recent (dest-full {}, thrash {}; {} older dropped, {} evictions untracked)",
-            lints.destination_full(),
-            lints.thrash(),
-            lints.recent_dropped(),
-            lints.tracking_dropped()
-        ),
-        head(),
-    )));
-    let room = area.height.saturating_sub(lines.len() as u16 + 2) as usize;
-    for l in lints.recent().iter().rev().take(room) {
-        lines.push(Line::from(vec![
-            Span::styled(
-                format!("  {} ", fmt::clock(l.ts_ns)),
-                Style::new().fg(Color::DarkGray),
-            ),
-            Span::styled(
-                format!("{:<18}", l.kind.name()),
-                Style::new().fg(Color::Yellow),
-            ),
-            Span::raw(l.detail.clone()),
-        ]));
-    }
-    let r = centered(area, area.width.saturating_sub(4), area.height);
-    f.render_widget(Clear, r);
-    f.render_widget(
-        Paragraph::new(lines).block(panel("Warnings (Esc or w closes)")),
-        r,
-    );
 }
 
 /// Dims a style (finished rows).

@@ -1,15 +1,46 @@
 //! The pools view: per tier, a gauge of active / inactive / free blocks,
 //! hit rate, evictions per second, and sparklines of the last minutes.
 
-use super::panel;
-use crate::app::App;
+use super::list::ListState;
+use super::{View, panel};
 use crate::fmt;
+use crate::model::Model;
 use kvbm_events::tier::Tier;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Sparkline};
+
+/// One tier's panel, as of the last update.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct TierRow {
+    capacity: u32,
+    active: u32,
+    inactive: u32,
+    empty: u32,
+    /// A gauge was seen.
+    gauged: bool,
+    hit_blocks: u64,
+    looked_up_blocks: u64,
+    lookups: u64,
+    evictions: u64,
+    evictions_per_s: u64,
+    registrations: u64,
+    duplicate_registrations: u64,
+    /// Active blocks per closed second, oldest first.
+    active_history: Vec<u64>,
+    /// Evictions per closed second, oldest first.
+    eviction_history: Vec<u64>,
+}
+
+/// The pools view's state: one panel per tier. It has no list (no rows
+/// to select).
+#[derive(Debug, Clone, Default)]
+pub struct Pools {
+    tiers: [TierRow; 3],
+    list: ListState,
+}
 
 /// Draws one stacked bar: active, inactive, free.
 fn gauge(width: usize, capacity: u32, active: u32, inactive: u32) -> Line<'static> {
@@ -29,110 +60,143 @@ fn gauge(width: usize, capacity: u32, active: u32, inactive: u32) -> Line<'stati
     ])
 }
 
-/// Draws the view.
-pub fn render(app: &App, f: &mut Frame, area: Rect) {
-    let st = app.model.state();
-    let rows = Layout::vertical([Constraint::Ratio(1, 3); 3]).split(area);
-    for (tier, r) in Tier::ALL.into_iter().zip(rows.iter()) {
-        let p = st.pool(tier);
-        let evps = app.model.evictions_per_s(tier);
-        let title = format!(
-            "{} {} — {} blocks",
-            tier.short_name(),
-            match tier {
-                Tier::Device => "device",
-                Tier::Host => "host",
-                Tier::Disk => "disk",
-            },
-            fmt::count(u64::from(p.capacity))
-        );
-        let block = panel(title);
-        let inner = block.inner(*r);
-        f.render_widget(block, *r);
-        if p.capacity == 0 && p.gauge_ns.is_none() {
-            f.render_widget(
-                Paragraph::new(Span::styled(
-                    "  no gauge seen (tier disabled or not reported)",
-                    Style::new().fg(Color::DarkGray),
-                )),
-                inner,
-            );
-            continue;
+impl View for Pools {
+    fn update(&mut self, model: &Model) {
+        let st = model.state();
+        let samples = model.samples();
+        for (tier, row) in Tier::ALL.into_iter().zip(self.tiers.iter_mut()) {
+            let p = st.pool(tier);
+            *row = TierRow {
+                capacity: p.capacity,
+                active: p.active,
+                inactive: p.inactive,
+                empty: p.empty,
+                gauged: p.gauge_ns.is_some(),
+                hit_blocks: p.hit_blocks,
+                looked_up_blocks: p.looked_up_blocks,
+                lookups: p.lookups,
+                evictions: p.evictions,
+                evictions_per_s: model.evictions_per_s(tier),
+                registrations: p.registrations,
+                duplicate_registrations: p.duplicate_registrations,
+                active_history: samples
+                    .iter()
+                    .map(|s| u64::from(s.active[tier.index()]))
+                    .collect(),
+                eviction_history: samples.iter().map(|s| s.evictions[tier.index()]).collect(),
+            };
         }
-        let [left, right] =
-            Layout::horizontal([Constraint::Percentage(55), Constraint::Percentage(45)])
-                .areas(inner);
-        let lines = vec![
-            gauge(
-                left.width.saturating_sub(1) as usize,
-                p.capacity,
-                p.active,
-                p.inactive,
-            ),
-            Line::from(vec![
-                Span::styled("█ active ", Style::new().fg(Color::Green)),
-                Span::raw(format!("{}  ", p.active)),
-                Span::styled("▓ inactive ", Style::new().fg(Color::Yellow)),
-                Span::raw(format!("{}  ", p.inactive)),
-                Span::styled("░ free ", Style::new().fg(Color::DarkGray)),
-                Span::raw(p.empty.to_string()),
-            ]),
-            Line::from(format!(
-                "hit rate {} ({} of {} blocks looked up, {} lookups)",
-                fmt::pct(p.hit_blocks, p.looked_up_blocks),
-                fmt::count(p.hit_blocks),
-                fmt::count(p.looked_up_blocks),
-                fmt::count(p.lookups)
-            )),
-            Line::from(format!(
-                "evictions {}/s ({} total) · registered {} ({} duplicates)",
-                evps,
-                fmt::count(p.evictions),
-                fmt::count(p.registrations),
-                fmt::count(p.duplicate_registrations)
-            )),
-        ];
-        f.render_widget(Paragraph::new(lines), left);
-        let samples = app.model.samples();
-        let width = right.width as usize;
-        let take = samples.len().saturating_sub(width);
-        let active: Vec<u64> = samples
-            .iter()
-            .skip(take)
-            .map(|s| u64::from(s.active[tier.index()]))
-            .collect();
-        let evict: Vec<u64> = samples
-            .iter()
-            .skip(take)
-            .map(|s| s.evictions[tier.index()])
-            .collect();
-        let [la, sa, lb, sb] = Layout::vertical([
-            Constraint::Length(1),
-            Constraint::Fill(1),
-            Constraint::Length(1),
-            Constraint::Fill(1),
-        ])
-        .areas(right);
-        let label =
-            |text: String| Paragraph::new(Span::styled(text, Style::new().fg(Color::DarkGray)));
-        f.render_widget(label(format!("active blocks, last {} s", active.len())), la);
-        f.render_widget(
-            label(format!("evictions per second, last {} s", evict.len())),
-            lb,
-        );
-        let max_active = u64::from(p.capacity).max(1);
-        f.render_widget(
-            Sparkline::default()
-                .data(&active)
-                .max(max_active)
-                .style(Style::new().fg(Color::Green)),
-            sa,
-        );
-        f.render_widget(
-            Sparkline::default()
-                .data(&evict)
-                .style(Style::new().fg(Color::Yellow)),
-            sb,
-        );
+    }
+
+    fn row_count(&self) -> usize {
+        0
+    }
+
+    fn list(&self) -> &ListState {
+        &self.list
+    }
+
+    fn list_mut(&mut self) -> &mut ListState {
+        &mut self.list
+    }
+
+    fn rows_area(&self, _body: Rect) -> Option<Rect> {
+        None
+    }
+
+    fn draw(&self, _model: &Model, f: &mut Frame, area: Rect) {
+        let rows = Layout::vertical([Constraint::Ratio(1, 3); 3]).split(area);
+        for ((tier, p), r) in Tier::ALL.into_iter().zip(&self.tiers).zip(rows.iter()) {
+            let title = format!(
+                "{} {} — {} blocks",
+                tier.short_name(),
+                match tier {
+                    Tier::Device => "device",
+                    Tier::Host => "host",
+                    Tier::Disk => "disk",
+                },
+                fmt::count(u64::from(p.capacity))
+            );
+            let block = panel(title);
+            let inner = block.inner(*r);
+            f.render_widget(block, *r);
+            if p.capacity == 0 && !p.gauged {
+                f.render_widget(
+                    Paragraph::new(Span::styled(
+                        "  no gauge seen (tier disabled or not reported)",
+                        Style::new().fg(Color::DarkGray),
+                    )),
+                    inner,
+                );
+                continue;
+            }
+            let [left, right] =
+                Layout::horizontal([Constraint::Percentage(55), Constraint::Percentage(45)])
+                    .areas(inner);
+            let lines = vec![
+                gauge(
+                    left.width.saturating_sub(1) as usize,
+                    p.capacity,
+                    p.active,
+                    p.inactive,
+                ),
+                Line::from(vec![
+                    Span::styled("█ active ", Style::new().fg(Color::Green)),
+                    Span::raw(format!("{}  ", p.active)),
+                    Span::styled("▓ inactive ", Style::new().fg(Color::Yellow)),
+                    Span::raw(format!("{}  ", p.inactive)),
+                    Span::styled("░ free ", Style::new().fg(Color::DarkGray)),
+                    Span::raw(p.empty.to_string()),
+                ]),
+                Line::from(format!(
+                    "hit rate {} ({} of {} blocks looked up, {} lookups)",
+                    fmt::pct(p.hit_blocks, p.looked_up_blocks),
+                    fmt::count(p.hit_blocks),
+                    fmt::count(p.looked_up_blocks),
+                    fmt::count(p.lookups)
+                )),
+                Line::from(format!(
+                    "evictions {}/s ({} total) · registered {} ({} duplicates)",
+                    p.evictions_per_s,
+                    fmt::count(p.evictions),
+                    fmt::count(p.registrations),
+                    fmt::count(p.duplicate_registrations)
+                )),
+            ];
+            f.render_widget(Paragraph::new(lines), left);
+            // The newest seconds that fit.
+            let width = right.width as usize;
+            let take = p.active_history.len().saturating_sub(width);
+            let active = &p.active_history[take..];
+            let evict = &p.eviction_history[take..];
+            let [la, sa, lb, sb] = Layout::vertical([
+                Constraint::Length(1),
+                Constraint::Fill(1),
+                Constraint::Length(1),
+                Constraint::Fill(1),
+            ])
+            .areas(right);
+            let label =
+                |text: String| Paragraph::new(Span::styled(text, Style::new().fg(Color::DarkGray)));
+            f.render_widget(label(format!("active blocks, last {} s", active.len())), la);
+            f.render_widget(
+                label(format!("evictions per second, last {} s", evict.len())),
+                lb,
+            );
+            let max_active = u64::from(p.capacity).max(1);
+            f.render_widget(
+                Sparkline::default()
+                    .data(active)
+                    .max(max_active)
+                    .style(Style::new().fg(Color::Green)),
+                sa,
+            );
+            f.render_widget(
+                Sparkline::default()
+                    .data(evict)
+                    .style(Style::new().fg(Color::Yellow)),
+                sb,
+            );
+        }
     }
 }

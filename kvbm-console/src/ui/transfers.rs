@@ -2,9 +2,11 @@
 //! batches, and recent ends (completions with latency; skips, cancels and
 //! failures with their reasons).
 
-use super::{head, panel, selected};
-use crate::app::App;
+use super::filter::{Filter, passes};
+use super::list::ListState;
+use super::{View, head, panel, selected};
 use crate::fmt;
+use crate::model::Model;
 use kvbm_events::reducer::{EngineState, TransferState, TransferView};
 use kvbm_events::{Direction, RequestId};
 use ratatui::Frame;
@@ -32,38 +34,269 @@ pub fn list_area(body: Rect) -> Rect {
     Rect::new(mid.x, mid.y, mid.width, mid.height + bottom.height)
 }
 
-/// The rows of the selectable list: in-flight candidates (oldest first),
-/// then recent ends (newest first).
-fn rows(state: &EngineState) -> Vec<&TransferView> {
-    state.in_flight().chain(state.recent().rev()).collect()
+/// The transfers view's state. Its rows (one selection over two tables)
+/// are the in-flight candidates (oldest first), then the recent ends
+/// (newest first), filtered; the totals and batches are drawn from the
+/// model.
+#[derive(Debug, Clone, Default)]
+pub struct Transfers {
+    rows: Vec<TransferView>,
+    /// How many of `rows` are in flight.
+    in_flight: usize,
+    list: ListState,
+    filter: Option<Filter>,
 }
 
-/// Rows in the list.
-pub fn row_count(app: &App) -> usize {
-    rows(app.model.state())
-        .iter()
-        .filter(|t| matches_filter(app, t))
-        .count()
+impl Transfers {
+    /// Filters the rows from the next update on.
+    pub fn set_filter(&mut self, filter: Option<Filter>) {
+        self.filter = filter;
+    }
+
+    fn passes(&self, t: &TransferView) -> bool {
+        passes(
+            self.filter.as_ref(),
+            &[
+                t.request.as_deref().unwrap_or(""),
+                &t.direction.to_string(),
+                &t.status.to_string(),
+            ],
+        )
+    }
 }
 
-fn matches_filter(app: &App, t: &TransferView) -> bool {
-    app.ui.filter.as_ref().is_none_or(|f| {
-        f.matches(&[
-            t.request.as_deref().unwrap_or(""),
-            &t.direction.to_string(),
-            &t.status.to_string(),
-        ])
-    })
-}
+impl View for Transfers {
+    fn update(&mut self, model: &Model) {
+        let st = model.state();
+        let mut rows: Vec<TransferView> =
+            st.in_flight().filter(|t| self.passes(t)).cloned().collect();
+        self.in_flight = rows.len();
+        rows.extend(st.recent().rev().filter(|t| self.passes(t)).cloned());
+        self.rows = rows;
+    }
 
-/// The request of the selected transfer.
-pub fn selected_request(app: &App) -> Option<RequestId> {
-    let sel = app.ui.lists[crate::keys::ViewId::Transfers.index()].selected;
-    rows(app.model.state())
-        .into_iter()
-        .filter(|t| matches_filter(app, t))
-        .nth(sel)
-        .and_then(|t| t.request.clone())
+    fn row_count(&self) -> usize {
+        self.rows.len()
+    }
+
+    fn list(&self) -> &ListState {
+        &self.list
+    }
+
+    fn list_mut(&mut self) -> &mut ListState {
+        &mut self.list
+    }
+
+    fn visible_rows(&self, body: Rect) -> usize {
+        list_area(body).height.saturating_sub(3) as usize
+    }
+
+    /// Split over two tables: selected with the keys only.
+    fn rows_area(&self, _body: Rect) -> Option<Rect> {
+        None
+    }
+
+    fn selected_request(&self, _model: &Model) -> Option<RequestId> {
+        self.rows.get(self.list.selected)?.request.clone()
+    }
+
+    fn draw(&self, model: &Model, f: &mut Frame, area: Rect) {
+        let st = model.state();
+        let now = model.now_ns();
+        let [tot_a, mid_a, bot_a] = split(area);
+
+        // Totals per direction.
+        let totals: Vec<Row> = st
+            .direction_totals()
+            .iter()
+            .map(|t| {
+                let rate = if t.elapsed_ns > 0 {
+                    format!(
+                        "{}/s",
+                        fmt::bytes((t.bytes as f64 / (t.elapsed_ns as f64 / 1e9)) as u64)
+                    )
+                } else {
+                    "-".into()
+                };
+                Row::new(vec![
+                    t.direction.to_string(),
+                    fmt::count(t.planned),
+                    fmt::count(t.completed),
+                    fmt::count(t.skipped),
+                    fmt::count(t.cancelled),
+                    fmt::count(t.failed),
+                    fmt::count(t.blocks),
+                    fmt::bytes(t.bytes),
+                    rate,
+                ])
+            })
+            .collect();
+        let empty_totals = totals.is_empty();
+        let totals = Table::new(
+            totals,
+            [
+                Constraint::Length(7),
+                Constraint::Length(9),
+                Constraint::Length(9),
+                Constraint::Length(8),
+                Constraint::Length(9),
+                Constraint::Length(6),
+                Constraint::Length(9),
+                Constraint::Length(9),
+                Constraint::Min(8),
+            ],
+        )
+        .header(
+            Row::new(vec![
+                "Dir",
+                "Planned",
+                "Done",
+                "Skipped",
+                "Cancelled",
+                "Failed",
+                "Blocks",
+                "Bytes",
+                "Rate",
+            ])
+            .style(head()),
+        )
+        .block(panel(if empty_totals {
+            "Totals — no transfers yet"
+        } else {
+            "Totals by direction"
+        }));
+        f.render_widget(totals, tot_a);
+
+        // One selection over in flight + recent.
+        let all = &self.rows;
+        let n_flight = self.in_flight;
+        let list = &self.list;
+        let mid_rows = mid_a.height.saturating_sub(3) as usize;
+        let bot_rows = bot_a.height.saturating_sub(3) as usize;
+        // The selection scrolls the table it is in; the other keeps its top.
+        let sel = list.selected;
+        let mk = |i: usize, t: &TransferView, in_flight: bool| {
+            let bytes = bytes_per_block(st, t.direction).map_or("-".into(), |b| {
+                format!("~{}", fmt::bytes(b * u64::from(t.blocks)))
+            });
+            let when = if in_flight {
+                fmt::dur(now.saturating_sub(t.planned_ns))
+            } else {
+                fmt::dur(t.latency_ns())
+            };
+            let r = Row::new(vec![
+                Cell::from(format!("#{}", t.id)),
+                Cell::from(t.request.as_deref().unwrap_or("-").to_string()),
+                Cell::from(Span::styled(
+                    t.status.to_string(),
+                    Style::new().fg(status_color(&t.status)),
+                )),
+                Cell::from(t.direction.to_string()),
+                Cell::from(t.blocks.to_string()),
+                Cell::from(bytes),
+                Cell::from(when),
+                Cell::from(t.batch.map_or("-".into(), |b| b.to_string())),
+            ]);
+            if i == sel { r.style(selected()) } else { r }
+        };
+        let widths = [
+            Constraint::Length(8),
+            Constraint::Length(12),
+            Constraint::Min(18),
+            Constraint::Length(6),
+            Constraint::Length(6),
+            Constraint::Length(9),
+            Constraint::Length(9),
+            Constraint::Length(6),
+        ];
+        let mid_off = if sel < n_flight {
+            sel.saturating_sub(mid_rows.saturating_sub(1))
+        } else {
+            0
+        };
+        let flight: Vec<Row> = all[..n_flight]
+            .iter()
+            .enumerate()
+            .skip(mid_off)
+            .take(mid_rows)
+            .map(|(i, t)| mk(i, t, true))
+            .collect();
+        let batches: Vec<String> = st
+            .batches_in_flight()
+            .take(4)
+            .map(|b| {
+                format!(
+                    "batch {} {} {}×{} blk {}",
+                    b.id,
+                    b.direction,
+                    b.transfers.len(),
+                    b.blocks,
+                    fmt::dur(now.saturating_sub(b.dispatched_ns))
+                )
+            })
+            .collect();
+        let mid_title = format!(
+            "In flight — {} candidates · {} batches{}",
+            n_flight,
+            st.batches_in_flight().count(),
+            if batches.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", batches.join(" · "))
+            }
+        );
+        f.render_widget(
+            Table::new(flight, widths)
+                .header(
+                    Row::new(vec![
+                        "Id", "Request", "Status", "Dir", "Blocks", "Bytes", "Age", "Batch",
+                    ])
+                    .style(head()),
+                )
+                .block(panel(mid_title)),
+            mid_a,
+        );
+        let bot_sel = sel.saturating_sub(n_flight);
+        let bot_off = if sel >= n_flight {
+            bot_sel.saturating_sub(bot_rows.saturating_sub(1))
+        } else {
+            0
+        };
+        let recent: Vec<Row> = all[n_flight..]
+            .iter()
+            .enumerate()
+            .skip(bot_off)
+            .take(bot_rows)
+            .map(|(i, t)| mk(i + n_flight, t, false))
+            .collect();
+        let bot_title = format!(
+            "Recent — {} kept{} (latency = planned → end)",
+            all.len() - n_flight,
+            if st.recent_dropped() > 0 {
+                format!(", {} older dropped", fmt::count(st.recent_dropped()))
+            } else {
+                String::new()
+            }
+        );
+        f.render_widget(
+            Table::new(recent, widths)
+                .header(
+                    Row::new(vec![
+                        "Id",
+                        "Request",
+                        "Status / reason",
+                        "Dir",
+                        "Blocks",
+                        "Bytes",
+                        "Latency",
+                        "Batch",
+                    ])
+                    .style(head()),
+                )
+                .block(panel(bot_title)),
+            bot_a,
+        );
+    }
 }
 
 fn bytes_per_block(state: &EngineState, d: Direction) -> Option<u64> {
@@ -81,206 +314,4 @@ fn status_color(s: &TransferState) -> Color {
         TransferState::Skipped(_) | TransferState::Cancelled => Color::DarkGray,
         TransferState::Failed(_) => Color::Red,
     }
-}
-
-/// Draws the view.
-pub fn render(app: &App, f: &mut Frame, area: Rect) {
-    let st = app.model.state();
-    let now = app.model.now_ns();
-    let [tot_a, mid_a, bot_a] = split(area);
-
-    // Totals per direction.
-    let totals: Vec<Row> = st
-        .direction_totals()
-        .iter()
-        .map(|t| {
-            let rate = if t.elapsed_ns > 0 {
-                format!(
-                    "{}/s",
-                    fmt::bytes((t.bytes as f64 / (t.elapsed_ns as f64 / 1e9)) as u64)
-                )
-            } else {
-                "-".into()
-            };
-            Row::new(vec![
-                t.direction.to_string(),
-                fmt::count(t.planned),
-                fmt::count(t.completed),
-                fmt::count(t.skipped),
-                fmt::count(t.cancelled),
-                fmt::count(t.failed),
-                fmt::count(t.blocks),
-                fmt::bytes(t.bytes),
-                rate,
-            ])
-        })
-        .collect();
-    let empty_totals = totals.is_empty();
-    let totals = Table::new(
-        totals,
-        [
-            Constraint::Length(7),
-            Constraint::Length(9),
-            Constraint::Length(9),
-            Constraint::Length(8),
-            Constraint::Length(9),
-            Constraint::Length(6),
-            Constraint::Length(9),
-            Constraint::Length(9),
-            Constraint::Min(8),
-        ],
-    )
-    .header(
-        Row::new(vec![
-            "Dir",
-            "Planned",
-            "Done",
-            "Skipped",
-            "Cancelled",
-            "Failed",
-            "Blocks",
-            "Bytes",
-            "Rate",
-        ])
-        .style(head()),
-    )
-    .block(panel(if empty_totals {
-        "Totals — no transfers yet"
-    } else {
-        "Totals by direction"
-    }));
-    f.render_widget(totals, tot_a);
-
-    // One selection over in flight + recent.
-    let all: Vec<&TransferView> = rows(st)
-        .into_iter()
-        .filter(|t| matches_filter(app, t))
-        .collect();
-    let n_flight = st.in_flight().filter(|t| matches_filter(app, t)).count();
-    let list = app.list();
-    let mid_rows = mid_a.height.saturating_sub(3) as usize;
-    let bot_rows = bot_a.height.saturating_sub(3) as usize;
-    // The selection scrolls the table it is in; the other keeps its top.
-    let sel = list.selected;
-    let mk = |i: usize, t: &TransferView, in_flight: bool| {
-        let bytes = bytes_per_block(st, t.direction).map_or("-".into(), |b| {
-            format!("~{}", fmt::bytes(b * u64::from(t.blocks)))
-        });
-        let when = if in_flight {
-            fmt::dur(now.saturating_sub(t.planned_ns))
-        } else {
-            fmt::dur(t.latency_ns())
-        };
-        let r = Row::new(vec![
-            Cell::from(format!("#{}", t.id)),
-            Cell::from(t.request.as_deref().unwrap_or("-").to_string()),
-            Cell::from(Span::styled(
-                t.status.to_string(),
-                Style::new().fg(status_color(&t.status)),
-            )),
-            Cell::from(t.direction.to_string()),
-            Cell::from(t.blocks.to_string()),
-            Cell::from(bytes),
-            Cell::from(when),
-            Cell::from(t.batch.map_or("-".into(), |b| b.to_string())),
-        ]);
-        if i == sel { r.style(selected()) } else { r }
-    };
-    let widths = [
-        Constraint::Length(8),
-        Constraint::Length(12),
-        Constraint::Min(18),
-        Constraint::Length(6),
-        Constraint::Length(6),
-        Constraint::Length(9),
-        Constraint::Length(9),
-        Constraint::Length(6),
-    ];
-    let mid_off = if sel < n_flight {
-        sel.saturating_sub(mid_rows.saturating_sub(1))
-    } else {
-        0
-    };
-    let flight: Vec<Row> = all[..n_flight]
-        .iter()
-        .enumerate()
-        .skip(mid_off)
-        .take(mid_rows)
-        .map(|(i, t)| mk(i, t, true))
-        .collect();
-    let batches: Vec<String> = st
-        .batches_in_flight()
-        .take(4)
-        .map(|b| {
-            format!(
-                "batch {} {} {}×{} blk {}",
-                b.id,
-                b.direction,
-                b.transfers.len(),
-                b.blocks,
-                fmt::dur(now.saturating_sub(b.dispatched_ns))
-            )
-        })
-        .collect();
-    let mid_title = format!(
-        "In flight — {} candidates · {} batches{}",
-        n_flight,
-        st.batches_in_flight().count(),
-        if batches.is_empty() {
-            String::new()
-        } else {
-            format!(": {}", batches.join(" · "))
-        }
-    );
-    f.render_widget(
-        Table::new(flight, widths)
-            .header(
-                Row::new(vec![
-                    "Id", "Request", "Status", "Dir", "Blocks", "Bytes", "Age", "Batch",
-                ])
-                .style(head()),
-            )
-            .block(panel(mid_title)),
-        mid_a,
-    );
-    let bot_sel = sel.saturating_sub(n_flight);
-    let bot_off = if sel >= n_flight {
-        bot_sel.saturating_sub(bot_rows.saturating_sub(1))
-    } else {
-        0
-    };
-    let recent: Vec<Row> = all[n_flight..]
-        .iter()
-        .enumerate()
-        .skip(bot_off)
-        .take(bot_rows)
-        .map(|(i, t)| mk(i + n_flight, t, false))
-        .collect();
-    let bot_title = format!(
-        "Recent — {} kept{} (latency = planned → end)",
-        all.len() - n_flight,
-        if st.recent_dropped() > 0 {
-            format!(", {} older dropped", fmt::count(st.recent_dropped()))
-        } else {
-            String::new()
-        }
-    );
-    f.render_widget(
-        Table::new(recent, widths)
-            .header(
-                Row::new(vec![
-                    "Id",
-                    "Request",
-                    "Status / reason",
-                    "Dir",
-                    "Blocks",
-                    "Bytes",
-                    "Latency",
-                    "Batch",
-                ])
-                .style(head()),
-            )
-            .block(panel(bot_title)),
-        bot_a,
-    );
 }

@@ -1,0 +1,308 @@
+//! What surrounds the views: the two header lines, the tab bar, the
+//! bottom line (a prompt, a message or key hints) and the help and
+//! warnings popups. Drawn from plain values the app hands over; nothing
+//! here keeps or changes state.
+
+use super::filter::Filter;
+use super::{centered, head, panel, tone_color};
+use crate::fmt;
+use crate::keys::{self, Context, ViewId};
+use crate::lints::LintKind;
+use crate::model::Model;
+use crate::source::Badge;
+use ratatui::Frame;
+use ratatui::layout::Rect;
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Clear, Paragraph, Wrap};
+
+/// What a prompt at the bottom line is typing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputKind {
+    /// A filter.
+    Filter,
+    /// A breakpoint spec.
+    Breakpoint,
+}
+
+/// A line being typed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Input {
+    /// What for.
+    pub kind: InputKind,
+    /// The text so far.
+    pub text: String,
+}
+
+/// A short message on the bottom line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The text.
+    pub text: String,
+    /// An error (drawn red) rather than a confirmation.
+    pub error: bool,
+}
+
+/// What the header says about the source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header<'a> {
+    /// The mode badge.
+    pub badge: Badge,
+    /// Events the console missed.
+    pub lagged: u64,
+    /// Events lost before the console could see them.
+    pub dropped: u64,
+    /// A name for the source (`demo`, a file name, a URL).
+    pub label: &'a str,
+}
+
+fn tab_titles() -> Vec<(ViewId, String)> {
+    ViewId::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (*v, format!(" {} {} ", i + 1, v.title())))
+        .collect()
+}
+
+/// The view whose tab is at column `x`.
+pub fn tab_at(x: u16) -> Option<ViewId> {
+    let mut col = 0u16;
+    for (v, t) in tab_titles() {
+        let w = t.chars().count() as u16;
+        if x >= col && x < col + w {
+            return Some(v);
+        }
+        col += w + 1;
+    }
+    None
+}
+
+fn counter(name: &str, n: u64) -> Vec<Span<'static>> {
+    let style = if n > 0 {
+        Style::new().fg(Color::Red).add_modifier(Modifier::BOLD)
+    } else {
+        Style::new().fg(Color::DarkGray)
+    };
+    vec![
+        Span::raw(format!("{name} ")),
+        Span::styled(fmt::count(n), style),
+    ]
+}
+
+fn sep() -> Span<'static> {
+    Span::styled(" │ ", Style::new().fg(Color::DarkGray))
+}
+
+/// Draws the two header lines: the source and its losses, then the
+/// slots and the warnings.
+pub fn header(f: &mut Frame, area: Rect, model: &Model, h: &Header) {
+    let m = model;
+    let st = m.state();
+    let mode_style = Style::new().fg(Color::Black).bg(tone_color(h.badge.tone));
+    let engine = st.engine().map_or("-".to_string(), |e| e.to_string());
+    let mut l1 = vec![
+        Span::styled(" kvbm ", Style::new().add_modifier(Modifier::BOLD)),
+        Span::styled(format!(" {} ", h.badge.text), mode_style),
+        sep(),
+        Span::raw(format!("{} ", fmt::clock(m.now_ns()))),
+        sep(),
+        Span::raw(format!("{} ev/s", fmt::count(m.events_per_s()))),
+        sep(),
+    ];
+    l1.extend(counter("lagged", h.lagged));
+    l1.push(Span::raw("  "));
+    l1.extend(counter("dropped", h.dropped));
+    l1.push(Span::raw("  "));
+    l1.extend(counter("history-dropped", m.history().dropped()));
+    l1.push(sep());
+    l1.push(Span::raw(format!(
+        "engine {engine} · {} · {} events",
+        h.label,
+        fmt::count(m.applied())
+    )));
+    let live = st.slots().filter(|s| !s.is_finished()).count();
+    let lints = m.lints();
+    let current = lints.current(st, m.now_ns());
+    let n_cur = |k: LintKind| current.iter().filter(|l| l.kind == k).count() as u64;
+    let warn_total = current.len() as u64 + lints.destination_full() + lints.thrash();
+    let mut l2 = vec![
+        Span::raw(format!(
+            " slots {} live / {} shown · in flight {} · paused {}",
+            live,
+            st.slot_count(),
+            st.in_flight_count(),
+            st.paused_count()
+        )),
+        sep(),
+    ];
+    let warn_style = if warn_total > 0 {
+        Style::new().fg(Color::Yellow)
+    } else {
+        Style::new().fg(Color::DarkGray)
+    };
+    l2.push(Span::styled(
+        format!(
+            "⚠ stuck {} · dest-full {} · thrash {} · near-deadline {} (w)",
+            n_cur(LintKind::StuckFinishing),
+            lints.destination_full(),
+            lints.thrash(),
+            n_cur(LintKind::PauseNearDeadline)
+        ),
+        warn_style,
+    ));
+    f.render_widget(Paragraph::new(vec![Line::from(l1), Line::from(l2)]), area);
+}
+
+/// Draws the tab bar: `view` highlighted, then the open request and the
+/// filter, if any.
+pub fn tabs(
+    f: &mut Frame,
+    area: Rect,
+    view: ViewId,
+    detail: Option<&str>,
+    filter: Option<&Filter>,
+) {
+    let mut spans = Vec::new();
+    for (v, t) in tab_titles() {
+        let style = if v == view {
+            Style::new()
+                .fg(Color::Black)
+                .bg(Color::White)
+                .add_modifier(Modifier::BOLD)
+        } else {
+            Style::new().fg(Color::Gray)
+        };
+        spans.push(Span::styled(t, style));
+        spans.push(Span::raw(" "));
+    }
+    if let Some(d) = detail {
+        spans.push(Span::styled(format!("› {d}"), Style::new().fg(Color::Cyan)));
+    }
+    if let Some(flt) = filter {
+        spans.push(Span::styled(
+            format!("  filter: {}", flt.text),
+            Style::new().fg(Color::Yellow),
+        ));
+    }
+    f.render_widget(Paragraph::new(Line::from(spans)), area);
+}
+
+/// Draws the bottom line: the prompt being typed, else the message, else
+/// the hints for `ctx`.
+pub fn footer(
+    f: &mut Frame,
+    area: Rect,
+    input: Option<&Input>,
+    message: Option<&Message>,
+    ctx: Context,
+) {
+    let line = if let Some(i) = input {
+        let prompt = match i.kind {
+            InputKind::Filter => "filter (text or /regex/): ",
+            InputKind::Breakpoint => "breakpoint (state= request= prefix= direction= entry=): ",
+        };
+        Line::from(vec![
+            Span::styled(prompt, Style::new().fg(Color::Yellow)),
+            Span::raw(i.text.clone()),
+            Span::styled("█", Style::new().fg(Color::Gray)),
+        ])
+    } else if let Some(m) = message {
+        let style = if m.error {
+            Style::new().fg(Color::Red)
+        } else {
+            Style::new().fg(Color::Green)
+        };
+        Line::from(Span::styled(m.text.clone(), style))
+    } else {
+        let hints = match (ctx.detail, ctx.view, ctx.replay) {
+            (true, _, _) => "Esc back · j/k scroll · b break on this request · ? help · q quit",
+            (_, _, true) => {
+                "Space play/pause · +/- speed · ←/→ seek 10s · ,/. step · Home/End · ? help · q quit"
+            }
+            (_, ViewId::Slots, _) => {
+                "Enter detail · / filter · s sort · b break · Space freeze · ? help · q quit"
+            }
+            (_, ViewId::Breakpoints, _) => {
+                "a add · d clear · r resume · R resume all · n step · ? help · q quit"
+            }
+            _ => "Tab/1-6 views · / filter · Enter detail · Space freeze · ? help · q quit",
+        };
+        Line::from(Span::styled(hints, Style::new().fg(Color::DarkGray)))
+    };
+    f.render_widget(Paragraph::new(line), area);
+}
+
+/// Draws the help popup: the key table's bindings on in `ctx`.
+pub fn help(f: &mut Frame, area: Rect, ctx: Context) {
+    let mut lines = Vec::new();
+    for (title, rows) in keys::help(ctx) {
+        lines.push(Line::from(Span::styled(title, head().fg(Color::Cyan))));
+        for (k, text) in rows {
+            lines.push(Line::from(vec![
+                Span::styled(format!("  {k:<18}"), Style::new().fg(Color::Yellow)),
+                Span::raw(text),
+            ]));
+        }
+    }
+    let r = centered(area, 76, lines.len() as u16 + 2);
+    f.render_widget(Clear, r);
+    f.render_widget(
+        Paragraph::new(lines)
+            .block(panel("Help — keys (Esc or ? closes)"))
+            .wrap(Wrap { trim: false }),
+        r,
+    );
+}
+
+/// Draws the warnings popup: the lints now, then the recent ones.
+pub fn warnings(f: &mut Frame, area: Rect, model: &Model) {
+    let m = model;
+    let lints = m.lints();
+    let mut lines = vec![Line::from(vec![Span::styled("Now", head())])];
+    let current = lints.current(m.state(), m.now_ns());
+    if current.is_empty() {
+        lines.push(Line::from(Span::styled(
+            "  nothing",
+            Style::new().fg(Color::DarkGray),
+        )));
+    }
+    for l in &current {
+        lines.push(Line::from(vec![
+            Span::styled(
+                format!("  {:<20}", l.kind.name()),
+                Style::new().fg(Color::Yellow),
+            ),
+            Span::raw(l.detail.clone()),
+        ]));
+    }
+    lines.push(Line::from(Span::styled(
+        format!(
+            "Recent (dest-full {}, thrash {}; {} older dropped, {} evictions untracked)",
+            lints.destination_full(),
+            lints.thrash(),
+            lints.recent_dropped(),
+            lints.tracking_dropped()
+        ),
+        head(),
+    )));
+    let room = area.height.saturating_sub(lines.len() as u16 + 2) as usize;
+    for l in lints.recent().iter().rev().take(room) {
+        lines.push(Line::from(vec![
+            Span::styled(
+                format!("  {} ", fmt::clock(l.ts_ns)),
+                Style::new().fg(Color::DarkGray),
+            ),
+            Span::styled(
+                format!("{:<18}", l.kind.name()),
+                Style::new().fg(Color::Yellow),
+            ),
+            Span::raw(l.detail.clone()),
+        ]));
+    }
+    let r = centered(area, area.width.saturating_sub(4), area.height);
+    f.render_widget(Clear, r);
+    f.render_widget(
+        Paragraph::new(lines).block(panel("Warnings (Esc or w closes)")),
+        r,
+    );
+}
