@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# kvbm's vLLM connector against a real vLLM (CPU backend, a tiny
+# random-weight Llama): correct bytes, breakpoints, the recording, bad
+# configuration (kvbm-py/tests/vllm/run.py), and the console attached to the
+# running engine in tmux (kvbm-py/tests/vllm/console.py).
+#
+# Prepares what it needs: the vLLM environment (scripts/setup-vllm.sh, cached
+# in ~/.cache/kvbm/vllm-venv), kvbm's Python package installed into it the way
+# the README says (`pip install ./kvbm-py`), and release builds of
+# kvbm-recorder and kvbm-console. About 15 minutes on 2 cores once the
+# environment exists (each vLLM start takes ~40 s).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup-vllm.sh
+VENV="${KVBM_VLLM_VENV:-$HOME/.cache/kvbm/vllm-venv}"
+PY="$VENV/bin/python"
+
+echo "== installing kvbm into $VENV (pip install ./kvbm-py)"
+"$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
+"$PY" -c 'import kvbm, kvbm.vllm; print("kvbm", kvbm.__version__, "from", kvbm.__file__)'
+
+echo "== building kvbm-recorder and kvbm-console (release)"
+cargo build --release -q -p kvbm-recorder -p kvbm-console
+
+command -v tmux >/dev/null || { echo "tmux is needed (apt-get install tmux)" >&2; exit 1; }
+
+echo "== the connector against vLLM"
+"$PY" kvbm-py/tests/vllm/run.py --recorder target/release/kvbm-recorder
+echo "== the console attached to vLLM, in tmux"
+"$PY" kvbm-py/tests/vllm/console.py --console target/release/kvbm-console
