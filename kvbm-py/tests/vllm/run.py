@@ -159,6 +159,10 @@ def test_breakpoints(tmp, baseline):
     d = by.get("deadline", {})
     check(d.get("outputs") == baseline[:2] and 2.5 <= d.get("took_s", 0) < 30,
           f"a hold nobody resumes ends at its deadline ({d.get('took_s')} s for a 3 s deadline)")
+    e = by.get("engine", {})
+    check(e.get("paused") and e.get("blocked") and e.get("events_while_paused", 99) <= 2,
+          f"a breakpoint on build_connector_metadata stops the whole engine ({e.get('events_while_paused')} events in 1.5 s)")
+    check(e.get("outputs") == baseline[:4], "cleared, the engine goes on and the tokens are the same")
 
 
 def test_bad_config(tmp):

@@ -95,6 +95,28 @@ def breakpoints(args):
     t1 = time.time()
     outs2, _ = engine.generate(llm, ps[:2])
     engine.say(phase="deadline", outputs=outs2, took_s=engine.elapsed(t1))
+    # Part three: a breakpoint on a per-step entry point stops the whole
+    # engine until it is cleared.
+    http("POST", base + "/breakpoints/clear", {})
+    http("POST", base + "/breakpoints", {"entry": "BuildConnectorMetadata"})
+    result.clear()
+    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps[:4])))
+    t.start()
+    paused_at = None
+    t2 = time.time()
+    while time.time() - t2 < 30 and paused_at is None:
+        paused = http("GET", base + "/breakpoints")["paused"]
+        if any(p["call"]["entry"] == "BuildConnectorMetadata" for p in paused):
+            paused_at = http("GET", base + "/snapshot")["stream"]["events"]
+        time.sleep(0.1)
+    time.sleep(1.5)
+    after = http("GET", base + "/snapshot")["stream"]["events"]
+    blocked = t.is_alive()
+    http("POST", base + "/breakpoints/clear", {})
+    t.join(60)
+    outs3, _ = result.get("gen", (None, None))
+    engine.say(phase="engine", paused=paused_at is not None, events_while_paused=(after - (paused_at or 0)),
+               blocked=blocked, outputs=outs3)
 
 
 def badconfig(args):
