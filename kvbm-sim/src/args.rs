@@ -8,8 +8,9 @@
 //! [`SimArgs::load`] turns the options into a [`SimConfig`] and a workload,
 //! checking what clap cannot.
 
+use crate::model::ModelPreset;
 use crate::scenario;
-use crate::sim::{OffloadMode, Pacing, SimConfig, WorkerModel};
+use crate::sim::{OffloadMode, Pacing, SimConfig};
 use crate::workload::{
     LengthDist, MooncakeOptions, RequestSpec, SkippedLine, SyntheticConfig, WorkloadError,
     generate, parse_mooncake_lenient,
@@ -101,15 +102,35 @@ pub struct SimArgs {
     /// Token budget per iteration.
     #[arg(long, default_value_t = 8192, help_heading = "Engine")]
     pub max_batch_tokens: usize,
-    /// Real bytes per token in the simulated storages.
-    #[arg(long, default_value_t = 4, help_heading = "Engine")]
-    pub bytes_per_token: usize,
-    /// Prefill cost per prompt token, µs (worker model).
-    #[arg(long, default_value_t = 30.0, help_heading = "Engine")]
-    pub prefill_us_per_token: f64,
-    /// Fixed decode cost per iteration, ms (worker model).
-    #[arg(long, default_value_t = 15.0, help_heading = "Engine")]
-    pub decode_ms_per_step: f64,
+    /// The model the engine stands for: its KV bytes per token (what every
+    /// byte figure counts) and its forward-pass timings.
+    #[arg(long, value_enum, default_value_t = ModelPreset::Llama3_8b, help_heading = "Model")]
+    pub model: ModelPreset,
+    /// KV bytes per token, instead of the model's.
+    #[arg(long, help_heading = "Model")]
+    pub kv_bytes_per_token: Option<u64>,
+    /// Prefill cost per prompt token, µs, instead of the model's.
+    #[arg(long, help_heading = "Model")]
+    pub prefill_us_per_token: Option<f64>,
+    /// Fixed decode cost per iteration, ms, instead of the model's.
+    #[arg(long, help_heading = "Model")]
+    pub decode_ms_per_step: Option<f64>,
+    /// Device ↔ host (PCIe) bandwidth, GB/s: how long modelled G1 ↔ G2
+    /// transfers take.
+    #[arg(long, default_value_t = 20.0, help_heading = "Model")]
+    pub pcie_gbps: f64,
+    /// Disk bandwidth, GB/s: how long modelled G3 transfers take.
+    #[arg(long, default_value_t = 2.0, help_heading = "Model")]
+    pub disk_gbps: f64,
+    /// Bytes per token the simulated storages really hold and copy (kept
+    /// small so runs stay fast; byte figures count the model's bytes).
+    #[arg(
+        long,
+        alias = "bytes-per-token",
+        default_value_t = 4,
+        help_heading = "Model"
+    )]
+    pub real_bytes_per_token: usize,
     /// Pace the run in real time × this speed instead of as fast as
     /// possible.
     #[arg(long, alias = "speed", help_heading = "Engine")]
@@ -192,8 +213,36 @@ impl SimArgs {
         positive("time-scale", self.time_scale)?;
         positive("rate", self.rate)?;
         non_negative("length-sigma", self.length_sigma)?;
-        non_negative("prefill-us-per-token", self.prefill_us_per_token)?;
-        non_negative("decode-ms-per-step", self.decode_ms_per_step)?;
+        if let Some(v) = self.prefill_us_per_token {
+            non_negative("prefill-us-per-token", v)?;
+        }
+        if let Some(v) = self.decode_ms_per_step {
+            non_negative("decode-ms-per-step", v)?;
+        }
+        positive("pcie-gbps", self.pcie_gbps)?;
+        positive("disk-gbps", self.disk_gbps)?;
+        if self.kv_bytes_per_token == Some(0) {
+            return Err(bad("kv-bytes-per-token", "must be at least 1"));
+        }
+        if self.real_bytes_per_token == 0 {
+            return Err(bad("real-bytes-per-token", "must be at least 1"));
+        }
+        let mut worker = self.model.worker();
+        if let Some(v) = self.prefill_us_per_token {
+            worker.prefill_ns_per_token = (v * 1e3) as u64;
+        }
+        if let Some(v) = self.decode_ms_per_step {
+            worker.decode_ns_per_step = (v * 1e6) as u64;
+        }
+        if let Some(v) = self.kv_bytes_per_token {
+            worker.model_kv_bytes_per_token = v;
+        }
+        worker.pcie_bytes_per_s = self.pcie_gbps * 1e9;
+        worker.disk_bytes_per_s = self.disk_gbps * 1e9;
+        let model = match self.kv_bytes_per_token {
+            None => self.model.spec().name.to_string(),
+            Some(v) => format!("{} with {v} KV bytes/token", self.model.spec().name),
+        };
         if let Some(s) = self.real_time {
             positive("real-time", s)?;
         }
@@ -210,12 +259,9 @@ impl SimArgs {
                 Offload::Eager => OffloadMode::Eager,
                 Offload::Lazy => OffloadMode::Lazy,
             },
-            real_bytes_per_token: self.bytes_per_token,
-            worker: WorkerModel {
-                prefill_ns_per_token: (self.prefill_us_per_token * 1e3) as u64,
-                decode_ns_per_step: (self.decode_ms_per_step * 1e6) as u64,
-                ..WorkerModel::default()
-            },
+            real_bytes_per_token: self.real_bytes_per_token,
+            worker,
+            model,
             pacing: match self.real_time {
                 Some(speed) => Pacing::RealTime { speed },
                 None => Pacing::Virtual,
@@ -305,6 +351,33 @@ mod tests {
     }
 
     #[test]
+    fn the_model_preset_sets_kv_bytes_and_timings_and_flags_override_them() {
+        let l = parse(&["--model", "llama-3-70b"]).load().unwrap();
+        assert_eq!(l.config.worker.model_kv_bytes_per_token, 320 << 10);
+        assert_eq!(l.config.worker.decode_ns_per_step, 35_000_000);
+        assert_eq!(l.config.model, "llama-3-70b");
+        let l = parse(&[
+            "--model",
+            "llama-3-70b",
+            "--kv-bytes-per-token",
+            "1000",
+            "--decode-ms-per-step",
+            "2",
+            "--disk-gbps",
+            "0.5",
+        ])
+        .load()
+        .unwrap();
+        assert_eq!(l.config.worker.model_kv_bytes_per_token, 1000);
+        assert_eq!(l.config.worker.decode_ns_per_step, 2_000_000);
+        assert_eq!(l.config.worker.disk_bytes_per_s, 0.5e9);
+        assert_eq!(l.config.model, "llama-3-70b with 1000 KV bytes/token");
+        // The old spelling of the real bytes still parses.
+        let l = parse(&["--bytes-per-token", "8"]).load().unwrap();
+        assert_eq!(l.config.real_bytes_per_token, 8);
+    }
+
+    #[test]
     fn the_scenario_sets_its_own_engine() {
         let l = parse(&["--scenario", "walkthrough"]).load().unwrap();
         assert_eq!(l.workload.len(), 2);
@@ -320,6 +393,9 @@ mod tests {
             (&["--time-scale=-1"], "time-scale"),
             (&["--real-time", "nan"], "real-time"),
             (&["--shared-prefix-ratio", "1.5"], "shared-prefix-ratio"),
+            (&["--pcie-gbps", "0"], "pcie-gbps"),
+            (&["--kv-bytes-per-token", "0"], "kv-bytes-per-token"),
+            (&["--real-bytes-per-token", "0"], "real-bytes-per-token"),
         ] {
             let err = parse(args).load().unwrap_err().to_string();
             assert!(err.starts_with(&format!("--{option}:")), "{err}");

@@ -24,6 +24,7 @@
 //! Time is virtual (as fast as possible) or paced in real time × speed for
 //! the live demo. A worker model turns tokens and bytes into time.
 
+use crate::modeled::{LinkModel, ModeledEngine};
 use crate::workload::RequestSpec;
 use kvbm_core::block::{ComputeDone, Empty, ImmutableBlock, MutableBlock};
 use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};
@@ -112,8 +113,11 @@ pub struct SimConfig {
     /// Real bytes per token in the simulated storages (small by default so
     /// runs stay fast).
     pub real_bytes_per_token: usize,
-    /// Timing model.
+    /// Timing model, and the modelled KV bytes per token every byte figure
+    /// counts (see [`crate::modeled`]).
     pub worker: WorkerModel,
+    /// The model's name, for reports and screens.
+    pub model: String,
     /// Pacing.
     pub pacing: Pacing,
     /// Engine id stamped on events.
@@ -148,6 +152,7 @@ impl Default for SimConfig {
             offload_mode: OffloadMode::Eager,
             real_bytes_per_token: 4,
             worker: WorkerModel::default(),
+            model: crate::model::ModelPreset::Llama3_8b.spec().name.to_string(),
             pacing: Pacing::Virtual,
             engine_id: 0,
             pipeline,
@@ -223,13 +228,19 @@ pub struct PipelineTotals {
     pub skipped: u64,
     /// Blocks moved.
     pub blocks: u64,
-    /// Bytes moved.
+    /// Bytes those blocks stand for in the modelled model.
     pub bytes: u64,
+    /// Bytes the simulated storages really copied.
+    pub real_bytes: u64,
 }
 
 /// What a run did. `kvbm-sim --json` prints this.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct SimReport {
+    /// The model the engine stood for.
+    pub model: String,
+    /// Its KV bytes per block (what byte figures count).
+    pub kv_bytes_per_block: u64,
     /// Requests that finished.
     pub requests_finished: usize,
     /// Prompt tokens over all requests.
@@ -301,6 +312,8 @@ pub struct Simulator {
     worker: Worker,
     device: HostTier,
     pipelines: Vec<(Direction, Arc<OffloadPipeline>)>,
+    /// The engines that really copy, under their [`ModeledEngine`]s.
+    copiers: Vec<(Direction, Arc<dyn TransferEngine>)>,
     salt: SaltHash,
     _disk_dir: Option<tempfile_dir::TempDir>,
     arrivals: VecDeque<RequestSpec>,
@@ -433,12 +446,36 @@ impl Simulator {
         let mut pipelines = Pipelines::default();
         let mut list = Vec::new();
         let _guard = runtime.enter();
+        let speed = match cfg.pacing {
+            Pacing::Virtual => None,
+            Pacing::RealTime { speed } => Some(speed),
+        };
+        let bytes_per_block = bs as u64 * cfg.worker.model_kv_bytes_per_token;
+        let mut copiers = Vec::new();
         let mut make = |d: Direction,
                         e: Arc<dyn TransferEngine>,
                         src: &BlockPool,
                         dst: &BlockPool,
                         policy: bool|
          -> Result<Arc<OffloadPipeline>, SimError> {
+            // Byte figures and, in real time, completion follow the
+            // modelled link: PCIe between device and host, the disk's
+            // bandwidth wherever the disk is one end.
+            let bytes_per_s = if d.src == Tier::Disk || d.dst == Tier::Disk {
+                cfg.worker.disk_bytes_per_s
+            } else {
+                cfg.worker.pcie_bytes_per_s
+            };
+            copiers.push((d, e.clone()));
+            let e: Arc<dyn TransferEngine> = Arc::new(ModeledEngine::new(
+                e,
+                LinkModel {
+                    bytes_per_block,
+                    bytes_per_s,
+                    speed,
+                },
+                runtime.clone(),
+            ));
             // SAFETY: every storage belongs to exactly one pool and is only
             // reached through these links and the G1 binding.
             let link = unsafe { TierLink::new(e, src.clone(), dst.clone()) }.map_err(setup)?;
@@ -551,6 +588,7 @@ impl Simulator {
         let mut arrivals: Vec<RequestSpec> = workload;
         arrivals.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
         let prompt_tokens = arrivals.iter().map(|r| r.prompt.len() as u64).sum();
+        let model_name = cfg.model.clone();
         Ok(Simulator {
             salt: kvbm_core::tokens::salt_hash(&cfg.salt),
             cfg,
@@ -560,6 +598,7 @@ impl Simulator {
             worker,
             device,
             pipelines: list,
+            copiers,
             _disk_dir: disk_dir,
             arrivals: arrivals.into(),
             waiting: VecDeque::new(),
@@ -569,6 +608,8 @@ impl Simulator {
             started: Instant::now(),
             report: SimReport {
                 prompt_tokens,
+                model: model_name,
+                kv_bytes_per_block: bytes_per_block,
                 ..SimReport::default()
             },
             ttft: Vec::new(),
@@ -1044,6 +1085,12 @@ impl Simulator {
                     skipped: s.skipped.iter().map(|(_, n)| n).sum(),
                     blocks: s.blocks_transferred,
                     bytes: s.bytes_transferred,
+                    real_bytes: self
+                        .copiers
+                        .iter()
+                        .filter(|(cd, _)| cd == d)
+                        .map(|(_, e)| e.counters().bytes)
+                        .sum(),
                 },
             );
         }

@@ -223,6 +223,11 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
 }
 
 fn print_summary(r: &SimReport) {
+    println!(
+        "model               {} ({} KV bytes per block; byte figures count these, \
+         the simulated storages copy far fewer)",
+        r.model, r.kv_bytes_per_block
+    );
     println!("requests finished   {}", r.requests_finished);
     println!(
         "prompt tokens       {}  (prefix hits {} = {:.1}%)",
@@ -236,8 +241,8 @@ fn print_summary(r: &SimReport) {
     println!("preemptions         {}", r.preemptions);
     for (d, s) in &r.transfers_by_direction {
         println!(
-            "transfers {d}      {} completed, {} skipped, {} blocks, {} bytes",
-            s.completed, s.skipped, s.blocks, s.bytes
+            "transfers {d}      {} completed, {} skipped, {} blocks, {} bytes ({} really copied)",
+            s.completed, s.skipped, s.blocks, s.bytes, s.real_bytes
         );
     }
     println!(
