@@ -51,6 +51,9 @@ pub struct Ui {
     pub message: Option<Message>,
     /// The terminal's size.
     pub size: Rect,
+    /// Draw without colour (the `NO_COLOR` convention): emphasis stays
+    /// (bold, reverse video for the selection), every colour goes.
+    pub no_color: bool,
 }
 
 impl Default for Ui {
@@ -63,6 +66,7 @@ impl Default for Ui {
             input: None,
             message: None,
             size: Rect::new(0, 0, 80, 24),
+            no_color: false,
         }
     }
 }
@@ -595,6 +599,11 @@ impl App {
             chrome::help(f, a.body, ctx);
         } else if self.ui.warnings {
             chrome::warnings(f, a.body, &self.model);
+        }
+        if self.ui.no_color {
+            // One pass over the finished frame rather than a condition in
+            // every view: a view added later cannot forget it.
+            ui::strip_colors(f.buffer_mut());
         }
     }
 }

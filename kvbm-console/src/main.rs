@@ -51,6 +51,8 @@ impl ViewArgs {
     }
 }
 
+// Parsed once per run: the size of the `demo` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// The console on an embedded simulated engine (nothing to install).
@@ -98,6 +100,12 @@ enum Command {
     /// prefix on disk and is onboarded back, every copy checked byte for
     /// byte.
     Walkthrough(walkthrough::WalkthroughArgs),
+    /// Print a completion script for SHELL (e.g. `kvbm-console completions
+    /// zsh > ~/.zfunc/_kvbm-console`).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// The command line, with the demo's own defaults for the simulator's
@@ -117,11 +125,23 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::from_arg_matches(&cli_command().get_matches())?;
+    if let Command::Completions { shell } = cli.command {
+        use std::io::Write;
+        // Into a buffer first: clap_complete panics when its writer fails,
+        // and `| head` closes stdout early.
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut cli_command(), "kvbm-console", &mut script);
+        return match std::io::stdout().write_all(&script) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+            _ => Ok(()),
+        };
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     match cli.command {
+        Command::Completions { .. } => Ok(()),
         Command::Walkthrough(args) => {
             rt.block_on(walkthrough::run(&args, std::io::stdout().lock()))
         }
@@ -146,13 +166,18 @@ fn main() -> Result<()> {
             };
             let (rec, kept) = embedded.stop()?;
             result?;
-            if let Some(dir) = kept {
-                println!(
+            match kept {
+                Some(dir) => println!(
                     "recorded {} events ({} lost) to {}",
                     rec.events,
                     rec.lost,
                     dir.display()
-                );
+                ),
+                None => println!(
+                    "recorded {} events ({} lost) to a temporary log, now removed \
+                     (--record DIR keeps one)",
+                    rec.events, rec.lost
+                ),
             }
             Ok(())
         }
@@ -246,8 +271,15 @@ fn main() -> Result<()> {
             }))
         }
         Command::Replay { log, play, view } => {
-            let read = kvbm_recorder::recorder::read_events(&log, |_| {})
+            // Before the console takes the terminal: a bar while a long
+            // log loads.
+            let total = kvbm_recorder::recorder::open_log(&log)
+                .map(|r| r.info().total_records)
+                .unwrap_or(0);
+            let bar = kvbm_recorder::progress::Progress::new(total, "events read");
+            let read = kvbm_recorder::recorder::read_events(&log, |n| bar.set(n))
                 .with_context(|| format!("opening log {}", log.display()))?;
+            bar.done();
             let lost = kvbm_recorder::recorder::read_sidecar(&log).map_or(0, |r| r.lost);
             let events: Arc<[kvbm_events::Event]> = read.events.into();
             let n = events.len();

@@ -97,6 +97,7 @@ fn spawn_input(stop: Arc<AtomicBool>) -> mpsc::Receiver<TermEvent> {
 /// Runs the console until the user quits. `on_tick` runs after each pull
 /// (the caller's chance to notice, say, that its engine finished).
 pub async fn run(app: &mut App, term: &mut Term, mut on_tick: impl FnMut(&mut App)) -> Result<()> {
+    app.ui.no_color |= no_color_requested();
     let stop = Arc::new(AtomicBool::new(false));
     let mut input = spawn_input(stop.clone());
     let size = term.terminal.size()?;
@@ -136,4 +137,10 @@ pub async fn run(app: &mut App, term: &mut Term, mut on_tick: impl FnMut(&mut Ap
     };
     stop.store(true, Ordering::Relaxed);
     result
+}
+
+/// True when the `NO_COLOR` environment variable is set to anything but
+/// the empty string (<https://no-color.org>).
+pub fn no_color_requested() -> bool {
+    std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty())
 }

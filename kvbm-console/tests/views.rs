@@ -375,3 +375,39 @@ fn the_cpu_offload_replay_reaches_known_frames() {
     }
     golden("cpu-offload-slots-160x48", &draw(&mut app, 160, 48));
 }
+
+#[test]
+fn no_color_takes_every_colour_out_and_keeps_the_selection_visible() {
+    use ratatui::style::{Color, Modifier};
+    for view in ViewId::ALL {
+        let mut app = replay_app("preemption-heavy");
+        special(&mut app, KeyCode::End);
+        key(&mut app, view_key(view));
+        let colours = |app: &mut App| {
+            app.resize(120, 40);
+            app.tick();
+            let mut t = Terminal::new(TestBackend::new(120, 40)).unwrap();
+            t.draw(|f| app.render(f)).unwrap();
+            let buf = t.backend().buffer().clone();
+            let coloured = buf
+                .content
+                .iter()
+                .filter(|c| c.fg != Color::Reset || c.bg != Color::Reset)
+                .count();
+            let reversed = buf
+                .content
+                .iter()
+                .filter(|c| {
+                    c.modifier.contains(Modifier::REVERSED) || c.modifier.contains(Modifier::BOLD)
+                })
+                .count();
+            (coloured, reversed)
+        };
+        let (with, emphasis) = colours(&mut app);
+        assert!(with > 0, "{view:?} draws no colour at all");
+        app.ui.no_color = true;
+        let (without, emphasis_kept) = colours(&mut app);
+        assert_eq!(without, 0, "{view:?} keeps {without} coloured cells");
+        assert_eq!(emphasis, emphasis_kept, "{view:?} lost its emphasis");
+    }
+}

@@ -1,7 +1,7 @@
 //! `kvbm-recorder` keeps what an engine did and gives it back: the durable
 //! log, the recorder that drains an engine's tap into it, replay,
-//! timelines, statistics, invariant checks, exports and diffs, and the
-//! `kvbm-recorder` CLI.
+//! timelines, statistics, invariant checks, exports and diffs, progress
+//! for the commands that take a while, and the `kvbm-recorder` CLI.
 //!
 //! The in-memory ring is `kvbm_events::ring`; the wire format
 //! `kvbm-schema`; remote sources come through `kvbm-attach` (another
@@ -9,6 +9,7 @@
 
 pub mod analysis;
 pub mod log;
+pub mod progress;
 pub mod recorder;
 
 pub use kvbm_schema::SCHEMA_VERSION;

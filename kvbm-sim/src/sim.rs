@@ -325,6 +325,7 @@ pub struct Simulator {
     report: SimReport,
     ttft: Vec<f64>,
     hits: [u64; 3],
+    requests_total: usize,
 }
 
 /// A tiny owned temporary directory (removed on drop) so the core crate
@@ -589,6 +590,7 @@ impl Simulator {
         arrivals.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
         let prompt_tokens = arrivals.iter().map(|r| r.prompt.len() as u64).sum();
         let model_name = cfg.model.clone();
+        let requests_total = arrivals.len();
         Ok(Simulator {
             salt: kvbm_core::tokens::salt_hash(&cfg.salt),
             cfg,
@@ -614,6 +616,7 @@ impl Simulator {
             },
             ttft: Vec::new(),
             hits: [0; 3],
+            requests_total,
         })
     }
 
@@ -650,9 +653,16 @@ impl Simulator {
     }
 
     /// Runs to the end and reports.
-    pub fn run(mut self) -> SimReport {
+    pub fn run(self) -> SimReport {
+        self.run_with_progress(|_, _| {})
+    }
+
+    /// Runs to the end and reports, calling `progress(finished, total)`
+    /// with the requests finished so far after every iteration.
+    pub fn run_with_progress(mut self, mut progress: impl FnMut(usize, usize)) -> SimReport {
         while !self.is_done() {
             self.step();
+            progress(self.report.requests_finished, self.requests_total);
         }
         self.finish()
     }

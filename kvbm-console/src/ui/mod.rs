@@ -197,6 +197,16 @@ pub struct Areas {
     pub footer: Rect,
 }
 
+/// Takes every colour out of a drawn frame, keeping emphasis (bold,
+/// reverse, underline), for `NO_COLOR`.
+pub fn strip_colors(buf: &mut ratatui::buffer::Buffer) {
+    for cell in buf.content.iter_mut() {
+        cell.fg = Color::Reset;
+        cell.bg = Color::Reset;
+        cell.underline_color = Color::Reset;
+    }
+}
+
 /// Splits the terminal.
 pub fn areas(size: Rect) -> Areas {
     let [header, tabs, body, footer] = Layout::vertical([

@@ -2,7 +2,6 @@
 //! ([`Cli`]), and [`run`], which hands each command to its module:
 //! [`record`] writes a log, [`read`] reads one back.
 
-mod progress;
 mod read;
 mod record;
 
@@ -171,6 +170,12 @@ enum Command {
         /// Second log.
         b: PathBuf,
     },
+    /// Print a completion script for SHELL (e.g. `kvbm-recorder
+    /// completions bash > ~/.local/share/bash-completion/completions/kvbm-recorder`).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// Runs one command; its exit status.
@@ -193,5 +198,17 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Stats { log, json } => read::stats(&log, json),
         Command::Export { log, format, out } => read::export(&log, format, out.as_deref()),
         Command::Diff { a, b } => read::diff(&a, &b),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            use std::io::Write;
+            // Into a buffer first: clap_complete panics when its writer
+            // fails, and `| head` closes stdout early.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "kvbm-recorder", &mut script);
+            match std::io::stdout().write_all(&script) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+                _ => Ok(0),
+            }
+        }
     }
 }

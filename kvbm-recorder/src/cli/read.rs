@@ -2,10 +2,10 @@
 //! `stats`, `export` and `diff`.
 
 use super::Format;
-use super::progress::Progress;
 use anyhow::{Context, Result, bail};
 use kvbm_events::Event;
 use kvbm_recorder::analysis::{self, ReplayMode, Replayer};
+use kvbm_recorder::progress::Progress;
 use kvbm_recorder::recorder;
 use std::io::{BufWriter, Write};
 use std::path::Path;
@@ -15,8 +15,8 @@ fn load(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
     let total = recorder::open_log(dir)
         .map(|r| r.info().total_records)
         .unwrap_or(0);
-    let p = Progress::new(total);
-    let read = recorder::read_events(dir, |n| p.tick("events read", n))
+    let p = Progress::new(total, "events read");
+    let read = recorder::read_events(dir, |n| p.set(n))
         .with_context(|| format!("opening log {}", dir.display()))?;
     p.done();
     Ok((read.events, read.damage.map(|d| d.to_string())))

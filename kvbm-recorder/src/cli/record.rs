@@ -6,6 +6,7 @@ use super::RemoteArgs;
 use anyhow::{Context, Result, bail};
 use kvbm_attach::client::{Client, ClientConfig, ClientEvent};
 use kvbm_recorder::log::LogConfig;
+use kvbm_recorder::progress::Progress;
 use kvbm_recorder::recorder::{self, RecorderConfig, RecordingSink};
 use kvbm_sim::args::SimArgs;
 use kvbm_sim::sim::Simulator;
@@ -46,6 +47,7 @@ fn record_simulator(out: &Path, log: LogConfig, sim: &SimArgs) -> Result<i32> {
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let loaded_requests = loaded.workload.len();
     let sim = Simulator::new(loaded.config, loaded.workload, rt.handle())?;
     let tap = sim
         .emitter()
@@ -58,7 +60,9 @@ fn record_simulator(out: &Path, log: LogConfig, sim: &SimArgs) -> Result<i32> {
     };
     rcfg.log.engine_id = u64::from(sim.emitter().engine());
     let handle = recorder::spawn_recorder(tap, out.to_path_buf(), rcfg, None)?;
-    let report = sim.run();
+    let bar = Progress::new(loaded_requests as u64, "requests finished");
+    let report = sim.run_with_progress(|done, _| bar.set(done as u64));
+    bar.done();
     drop(rt); // closes the bus: the recorder drains and stops
     let rec = handle
         .join()

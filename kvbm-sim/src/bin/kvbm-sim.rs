@@ -29,9 +29,12 @@ use std::time::Duration;
 #[command(
     name = "kvbm-sim",
     version,
-    about = "Simulated LLM engine driving the kvbm block manager"
+    about = "Simulated LLM engine driving the kvbm block manager",
+    args_conflicts_with_subcommands = true
 )]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Extra>,
     #[command(flatten)]
     sim: SimArgs,
     /// Print one JSON object instead of a readable summary.
@@ -71,6 +74,17 @@ struct Args {
     bp_deadline_s: u64,
 }
 
+/// Commands besides running the engine.
+#[derive(Debug, clap::Subcommand)]
+enum Extra {
+    /// Print a completion script for SHELL (e.g. `kvbm-sim completions
+    /// fish > ~/.config/fish/completions/kvbm-sim.fish`).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -80,6 +94,17 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let a = Args::parse();
+    if let Some(Extra::Completions { shell }) = a.command {
+        use clap::CommandFactory;
+        // Into a buffer first: clap_complete panics when its writer fails,
+        // and `| head` closes stdout early.
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut Args::command(), "kvbm-sim", &mut script);
+        return match std::io::stdout().write_all(&script) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+            _ => Ok(()),
+        };
+    }
     let loaded = a.sim.load()?;
     if let Some(path) = &a.sim.trace {
         for s in loaded.skipped.iter().take(5) {
@@ -102,7 +127,26 @@ fn main() -> Result<()> {
     let sim = Simulator::new(cfg, workload, rt.handle())?;
     let report = match a.serve {
         Some(addr) => serve(&a, addr, sim)?,
-        None => sim.run(),
+        None => {
+            // A bar on stderr when it is a terminal; nothing otherwise.
+            let bar = indicatif::ProgressBar::with_draw_target(
+                None,
+                indicatif::ProgressDrawTarget::stderr(),
+            )
+            .with_style(
+                indicatif::ProgressStyle::with_template(
+                    "[{bar:30}] {percent:>3}%  {pos}/{len} requests finished",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+            );
+            let report = sim.run_with_progress(|done, total| {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+            });
+            bar.finish_and_clear();
+            report
+        }
     };
     print_report(&report, a.json)?;
     Ok(())
