@@ -1,4 +1,4 @@
-//! `kvbm-console walkthrough`: the block manager on a small built-in scenario, as text.
+//! `kvbm-console walkthrough`: the CPU-offload walk-through, as text.
 //!
 //! It runs the CPU-offload walk-through with
 //! real pools, real bytes, real transfer engines and the offload pipeline,

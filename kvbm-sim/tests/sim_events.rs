@@ -162,7 +162,7 @@ fn req(id: &str, at_ms: f64, prompt: Vec<u32>, out: usize) -> RequestSpec {
 /// host; B shares A's full-block prefix, misses on the device, hits on the
 /// host, loads it, computes the rest and stores its new block.
 #[test]
-fn seed_002_walkthrough_with_full_blocks() {
+fn cpu_offload_walkthrough_with_full_blocks() {
     let rt = runtime();
     let a: Vec<u32> = (100..132).collect(); // two 16-token blocks
     let mut b = a.clone();
