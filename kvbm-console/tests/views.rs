@@ -1,7 +1,8 @@
-//! Every view drawn into a `TestBackend` at 80×24 and 160×48: empty,
-//! after a recorded log, and overflowing; and one log from `replays/`
-//! driven through the reducer and the UI state to known frames (golden
-//! files under `tests/frames/`; `UPDATE_FRAMES=1` rewrites them).
+//! Every view drawn into a `TestBackend` at 80×24, 120×40, 160×48 and
+//! 240×60: empty, after a recorded log, and overflowing; two logs from
+//! `replays/` driven through the reducer and the UI state to known frames
+//! at every size (golden files under `tests/frames/`; `UPDATE_FRAMES=1`
+//! rewrites them); and tables no wider than what they hold.
 
 use kvbm_console::app::{App, Source};
 use kvbm_console::keys::ViewId;
@@ -16,7 +17,7 @@ use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-const SIZES: [(u16, u16); 2] = [(80, 24), (160, 48)];
+const SIZES: [(u16, u16); 4] = [(80, 24), (120, 40), (160, 48), (240, 60)];
 
 fn key(app: &mut App, c: char) {
     app.key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
@@ -69,7 +70,7 @@ fn empty_app() -> App {
 }
 
 #[test]
-fn every_view_draws_an_empty_model_at_both_sizes() {
+fn every_view_draws_an_empty_model_at_every_size() {
     let expect = [
         (ViewId::Slots, "no requests yet"),
         (ViewId::Transfers, "Totals — no transfers yet"),
@@ -91,7 +92,7 @@ fn every_view_draws_an_empty_model_at_both_sizes() {
 }
 
 #[test]
-fn every_view_draws_a_replayed_log_at_both_sizes() {
+fn every_view_draws_a_replayed_log_at_every_size() {
     for (w, h) in SIZES {
         let mut app = replay_app("preemption-heavy");
         special(&mut app, KeyCode::End);
@@ -374,6 +375,122 @@ fn the_cpu_offload_replay_reaches_known_frames() {
         key(&mut app, '.');
     }
     golden("cpu-offload-slots-160x48", &draw(&mut app, 160, 48));
+}
+
+/// The preemption-heavy log, replayed to its end, draws these exact
+/// frames in every view (and a request's detail) at every size.
+#[test]
+fn every_view_reaches_known_frames_at_every_size() {
+    for (w, h) in SIZES {
+        let mut app = replay_app("preemption-heavy");
+        special(&mut app, KeyCode::End);
+        for view in ViewId::ALL {
+            key(&mut app, view_key(view));
+            if view == ViewId::Histograms {
+                // A series with a spread, for the large histogram.
+                special(&mut app, KeyCode::Down);
+            }
+            let name = view.title().to_lowercase();
+            golden(
+                &format!("preemption-heavy-{name}-{w}x{h}"),
+                &draw(&mut app, w, h),
+            );
+        }
+        key(&mut app, '1');
+        special(&mut app, KeyCode::Enter);
+        golden(
+            &format!("preemption-heavy-detail-{w}x{h}"),
+            &draw(&mut app, w, h),
+        );
+    }
+}
+
+/// The inner lines of the panels whose titles start with `titles` (one
+/// table, or tables that share their column widths), blank lines left out.
+fn panel_lines(lines: &[String], titles: &[&str]) -> Vec<Vec<char>> {
+    let mut out = Vec::new();
+    for title in titles {
+        let top = lines
+            .iter()
+            .position(|l| l.starts_with(&format!("┌ {title}")))
+            .unwrap_or_else(|| panic!("no panel {title}:\n{}", screen(lines)));
+        for l in &lines[top + 1..] {
+            if l.starts_with('└') {
+                break;
+            }
+            let inner: Vec<char> = l.chars().skip(1).take_while(|&c| c != '│').collect();
+            if inner.iter().any(|c| !c.is_whitespace()) {
+                out.push(inner);
+            }
+        }
+    }
+    out
+}
+
+/// Widest run of columns blank on every line, between the first and the
+/// last column that holds anything: with columns sized to their content,
+/// it is the gap between two columns (or a space inside a header).
+fn widest_blank_run(rows: &[Vec<char>]) -> (usize, usize) {
+    let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let blank = |x: usize| {
+        rows.iter()
+            .all(|r| r.get(x).is_none_or(|c| c.is_whitespace()))
+    };
+    let first = (0..width).find(|&x| !blank(x)).unwrap_or(0);
+    let last = (0..width).rev().find(|&x| !blank(x)).unwrap_or(0);
+    let (mut best, mut at, mut run) = (0, 0, 0);
+    for x in first..=last {
+        if blank(x) {
+            run += 1;
+            if run > best {
+                best = run;
+                at = x + 1 - run;
+            }
+        } else {
+            run = 0;
+        }
+    }
+    (best, at)
+}
+
+/// On a screen wider than the tables' content, no column is wider than
+/// its longest cell plus the gap: no two columns are further apart than
+/// the gap, and the space left over stays at the right.
+#[test]
+fn no_column_is_wider_than_its_longest_cell_plus_the_gap() {
+    let mut app = replay_app("preemption-heavy");
+    special(&mut app, KeyCode::End);
+    let tables: [(ViewId, &[&[&str]]); 3] = [
+        (ViewId::Slots, &[&["Slots"]]),
+        (ViewId::Transfers, &[&["Totals"], &["In flight", "Recent"]]),
+        (ViewId::Histograms, &[&["Histograms"]]),
+    ];
+    for (view, groups) in tables {
+        key(&mut app, view_key(view));
+        let lines = draw(&mut app, 240, 60);
+        for titles in groups {
+            let rows = panel_lines(&lines, titles);
+            assert!(
+                rows.len() > 1,
+                "{titles:?} has no rows:\n{}",
+                screen(&lines)
+            );
+            let (run, at) = widest_blank_run(&rows);
+            assert!(
+                run <= kvbm_console::ui::columns::GAP as usize,
+                "{titles:?}: {run} blank columns at {at}:\n{}",
+                rows.iter()
+                    .map(|r| r.iter().collect::<String>())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            // And the screen was wider than the content.
+            assert!(
+                rows.iter()
+                    .all(|r| r.iter().rev().take(20).all(|c| c.is_whitespace()))
+            );
+        }
+    }
 }
 
 #[test]

@@ -15,6 +15,7 @@
 
 pub mod breakpoints;
 pub mod chrome;
+pub mod columns;
 pub mod detail;
 pub mod events;
 pub mod filter;

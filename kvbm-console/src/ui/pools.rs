@@ -9,8 +9,9 @@ use kvbm_events::tier::Tier;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
+use ratatui::symbols::Marker;
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Paragraph, Sparkline};
+use ratatui::widgets::{Axis, Block, Chart, Dataset, GraphType, Paragraph, Sparkline};
 
 /// One tier's panel, as of the last update.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -40,6 +41,59 @@ struct TierRow {
 pub struct Pools {
     tiers: [TierRow; 3],
     list: ListState,
+}
+
+/// Panels with at least this many inner rows draw charts with axes
+/// beneath the figures; smaller ones keep sparklines beside them.
+const CHARTS_MIN_ROWS: u16 = 9;
+
+/// One per-second history as bars over the last seconds, with its axes
+/// labelled: seconds ago along x, the value up y (0 to `max`).
+fn history_chart(f: &mut Frame, area: Rect, what: &str, values: &[u64], max: u64, color: Color) {
+    let n = values.len();
+    let span = n.max(10) as f64;
+    // Enough points per second that each second draws as a solid bar (a
+    // zero draws nothing rather than a mark on the axis).
+    let per = (2.0 * f64::from(area.width) / span).ceil().max(1.0) as usize;
+    let points: Vec<(f64, f64)> = values
+        .iter()
+        .enumerate()
+        .filter(|&(_, &v)| v > 0)
+        .flat_map(|(i, &v)| {
+            let x = i as f64 - n as f64;
+            (0..per).map(move |k| (x + (k as f64 + 0.5) / per as f64, v as f64))
+        })
+        .collect();
+    let data = vec![
+        Dataset::default()
+            .marker(Marker::HalfBlock)
+            .graph_type(GraphType::Bar)
+            .style(Style::new().fg(color))
+            .data(&points),
+    ];
+    let axis = Style::new().fg(Color::DarkGray);
+    let chart = Chart::new(data)
+        .block(Block::new().title(Span::styled(
+            format!("{what}, last {n} s"),
+            Style::new().fg(Color::DarkGray),
+        )))
+        .x_axis(
+            Axis::default()
+                .bounds([-span, 0.0])
+                .labels([
+                    Span::raw(format!("-{}s", span as u64)),
+                    Span::raw(format!("-{}s", (span / 2.0) as u64)),
+                    Span::raw("now"),
+                ])
+                .style(axis),
+        )
+        .y_axis(
+            Axis::default()
+                .bounds([0.0, max as f64])
+                .labels([Span::raw("0"), Span::raw(fmt::count(max))])
+                .style(axis),
+        );
+    f.render_widget(chart, area);
 }
 
 /// Draws one stacked bar: active, inactive, free.
@@ -163,6 +217,41 @@ impl View for Pools {
                     fmt::count(p.duplicate_registrations)
                 )),
             ];
+            if inner.height >= CHARTS_MIN_ROWS {
+                // Tall enough: the figures on top, the two charts side by
+                // side across the whole panel, with axes.
+                let [text, charts] =
+                    Layout::vertical([Constraint::Length(4), Constraint::Min(0)]).areas(inner);
+                let mut lines = lines;
+                lines[0] = gauge(
+                    text.width.saturating_sub(1) as usize,
+                    p.capacity,
+                    p.active,
+                    p.inactive,
+                );
+                f.render_widget(Paragraph::new(lines), text);
+                let [ca, cb] = Layout::horizontal([Constraint::Ratio(1, 2); 2])
+                    .spacing(3)
+                    .areas(charts);
+                history_chart(
+                    f,
+                    ca,
+                    "active blocks",
+                    &p.active_history,
+                    u64::from(p.capacity).max(1),
+                    Color::Green,
+                );
+                let max_evict = p.eviction_history.iter().copied().max().unwrap_or(0).max(1);
+                history_chart(
+                    f,
+                    cb,
+                    "evictions per second",
+                    &p.eviction_history,
+                    max_evict,
+                    Color::Yellow,
+                );
+                continue;
+            }
             f.render_widget(Paragraph::new(lines), left);
             // The newest seconds that fit.
             let width = right.width as usize;

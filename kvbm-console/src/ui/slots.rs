@@ -1,6 +1,7 @@
 //! The slots view: one row per request, filtered and sorted; the
 //! selection follows its request when the rows re-sort.
 
+use super::columns::{self, Col, GridRow};
 use super::filter::{Filter, passes};
 use super::list::ListState;
 use super::{View, dim, head, panel, selected, state_color};
@@ -10,10 +11,9 @@ use kvbm_events::RequestId;
 use kvbm_events::reducer::SlotView;
 use kvbm_events::slot::SlotState;
 use ratatui::Frame;
-use ratatui::layout::{Constraint, Rect};
+use ratatui::layout::Rect;
 use ratatui::style::Style;
-use ratatui::text::Span;
-use ratatui::widgets::{Cell, Paragraph, Row, Table};
+use ratatui::widgets::Paragraph;
 
 /// Terminals at least this wide get a column per tier.
 const WIDE: u16 = 120;
@@ -150,15 +150,28 @@ impl View for Slots {
                 .position(|n| *n == s.state.name())
                 .unwrap_or(0)
         };
+        // Ties fall back to age, then id, so equal rows keep their order
+        // from one update to the next (slots come out of a hash map).
+        let key = |s: &SlotView| (s.created_ns, s.request.clone());
         match self.sort {
-            SlotSort::State => rows.sort_by_key(|s| (state_rank(s), s.created_ns)),
+            SlotSort::State => rows.sort_by_cached_key(|s| (state_rank(s), key(s))),
             SlotSort::Request => rows.sort_by(|a, b| a.request.cmp(&b.request)),
-            SlotSort::Age => rows.sort_by_key(|s| s.created_ns),
-            SlotSort::Prompt => rows.sort_by_key(|s| std::cmp::Reverse(s.prompt_tokens)),
-            SlotSort::Generated => rows.sort_by_key(|s| std::cmp::Reverse(s.generated)),
-            SlotSort::Blocks => rows.sort_by_key(|s| std::cmp::Reverse(s.blocks[0])),
-            SlotSort::Hits => rows.sort_by_key(|s| std::cmp::Reverse(s.total_hit_tokens())),
-            SlotSort::Outstanding => rows.sort_by_key(|s| std::cmp::Reverse(s.outstanding)),
+            SlotSort::Age => rows.sort_by_cached_key(|s| key(s)),
+            SlotSort::Prompt => {
+                rows.sort_by_cached_key(|s| (std::cmp::Reverse(s.prompt_tokens), key(s)))
+            }
+            SlotSort::Generated => {
+                rows.sort_by_cached_key(|s| (std::cmp::Reverse(s.generated), key(s)))
+            }
+            SlotSort::Blocks => {
+                rows.sort_by_cached_key(|s| (std::cmp::Reverse(s.blocks[0]), key(s)))
+            }
+            SlotSort::Hits => {
+                rows.sort_by_cached_key(|s| (std::cmp::Reverse(s.total_hit_tokens()), key(s)))
+            }
+            SlotSort::Outstanding => {
+                rows.sort_by_cached_key(|s| (std::cmp::Reverse(s.outstanding), key(s)))
+            }
         }
         if self.reverse {
             rows.reverse();
@@ -240,7 +253,7 @@ impl View for Slots {
             f.render_widget(Paragraph::new(format!("  {msg}")).block(block), area);
             return;
         }
-        let body: Vec<Row> = self
+        let rows: Vec<GridRow> = self
             .rows
             .iter()
             .enumerate()
@@ -255,78 +268,69 @@ impl View for Slots {
                 })
             })
             .collect();
-        let (header, widths): (Vec<&str>, Vec<Constraint>) = if wide {
-            let h = vec![
-                "Request", "State", "Age", "Prompt", "Gen", "G1", "G2", "G3", "Hit G1", "Hit G2",
-                "Hit G3", "Xfer", "TTFT",
-            ];
-            let w = vec![
-                Constraint::Min(14),
-                Constraint::Length(17),
-                Constraint::Length(8),
-                Constraint::Length(6),
-                Constraint::Length(5),
-                Constraint::Length(5),
-                Constraint::Length(5),
-                Constraint::Length(5),
-                Constraint::Length(7),
-                Constraint::Length(7),
-                Constraint::Length(7),
-                Constraint::Length(4),
-                Constraint::Length(8),
-            ];
-            (h, w)
-        } else {
-            let h = vec![
-                "Request", "State", "Age", "Prompt", "Gen", "G1/G2/G3", "Hit", "Xfer",
-            ];
-            let w = vec![
-                Constraint::Min(8),
-                Constraint::Length(14),
-                Constraint::Length(8),
-                Constraint::Length(6),
-                Constraint::Length(4),
-                Constraint::Length(9),
-                Constraint::Length(6),
-                Constraint::Length(4),
-            ];
-            (h, w)
-        };
-        let table = Table::new(body, widths)
-            .header(Row::new(header).style(head()))
-            .block(block);
-        f.render_widget(table, area);
+        let cols: &[Col] = if wide { &WIDE_COLS } else { &NARROW_COLS };
+        let inner = area.width.saturating_sub(2);
+        let widths = columns::fit(cols, &rows, inner);
+        f.render_widget(columns::table(cols, &widths, rows, head(), block), area);
     }
 }
 
-fn row<'a>(s: &'a SlotView, now: u64, wide: bool) -> Row<'a> {
+/// Columns on terminals at least [`WIDE`] wide: one per tier.
+const WIDE_COLS: [Col; 13] = [
+    Col::text("Request", 7, 40),
+    Col::text("State", 8, 17),
+    Col::num("Age", 3, 8),
+    Col::num("Prompt", 6, 7),
+    Col::num("Gen", 3, 6),
+    Col::num("G1", 2, 6),
+    Col::num("G2", 2, 6),
+    Col::num("G3", 2, 6),
+    Col::num("Hit G1", 6, 7),
+    Col::num("Hit G2", 6, 7),
+    Col::num("Hit G3", 6, 7),
+    Col::num("Xfer", 4, 5),
+    Col::num("TTFT", 4, 8),
+];
+
+/// Columns on narrower terminals: the tiers together.
+const NARROW_COLS: [Col; 8] = [
+    Col::text("Request", 7, 24),
+    Col::text("State", 8, 17),
+    Col::num("Age", 3, 8),
+    Col::num("Prompt", 6, 7),
+    Col::num("Gen", 3, 5),
+    Col::text("G1/G2/G3", 8, 14),
+    Col::num("Hit", 3, 7),
+    Col::num("Xfer", 4, 5),
+];
+
+fn row(s: &SlotView, now: u64, wide: bool) -> GridRow {
     let age = now.saturating_sub(s.created_ns);
-    let state = Span::styled(s.state.to_string(), Style::new().fg(state_color(&s.state)));
-    let mut cells: Vec<Cell> = vec![
-        Cell::from(s.request.as_ref()),
-        Cell::from(state),
-        Cell::from(fmt::dur(age)),
-        Cell::from(s.prompt_tokens.to_string()),
-        Cell::from(s.generated.to_string()),
+    let plain = |t: String| (t, Style::new());
+    let mut cells = vec![
+        plain(s.request.to_string()),
+        (s.state.to_string(), Style::new().fg(state_color(&s.state))),
+        plain(fmt::dur(age)),
+        plain(s.prompt_tokens.to_string()),
+        plain(s.generated.to_string()),
     ];
     if wide {
-        for b in s.blocks {
-            cells.push(Cell::from(b.to_string()));
-        }
-        for h in s.hit_tokens {
-            cells.push(Cell::from(h.to_string()));
-        }
-        cells.push(Cell::from(s.outstanding.to_string()));
-        cells.push(Cell::from(s.ttft_ns().map_or("-".into(), fmt::dur)));
+        cells.extend(s.blocks.iter().map(|b| plain(b.to_string())));
+        cells.extend(s.hit_tokens.iter().map(|h| plain(h.to_string())));
+        cells.push(plain(s.outstanding.to_string()));
+        cells.push(plain(s.ttft_ns().map_or("-".into(), fmt::dur)));
     } else {
-        cells.push(Cell::from(format!(
+        cells.push(plain(format!(
             "{}/{}/{}",
             s.blocks[0], s.blocks[1], s.blocks[2]
         )));
-        cells.push(Cell::from(s.total_hit_tokens().to_string()));
-        cells.push(Cell::from(s.outstanding.to_string()));
+        cells.push(plain(s.total_hit_tokens().to_string()));
+        cells.push(plain(s.outstanding.to_string()));
     }
-    let r = Row::new(cells);
+    let r = GridRow {
+        cells,
+        style: Style::new(),
+    };
     if s.is_finished() {
         r.style(dim(Style::new()))
     } else {

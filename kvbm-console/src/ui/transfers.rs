@@ -2,6 +2,7 @@
 //! batches, and recent ends (completions with latency; skips, cancels and
 //! failures with their reasons).
 
+use super::columns::{self, Col, GridRow};
 use super::filter::{Filter, passes};
 use super::list::ListState;
 use super::{View, head, panel, selected};
@@ -12,8 +13,6 @@ use kvbm_events::{Direction, RequestId};
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
-use ratatui::text::Span;
-use ratatui::widgets::{Cell, Row, Table};
 
 /// Rows of the totals table at most (one per direction).
 const TOTALS: u16 = 4;
@@ -106,7 +105,7 @@ impl View for Transfers {
         let [tot_a, mid_a, bot_a] = split(area);
 
         // Totals per direction.
-        let totals: Vec<Row> = st
+        let totals: Vec<GridRow> = st
             .direction_totals()
             .iter()
             .map(|t| {
@@ -118,7 +117,7 @@ impl View for Transfers {
                 } else {
                     "-".into()
                 };
-                Row::new(vec![
+                GridRow::plain([
                     t.direction.to_string(),
                     fmt::count(t.planned),
                     fmt::count(t.completed),
@@ -131,48 +130,23 @@ impl View for Transfers {
                 ])
             })
             .collect();
-        let empty_totals = totals.is_empty();
-        let totals = Table::new(
-            totals,
-            [
-                Constraint::Length(7),
-                Constraint::Length(9),
-                Constraint::Length(9),
-                Constraint::Length(8),
-                Constraint::Length(9),
-                Constraint::Length(6),
-                Constraint::Length(9),
-                Constraint::Length(9),
-                Constraint::Min(8),
-            ],
-        )
-        .header(
-            Row::new(vec![
-                "Dir",
-                "Planned",
-                "Done",
-                "Skipped",
-                "Cancelled",
-                "Failed",
-                "Blocks",
-                "Bytes",
-                "Rate",
-            ])
-            .style(head()),
-        )
-        .block(panel(if empty_totals {
+        let title = if totals.is_empty() {
             "Totals — no transfers yet"
         } else {
             "Totals by direction"
-        }));
-        f.render_widget(totals, tot_a);
+        };
+        let widths = columns::fit(&TOTAL_COLS, &totals, tot_a.width.saturating_sub(2));
+        f.render_widget(
+            columns::table(&TOTAL_COLS, &widths, totals, head(), panel(title)),
+            tot_a,
+        );
 
         // One selection over in flight + recent.
         let all = &self.rows;
         let n_flight = self.in_flight;
         let list = &self.list;
-        let mid_rows = mid_a.height.saturating_sub(3) as usize;
-        let bot_rows = bot_a.height.saturating_sub(3) as usize;
+        let mid_rows = columns::body_rows(mid_a);
+        let bot_rows = columns::body_rows(bot_a);
         // The selection scrolls the table it is in; the other keeps its top.
         let sel = list.selected;
         let mk = |i: usize, t: &TransferView, in_flight: bool| {
@@ -184,43 +158,56 @@ impl View for Transfers {
             } else {
                 fmt::dur(t.latency_ns())
             };
-            let r = Row::new(vec![
-                Cell::from(format!("#{}", t.id)),
-                Cell::from(t.request.as_deref().unwrap_or("-").to_string()),
-                Cell::from(Span::styled(
-                    t.status.to_string(),
-                    Style::new().fg(status_color(&t.status)),
-                )),
-                Cell::from(t.direction.to_string()),
-                Cell::from(t.blocks.to_string()),
-                Cell::from(bytes),
-                Cell::from(when),
-                Cell::from(t.batch.map_or("-".into(), |b| b.to_string())),
-            ]);
+            let plain = |s: String| (s, Style::new());
+            let r = GridRow {
+                cells: vec![
+                    plain(format!("#{}", t.id)),
+                    plain(t.request.as_deref().unwrap_or("-").to_string()),
+                    (
+                        t.status.to_string(),
+                        Style::new().fg(status_color(&t.status)),
+                    ),
+                    plain(t.direction.to_string()),
+                    plain(t.blocks.to_string()),
+                    plain(bytes),
+                    plain(when),
+                    plain(t.batch.map_or("-".into(), |b| b.to_string())),
+                ],
+                style: Style::new(),
+            };
             if i == sel { r.style(selected()) } else { r }
         };
-        let widths = [
-            Constraint::Length(8),
-            Constraint::Length(12),
-            Constraint::Min(18),
-            Constraint::Length(6),
-            Constraint::Length(6),
-            Constraint::Length(9),
-            Constraint::Length(9),
-            Constraint::Length(6),
-        ];
         let mid_off = if sel < n_flight {
             sel.saturating_sub(mid_rows.saturating_sub(1))
         } else {
             0
         };
-        let flight: Vec<Row> = all[..n_flight]
+        let flight: Vec<GridRow> = all[..n_flight]
             .iter()
             .enumerate()
             .skip(mid_off)
             .take(mid_rows)
             .map(|(i, t)| mk(i, t, true))
             .collect();
+        let bot_sel = sel.saturating_sub(n_flight);
+        let bot_off = if sel >= n_flight {
+            bot_sel.saturating_sub(bot_rows.saturating_sub(1))
+        } else {
+            0
+        };
+        let recent: Vec<GridRow> = all[n_flight..]
+            .iter()
+            .enumerate()
+            .skip(bot_off)
+            .take(bot_rows)
+            .map(|(i, t)| mk(i + n_flight, t, false))
+            .collect();
+        // Both tables share their widths so their columns line up.
+        let widths = columns::fit(
+            &RECENT_COLS,
+            flight.iter().chain(&recent),
+            mid_a.width.saturating_sub(2),
+        );
         let batches: Vec<String> = st
             .batches_in_flight()
             .take(4)
@@ -246,29 +233,9 @@ impl View for Transfers {
             }
         );
         f.render_widget(
-            Table::new(flight, widths)
-                .header(
-                    Row::new(vec![
-                        "Id", "Request", "Status", "Dir", "Blocks", "Bytes", "Age", "Batch",
-                    ])
-                    .style(head()),
-                )
-                .block(panel(mid_title)),
+            columns::table(&FLIGHT_COLS, &widths, flight, head(), panel(mid_title)),
             mid_a,
         );
-        let bot_sel = sel.saturating_sub(n_flight);
-        let bot_off = if sel >= n_flight {
-            bot_sel.saturating_sub(bot_rows.saturating_sub(1))
-        } else {
-            0
-        };
-        let recent: Vec<Row> = all[n_flight..]
-            .iter()
-            .enumerate()
-            .skip(bot_off)
-            .take(bot_rows)
-            .map(|(i, t)| mk(i + n_flight, t, false))
-            .collect();
         let bot_title = format!(
             "Recent — {} kept{} (latency = planned → end)",
             all.len() - n_flight,
@@ -279,25 +246,47 @@ impl View for Transfers {
             }
         );
         f.render_widget(
-            Table::new(recent, widths)
-                .header(
-                    Row::new(vec![
-                        "Id",
-                        "Request",
-                        "Status / reason",
-                        "Dir",
-                        "Blocks",
-                        "Bytes",
-                        "Latency",
-                        "Batch",
-                    ])
-                    .style(head()),
-                )
-                .block(panel(bot_title)),
+            columns::table(&RECENT_COLS, &widths, recent, head(), panel(bot_title)),
             bot_a,
         );
     }
 }
+
+const TOTAL_COLS: [Col; 9] = [
+    Col::text("Dir", 5, 7),
+    Col::num("Planned", 7, 12),
+    Col::num("Done", 4, 12),
+    Col::num("Skipped", 7, 12),
+    Col::num("Cancelled", 9, 12),
+    Col::num("Failed", 6, 12),
+    Col::num("Blocks", 6, 14),
+    Col::num("Bytes", 5, 10),
+    Col::num("Rate", 4, 12),
+];
+
+/// The in-flight table's columns; the recent table's are the same but
+/// for two headers, and both share their widths.
+const FLIGHT_COLS: [Col; 8] = [
+    Col::text("Id", 2, 9),
+    Col::text("Request", 7, 32),
+    Col::text("Status", 6, 40),
+    Col::text("Dir", 5, 7),
+    Col::num("Blocks", 6, 7),
+    Col::num("Bytes", 5, 11),
+    Col::num("Age", 3, 9),
+    Col::num("Batch", 5, 8),
+];
+
+const RECENT_COLS: [Col; 8] = [
+    FLIGHT_COLS[0],
+    FLIGHT_COLS[1],
+    Col::text("Status / reason", 6, 40),
+    FLIGHT_COLS[3],
+    FLIGHT_COLS[4],
+    FLIGHT_COLS[5],
+    Col::num("Latency", 3, 9),
+    FLIGHT_COLS[7],
+];
 
 fn bytes_per_block(state: &EngineState, d: Direction) -> Option<u64> {
     state

@@ -151,6 +151,13 @@ impl Series {
         self.hist.len()
     }
 
+    /// Where [`log_buckets`](Self::log_buckets) starts: the smallest value
+    /// recorded (to the histogram's precision, at least 1); `None` when
+    /// nothing was.
+    pub fn low(&self) -> Option<u64> {
+        (!self.hist.is_empty()).then(|| self.hist.min().max(1))
+    }
+
     /// The distribution in `n` buckets spaced evenly on a log scale from
     /// the smallest to the largest value recorded: `(upper bound, count)`
     /// pairs, for a small histogram on screen. Empty when nothing was
