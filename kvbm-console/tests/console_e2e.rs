@@ -36,16 +36,36 @@ fn have_tmux() -> bool {
 }
 
 impl Tmux {
-    /// Starts `args` in a detached `w`×`h` session on a private socket.
+    /// Starts the console with `args` in a detached `w`×`h` session on a
+    /// private socket.
     fn start(name: &str, args: &[&str], w: u16, h: u16) -> Tmux {
+        let bin = env!("CARGO_BIN_EXE_kvbm-console");
+        Tmux::start_with(name, "", bin, args, w, h, true)
+    }
+
+    /// Starts `env bin args` (`env`: `NAME=value ` prefixes) in a detached
+    /// `w`×`h` session; its stderr goes to a file unless `stderr_to_file`
+    /// is false (then it shows in the pane, as a user would see it).
+    fn start_with(
+        name: &str,
+        env: &str,
+        bin: &str,
+        args: &[&str],
+        w: u16,
+        h: u16,
+        stderr_to_file: bool,
+    ) -> Tmux {
         let dir = tempfile::tempdir().unwrap();
         let exit_file = dir.path().join("exit");
         let socket = format!("kvbm-e2e-{}-{name}", std::process::id());
-        let bin = env!("CARGO_BIN_EXE_kvbm-console");
+        let redirect = if stderr_to_file {
+            format!(" 2>{}", dir.path().join("stderr").display())
+        } else {
+            String::new()
+        };
         let cmd = format!(
-            "{bin} {} 2>{}; echo $? > {}; sleep 30",
+            "{env}{bin} {}{redirect}; echo $? > {}; sleep 30",
             args.join(" "),
-            dir.path().join("stderr").display(),
             exit_file.display()
         );
         let st = Command::new("tmux")
@@ -73,6 +93,15 @@ impl Tmux {
     fn screen(&self) -> String {
         let o = Command::new("tmux")
             .args(["-L", &self.socket, "capture-pane", "-p", "-t", "t"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// The screen with its attributes as escape sequences (`-e`).
+    fn screen_with_attributes(&self) -> String {
+        let o = Command::new("tmux")
+            .args(["-L", &self.socket, "capture-pane", "-p", "-e", "-t", "t"])
             .output()
             .unwrap();
         String::from_utf8_lossy(&o.stdout).into_owned()
@@ -274,4 +303,142 @@ fn a_missing_log_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("opening log") && err.contains("nope"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
+}
+
+/// The rows of the Transfers view's in-flight table: `(blocks, bytes)`
+/// of each candidate on screen.
+fn in_flight_rows(screen: &str) -> Vec<(u64, String)> {
+    let mut rows = Vec::new();
+    let mut inside = false;
+    for l in screen.lines() {
+        if l.starts_with("┌ In flight") {
+            inside = true;
+            continue;
+        }
+        if inside && l.starts_with('└') {
+            break;
+        }
+        let cols: Vec<&str> = l.trim_matches('│').split_whitespace().collect();
+        // #id request status dir blocks bytes age batch
+        if inside
+            && cols.first().is_some_and(|c| c.starts_with('#'))
+            && let Some(i) = cols.iter().position(|c| c.contains('→'))
+            && let (Some(b), Some(bytes)) = (cols.get(i + 1), cols.get(i + 2))
+            && let Ok(b) = b.parse()
+        {
+            rows.push((b, bytes.to_string()));
+        }
+    }
+    rows
+}
+
+/// Within 20 s of starting, the demo's Transfers view has a candidate in
+/// flight, and its bytes are those of the model preset: 2 MiB per 16-token
+/// block for the default Llama-3-8B-like model (128 KiB per token), 5 MiB
+/// for the 70B-like one.
+#[test]
+fn demo_transfers_are_in_flight_with_the_presets_bytes() {
+    if !have_tmux() {
+        return;
+    }
+    for (model, mib_per_block) in [(None, 2), (Some("llama-3-70b"), 5)] {
+        let mut args = vec!["demo"];
+        if let Some(m) = model {
+            args.extend(["--model", m]);
+        }
+        let t = Tmux::start(model.unwrap_or("default"), &args, 160, 48);
+        t.wait_for("the demo", 30, |s| s.contains("LIVE"));
+        let started = Instant::now();
+        t.send("2");
+        let s = t.wait_for("a transfer in flight with its bytes", 20, |s| {
+            in_flight_rows(s).iter().any(|(_, b)| b != "-")
+        });
+        assert!(started.elapsed() < Duration::from_secs(20));
+        for (blocks, bytes) in in_flight_rows(&s) {
+            if bytes == "-" {
+                continue;
+            }
+            let mib = blocks * mib_per_block;
+            let want = if mib >= 1024 {
+                format!("~{:.1}GiB", mib as f64 / 1024.0)
+            } else {
+                format!("~{mib:.1}MiB", mib = mib as f64)
+            };
+            assert_eq!(bytes, want, "{model:?}: {blocks} blocks:\n{s}");
+        }
+        t.send("q");
+        assert_eq!(t.exit_code(30), 0);
+    }
+}
+
+/// `NO_COLOR=1` draws without colour (tmux's `capture-pane -e` shows every
+/// attribute as an escape sequence): no foreground or background colour,
+/// while the same screen without it has them; reverse video stays.
+#[test]
+fn no_color_draws_without_colour_in_a_real_terminal() {
+    if !have_tmux() {
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_kvbm-console");
+    let replay = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../replays/preemption-heavy")
+        .display()
+        .to_string();
+    // SGR parameters that set a colour: 30–37, 38;…, 40–47, 48;…, 90–97,
+    // 100–107.
+    let colours = |s: &str| -> usize {
+        s.split("\x1b[")
+            .skip(1)
+            .filter_map(|seq| seq.split_once('m').map(|(p, _)| p))
+            .flat_map(|p| {
+                p.split(';')
+                    .map(|x| x.parse::<u32>().unwrap_or(0))
+                    .collect::<Vec<_>>()
+            })
+            .filter(|&n| matches!(n, 30..=38 | 40..=48 | 90..=97 | 100..=107))
+            .count()
+    };
+    for (env, name) in [("", "colour"), ("NO_COLOR=1 ", "nocolour")] {
+        let t = Tmux::start_with(name, env, bin, &["replay", &replay], 120, 40, true);
+        t.wait_for("the replay", 30, |s| s.contains("REPLAY"));
+        t.send("End");
+        t.wait_for("the end", 10, |s| s.contains("100%"));
+        let s = t.screen_with_attributes();
+        if env.is_empty() {
+            assert!(colours(&s) > 0, "no colour without NO_COLOR:\n{s}");
+        } else {
+            assert_eq!(colours(&s), 0, "colour under NO_COLOR:\n{s:?}");
+            // The selected row is still marked.
+            assert!(s.contains("\x1b[7m") || s.contains(";7m"), "{s:?}");
+        }
+        t.send("q");
+        assert_eq!(t.exit_code(10), 0);
+    }
+}
+
+/// A run longer than a second shows progress on a terminal (and none in a
+/// pipe: `conventions.rs`), and clears it before the summary.
+#[test]
+fn progress_shows_on_a_terminal() {
+    if !have_tmux() {
+        return;
+    }
+    let sim = kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim");
+    let sim = sim.display().to_string();
+    let t = Tmux::start_with(
+        "progress",
+        "",
+        &sim,
+        &["--requests", "3000", "--rate", "50"],
+        120,
+        20,
+        false,
+    );
+    t.wait_for("a progress bar", 60, |s| {
+        s.contains("requests finished") && s.contains("[=")
+    });
+    assert_eq!(t.exit_code(300), 0);
+    let s = t.screen();
+    assert!(s.contains("requests finished   3000"), "{s}");
+    assert!(!s.contains("[="), "the bar was left behind:\n{s}");
 }
