@@ -6,6 +6,7 @@
 //! nothing to control; the paused calls are the reducer's, at the replay's
 //! position, in engine time.
 
+use super::columns::{self, Col, GridRow};
 use super::list::ListState;
 use super::{View, head, panel, selected};
 use crate::bpspec;
@@ -17,7 +18,7 @@ use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Paragraph, Row, Table};
+use ratatui::widgets::Paragraph;
 
 /// The breakpoints view's state. Its rows (one selection) are the
 /// breakpoints, then the paused calls.
@@ -96,12 +97,12 @@ impl View for Breakpoints {
         let stats = st.breakpoints();
         match &self.control {
             Some(c) => {
-                let rows: Vec<Row> = c
+                let rows: Vec<GridRow> = c
                     .breakpoints
                     .iter()
                     .enumerate()
                     .map(|(i, b)| {
-                        let r = Row::new(vec![
+                        let r = GridRow::plain([
                             format!("#{}", b.id),
                             bpspec::describe(&b.spec),
                             b.hits.to_string(),
@@ -109,32 +110,24 @@ impl View for Breakpoints {
                         if i == sel { r.style(selected()) } else { r }
                     })
                     .collect();
-                let empty = rows.is_empty();
+                let title = if rows.is_empty() {
+                    "Breakpoints — none (a to add, or b on a request)".to_string()
+                } else {
+                    format!("Breakpoints — {}", c.breakpoints.len())
+                };
+                let widths = columns::fit(&BP_COLS, &rows, top.width.saturating_sub(2));
                 f.render_widget(
-                    Table::new(
-                        rows,
-                        [
-                            Constraint::Length(6),
-                            Constraint::Min(20),
-                            Constraint::Length(6),
-                        ],
-                    )
-                    .header(Row::new(vec!["Id", "Matches", "Hits"]).style(head()))
-                    .block(panel(if empty {
-                        "Breakpoints — none (a to add, or b on a request)".to_string()
-                    } else {
-                        format!("Breakpoints — {}", c.breakpoints.len())
-                    })),
+                    columns::table(&BP_COLS, &widths, rows, head(), panel(title)),
                     top,
                 );
                 let n = c.breakpoints.len();
-                let rows: Vec<Row> = c
+                let rows: Vec<GridRow> = c
                     .paused
                     .iter()
                     .enumerate()
                     .map(|(i, p)| {
                         let warn = p.deadline_in.as_secs() < 5;
-                        let r = Row::new(vec![
+                        let r = GridRow::plain([
                             p.pause_id.to_string(),
                             if p.breakpoint == 0 {
                                 "step".into()
@@ -155,32 +148,10 @@ impl View for Breakpoints {
                         if i + n == sel { r.style(selected()) } else { r }
                     })
                     .collect();
+                let title = format!("Paused calls — {}", c.paused.len());
+                let widths = columns::fit(&PAUSED_COLS, &rows, bottom.width.saturating_sub(2));
                 f.render_widget(
-                    Table::new(
-                        rows,
-                        [
-                            Constraint::Length(6),
-                            Constraint::Length(6),
-                            Constraint::Length(27),
-                            Constraint::Min(10),
-                            Constraint::Length(14),
-                            Constraint::Length(9),
-                            Constraint::Length(9),
-                        ],
-                    )
-                    .header(
-                        Row::new(vec![
-                            "Pause",
-                            "Bp",
-                            "Entry",
-                            "Request",
-                            "State",
-                            "Waited",
-                            "Resumes in",
-                        ])
-                        .style(head()),
-                    )
-                    .block(panel(format!("Paused calls — {}", c.paused.len()))),
+                    columns::table(&PAUSED_COLS, &widths, rows, head(), panel(title)),
                     bottom,
                 );
             }
@@ -193,12 +164,12 @@ impl View for Breakpoints {
                     .block(panel("Breakpoints")),
                     top,
                 );
-                let rows: Vec<Row> = self
+                let rows: Vec<GridRow> = self
                     .replay_paused
                     .iter()
                     .enumerate()
                     .map(|(i, p)| {
-                        let r = Row::new(vec![
+                        let r = GridRow::plain([
                             p.seq.to_string(),
                             format!("#{}", p.breakpoint),
                             p.entry.name().to_string(),
@@ -209,33 +180,11 @@ impl View for Breakpoints {
                         if i == sel { r.style(selected()) } else { r }
                     })
                     .collect();
+                let title = format!("Paused calls — {}", self.replay_paused.len());
+                let widths =
+                    columns::fit(&REPLAY_PAUSED_COLS, &rows, bottom.width.saturating_sub(2));
                 f.render_widget(
-                    Table::new(
-                        rows,
-                        [
-                            Constraint::Length(9),
-                            Constraint::Length(6),
-                            Constraint::Length(27),
-                            Constraint::Min(10),
-                            Constraint::Length(9),
-                            Constraint::Length(9),
-                        ],
-                    )
-                    .header(
-                        Row::new(vec![
-                            "Seq",
-                            "Bp",
-                            "Entry",
-                            "Request",
-                            "Waited",
-                            "Resumes in",
-                        ])
-                        .style(head()),
-                    )
-                    .block(panel(format!(
-                        "Paused calls — {}",
-                        self.replay_paused.len()
-                    ))),
+                    columns::table(&REPLAY_PAUSED_COLS, &widths, rows, head(), panel(title)),
                     bottom,
                 );
             }
@@ -259,3 +208,28 @@ impl View for Breakpoints {
         );
     }
 }
+
+const BP_COLS: [Col; 3] = [
+    Col::text("Id", 2, 8),
+    Col::text("Matches", 7, u16::MAX),
+    Col::num("Hits", 4, 10),
+];
+
+const PAUSED_COLS: [Col; 7] = [
+    Col::num("Pause", 5, 8),
+    Col::text("Bp", 2, 8),
+    Col::text("Entry", 5, 32),
+    Col::text("Request", 7, 40),
+    Col::text("State", 5, 17),
+    Col::num("Waited", 6, 10),
+    Col::num("Resumes in", 10, 10),
+];
+
+const REPLAY_PAUSED_COLS: [Col; 6] = [
+    Col::num("Seq", 3, 12),
+    Col::text("Bp", 2, 8),
+    Col::text("Entry", 5, 32),
+    Col::text("Request", 7, 40),
+    Col::num("Waited", 6, 10),
+    Col::num("Resumes in", 10, 10),
+];

@@ -1,6 +1,7 @@
 //! One request: its states as a horizontal timeline, its transfers as
 //! spans beneath, and its own events.
 
+use super::columns::{self, Col, GridRow};
 use super::list::ListState;
 use super::{View, head, panel, selected, state_color};
 use crate::fmt;
@@ -11,7 +12,7 @@ use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Paragraph, Row, Table};
+use ratatui::widgets::Paragraph;
 use std::collections::VecDeque;
 
 /// Transfer spans drawn at most.
@@ -306,13 +307,13 @@ impl View for Detail {
         let visible = inner.height.saturating_sub(1) as usize;
         let l = &self.list;
         let off = l.offset_for(evs.len(), visible);
-        let rows: Vec<Row> = evs
+        let rows: Vec<GridRow> = evs
             .iter()
             .enumerate()
             .skip(off)
             .take(visible)
             .map(|(i, e)| {
-                let r = Row::new(vec![
+                let r = GridRow::plain([
                     e.seq.to_string(),
                     fmt::clock(e.ts_ns),
                     e.kind.name().to_string(),
@@ -325,20 +326,24 @@ impl View for Detail {
                 }
             })
             .collect();
-        let table = Table::new(
+        let widths = columns::fit(&EVENT_COLS, &rows, list_a.width.saturating_sub(2));
+        let table = columns::table(
+            &EVENT_COLS,
+            &widths,
             rows,
-            [
-                Constraint::Length(9),
-                Constraint::Length(10),
-                Constraint::Length(17),
-                Constraint::Min(10),
-            ],
-        )
-        .header(Row::new(vec!["Seq", "Time", "Kind", "Detail"]).style(head()))
-        .block(panel(format!("Events of {request} ({})", evs.len())));
+            head(),
+            panel(format!("Events of {request} ({})", evs.len())),
+        );
         f.render_widget(table, list_a);
     }
 }
+
+const EVENT_COLS: [Col; 4] = [
+    Col::num("Seq", 3, 12),
+    Col::text("Time", 4, 24),
+    Col::text("Kind", 4, 24),
+    Col::text("Detail", 6, u16::MAX),
+];
 
 /// A transfer of this request as a span on the timeline.
 struct Span_ {
