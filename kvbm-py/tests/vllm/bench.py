@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 
+import engine  # noqa: E402 (this directory; no vLLM import at load)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -30,9 +32,9 @@ def run(kind, rounds, tmp, trial):
         stats = os.path.join(tmp, f"stats-{trial}.json")
         args["extra"] = {"host_capacity_tokens": 16384, "shm_dir": tmp, "record": rec}
         env["KVBM_STATS_FILE"] = stats
-    p = subprocess.run(
+    p = engine.run_isolated(
         [sys.executable, os.path.join(HERE, "scenario.py"), "bench", json.dumps(args)],
-        capture_output=True, text=True, env=env, cwd=HERE, timeout=600,
+        600, env=env, cwd=HERE,
     )
     res = [json.loads(l[7:]) for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     if p.returncode != 0 or not res:

@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 
+import engine  # noqa: E402 (this directory; no vLLM import at load)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -56,7 +58,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="kvbm-console-vllm-")
     session = f"kvbm-vllm-{os.getpid()}"
     args = {"port": port, "seconds": 150, "max_tokens": 48}
-    eng = subprocess.Popen(
+    eng = engine.spawn(
         [sys.executable, os.path.join(HERE, "scenario.py"), "serve_workload", json.dumps(args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -105,8 +107,7 @@ def main():
         print("all console checks passed", flush=True)
     finally:
         tmux("kill-session", "-t", session, check=False)
-        eng.kill()
-        eng.wait()
+        engine.kill_group(eng)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

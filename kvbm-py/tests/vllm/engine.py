@@ -9,6 +9,7 @@ Every function that builds an engine must run under
 import json
 import os
 import signal
+import subprocess
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,10 +21,63 @@ MODEL = os.path.join(HERE, "tiny-llama")
 BLOCK = 32
 
 
+def _kill_children():
+    """Kills every process this one started (vLLM's engine core outlives a
+    parent that exits without shutting it down)."""
+    import psutil
+
+    for c in psutil.Process().children(recursive=True):
+        try:
+            c.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _die(code):
+    _kill_children()
+    os._exit(code)
+
+
 def bounded(seconds):
-    """Kill this process (and so its engine) if it runs past `seconds`."""
-    signal.signal(signal.SIGALRM, lambda *_: os._exit(124))
+    """Kill this process and its engine if it runs past `seconds`, or when
+    it is told to stop (SIGTERM, SIGHUP: a closed terminal)."""
+    signal.signal(signal.SIGALRM, lambda *_: _die(124))
+    signal.signal(signal.SIGTERM, lambda *_: _die(143))
+    signal.signal(signal.SIGHUP, lambda *_: _die(129))
     signal.alarm(int(seconds))
+
+
+def kill_group(p):
+    """Kills what is left of the process group of `p` (started by
+    `spawn`): the scenario and its engine core, even if the scenario
+    itself was SIGKILLed."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def spawn(argv, **kw):
+    """Starts `argv` in a process group of its own, for `kill_group`."""
+    return subprocess.Popen(argv, start_new_session=True, **kw)
+
+
+def run_isolated(argv, timeout, **kw):
+    """Like `subprocess.run(argv, capture_output=True, text=True,
+    timeout=timeout)`, but in a process group of its own that is killed
+    however the run ends, so no engine core is left behind; a timeout
+    comes back as return code -9 with what was printed until then."""
+    p = spawn(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(p)
+        out, err = p.communicate()
+        err = (err or "") + f"\n[killed after {timeout} s]"
+    finally:
+        kill_group(p)
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
 
 
 def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8):

@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+import engine  # noqa: E402 (this directory; no vLLM import at load)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PY = sys.executable
 FAILURES = []
@@ -44,11 +46,9 @@ def scenario(name, args, env=None, timeout=300, expect_ok=True):
     e = dict(os.environ)
     e.update(env or {})
     t0 = time.time()
-    p = subprocess.run(
+    p = engine.run_isolated(
         [PY, os.path.join(HERE, "scenario.py"), name, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        timeout,
         env=e,
         cwd=HERE,
     )
