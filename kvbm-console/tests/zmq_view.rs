@@ -9,8 +9,8 @@ use kvbm_console::source::LiveSource;
 use kvbm_events::ring::RingBuffer;
 use kvbm_events::tier::Tier;
 use kvbm_ingest::vllm::{
-    KvBatch, KvEvent, NO_SLOTS_REASON, Translator, TranslatorConfig, ZmqConfig, ZmqEndpoint,
-    ZmqItem,
+    KvBatch, KvEvent, Medium, NO_SLOTS_REASON, Skipped, Translator, TranslatorConfig, ZmqConfig,
+    ZmqEndpoint, ZmqItem,
 };
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
@@ -29,9 +29,10 @@ fn zmq_items_reach_the_views_and_slots_say_there_are_none() {
                 parent: None,
                 num_tokens: 48,
                 block_size: Some(16),
-                tier: Tier::Device,
+                medium: Medium::Gpu,
+                group: None,
             }],
-            bad_events: 0,
+            skipped: Skipped::default(),
             dp_rank: None,
         },
         &mut evs,
