@@ -443,8 +443,9 @@ impl Replay for ZmqReplay {
             .map_err(|e| format!("replay endpoint {ep}: {e}"))?;
         let mut req = ZmqMessage::from(Vec::<u8>::new());
         req.push_back(from.to_be_bytes().to_vec().into());
-        d.send(req)
+        tokio::time::timeout(self.timeout, d.send(req))
             .await
+            .map_err(|_| format!("replay endpoint {ep}: the request could not be sent"))?
             .map_err(|e| format!("replay endpoint {ep}: {e}"))?;
         let mut got = Vec::new();
         loop {
@@ -462,6 +463,7 @@ impl Replay for ZmqReplay {
             let (seq, payload) =
                 split_replay_frames(&frames).map_err(|e| format!("replay endpoint {ep}: {e}"))?;
             if seq == END_SEQ {
+                tracing::debug!("replay {from}..={to} answered: {} batches", got.len());
                 return Ok(got);
             }
             if (from..=to).contains(&seq) && got.len() < self.max {

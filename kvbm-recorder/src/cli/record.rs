@@ -295,6 +295,8 @@ fn record_from_zmq(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                     Some(ZmqItem::Connected { connects }) => {
                         if connects > 1 {
                             eprintln!("reconnected to {url}");
+                        } else {
+                            eprintln!("subscribed to {url}");
                         }
                     }
                     Some(ZmqItem::ReplayFailed { error }) => {
