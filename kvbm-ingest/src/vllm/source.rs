@@ -697,6 +697,7 @@ impl Pipeline {
     }
 
     fn replay_failed(&mut self, error: String, out: &mut Vec<ZmqItem>) {
+        tracing::warn!("replay failed: {error}");
         self.counters.replay_failures += 1;
         self.counters.last_replay_error = Some(error.clone());
         out.push(ZmqItem::ReplayFailed { error });
@@ -878,6 +879,7 @@ async fn run(cfg: ZmqConfig, tx: mpsc::Sender<ZmqItem>, shared: Arc<Shared>) {
         }
         // Dropping the socket stops the crate's own reconnection task.
         drop(sub);
+        tracing::warn!("the publisher {} went away; reconnecting", cfg.endpoint);
         *lock(&shared.gone_since) = Some(Instant::now());
         set_state(GONE);
         out.push(pipe.disconnected());
