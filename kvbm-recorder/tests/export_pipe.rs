@@ -27,12 +27,7 @@ fn a_closed_pipe_ends_export_quietly_with_status_0() {
             .unwrap();
         // Read a little, as `head -c 4096` does, then close the pipe.
         let mut first = vec![0u8; 4096];
-        child
-            .stdout
-            .take()
-            .unwrap()
-            .read_exact(&mut first)
-            .unwrap();
+        child.stdout.take().unwrap().read_exact(&mut first).unwrap();
         let t = Instant::now();
         let status = loop {
             if let Some(s) = child.try_wait().unwrap() {
@@ -42,7 +37,12 @@ fn a_closed_pipe_ends_export_quietly_with_status_0() {
             std::thread::sleep(Duration::from_millis(10));
         };
         let mut err = String::new();
-        child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
         assert_eq!(status.code(), Some(0), "{format}: {err}");
         assert_eq!(err, "", "{format}: nothing on stderr");
     }

@@ -335,8 +335,18 @@ fn a_lossy_link_is_replayed_exactly_or_every_loss_counted_and_placed() {
         assert!(t.elapsed() < WAIT, "the proxy saw {seen} of {N}");
         std::thread::sleep(Duration::from_millis(20));
     }
+    assert!(drop.len() >= 20, "the link lost {} batches", drop.len());
+    finish_lossy_link(rs, &drop, [&direct, &replayed, &lossy], 3 * N as usize);
+}
+
+/// Stops the three recorders of a lossy link once the replaying one has
+/// had every gap answered, and checks them: `replayed` (through the proxy,
+/// with the replay endpoint) equals `direct` event for event; `lossy`
+/// (through the proxy, without it) counts and places every dropped batch.
+fn finish_lossy_link(rs: Vec<Recorder>, drop: &[u64], dirs: [&Path; 3], at_least: usize) {
+    let [direct, replayed, lossy] = dirs;
     let mut ranges: Vec<(u64, u64)> = Vec::new();
-    for &x in &drop {
+    for &x in drop {
         match ranges.last_mut() {
             Some((_, to)) if *to + 1 == x => *to = x,
             _ => ranges.push((x, x)),
@@ -355,10 +365,9 @@ fn a_lossy_link_is_replayed_exactly_or_every_loss_counted_and_placed() {
     }
     std::thread::sleep(Duration::from_millis(500));
     let outs: Vec<String> = rs.into_iter().map(Recorder::stop).collect();
-    assert!(drop.len() >= 20, "the link lost {} batches", drop.len());
 
-    let (e_direct, e_replayed) = (events(&direct), events(&replayed));
-    assert!(e_direct.len() > 3 * N as usize, "{}", e_direct.len());
+    let (e_direct, e_replayed) = (events(direct), events(replayed));
+    assert!(e_direct.len() > at_least, "{}", e_direct.len());
     if let Some(i) =
         (0..e_direct.len().max(e_replayed.len())).find(|&i| e_direct.get(i) != e_replayed.get(i))
     {
@@ -372,14 +381,14 @@ fn a_lossy_link_is_replayed_exactly_or_every_loss_counted_and_placed() {
             outs[0]
         );
     }
-    let s = sidecar(&replayed);
+    let s = sidecar(replayed);
     assert_eq!(s.lost, 0, "{}", outs[1]);
     assert_eq!(client(&s)["replayed"], drop.len() as u64, "{}", outs[1]);
     assert_eq!(client(&s)["replay_failures"], 0);
-    assert_eq!(sidecar(&direct).lost, 0);
+    assert_eq!(sidecar(direct).lost, 0);
 
     // Without replay: each lost batch counted, where it was lost.
-    let s = sidecar(&lossy);
+    let s = sidecar(lossy);
     assert_eq!(s.lost, drop.len() as u64, "{}", outs[2]);
     let logged: Vec<(u64, u64)> = client(&s)["missed_ranges"]
         .as_array()
@@ -389,7 +398,7 @@ fn a_lossy_link_is_replayed_exactly_or_every_loss_counted_and_placed() {
         .collect();
     assert_eq!(logged, ranges);
     assert_eq!(s.gaps.len(), ranges.len());
-    check_ok(&lossy);
+    check_ok(lossy);
     assert!(
         outs[2].contains(&format!("{} publisher batches lost", drop.len())),
         "{}",
@@ -616,4 +625,91 @@ fn groups_hold_hashes_and_every_engine_medium_has_a_tier() {
         .count();
     assert_eq!(evicted, 1, "only 70 was evicted");
     check_ok(&out);
+}
+
+/// The lossy link again, with vLLM's engine itself publishing (four rounds
+/// of requests on the tiny model: stores, evictions, prefix cache resets):
+/// replayed, the recording equals the lossless one; without replay, every
+/// dropped batch is counted and placed. About a minute (the engine's start).
+#[test]
+fn a_real_engine_over_a_lossy_link() {
+    let Some(py) = kvbm_testkit::vllm::python("real engine over a lossy link") else {
+        return;
+    };
+    let (port, replay, proxy) = (free_port(), free_port(), free_port());
+    let mut rng = Lcg(7);
+    let to_drop: Vec<u64> = (1..100).filter(|_| rng.next() % 100 < 15).collect();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/vllm/engine_kv_events.py");
+    let mut engine = Command::new(py)
+        .arg(script)
+        .args([port, replay, proxy].map(|p| p.to_string()))
+        .arg(serde_json::to_string(&to_drop).unwrap())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut stdin = engine.stdin.take().unwrap();
+    let lines = BufReader::new(engine.stdout.take().unwrap()).lines();
+    let engine = Kill(engine);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let wait_line = |prefix: &str, secs: u64| -> String {
+        let t = Instant::now();
+        loop {
+            let left = Duration::from_secs(secs).saturating_sub(t.elapsed());
+            match rx.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("no `{prefix}` from the engine: {e}"),
+            }
+        }
+    };
+    wait_line("ready", 240);
+    let dir = tempfile::tempdir().unwrap();
+    let (direct, replayed, lossy) = (
+        dir.path().join("direct"),
+        dir.path().join("replayed"),
+        dir.path().join("lossy"),
+    );
+    let (pub_url, proxy_url) = (
+        format!("zmq://127.0.0.1:{port}"),
+        format!("zmq://127.0.0.1:{proxy}"),
+    );
+    let rs = recorders(&[
+        (&pub_url, Some(replay), &direct),
+        (&proxy_url, Some(replay), &replayed),
+        (&proxy_url, None, &lossy),
+    ]);
+    writeln!(stdin, "go").unwrap();
+    stdin.flush().unwrap();
+    let done = wait_line("done ", 120);
+    let report: Value = serde_json::from_str(&done["done ".len()..]).unwrap();
+    let dropped: Vec<u64> = serde_json::from_value(report["dropped"].clone()).unwrap();
+    assert!(dropped.len() >= 5, "{report}");
+    finish_lossy_link(rs, &dropped, [&direct, &replayed, &lossy], 100);
+    let kinds: BTreeSet<&str> = events(&direct)
+        .iter()
+        .map(|e| e.kind.name())
+        .collect::<Vec<_>>()
+        .into_iter()
+        .collect();
+    for k in ["BlockRegistered", "BlockEvicted", "PoolGauge"] {
+        assert!(kinds.contains(k), "{kinds:?}");
+    }
+    writeln!(stdin, "quit").unwrap();
+    std::mem::drop(engine);
 }
