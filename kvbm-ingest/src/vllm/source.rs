@@ -391,7 +391,7 @@ fn seq_of(frame: &[u8]) -> Result<u64, DecodeError> {
 /// delimiter.
 pub fn split_replay_frames<'a>(frames: &[&'a [u8]]) -> Result<(u64, &'a [u8]), DecodeError> {
     let (seq, payload) = match frames {
-        [delim, _topic, seq, payload] if delim.is_empty() => (seq, payload),
+        [[], _topic, seq, payload] => (seq, payload),
         [_, seq, payload] | [seq, payload] => (seq, payload),
         _ => {
             return Err(DecodeError::Shape(
