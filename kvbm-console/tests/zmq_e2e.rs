@@ -98,12 +98,21 @@ impl Drop for Tmux {
     }
 }
 
+/// A free port below Linux's ephemeral range (32768 and up): a client
+/// reconnecting to a port in that range while nothing listens there can be
+/// given the same port as its own and connect to itself (TCP simultaneous
+/// open), which then keeps the restarted publisher from binding it.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let seed = u64::from(std::process::id()) * 7919;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + ((seed + n * 104_729) % 12_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// A vLLM batch stamped now: one BlockStored of `h`.

@@ -30,6 +30,7 @@ Bounded: the process ends itself after ``KVBM_TEST_TIMEOUT_S`` (120 s).
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -107,6 +108,23 @@ class Proxy:
             self.pub.send_multipart(frames)
 
 
+def wait_bindable(ports, timeout=5.0):
+    deadline = time.time() + timeout
+    for port in ports:
+        while True:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+            finally:
+                s.close()
+
+
 def main():
     pub = None
     proxy = None
@@ -117,6 +135,10 @@ def main():
         answer = {}
         if op == "start":
             replay = cmd.get("replay_port")
+            # A publisher just shut down frees its ports a moment later
+            # (ZeroMQ closes sockets on its I/O thread): wait for them, as a
+            # restarting engine would.
+            wait_bindable([cmd["port"]] + ([replay] if replay else []))
             pub = LoopbackPublisher(
                 data_parallel_rank=0,
                 endpoint=f"tcp://127.0.0.1:{cmd['port']}",
