@@ -21,8 +21,21 @@ pub fn dur(ns: u64) -> String {
     }
 }
 
-/// Engine time as `MM:SS.mmm` (hours added when needed).
+/// Timestamps from this one on (2000-01-01 00:00:00 UTC, in ns since the
+/// Unix epoch) are wall-clock time, not time since an engine started: an
+/// engine that stamps `time.time()` (vLLM and SGLang's KV events) gives
+/// them, and no engine runs for 30 years.
+pub const WALL_CLOCK_FROM_NS: u64 = 946_684_800 * 1_000_000_000;
+
+/// Engine time as `MM:SS.mmm` (hours added when needed); a wall-clock
+/// timestamp (see [`WALL_CLOCK_FROM_NS`]) as its UTC time of day,
+/// `HH:MM:SS.mmm`.
 pub fn clock(ns: u64) -> String {
+    if ns >= WALL_CLOCK_FROM_NS {
+        let ms = ns / 1_000_000 % 86_400_000;
+        let (h, m, s, ms) = (ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000);
+        return format!("{h:02}:{m:02}:{s:02}.{ms:03}");
+    }
     let ms = ns / 1_000_000;
     let (h, m, s, ms) = (ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000);
     if h > 0 {
@@ -84,6 +97,9 @@ mod tests {
         assert_eq!(dur(11_220_000_000_000), "3h07m");
         assert_eq!(clock(61_234_000_000), "01:01.234");
         assert_eq!(clock(3_661_000_000_000), "1:01:01.000");
+        // vLLM's `time.time()` stamps: the time of day, not 498734 hours.
+        assert_eq!(clock(1_795_452_101_875_000_000), "16:41:41.875");
+        assert_eq!(clock(WALL_CLOCK_FROM_NS), "00:00:00.000");
         assert_eq!(count(0), "0");
         assert_eq!(count(1234567), "1,234,567");
         assert_eq!(count(100), "100");

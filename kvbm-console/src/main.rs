@@ -29,6 +29,11 @@ use std::sync::Arc;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Where logs go while the console is on screen (nothing may write to
+    /// the terminal it draws on). Default: `kvbm-console.log` in the
+    /// temporary directory. `RUST_LOG` sets what is logged (`warn`).
+    #[arg(long, global = true)]
+    log_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -114,16 +119,28 @@ fn cli_command() -> clap::Command {
     Cli::command().mut_subcommand("demo", kvbm_console::embedded::demo_defaults)
 }
 
+/// Sends logs (the crate's own and its dependencies', `log` records
+/// included) to `path`, appending; the terminal belongs to the screen. A
+/// file that cannot be opened turns logging off, said once on stderr
+/// before the screen starts.
+fn log_to_file(path: &std::path::Path) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    match std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        Ok(f) => tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(false)
+            .with_writer(std::sync::Mutex::new(f))
+            .init(),
+        Err(e) => eprintln!("logging off: cannot open {}: {e}", path.display()),
+    }
+}
+
 fn main() -> Result<()> {
-    // Logs go to stderr; with the console on screen, they are best sent to
-    // a file (`2>console.log`).
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::from_arg_matches(&cli_command().get_matches())?;
     if let Command::Completions { shell } = cli.command {
         use std::io::Write;
@@ -136,11 +153,42 @@ fn main() -> Result<()> {
             _ => Ok(()),
         };
     }
+    let log_path = match &cli.command {
+        Command::Walkthrough(_) => None,
+        _ => Some(
+            cli.log_file
+                .clone()
+                .unwrap_or_else(|| std::env::temp_dir().join("kvbm-console.log")),
+        ),
+    };
+    let log_len = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    let logged_before = log_path.as_deref().map_or(0, log_len);
+    match &log_path {
+        Some(p) => log_to_file(p),
+        // Text output only: stderr is free.
+        None => tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            )
+            .with_writer(std::io::stderr)
+            .init(),
+    }
+    let result = run_command(cli.command);
+    if let Some(p) = &log_path
+        && log_len(p) > logged_before
+    {
+        eprintln!("log: {}", p.display());
+    }
+    result
+}
+
+fn run_command(command: Command) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    match cli.command {
+    match command {
         Command::Completions { .. } => Ok(()),
         Command::Walkthrough(args) => {
             rt.block_on(walkthrough::run(&args, std::io::stdout().lock()))
@@ -188,13 +236,16 @@ fn main() -> Result<()> {
             view,
             ..
         } if kvbm_ingest::vllm::is_zmq_url(&url) => {
-            use kvbm_ingest::vllm::{ZmqConfig, ZmqEndpoint, ZmqState};
+            use kvbm_ingest::vllm::{ZmqConfig, ZmqEndpoint};
             let mut cfg = ZmqConfig::new(ZmqEndpoint::parse(&url).map_err(anyhow::Error::msg)?);
             cfg.replay = replay_endpoint
                 .as_deref()
                 .map(ZmqEndpoint::parse)
                 .transpose()
                 .map_err(anyhow::Error::msg)?;
+            // Joining a running engine: fetch what its replay buffer holds.
+            let has_replay = cfg.replay.is_some();
+            cfg.since = has_replay.then_some(0);
             let remote = ZmqRemote::start(cfg, ring as usize, rt.handle())?;
             let handle = remote.handle().clone();
             let mut app = App::new(
@@ -203,29 +254,10 @@ fn main() -> Result<()> {
                 handle.url(),
             );
             let mut term = Term::enter()?;
-            let mut said_error: Option<String> = None;
-            let mut said_stopped = false;
+            let mut notices = kvbm_console::remote::ZmqNotices::default();
             rt.block_on(run(&mut app, &mut term, |app| {
-                if handle.state() == ZmqState::Stopped && !said_stopped {
-                    said_stopped = true;
-                    let why = handle.counters().last_error.unwrap_or_default();
-                    app.ui.message = Some(kvbm_console::app::Message {
-                        text: format!("the zmq source stopped {why}"),
-                        error: true,
-                    });
-                    return;
-                }
-                let c = handle.counters();
-                if c.last_error.is_some() && c.last_error != said_error {
-                    said_error = c.last_error.clone();
-                    app.ui.message = Some(kvbm_console::app::Message {
-                        text: format!(
-                            "{} malformed message(s) skipped: {}",
-                            c.malformed,
-                            c.last_error.unwrap_or_default()
-                        ),
-                        error: true,
-                    });
+                if let Some((text, error)) = notices.next(&handle.counters(), has_replay) {
+                    app.ui.message = Some(kvbm_console::app::Message { text, error });
                 }
             }))
         }

@@ -322,13 +322,131 @@ impl ZmqRemote {
 }
 
 impl Link for kvbm_ingest::vllm::ZmqHandle {
-    fn badge(&self, _now: Instant) -> Badge {
-        use kvbm_ingest::vllm::ZmqState;
-        match self.state() {
-            ZmqState::Connecting => Badge::new("ZMQ CONNECTING", Tone::Caution),
-            ZmqState::Subscribed => Badge::new("ZMQ SUBSCRIBED", Tone::Ok),
-            ZmqState::Stopped => Badge::new("ZMQ STOPPED", Tone::Down),
+    fn badge(&self, now: Instant) -> Badge {
+        zmq_badge(self.state(), self.gone_for(now), &self.counters())
+    }
+}
+
+/// The header's badge for a ZMQ source: its state (`ZMQ SUBSCRIBED`,
+/// `ZMQ PUBLISHER GONE 4s, reconnecting`, …) and what went wrong so far
+/// (restarts, replay failures, skipped events, malformed messages), so none
+/// of it is only in a log.
+pub fn zmq_badge(
+    state: kvbm_ingest::vllm::ZmqState,
+    gone_for: Option<Duration>,
+    c: &kvbm_ingest::vllm::ZmqCounters,
+) -> Badge {
+    use kvbm_ingest::vllm::ZmqState;
+    let (mut text, tone) = match state {
+        ZmqState::Connecting => ("ZMQ CONNECTING".to_string(), Tone::Caution),
+        ZmqState::Subscribed => ("ZMQ SUBSCRIBED".to_string(), Tone::Ok),
+        ZmqState::Gone => (
+            format!(
+                "ZMQ PUBLISHER GONE {}s, reconnecting",
+                gone_for.unwrap_or_default().as_secs()
+            ),
+            Tone::Down,
+        ),
+        ZmqState::Stopped => ("ZMQ STOPPED".to_string(), Tone::Down),
+    };
+    let mut troubles = Vec::new();
+    for (name, n) in [
+        ("restarts", c.restarts),
+        ("replay failed", c.replay_failures),
+        ("skipped", c.skipped.total()),
+        ("malformed", c.malformed),
+    ] {
+        if n > 0 {
+            troubles.push(format!("{name} {n}"));
         }
+    }
+    let tone = if troubles.is_empty() || tone != Tone::Ok {
+        tone
+    } else {
+        Tone::Caution
+    };
+    for t in troubles {
+        text.push_str(" · ");
+        text.push_str(&t);
+    }
+    Badge::new(text, tone)
+}
+
+/// Turns changes in a ZMQ source's counters into bottom-line messages
+/// (the newest wins): the publisher going away, a restart, a replay
+/// failure, skipped or malformed input, and joining a publisher late.
+#[derive(Debug, Default)]
+pub struct ZmqNotices {
+    seen: kvbm_ingest::vllm::ZmqCounters,
+    said_joined: bool,
+}
+
+impl ZmqNotices {
+    /// The message for what changed since the last call, if anything did:
+    /// `(text, is_error)`. `has_replay`: whether a replay endpoint was given.
+    pub fn next(
+        &mut self,
+        c: &kvbm_ingest::vllm::ZmqCounters,
+        has_replay: bool,
+    ) -> Option<(String, bool)> {
+        let old = std::mem::replace(&mut self.seen, c.clone());
+        let mut msg = None;
+        if !self.said_joined && c.first_seq.is_some_and(|s| s > 0) {
+            self.said_joined = true;
+            msg = Some((
+                format!(
+                    "joined the publisher at its batch {}: {} earlier batches fetched, {} not shown{}",
+                    c.first_seq.unwrap_or(0),
+                    c.fetched_before_start,
+                    c.missed_before_start,
+                    if has_replay || c.missed_before_start == 0 {
+                        ""
+                    } else {
+                        " (attach with --replay-endpoint to fetch what its buffer holds)"
+                    }
+                ),
+                c.missed_before_start > 0,
+            ));
+        }
+        if c.malformed > old.malformed {
+            msg = Some((
+                format!(
+                    "{} malformed message(s) skipped: {}",
+                    c.malformed,
+                    c.last_error.clone().unwrap_or_default()
+                ),
+                true,
+            ));
+        }
+        if c.skipped.total() > old.skipped.total() {
+            msg = Some((format!("events skipped: {}", c.skipped), true));
+        }
+        if c.disconnects > old.disconnects {
+            msg = Some(("the publisher went away; reconnecting".into(), true));
+        }
+        if c.replay_failures > old.replay_failures {
+            msg = Some((
+                format!(
+                    "replay failed: {}",
+                    c.last_replay_error.clone().unwrap_or_default()
+                ),
+                true,
+            ));
+        }
+        if c.restarts > old.restarts
+            && let Some(r) = c.restart_log.last()
+        {
+            msg = Some((
+                format!(
+                    "publisher restarted (batch {} then {}; {}): the old engine's blocks were evicted",
+                    r.last_seq,
+                    r.new_seq,
+                    r.cause.describe()
+                ),
+                true,
+            ));
+        }
+        msg
     }
 }
 
@@ -338,7 +456,9 @@ impl Drop for ZmqRemote {
     }
 }
 
-/// Moves one item of the ZMQ source into the ring.
+/// Moves one item of the ZMQ source into the ring: its events, and its
+/// losses inside the stream (what was published before the console joined
+/// is not one; the header and the messages say it).
 pub fn forward_zmq(ring: &RingBuffer, item: kvbm_ingest::vllm::ZmqItem) {
     use kvbm_ingest::vllm::ZmqItem;
     match item {
@@ -348,6 +468,10 @@ pub fn forward_zmq(ring: &RingBuffer, item: kvbm_ingest::vllm::ZmqItem) {
             }
         }
         g @ ZmqItem::Gap { .. } => ring.record_gap(g.missed()),
-        ZmqItem::Restart { .. } => {}
+        ZmqItem::Joined { .. }
+        | ZmqItem::Restart(_)
+        | ZmqItem::Disconnected
+        | ZmqItem::Connected { .. }
+        | ZmqItem::ReplayFailed { .. } => {}
     }
 }

@@ -9,8 +9,8 @@ use kvbm_console::source::LiveSource;
 use kvbm_events::ring::RingBuffer;
 use kvbm_events::tier::Tier;
 use kvbm_ingest::vllm::{
-    KvBatch, KvEvent, NO_SLOTS_REASON, Translator, TranslatorConfig, ZmqConfig, ZmqEndpoint,
-    ZmqItem,
+    KvBatch, KvEvent, Medium, NO_SLOTS_REASON, Skipped, Translator, TranslatorConfig, ZmqConfig,
+    ZmqEndpoint, ZmqItem,
 };
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
@@ -29,9 +29,10 @@ fn zmq_items_reach_the_views_and_slots_say_there_are_none() {
                 parent: None,
                 num_tokens: 48,
                 block_size: Some(16),
-                tier: Tier::Device,
+                medium: Medium::Gpu,
+                group: None,
             }],
-            bad_events: 0,
+            skipped: Skipped::default(),
             dp_rank: None,
         },
         &mut evs,
@@ -92,4 +93,51 @@ fn the_header_shows_the_zmq_subscription_state() {
     assert!(top.contains("ZMQ CONNECTING"), "{top}");
     assert!(!top.contains("LIVE"), "{top}");
     drop(remote);
+}
+
+/// The badge says when the publisher is gone and what went wrong so far;
+/// the notices turn each new trouble into a bottom-line message.
+#[test]
+fn the_zmq_badge_and_notices_say_what_happened() {
+    use kvbm_console::remote::{ZmqNotices, zmq_badge};
+    use kvbm_console::source::Tone;
+    use kvbm_ingest::vllm::{RestartAt, RestartCause, ZmqCounters, ZmqState};
+    use std::time::Duration;
+    let mut c = ZmqCounters::default();
+    let b = zmq_badge(ZmqState::Subscribed, None, &c);
+    assert_eq!((b.text.as_str(), b.tone), ("ZMQ SUBSCRIBED", Tone::Ok));
+    let b = zmq_badge(ZmqState::Gone, Some(Duration::from_millis(4_200)), &c);
+    assert_eq!(
+        (b.text.as_str(), b.tone),
+        ("ZMQ PUBLISHER GONE 4s, reconnecting", Tone::Down)
+    );
+    let mut n = ZmqNotices::default();
+    assert_eq!(n.next(&c, false), None);
+    c.first_seq = Some(879);
+    c.missed_before_start = 879;
+    let (text, error) = n.next(&c, false).unwrap();
+    assert!(
+        error && text.contains("batch 879") && text.contains("--replay-endpoint"),
+        "{text}"
+    );
+    c.restarts = 1;
+    c.restart_log.push(RestartAt {
+        last_seq: 1499,
+        new_seq: 122,
+        cause: RestartCause::SeqWentBack,
+    });
+    c.replay_failures = 2;
+    c.last_replay_error = Some("no answer".into());
+    c.skipped.unknown_medium = 3;
+    let (text, _) = n.next(&c, true).unwrap();
+    assert!(text.contains("batch 1499 then 122"), "{text}");
+    assert_eq!(n.next(&c, true), None, "said once");
+    let b = zmq_badge(ZmqState::Subscribed, None, &c);
+    assert_eq!(
+        (b.text.as_str(), b.tone),
+        (
+            "ZMQ SUBSCRIBED · restarts 1 · replay failed 2 · skipped 3",
+            Tone::Caution
+        )
+    );
 }

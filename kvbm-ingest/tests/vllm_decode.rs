@@ -6,7 +6,8 @@ use kvbm_events::SequenceHash;
 use kvbm_events::tier::Tier;
 use kvbm_events::{Event, EventKind};
 use kvbm_ingest::vllm::{
-    KvBatch, KvEvent, Pipeline, Step, Translator, TranslatorConfig, ZmqItem, decode_payload,
+    KvBatch, KvEvent, Medium, NoReplay, Pipeline, Skipped, Translator, TranslatorConfig, ZmqConfig,
+    ZmqEndpoint, ZmqItem, decode_payload,
 };
 use proptest::prelude::*;
 use rmpv::Value;
@@ -110,7 +111,7 @@ fn array_forms_decode_with_big_and_byte_hashes() {
     let b = decode_payload(&enc(&payload)).unwrap();
     assert_eq!(b.ts, 1_700_000_000.5);
     assert_eq!(b.dp_rank, None);
-    assert_eq!(b.bad_events, 0);
+    assert_eq!(b.skipped.total(), 0);
     let xx = xxhash_rust::xxh3::xxh3_64(&bytes_hash);
     assert_eq!(
         b.events,
@@ -120,20 +121,25 @@ fn array_forms_decode_with_big_and_byte_hashes() {
                 parent: Some(7),
                 num_tokens: 32,
                 block_size: Some(16),
-                tier: Tier::Host,
+                medium: Medium::Cpu,
+                group: None,
             },
             KvEvent::Stored {
                 block_hashes: vec![1],
                 parent: None,
                 num_tokens: 16,
                 block_size: Some(16),
-                tier: Tier::Device,
+                medium: Medium::Gpu,
+                group: None,
             },
             KvEvent::Removed {
                 block_hashes: vec![BIG],
-                tier: Tier::Host,
+                medium: Medium::Cpu,
+                group: None,
             },
-            KvEvent::AllCleared { tier: Tier::Device },
+            KvEvent::AllCleared {
+                medium: Medium::Gpu
+            },
         ]
     );
 }
@@ -164,28 +170,43 @@ fn map_forms_decode_with_unknown_keys_in_any_order() {
     );
     let b = decode_payload(&enc(&payload)).unwrap();
     assert_eq!(b.dp_rank, Some(1));
-    assert_eq!(b.bad_events, 2);
+    assert_eq!(
+        b.skipped,
+        Skipped {
+            unknown_medium: 1,
+            unknown_type: 1,
+            malformed: 0,
+            last: Some("medium `TAPE` is not one kvbm maps".into()),
+        }
+    );
     assert_eq!(b.events.len(), 5);
     assert!(
-        matches!(&b.events[0], KvEvent::Stored { block_hashes, tier: Tier::Device, .. } if block_hashes == &vec![10, 11])
+        matches!(&b.events[0], KvEvent::Stored { block_hashes, medium: Medium::Gpu, group: Some(0), .. } if block_hashes == &vec![10, 11])
     );
     assert!(matches!(
         &b.events[1],
         KvEvent::Stored {
-            tier: Tier::Disk,
+            medium: Medium::Storage,
             ..
         }
     ));
+    assert_eq!(b.events[1].tier(), Tier::Disk);
     assert_eq!(
         b.events[2],
         KvEvent::Removed {
             block_hashes: vec![10],
-            tier: Tier::Device
+            medium: Medium::Gpu,
+            group: None,
         }
     );
-    assert_eq!(b.events[3], KvEvent::AllCleared { tier: Tier::Disk });
+    assert_eq!(
+        b.events[3],
+        KvEvent::AllCleared {
+            medium: Medium::Disk
+        }
+    );
     assert!(
-        matches!(&b.events[4], KvEvent::Stored { block_hashes, tier: Tier::Host, .. } if block_hashes == &vec![(-3i64) as u64])
+        matches!(&b.events[4], KvEvent::Stored { block_hashes, medium: Medium::Cpu, .. } if block_hashes == &vec![(-3i64) as u64])
     );
 }
 
@@ -301,9 +322,10 @@ fn the_live_set_bound_evicts_the_oldest_and_counts_it() {
             parent: None,
             num_tokens: 0,
             block_size: None,
-            tier: Tier::Device,
+            medium: Medium::Gpu,
+            group: None,
         }],
-        bad_events: 0,
+        skipped: Skipped::default(),
         dp_rank: None,
     };
     tr.batch(&b, &mut out);
@@ -325,25 +347,29 @@ fn the_live_set_bound_evicts_the_oldest_and_counts_it() {
     );
 }
 
-fn frames(seq: u64, payload: &[u8]) -> (Vec<u8>, [u8; 8], Vec<u8>) {
-    (Vec::new(), seq.to_be_bytes(), payload.to_vec())
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
 }
 
-fn feed(p: &mut Pipeline, seq: u64, payload: &[u8], out: &mut Vec<ZmqItem>) -> Step {
-    let (t, s, b) = frames(seq, payload);
-    let (step, pending) = p.message(&[&t, &s, &b], out);
-    if let Step::Gap { from, to } = step {
-        p.give_up(from, to, out);
-        if let Some((_, batch)) = pending {
-            p.apply(&batch, out);
-        }
-    }
-    step
+fn pipeline(engine_max_live: usize) -> Pipeline {
+    let mut cfg = ZmqConfig::new(ZmqEndpoint::parse("zmq://127.0.0.1:1").unwrap());
+    cfg.translator.max_live_per_tier = engine_max_live;
+    Pipeline::new(&cfg)
+}
+
+/// One live message `[topic, seq, payload]`, with no replay endpoint.
+fn feed(p: &mut Pipeline, seq: u64, payload: &[u8], out: &mut Vec<ZmqItem>) {
+    let s = seq.to_be_bytes();
+    block_on(p.message(&[b"".as_slice(), &s, payload], &mut NoReplay, out));
 }
 
 #[test]
 fn pipeline_counts_gaps_restarts_and_malformed_messages() {
-    let mut p = Pipeline::new(TranslatorConfig::default());
+    let mut p = pipeline(1 << 20);
     let mut out = Vec::new();
     let good = |h: u64| {
         enc(&envelope_array(
@@ -352,41 +378,42 @@ fn pipeline_counts_gaps_restarts_and_malformed_messages() {
             None,
         ))
     };
-    assert_eq!(feed(&mut p, 0, &good(1), &mut out), Step::Done);
-    assert_eq!(feed(&mut p, 1, &good(2), &mut out), Step::Done);
-    assert_eq!(
-        feed(&mut p, 4, &good(3), &mut out),
-        Step::Gap { from: 2, to: 3 }
-    );
+    feed(&mut p, 0, &good(1), &mut out);
+    feed(&mut p, 1, &good(2), &mut out);
+    feed(&mut p, 4, &good(3), &mut out);
     assert!(out.contains(&ZmqItem::Gap {
         from_seq: 2,
         to_seq: 3
     }));
     // Malformed payload: counted, its seq still tracked (no gap after it).
-    assert_eq!(feed(&mut p, 5, b"\xc1garbage", &mut out), Step::Done);
-    assert_eq!(feed(&mut p, 6, &good(4), &mut out), Step::Done);
+    feed(&mut p, 5, b"\xc1garbage", &mut out);
+    feed(&mut p, 6, &good(4), &mut out);
     // Bad frames.
-    let (step, _) = p.message(&[b"only one frame".as_slice()], &mut out);
-    assert_eq!(step, Step::Done);
-    let (step, _) = p.message(
+    block_on(p.message(&[b"only one frame".as_slice()], &mut NoReplay, &mut out));
+    block_on(p.message(
         &[b"".as_slice(), b"short".as_slice(), b"x".as_slice()],
+        &mut NoReplay,
         &mut out,
-    );
-    assert_eq!(step, Step::Done);
-    // Restart: seq back to 0, every live block evicted.
+    ));
+    // Restart on the same connection: seq back to 0, every live block evicted.
     out.clear();
-    assert_eq!(feed(&mut p, 0, &good(9), &mut out), Step::Done);
-    assert_eq!(
+    feed(&mut p, 0, &good(9), &mut out);
+    assert!(matches!(
         out[0],
-        ZmqItem::Restart {
+        ZmqItem::Restart(kvbm_ingest::vllm::RestartAt {
             last_seq: 6,
-            new_seq: 0
-        }
-    );
+            new_seq: 0,
+            cause: kvbm_ingest::vllm::RestartCause::SeqWentBack
+        })
+    ));
     let c = p.counters();
     assert_eq!(c.messages, 8);
     assert_eq!(c.malformed, 3);
     assert_eq!((c.gaps, c.missed, c.restarts), (1, 2, 1));
+    assert_eq!(
+        c.missed_ranges,
+        vec![kvbm_ingest::vllm::SeqRange { from: 2, to: 3 }]
+    );
     assert_eq!(c.translate.registered, 5);
     assert_eq!(c.translate.restarts, 1);
     let evicted: usize = out
@@ -421,17 +448,16 @@ proptest! {
 
     #[test]
     fn random_bytes_never_panic_and_are_counted(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-        let mut p = Pipeline::new(TranslatorConfig::default());
+        let mut p = pipeline(1 << 20);
         let mut out = Vec::new();
         let ok = decode_payload(&bytes).is_ok();
         feed(&mut p, 0, &bytes, &mut out);
         let c = p.counters();
         prop_assert_eq!(c.messages, 1);
         prop_assert_eq!(c.malformed, u64::from(!ok));
-        // Random frames too.
-        let (step, _) = p.message(&[&bytes[..bytes.len() / 2], &bytes[bytes.len() / 2..]], &mut out);
-        let known = matches!(step, Step::Done | Step::Gap { .. });
-        prop_assert!(known);
+        // Random frames too: counted, never a panic.
+        block_on(p.message(&[&bytes[..bytes.len() / 2], &bytes[bytes.len() / 2..]], &mut NoReplay, &mut out));
+        prop_assert_eq!(p.counters().messages, 2);
     }
 
     #[test]
@@ -456,7 +482,7 @@ proptest! {
         if truncate && !b.is_empty() {
             b.truncate(cut.index(b.len()));
         }
-        let mut p = Pipeline::new(TranslatorConfig { engine: 0, max_live_per_tier: 4 });
+        let mut p = pipeline(4);
         let mut out = Vec::new();
         let decoded = decode_payload(&b);
         feed(&mut p, 0, &b, &mut out);
@@ -466,7 +492,7 @@ proptest! {
         match decoded {
             Ok(batch) => {
                 prop_assert_eq!(c.malformed, 0);
-                prop_assert_eq!(c.bad_events, 2 * batch.bad_events);
+                prop_assert_eq!(c.skipped.total(), 2 * batch.skipped.total());
             }
             Err(_) => prop_assert_eq!(c.malformed, 2),
         }

@@ -131,8 +131,8 @@ impl Publisher {
     }
 
     /// PUB drops what it sends before the subscription arrives: sends
-    /// empty batches with seq 0 until the source has one, then seq 1, and
-    /// waits for it. Returns the next seq to use.
+    /// empty batches (seq 0, 1, 2, …) until the source has one, then one
+    /// more, and waits for it. Returns the next seq to use.
     async fn warm_up(&mut self, h: &ZmqHandle) -> u64 {
         let empty = {
             let v = Value::Array(vec![Value::F64(1.0), Value::Array(vec![]), Value::Nil]);
@@ -141,26 +141,42 @@ impl Publisher {
             b
         };
         let t = tokio::time::Instant::now();
+        let mut seq = 0;
         while h.received() == 0 {
             assert!(t.elapsed() < WAIT, "the source never received anything");
-            self.publish(0, empty.clone(), false).await;
+            self.publish(seq, empty.clone(), false).await;
+            seq += 1;
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         self.history.lock().unwrap().clear();
-        self.publish(1, empty, false).await;
-        while h.counters().last_seq != Some(1) {
-            assert!(t.elapsed() < WAIT, "seq 1 never arrived");
+        let last = seq + 5;
+        // Whatever of these it already saw, it sees them in order now.
+        for s in seq..=last {
+            self.publish(s, empty.clone(), false).await;
+        }
+        while h.counters().last_seq != Some(last) {
+            assert!(t.elapsed() < WAIT, "the warm-up never arrived");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        2
+        last + 1
     }
 }
 
+/// The next item about the stream (connection notices and the late join
+/// of the warm-up skipped).
 async fn next(src: &mut ZmqSource) -> ZmqItem {
-    tokio::time::timeout(WAIT, src.recv())
-        .await
-        .expect("timed out")
-        .expect("source ended")
+    loop {
+        let item = tokio::time::timeout(WAIT, src.recv())
+            .await
+            .expect("timed out")
+            .expect("source ended");
+        if !matches!(
+            item,
+            ZmqItem::Connected { .. } | ZmqItem::Joined { .. } | ZmqItem::Disconnected
+        ) {
+            return item;
+        }
+    }
 }
 
 fn registered(item: &ZmqItem) -> Vec<u64> {
@@ -210,14 +226,15 @@ async fn gaps_are_reported_and_a_restart_recognised() {
         }
     );
     assert_eq!(registered(&next(&mut src).await), vec![5]);
-    // The publisher restarts: seq back to 0.
+    // The publisher restarts behind the same connection: seq back to 0.
     p.publish(0, stored(&[9]), false).await;
     assert_eq!(
         next(&mut src).await,
-        ZmqItem::Restart {
+        ZmqItem::Restart(kvbm_ingest::vllm::RestartAt {
             last_seq: seq + 3,
-            new_seq: 0
-        }
+            new_seq: 0,
+            cause: kvbm_ingest::vllm::RestartCause::SeqWentBack,
+        })
     );
     let mut gone = evicted(&next(&mut src).await);
     gone.sort_unstable();
@@ -273,6 +290,10 @@ async fn an_unreachable_replay_endpoint_leaves_a_counted_gap() {
     let seq = p.warm_up(&h).await;
     p.publish(seq, stored(&[1]), true).await;
     p.publish(seq + 1, stored(&[2]), false).await;
+    assert!(
+        matches!(&next(&mut src).await, ZmqItem::ReplayFailed { error } if error.contains("timed out")),
+        "the failure is reported"
+    );
     assert_eq!(
         next(&mut src).await,
         ZmqItem::Gap {

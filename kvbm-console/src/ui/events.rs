@@ -282,11 +282,22 @@ impl View for EventLog {
                 })
             })
             .collect();
+        // Wide enough for the longest time shown (a wall-clock time of day
+        // is longer than engine time).
+        let time_width = rows
+            .iter()
+            .skip(off)
+            .take(visible)
+            .filter_map(|&idx| h.get(idx))
+            .map(|e| fmt::clock(e.ts_ns).chars().count() as u16 + 1)
+            .max()
+            .unwrap_or(0)
+            .max(10);
         let table = Table::new(
             body,
             [
                 Constraint::Length(8),
-                Constraint::Length(10),
+                Constraint::Length(time_width),
                 Constraint::Length(6),
                 Constraint::Length(12),
                 Constraint::Length(17),

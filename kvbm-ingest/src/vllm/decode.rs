@@ -5,12 +5,22 @@
 //! the type name. Unknown keys and trailing positional fields are ignored;
 //! missing trailing positional fields take their defaults.
 //!
-//! Nothing here panics on any input: a malformed envelope is an `Err`, a
-//! malformed event inside a good envelope is skipped and counted in
-//! [`KvBatch::bad_events`].
+//! Nothing here panics on any input: a malformed envelope is an `Err`; an
+//! event inside a good envelope that cannot be used (malformed, of a type
+//! or on a medium kvbm does not know) is skipped and counted by reason in
+//! [`KvBatch::skipped`], which the recorder's summary and the console show.
+//!
+//! Media ([`Medium`]): every medium vLLM (`GPU`, `CPU`, `STORAGE`) and
+//! SGLang (`GPU`, `CPU_PINNED`, `DISK`, `EXTERNAL`) define has a tier:
+//! GPU → G1; CPU and CPU_PINNED → G2; STORAGE, DISK and EXTERNAL (SGLang's
+//! shared or remote pool, its L4) → G3, kvbm's outermost tier. A few
+//! aliases are accepted too (see [`Medium::parse`]). Two media on one tier
+//! (DISK and EXTERNAL) stay apart as holders of a block (see
+//! [`translate`](super::translate)). A missing medium is GPU, as in vLLM.
 
 use kvbm_events::tier::Tier;
 use rmpv::Value;
+use serde::Serialize;
 
 /// Deepest msgpack nesting accepted (real payloads nest 3 or 4 levels).
 const MAX_DEPTH: usize = 32;
@@ -20,12 +30,77 @@ const MAX_DEPTH: usize = 32;
 pub struct KvBatch {
     /// The publisher's timestamp (seconds since the epoch, `time.time()`).
     pub ts: f64,
-    /// The events it carried, in order (malformed ones left out).
+    /// The events it carried, in order (skipped ones left out).
     pub events: Vec<KvEvent>,
-    /// Events that could not be read and were skipped.
-    pub bad_events: u64,
+    /// Events that were skipped, by reason.
+    pub skipped: Skipped,
     /// vLLM's data-parallel rank, when given.
     pub dp_rank: Option<i64>,
+}
+
+/// Where a block lives, as the engine names it: the `medium` field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum Medium {
+    /// `GPU` (both engines; also the default when absent).
+    Gpu,
+    /// vLLM's `CPU`.
+    Cpu,
+    /// SGLang's `CPU_PINNED`.
+    CpuPinned,
+    /// vLLM's `STORAGE`.
+    Storage,
+    /// SGLang's `DISK`.
+    Disk,
+    /// SGLang's `EXTERNAL`: a shared or remote pool (its L4).
+    External,
+}
+
+impl Medium {
+    /// Every medium, for documentation and tests.
+    pub const ALL: [Medium; 6] = [
+        Medium::Gpu,
+        Medium::Cpu,
+        Medium::CpuPinned,
+        Medium::Storage,
+        Medium::Disk,
+        Medium::External,
+    ];
+
+    /// Reads a medium name, case-insensitively: the engines' names above,
+    /// and the aliases `CUDA`/`DEVICE`/`G1` (GPU), `HOST`/`G2` (CPU),
+    /// `SSD`/`LOCAL_FILE`/`G3` (DISK). Anything else is `None`.
+    pub fn parse(name: &str) -> Option<Medium> {
+        Some(match name.to_ascii_uppercase().as_str() {
+            "GPU" | "CUDA" | "DEVICE" | "G1" => Medium::Gpu,
+            "CPU" | "HOST" | "G2" => Medium::Cpu,
+            "CPU_PINNED" => Medium::CpuPinned,
+            "STORAGE" => Medium::Storage,
+            "DISK" | "SSD" | "LOCAL_FILE" | "G3" => Medium::Disk,
+            "EXTERNAL" => Medium::External,
+            _ => return None,
+        })
+    }
+
+    /// The engine's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+            Medium::CpuPinned => "CPU_PINNED",
+            Medium::Storage => "STORAGE",
+            Medium::Disk => "DISK",
+            Medium::External => "EXTERNAL",
+        }
+    }
+
+    /// The kvbm tier it maps to (see the module docs).
+    pub fn tier(self) -> Tier {
+        match self {
+            Medium::Gpu => Tier::Device,
+            Medium::Cpu | Medium::CpuPinned => Tier::Host,
+            Medium::Storage | Medium::Disk | Medium::External => Tier::Disk,
+        }
+    }
 }
 
 /// One KV-cache event.
@@ -41,21 +116,105 @@ pub enum KvEvent {
         num_tokens: usize,
         /// `block_size`, when given.
         block_size: Option<u64>,
-        /// The tier (`medium`; GPU when absent).
-        tier: Tier,
+        /// The medium (GPU when absent).
+        medium: Medium,
+        /// vLLM's KV-cache group (`group_idx`), when given.
+        group: Option<i64>,
     },
     /// Blocks were evicted (`BlockRemoved`).
     Removed {
         /// Their hashes.
         block_hashes: Vec<u64>,
-        /// The tier.
-        tier: Tier,
+        /// The medium (GPU when absent).
+        medium: Medium,
+        /// The KV-cache group, when given.
+        group: Option<i64>,
     },
-    /// Every block of a tier was dropped (`AllBlocksCleared`).
+    /// Every block of a medium was dropped (`AllBlocksCleared`).
     AllCleared {
-        /// The tier (GPU when absent).
-        tier: Tier,
+        /// The medium (GPU when absent).
+        medium: Medium,
     },
+}
+
+impl KvEvent {
+    /// The kvbm tier the event is about.
+    pub fn tier(&self) -> Tier {
+        match self {
+            KvEvent::Stored { medium, .. }
+            | KvEvent::Removed { medium, .. }
+            | KvEvent::AllCleared { medium } => medium.tier(),
+        }
+    }
+}
+
+/// Events skipped inside good payloads, by reason.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Skipped {
+    /// A `medium` that is none of [`Medium`]'s names.
+    pub unknown_medium: u64,
+    /// A `type` other than `BlockStored`, `BlockRemoved`, `AllBlocksCleared`.
+    pub unknown_type: u64,
+    /// Not a map or array, or a field of the wrong type.
+    pub malformed: u64,
+    /// The last skip, in words (e.g. ``medium `TAPE` is not one kvbm maps``).
+    pub last: Option<String>,
+}
+
+impl Skipped {
+    /// Events skipped, all reasons.
+    pub fn total(&self) -> u64 {
+        self.unknown_medium + self.unknown_type + self.malformed
+    }
+
+    /// Adds `other`'s counts (its `last` wins when it has one).
+    pub fn add(&mut self, other: &Skipped) {
+        self.unknown_medium += other.unknown_medium;
+        self.unknown_type += other.unknown_type;
+        self.malformed += other.malformed;
+        if other.last.is_some() {
+            self.last.clone_from(&other.last);
+        }
+    }
+
+    fn count(&mut self, why: Skip) {
+        let text = match &why {
+            Skip::Medium(m) => format!("medium `{m}` is not one kvbm maps"),
+            Skip::Type(t) => format!("event type `{t}` is not one kvbm reads"),
+            Skip::Malformed(what) => format!("malformed event: {what}"),
+        };
+        match why {
+            Skip::Medium(_) => self.unknown_medium += 1,
+            Skip::Type(_) => self.unknown_type += 1,
+            Skip::Malformed(_) => self.malformed += 1,
+        }
+        self.last = Some(text);
+    }
+}
+
+impl std::fmt::Display for Skipped {
+    /// `3 (unknown medium 2, unknown type 1, malformed 0; last: …)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (unknown medium {}, unknown type {}, malformed {}",
+            self.total(),
+            self.unknown_medium,
+            self.unknown_type,
+            self.malformed
+        )?;
+        if let Some(l) = &self.last {
+            write!(f, "; last: {l}")?;
+        }
+        write!(f, ")")
+    }
+}
+
+/// Why one event was skipped.
+enum Skip {
+    Medium(String),
+    Type(String),
+    Malformed(&'static str),
 }
 
 /// Why a payload could not be read.
@@ -72,16 +231,10 @@ pub enum DecodeError {
     Shape(&'static str),
 }
 
-/// Maps a medium name to a tier: `GPU`/`CUDA`/`DEVICE` → G1 Device,
-/// `CPU`/`HOST`/`CPU_PINNED` → G2 Host, `STORAGE`/`DISK`/`SSD`/`LOCAL_FILE`
-/// → G3 Disk (case-insensitive). Anything else is `None`.
+/// Maps a medium name to its tier ([`Medium::parse`] then
+/// [`Medium::tier`]); `None` for a name kvbm does not map.
 pub fn tier_of_medium(medium: &str) -> Option<Tier> {
-    match medium.to_ascii_uppercase().as_str() {
-        "GPU" | "CUDA" | "DEVICE" | "G1" => Some(Tier::Device),
-        "CPU" | "HOST" | "CPU_PINNED" | "G2" => Some(Tier::Host),
-        "STORAGE" | "DISK" | "SSD" | "LOCAL_FILE" | "G3" => Some(Tier::Disk),
-        _ => None,
-    }
+    Medium::parse(medium).map(Medium::tier)
 }
 
 /// A block hash as u64: an unsigned integer as is (values above
@@ -141,17 +294,17 @@ pub fn decode_value(v: &Value) -> Result<KvBatch, DecodeError> {
         Some(_) => return Err(DecodeError::Shape("data_parallel_rank is not an integer")),
     };
     let mut out = Vec::with_capacity(events.len());
-    let mut bad = 0u64;
+    let mut skipped = Skipped::default();
     for e in events {
         match decode_event(e) {
-            Some(ev) => out.push(ev),
-            None => bad += 1,
+            Ok(ev) => out.push(ev),
+            Err(why) => skipped.count(why),
         }
     }
     Ok(KvBatch {
         ts,
         events: out,
-        bad_events: bad,
+        skipped,
         dp_rank,
     })
 }
@@ -215,49 +368,78 @@ fn fields(v: &Value) -> Option<Fields<'_>> {
     }
 }
 
-fn hashes(v: Option<&Value>) -> Option<Vec<u64>> {
-    v?.as_array()?.iter().map(hash_of).collect()
+fn hashes(v: Option<&Value>) -> Result<Vec<u64>, Skip> {
+    v.and_then(Value::as_array)
+        .ok_or(Skip::Malformed("block_hashes is missing or not a list"))?
+        .iter()
+        .map(|h| hash_of(h).ok_or(Skip::Malformed("a block hash is not an integer or bytes")))
+        .collect()
 }
 
-fn tier(v: Option<&Value>) -> Option<Tier> {
+fn medium(v: Option<&Value>) -> Result<Medium, Skip> {
     match v {
-        None => Some(Tier::Device),
-        Some(m) => tier_of_medium(m.as_str()?),
+        None => Ok(Medium::Gpu),
+        Some(m) => {
+            let name = m
+                .as_str()
+                .ok_or(Skip::Malformed("medium is not a string"))?;
+            Medium::parse(name).ok_or_else(|| Skip::Medium(kvbm_events::text::clip(name, 40)))
+        }
     }
 }
 
-fn decode_event(v: &Value) -> Option<KvEvent> {
-    let f = fields(v)?;
+fn group(v: Option<&Value>) -> Result<Option<i64>, Skip> {
+    match v {
+        None => Ok(None),
+        Some(g) => g
+            .as_i64()
+            .map(Some)
+            .ok_or(Skip::Malformed("group_idx is not an integer")),
+    }
+}
+
+fn decode_event(v: &Value) -> Result<KvEvent, Skip> {
+    let f = fields(v).ok_or(Skip::Malformed(
+        "not a map with a `type` or an array led by one",
+    ))?;
     match f.ty {
         "BlockStored" => {
             let block_hashes = hashes(f.get("block_hashes"))?;
             let parent = match f.get("parent_block_hash") {
                 None => None,
-                Some(p) => Some(hash_of(p)?),
+                Some(p) => Some(hash_of(p).ok_or(Skip::Malformed("parent_block_hash"))?),
             };
             let num_tokens = match f.get("token_ids") {
                 None => 0,
-                Some(t) => t.as_array()?.len(),
+                Some(t) => t
+                    .as_array()
+                    .ok_or(Skip::Malformed("token_ids is not a list"))?
+                    .len(),
             };
             let block_size = match f.get("block_size") {
                 None => None,
-                Some(b) => Some(b.as_u64()?),
+                Some(b) => Some(
+                    b.as_u64()
+                        .ok_or(Skip::Malformed("block_size is not an integer"))?,
+                ),
             };
-            Some(KvEvent::Stored {
+            Ok(KvEvent::Stored {
                 block_hashes,
                 parent,
                 num_tokens,
                 block_size,
-                tier: tier(f.get("medium"))?,
+                medium: medium(f.get("medium"))?,
+                group: group(f.get("group_idx"))?,
             })
         }
-        "BlockRemoved" => Some(KvEvent::Removed {
+        "BlockRemoved" => Ok(KvEvent::Removed {
             block_hashes: hashes(f.get("block_hashes"))?,
-            tier: tier(f.get("medium"))?,
+            medium: medium(f.get("medium"))?,
+            group: group(f.get("group_idx"))?,
         }),
-        "AllBlocksCleared" => Some(KvEvent::AllCleared {
-            tier: tier(f.get("medium"))?,
+        "AllBlocksCleared" => Ok(KvEvent::AllCleared {
+            medium: medium(f.get("medium"))?,
         }),
-        _ => None,
+        other => Err(Skip::Type(kvbm_events::text::clip(other, 40))),
     }
 }

@@ -11,24 +11,31 @@
 //! - events `BlockStored`, `BlockRemoved`, `AllBlocksCleared`, as maps with a
 //!   `type` key or positional arrays led by the type name ([`decode`]);
 //! - replay: a DEALER sends `["", start_seq (8 bytes BE)]` and reads
-//!   `["", seq, payload]` until `seq = 0xFFFF_FFFF_FFFF_FFFF`.
+//!   `["", topic, seq, payload]` per batch until
+//!   `["", "", 0xFFFF_FFFF_FFFF_FFFF, ""]` (vLLM and SGLang; the older
+//!   `["", seq, payload]` is read too).
 //!
-//! [`ZmqSource`] runs the sockets on a tokio runtime: a jump in `seq` is a
-//! gap, filled from the replay endpoint when one is given and otherwise
-//! reported ([`ZmqItem::Gap`], counted in batches); a `seq` going back is a
-//! publisher restart ([`ZmqItem::Restart`]). Malformed messages are counted
-//! and skipped. [`translate`] turns what is decoded into kvbm events
-//! (`BlockRegistered`, `BlockEvicted`, `PoolGauge`) with their own gapless
-//! envelope seq. This source has no requests: slot views stay empty.
+//! [`ZmqSource`] runs the sockets on a tokio runtime and follows the
+//! publisher's seq and identity ([`source`] says how): a jump is a gap,
+//! filled from the replay endpoint when one is given and otherwise
+//! reported ([`ZmqItem::Gap`], counted in batches); a publisher that goes
+//! away and comes back is a restart unless replay proves it the same
+//! ([`ZmqItem::Restart`]); joining late is reported ([`ZmqItem::Joined`]).
+//! Malformed messages and events are counted and skipped. [`translate`]
+//! turns what is decoded into kvbm events (`BlockRegistered`,
+//! `BlockEvicted`, `PoolGauge`) with their own envelope seq. This source
+//! has no requests: slot views stay empty.
 
 pub mod decode;
 pub mod source;
 pub mod translate;
 
-pub use decode::{DecodeError, KvBatch, KvEvent, decode_payload, hash_of, tier_of_medium};
+pub use decode::{
+    DecodeError, KvBatch, KvEvent, Medium, Skipped, decode_payload, hash_of, tier_of_medium,
+};
 pub use source::{
-    END_SEQ, Pipeline, SeqTracker, SeqVerdict, Step, ZmqConfig, ZmqCounters, ZmqHandle, ZmqItem,
-    ZmqSource, ZmqState,
+    END_SEQ, NoReplay, Pipeline, Replay, RestartAt, RestartCause, SeqRange, ZmqConfig, ZmqCounters,
+    ZmqHandle, ZmqItem, ZmqReplay, ZmqSource, ZmqState, split_frames, split_replay_frames,
 };
 pub use translate::{TranslateCounters, Translator, TranslatorConfig};
 

@@ -1,26 +1,66 @@
-//! The ZMQ side: a SUB socket on the publisher, an optional DEALER on its
-//! replay endpoint, sequence tracking, and a bounded channel of kvbm events.
+//! The ZMQ side: a SUB socket on the publisher, a DEALER on its replay
+//! endpoint when one is given, the publisher's sequence and identity, and a
+//! bounded channel of kvbm events.
+//!
+//! What the publisher's seq and connection say, and what is done:
+//!
+//! - **in order**: the batch is translated;
+//! - **a jump** on the same connection (the publisher's high-water mark, a
+//!   lossy link): the skipped batches are asked of the replay endpoint;
+//!   what it does not return is lost ([`ZmqItem::Gap`], one hole in the
+//!   kvbm seq per batch);
+//! - **the connection dropped** ([`ZmqItem::Disconnected`]): the source
+//!   reconnects by itself, at once and then every 100 ms doubling to 1 s
+//!   (not the zeromq crate's own reconnection, which backs off to 30 s and
+//!   logs on every try), so a restarted engine is found within about a
+//!   second. The first batch on the new connection decides who is there:
+//!   a seq not above the last one seen is a new publisher; otherwise the
+//!   replay endpoint is asked for the last batch seen, and only the same
+//!   bytes at the same seq prove the same publisher (its gap is then filled
+//!   from that answer). Anything else, and any reconnection without a
+//!   replay endpoint, is taken as a restart ([`ZmqItem::Restart`],
+//!   [`RestartCause`]): rather than merge two engines' states, every block
+//!   of the old one is evicted, and the new one's batches before the first
+//!   seen (from its seq 0) are fetched from its replay endpoint or counted
+//!   lost;
+//! - **a seq going back** on the same connection: a restart too;
+//! - **joining late** (the first batch seen has seq > 0): with
+//!   [`ZmqConfig::since`] and a replay endpoint, the batches from `since`
+//!   are fetched; what was not fetched is reported ([`ZmqItem::Joined`])
+//!   as missed before the start (not a loss inside the recording).
+//!
+//! Replay answers are read in both framings engines use: vLLM's and
+//! SGLang's `["", topic, seq, payload]` (and `["", "", END_SEQ, ""]`), and
+//! the older `["", seq, payload]`; a missing delimiter is tolerated.
 
 use super::ZmqEndpoint;
-use super::decode::{DecodeError, KvBatch, decode_payload};
+use super::decode::{DecodeError, decode_payload};
 use super::translate::{TranslateCounters, Translator, TranslatorConfig};
+use crate::vllm::decode::Skipped;
+use futures_util::StreamExt;
 use kvbm_events::Event;
 use serde::Serialize;
+use std::future::Future;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 /// The replay protocol's end marker.
 pub const END_SEQ: u64 = u64::MAX;
+
+/// Most unrecovered ranges (and restarts) the counters keep, in order;
+/// later ones are only counted.
+pub const MAX_LOGGED: usize = 1024;
 
 /// How a [`ZmqSource`] connects.
 #[derive(Debug, Clone)]
 pub struct ZmqConfig {
     /// The publisher.
     pub endpoint: ZmqEndpoint,
-    /// Its replay (ROUTER) endpoint, for filling gaps.
+    /// Its replay (ROUTER) endpoint, for filling gaps, proving the
+    /// publisher's identity after a reconnection, and joining late.
     pub replay: Option<ZmqEndpoint>,
     /// Topic prefix subscribed to (`""`: everything).
     pub topic: String,
@@ -30,6 +70,20 @@ pub struct ZmqConfig {
     pub channel_capacity: usize,
     /// Longest wait for one replay answer frame.
     pub replay_timeout: Duration,
+    /// Most batches one replay answer may bring; the rest of a longer
+    /// answer is read but not kept (counted lost).
+    pub max_replay_batches: usize,
+    /// When the first batch seen is later than this publisher seq, fetch
+    /// the batches from it through the replay endpoint (`None`: fetch
+    /// nothing; those before the first are reported missed).
+    pub since: Option<u64>,
+    /// Longest wait for one connection attempt.
+    pub connect_timeout: Duration,
+    /// Wait before the first reconnection attempt; doubles up to
+    /// [`reconnect_max`](Self::reconnect_max).
+    pub reconnect_min: Duration,
+    /// Longest wait between reconnection attempts.
+    pub reconnect_max: Duration,
 }
 
 impl ZmqConfig {
@@ -42,29 +96,101 @@ impl ZmqConfig {
             translator: TranslatorConfig::default(),
             channel_capacity: 256,
             replay_timeout: Duration::from_secs(2),
+            max_replay_batches: 1 << 14,
+            since: None,
+            connect_timeout: Duration::from_secs(1),
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(1),
         }
     }
+}
+
+/// Why a publisher was taken for a new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum RestartCause {
+    /// Its seq went back (a new publisher counts from 0).
+    SeqWentBack,
+    /// After a reconnection, its replay endpoint holds other bytes at the
+    /// last seq seen: another publisher.
+    ReplayDiffers,
+    /// After a reconnection, nothing could prove it the same publisher (no
+    /// replay endpoint, a replay that failed, or a buffer that no longer
+    /// holds the last batch seen). It may be the same; kvbm assumes a new
+    /// one rather than merge two engines' states.
+    Unverified,
+}
+
+impl RestartCause {
+    /// In words, for summaries.
+    pub fn describe(self) -> &'static str {
+        match self {
+            RestartCause::SeqWentBack => "its seq went back",
+            RestartCause::ReplayDiffers => "its replay buffer holds other batches",
+            RestartCause::Unverified => "it reconnected and could not be proved the same publisher",
+        }
+    }
+}
+
+/// A publisher restart, as detected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct RestartAt {
+    /// The last seq seen from the old publisher.
+    pub last_seq: u64,
+    /// The first seq seen from the new one.
+    pub new_seq: u64,
+    /// Why it was taken for a new one.
+    pub cause: RestartCause,
+}
+
+/// Publisher batches `from..=to` (inclusive).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SeqRange {
+    /// First.
+    pub from: u64,
+    /// Last.
+    pub to: u64,
 }
 
 /// What the source hands its consumer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ZmqItem {
-    /// kvbm events, seqs gapless.
+    /// kvbm events, seqs gapless except where a [`ZmqItem::Gap`] left holes.
     Events(Vec<Event>),
-    /// Publisher batches `from_seq..=to_seq` were missed (and not replayed).
+    /// Publisher batches `from_seq..=to_seq` were missed and not recovered:
+    /// lost inside the stream, one hole in the kvbm seq per batch.
     Gap {
         /// First missed publisher seq.
         from_seq: u64,
         /// Last missed publisher seq.
         to_seq: u64,
     },
-    /// The publisher's seq went back (it restarted); the evictions of every
-    /// live block follow as [`ZmqItem::Events`].
-    Restart {
-        /// The last seq seen before.
-        last_seq: u64,
-        /// The seq that went back.
-        new_seq: u64,
+    /// The first batch seen had seq `first_seq > 0`: the publisher ran
+    /// before this source joined. `fetched` batches came from the replay
+    /// endpoint; `missed` are not in the stream (and not a loss inside it).
+    Joined {
+        /// The first seq received live.
+        first_seq: u64,
+        /// Batches before it fetched through replay.
+        fetched: u64,
+        /// Batches before it neither received nor fetched.
+        missed: u64,
+    },
+    /// A new publisher: every block of the old one is evicted (the
+    /// evictions follow as [`ZmqItem::Events`]); the new one's batches
+    /// before `new_seq` follow, replayed or as a [`ZmqItem::Gap`].
+    Restart(RestartAt),
+    /// The connection to the publisher dropped; the source reconnects.
+    Disconnected,
+    /// Connected to the publisher (`connects` so far, this one included).
+    Connected {
+        /// Connections made so far.
+        connects: u64,
+    },
+    /// A replay request failed; what it was to recover follows as a
+    /// [`ZmqItem::Gap`] (or as missed before the start).
+    ReplayFailed {
+        /// Why.
+        error: String,
     },
 }
 
@@ -78,71 +204,16 @@ impl ZmqItem {
     }
 }
 
-/// What the publisher's seq says about a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SeqVerdict {
-    /// The first message seen.
-    First,
-    /// The one expected.
-    InOrder,
-    /// Later than expected: `from..=to` are missing.
-    Gap {
-        /// First missing.
-        from: u64,
-        /// Last missing.
-        to: u64,
-    },
-    /// Earlier than expected: the publisher restarted (PUB/SUB never
-    /// repeats a message, so a seq going back is a new publisher).
-    Restart {
-        /// The last seq seen before.
-        last: u64,
-    },
-}
-
-/// Follows the publisher's seq.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SeqTracker {
-    last: Option<u64>,
-}
-
-impl SeqTracker {
-    /// The last seq accepted.
-    pub fn last(&self) -> Option<u64> {
-        self.last
-    }
-
-    /// Judges `seq` and accepts it as the last.
-    pub fn observe(&mut self, seq: u64) -> SeqVerdict {
-        let v = match self.last {
-            None => SeqVerdict::First,
-            Some(last) => {
-                let expected = last.wrapping_add(1);
-                if seq == expected {
-                    SeqVerdict::InOrder
-                } else if seq > expected {
-                    SeqVerdict::Gap {
-                        from: expected,
-                        to: seq - 1,
-                    }
-                } else {
-                    SeqVerdict::Restart { last }
-                }
-            }
-        };
-        self.last = Some(seq);
-        v
-    }
-}
-
 /// Connection state, for display.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum ZmqState {
-    /// Waiting for the publisher.
+    /// Waiting for the publisher (never connected yet).
     Connecting,
     /// Subscribed.
     Subscribed,
-    /// The task ended (the consumer went away, or the socket failed).
+    /// The publisher went away; reconnecting.
+    Gone,
+    /// The task ended (the consumer went away).
     Stopped,
 }
 
@@ -153,28 +224,54 @@ pub struct ZmqCounters {
     pub messages: u64,
     /// Messages whose frames or payload could not be read (skipped).
     pub malformed: u64,
-    /// Events inside good payloads that could not be read (skipped).
-    pub bad_events: u64,
-    /// Gaps in the publisher's seq.
+    /// Events inside good payloads that were skipped, by reason.
+    pub skipped: Skipped,
+    /// Ranges of publisher batches that had to be filled (seq jumps, a new
+    /// publisher's first batches), whether replay recovered them or not.
     pub gaps: u64,
-    /// Publisher batches missed and not recovered by replay.
+    /// Publisher batches missed and not recovered by replay (lost inside
+    /// the stream).
     pub missed: u64,
+    /// The unrecovered ranges, in order (the first [`MAX_LOGGED`]).
+    pub missed_ranges: Vec<SeqRange>,
     /// Replay requests sent.
     pub replay_requests: u64,
     /// Batches recovered through replay.
     pub replayed: u64,
     /// Replays that failed (connect, timeout or a bad answer).
     pub replay_failures: u64,
-    /// Publisher restarts.
+    /// The last replay failure.
+    pub last_replay_error: Option<String>,
+    /// Publisher restarts detected.
     pub restarts: u64,
-    /// The first publisher seq seen (batches before it were never asked for).
+    /// The restarts, in order (the first [`MAX_LOGGED`]).
+    pub restart_log: Vec<RestartAt>,
+    /// Connections made to the publisher.
+    pub connects: u64,
+    /// Times the publisher's connection dropped.
+    pub disconnects: u64,
+    /// Reconnections proved (through replay) to reach the same publisher.
+    pub same_publisher: u64,
+    /// The first publisher seq seen.
     pub first_seq: Option<u64>,
     /// The last publisher seq seen.
     pub last_seq: Option<u64>,
-    /// The last malformed payload's error.
+    /// Batches before the first seen, fetched through replay.
+    pub fetched_before_start: u64,
+    /// Batches before the first seen, neither received nor fetched.
+    pub missed_before_start: u64,
+    /// The last malformed message's error (or connection error).
     pub last_error: Option<String>,
     /// The translator's counters.
     pub translate: TranslateCounters,
+}
+
+impl ZmqCounters {
+    fn log_missed(&mut self, from: u64, to: u64) {
+        if self.missed_ranges.len() < MAX_LOGGED {
+            self.missed_ranges.push(SeqRange { from, to });
+        }
+    }
 }
 
 #[derive(Default)]
@@ -182,6 +279,11 @@ struct Shared {
     state: AtomicU8,
     counters: Mutex<ZmqCounters>,
     received: AtomicU64,
+    gone_since: Mutex<Option<Instant>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A handle for display and counters; cheap to clone.
@@ -200,10 +302,19 @@ impl ZmqHandle {
     /// Where the connection stands.
     pub fn state(&self) -> ZmqState {
         match self.shared.state.load(Ordering::Relaxed) {
-            0 => ZmqState::Connecting,
-            1 => ZmqState::Subscribed,
+            CONNECTING => ZmqState::Connecting,
+            SUBSCRIBED => ZmqState::Subscribed,
+            GONE => ZmqState::Gone,
             _ => ZmqState::Stopped,
         }
+    }
+
+    /// How long the publisher has been gone, while it is.
+    pub fn gone_for(&self, now: Instant) -> Option<Duration> {
+        if self.state() != ZmqState::Gone {
+            return None;
+        }
+        lock(&self.shared.gone_since).map(|t| now.saturating_duration_since(t))
     }
 
     /// Messages received so far (cheap).
@@ -213,11 +324,7 @@ impl ZmqHandle {
 
     /// The counters now.
     pub fn counters(&self) -> ZmqCounters {
-        self.shared
-            .counters
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.shared.counters).clone()
     }
 }
 
@@ -236,8 +343,8 @@ impl Drop for ZmqSource {
 }
 
 impl ZmqSource {
-    /// Starts the task on `rt`; it connects in the background (and keeps
-    /// reconnecting, as ZeroMQ does).
+    /// Starts the task on `rt`; it connects in the background and keeps
+    /// reconnecting (see the module docs).
     pub fn spawn(cfg: ZmqConfig, rt: &tokio::runtime::Handle) -> ZmqSource {
         let (tx, rx) = mpsc::channel(cfg.channel_capacity.max(1));
         let shared = Arc::new(Shared::default());
@@ -260,48 +367,155 @@ impl ZmqSource {
     }
 }
 
-/// Reads `[topic, seq, payload]` (or `[seq, payload]`).
+/// Reads a live message: `[topic, seq, payload]` (or `[seq, payload]`).
 pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<(u64, &'a [u8]), DecodeError> {
     let (seq, payload) = match frames {
         [_topic, seq, payload] => (seq, payload),
         [seq, payload] => (seq, payload),
         _ => return Err(DecodeError::Shape("expected [topic, seq, payload] frames")),
     };
-    let seq: [u8; 8] = (*seq)
-        .try_into()
-        .map_err(|_| DecodeError::Shape("the seq frame is not 8 bytes"))?;
-    Ok((u64::from_be_bytes(seq), payload))
+    Ok((seq_of(seq)?, payload))
 }
 
-/// The per-message logic, without sockets: seq tracking, decoding and
-/// translation. `run` (private) drives it; tests can too.
+fn seq_of(frame: &[u8]) -> Result<u64, DecodeError> {
+    let seq: [u8; 8] = frame
+        .try_into()
+        .map_err(|_| DecodeError::Shape("the seq frame is not 8 bytes"))?;
+    Ok(u64::from_be_bytes(seq))
+}
+
+/// Reads one frame of a replay answer as a DEALER receives it: vLLM's and
+/// SGLang's `["", topic, seq, payload]`, the older `["", seq, payload]`,
+/// or either without the empty delimiter. The last two frames are always
+/// the seq and the payload; a leading frame of four must be the empty
+/// delimiter.
+pub fn split_replay_frames<'a>(frames: &[&'a [u8]]) -> Result<(u64, &'a [u8]), DecodeError> {
+    let (seq, payload) = match frames {
+        [[], _topic, seq, payload] => (seq, payload),
+        [_, seq, payload] | [seq, payload] => (seq, payload),
+        _ => {
+            return Err(DecodeError::Shape(
+                "expected [\"\", topic, seq, payload] replay frames",
+            ));
+        }
+    };
+    Ok((seq_of(seq)?, payload))
+}
+
+/// Asks a replay endpoint for batches.
+pub trait Replay {
+    /// The batches it holds with `from <= seq <= to`, in the order sent
+    /// (at most `max` kept), or why the request failed.
+    fn fetch(
+        &mut self,
+        from: u64,
+        to: u64,
+    ) -> impl Future<Output = Result<Vec<(u64, Vec<u8>)>, String>> + Send;
+}
+
+/// [`Replay`] over ZeroMQ: a fresh DEALER per request (so a half-read
+/// answer, or a connection to a publisher that has gone, is never reused).
+pub struct ZmqReplay {
+    endpoint: ZmqEndpoint,
+    timeout: Duration,
+    max: usize,
+}
+
+impl ZmqReplay {
+    /// A replay client for `endpoint`.
+    pub fn new(endpoint: ZmqEndpoint, timeout: Duration, max_batches: usize) -> Self {
+        ZmqReplay {
+            endpoint,
+            timeout,
+            max: max_batches.max(1),
+        }
+    }
+}
+
+impl Replay for ZmqReplay {
+    async fn fetch(&mut self, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        let ep = &self.endpoint;
+        let mut opts = SocketOptions::default();
+        opts.connect_timeout(self.timeout);
+        let mut d = zeromq::DealerSocket::with_options(opts);
+        d.connect(&ep.zmq_addr())
+            .await
+            .map_err(|e| format!("replay endpoint {ep}: {e}"))?;
+        let mut req = ZmqMessage::from(Vec::<u8>::new());
+        req.push_back(from.to_be_bytes().to_vec().into());
+        tokio::time::timeout(self.timeout, d.send(req))
+            .await
+            .map_err(|_| format!("replay endpoint {ep}: the request could not be sent"))?
+            .map_err(|e| format!("replay endpoint {ep}: {e}"))?;
+        let mut got = Vec::new();
+        loop {
+            let m = match tokio::time::timeout(self.timeout, d.recv()).await {
+                Err(_) => {
+                    return Err(format!(
+                        "replay endpoint {ep}: no answer within {:.1} s",
+                        self.timeout.as_secs_f64()
+                    ));
+                }
+                Ok(Err(e)) => return Err(format!("replay endpoint {ep}: {e}")),
+                Ok(Ok(m)) => m,
+            };
+            let frames: Vec<&[u8]> = m.iter().map(|b| b.as_ref()).collect();
+            let (seq, payload) =
+                split_replay_frames(&frames).map_err(|e| format!("replay endpoint {ep}: {e}"))?;
+            if seq == END_SEQ {
+                tracing::debug!("replay {from}..={to} answered: {} batches", got.len());
+                return Ok(got);
+            }
+            if (from..=to).contains(&seq) && got.len() < self.max {
+                got.push((seq, payload.to_vec()));
+            }
+        }
+    }
+}
+
+/// A [`Replay`] that has nothing (no replay endpoint).
+pub struct NoReplay;
+
+impl Replay for NoReplay {
+    async fn fetch(&mut self, _from: u64, _to: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        Err("no replay endpoint".into())
+    }
+}
+
+/// Whether missing batches are a loss inside the stream or were published
+/// before it started.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Missing {
+    Lost,
+    BeforeStart,
+}
+
+/// The per-message logic, without the sockets: the publisher's seq and
+/// identity, replay, decoding and translation. [`ZmqSource`] drives it;
+/// tests drive it with an in-memory [`Replay`].
 pub struct Pipeline {
-    seq: SeqTracker,
+    last: Option<u64>,
+    /// xxh3-64 of the last payload seen, to recognise its publisher.
+    last_hash: u64,
+    /// A new connection whose first message has not been seen.
+    fresh: bool,
+    has_replay: bool,
+    since: Option<u64>,
     tr: Translator,
     counters: ZmqCounters,
 }
 
-/// What one message did, before any replay.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    /// Handled (or skipped as malformed).
-    Done,
-    /// A gap `from..=to` precedes the message: fill it (or
-    /// [`Pipeline::give_up`]), then [`Pipeline::apply`] the message.
-    Gap {
-        /// First missing.
-        from: u64,
-        /// Last missing.
-        to: u64,
-    },
-}
-
 impl Pipeline {
-    /// A pipeline stamping with `cfg`.
-    pub fn new(cfg: TranslatorConfig) -> Self {
+    /// A pipeline stamping with `cfg.translator`, with `cfg`'s `since` and
+    /// replay endpoint (or none).
+    pub fn new(cfg: &ZmqConfig) -> Self {
         Pipeline {
-            seq: SeqTracker::default(),
-            tr: Translator::new(cfg),
+            last: None,
+            last_hash: 0,
+            fresh: false,
+            has_replay: cfg.replay.is_some(),
+            since: cfg.since,
+            tr: Translator::new(cfg.translator),
             counters: ZmqCounters::default(),
         }
     }
@@ -313,101 +527,77 @@ impl Pipeline {
         c
     }
 
-    fn malformed(&mut self, e: DecodeError) {
+    /// A (new) connection to the publisher is up: its first message must
+    /// prove who is there.
+    pub fn connected(&mut self) -> ZmqItem {
+        self.counters.connects += 1;
+        self.fresh = true;
+        ZmqItem::Connected {
+            connects: self.counters.connects,
+        }
+    }
+
+    /// The connection dropped.
+    pub fn disconnected(&mut self) -> ZmqItem {
+        self.counters.disconnects += 1;
+        ZmqItem::Disconnected
+    }
+
+    fn malformed(&mut self, e: impl std::fmt::Display) {
         self.counters.malformed += 1;
         self.counters.last_error = Some(e.to_string());
     }
 
-    /// Takes one SUB message's frames. Events go to `out`; a restart is
-    /// pushed as an item before them. A gap is returned, not applied.
-    pub fn message(
+    /// Takes one SUB message's frames; what follows from it goes to `out`
+    /// in order, asking `replay` for what is missing.
+    pub async fn message<R: Replay>(
         &mut self,
         frames: &[&[u8]],
+        replay: &mut R,
         out: &mut Vec<ZmqItem>,
-    ) -> (Step, Option<(u64, KvBatch)>) {
+    ) {
         self.counters.messages += 1;
         let (seq, payload) = match split_frames(frames) {
             Ok(x) => x,
-            Err(e) => {
-                self.malformed(e);
-                return (Step::Done, None);
-            }
+            Err(e) => return self.malformed(e),
         };
-        let batch = match decode_payload(payload) {
-            Ok(b) => b,
-            Err(e) => {
-                // The seq is still real: a gap before it is a gap, and it
-                // is not missing itself.
-                self.malformed(e);
-                let step = self.track(seq, out);
-                return (step, None);
+        let hash = xxhash_rust::xxh3::xxh3_64(payload);
+        match self.last {
+            None => {
+                self.counters.first_seq = Some(seq);
+                if seq > 0 {
+                    self.join(seq, replay, out).await;
+                }
             }
-        };
-        let step = self.track(seq, out);
-        match step {
-            Step::Done => {
-                self.apply(&batch, out);
-                (Step::Done, None)
+            Some(last) if self.fresh => self.reconnected(last, seq, replay, out).await,
+            Some(last) if seq == last.wrapping_add(1) => {}
+            Some(last) if seq > last => {
+                self.fill(last + 1, seq - 1, replay, Missing::Lost, out)
+                    .await;
             }
-            gap => (gap, Some((seq, batch))),
+            Some(last) => {
+                self.restart(last, seq, RestartCause::SeqWentBack, replay, out)
+                    .await;
+            }
         }
+        self.fresh = false;
+        self.last = Some(seq);
+        self.last_hash = hash;
+        self.counters.last_seq = Some(seq);
+        // The seq is real even when the payload is not: it is tracked, and
+        // counted as malformed rather than missing.
+        self.apply_payload(payload, out);
     }
 
-    fn track(&mut self, seq: u64, out: &mut Vec<ZmqItem>) -> Step {
-        self.counters.last_seq = Some(seq);
-        match self.seq.observe(seq) {
-            SeqVerdict::First => {
-                self.counters.first_seq = Some(seq);
-                Step::Done
-            }
-            SeqVerdict::InOrder => Step::Done,
-            SeqVerdict::Gap { from, to } => {
-                self.counters.gaps += 1;
-                Step::Gap { from, to }
-            }
-            SeqVerdict::Restart { last } => {
-                self.counters.restarts += 1;
-                out.push(ZmqItem::Restart {
-                    last_seq: last,
-                    new_seq: seq,
-                });
+    fn apply_payload(&mut self, payload: &[u8], out: &mut Vec<ZmqItem>) -> bool {
+        match decode_payload(payload) {
+            Ok(b) => {
+                self.counters.skipped.add(&b.skipped);
                 let mut evs = Vec::new();
-                self.tr.restart(&mut evs);
+                self.tr.batch(&b, &mut evs);
                 if !evs.is_empty() {
                     out.push(ZmqItem::Events(evs));
                 }
-                Step::Done
-            }
-        }
-    }
-
-    /// Translates one good batch.
-    pub fn apply(&mut self, batch: &KvBatch, out: &mut Vec<ZmqItem>) {
-        self.counters.bad_events += batch.bad_events;
-        let mut evs = Vec::new();
-        self.tr.batch(batch, &mut evs);
-        if !evs.is_empty() {
-            out.push(ZmqItem::Events(evs));
-        }
-    }
-
-    /// Publisher batches `from..=to` are lost.
-    pub fn give_up(&mut self, from: u64, to: u64, out: &mut Vec<ZmqItem>) {
-        let g = ZmqItem::Gap {
-            from_seq: from,
-            to_seq: to,
-        };
-        self.counters.missed += g.missed();
-        self.tr.skip(g.missed());
-        out.push(g);
-    }
-
-    /// A replayed batch (its seq already checked to be in the gap).
-    pub fn replayed(&mut self, payload: &[u8], out: &mut Vec<ZmqItem>) -> bool {
-        match decode_payload(payload) {
-            Ok(b) => {
-                self.counters.replayed += 1;
-                self.apply(&b, out);
                 true
             }
             Err(e) => {
@@ -416,124 +606,288 @@ impl Pipeline {
             }
         }
     }
+
+    async fn join<R: Replay>(&mut self, seq: u64, replay: &mut R, out: &mut Vec<ZmqItem>) {
+        let before = (
+            self.counters.fetched_before_start,
+            self.counters.missed_before_start,
+        );
+        match self.since {
+            Some(since) if since < seq && self.has_replay => {
+                self.fill(since, seq - 1, replay, Missing::BeforeStart, out)
+                    .await;
+                // What lies before `since` was not asked for.
+                self.counters.missed_before_start += since;
+            }
+            _ => self.counters.missed_before_start += seq,
+        }
+        out.push(ZmqItem::Joined {
+            first_seq: seq,
+            fetched: self.counters.fetched_before_start - before.0,
+            missed: self.counters.missed_before_start - before.1,
+        });
+    }
+
+    async fn reconnected<R: Replay>(
+        &mut self,
+        last: u64,
+        seq: u64,
+        replay: &mut R,
+        out: &mut Vec<ZmqItem>,
+    ) {
+        if seq <= last {
+            return self
+                .restart(last, seq, RestartCause::SeqWentBack, replay, out)
+                .await;
+        }
+        if !self.has_replay {
+            return self
+                .restart(last, seq, RestartCause::Unverified, replay, out)
+                .await;
+        }
+        self.counters.replay_requests += 1;
+        let cause = match replay.fetch(last, seq - 1).await {
+            Ok(answer) => match answer.first() {
+                Some((s, p)) if *s == last && xxhash_rust::xxh3::xxh3_64(p) == self.last_hash => {
+                    // The same publisher: the rest of the answer fills the gap.
+                    self.counters.same_publisher += 1;
+                    if seq > last + 1 {
+                        self.counters.gaps += 1;
+                        self.apply_answer(last + 1, seq - 1, &answer[1..], Missing::Lost, out);
+                    }
+                    return;
+                }
+                Some((s, _)) if *s == last => RestartCause::ReplayDiffers,
+                _ => RestartCause::Unverified,
+            },
+            Err(e) => {
+                self.replay_failed(e, out);
+                RestartCause::Unverified
+            }
+        };
+        self.restart(last, seq, cause, replay, out).await;
+    }
+
+    async fn restart<R: Replay>(
+        &mut self,
+        last: u64,
+        seq: u64,
+        cause: RestartCause,
+        replay: &mut R,
+        out: &mut Vec<ZmqItem>,
+    ) {
+        let at = RestartAt {
+            last_seq: last,
+            new_seq: seq,
+            cause,
+        };
+        self.counters.restarts += 1;
+        if self.counters.restart_log.len() < MAX_LOGGED {
+            self.counters.restart_log.push(at);
+        }
+        out.push(ZmqItem::Restart(at));
+        let mut evs = Vec::new();
+        self.tr.restart(&mut evs);
+        if !evs.is_empty() {
+            out.push(ZmqItem::Events(evs));
+        }
+        if seq > 0 {
+            self.fill(0, seq - 1, replay, Missing::Lost, out).await;
+        }
+    }
+
+    fn replay_failed(&mut self, error: String, out: &mut Vec<ZmqItem>) {
+        tracing::warn!("replay failed: {error}");
+        self.counters.replay_failures += 1;
+        self.counters.last_replay_error = Some(error.clone());
+        out.push(ZmqItem::ReplayFailed { error });
+    }
+
+    /// Batches `from..=to` are missing: asks the replay endpoint (when
+    /// there is one) and applies what it returns in order; the rest is
+    /// `how` missing.
+    async fn fill<R: Replay>(
+        &mut self,
+        from: u64,
+        to: u64,
+        replay: &mut R,
+        how: Missing,
+        out: &mut Vec<ZmqItem>,
+    ) {
+        self.counters.gaps += u64::from(how == Missing::Lost);
+        let answer = if self.has_replay {
+            self.counters.replay_requests += 1;
+            match replay.fetch(from, to).await {
+                Ok(a) => a,
+                Err(e) => {
+                    self.replay_failed(e, out);
+                    Vec::new()
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        self.apply_answer(from, to, &answer, how, out);
+    }
+
+    fn apply_answer(
+        &mut self,
+        from: u64,
+        to: u64,
+        answer: &[(u64, Vec<u8>)],
+        mut how: Missing,
+        out: &mut Vec<ZmqItem>,
+    ) {
+        let history = how == Missing::BeforeStart;
+        let mut next = from;
+        for (s, payload) in answer {
+            // In order, inside the range, no repeats.
+            if *s < next || *s > to {
+                continue;
+            }
+            if *s > next {
+                self.missing(next, *s - 1, how, out);
+            }
+            if history {
+                self.counters.fetched_before_start += 1;
+            } else {
+                self.counters.replayed += 1;
+            }
+            self.apply_payload(payload, out);
+            // Once something is in, a later hole is a loss inside.
+            how = Missing::Lost;
+            next = *s + 1;
+        }
+        if next <= to {
+            self.missing(next, to, how, out);
+        }
+    }
+
+    fn missing(&mut self, from: u64, to: u64, how: Missing, out: &mut Vec<ZmqItem>) {
+        let n = to - from + 1;
+        match how {
+            Missing::BeforeStart => self.counters.missed_before_start += n,
+            Missing::Lost => {
+                self.counters.missed += n;
+                self.counters.log_missed(from, to);
+                self.tr.skip(n);
+                out.push(ZmqItem::Gap {
+                    from_seq: from,
+                    to_seq: to,
+                });
+            }
+        }
+    }
 }
 
-fn set_state(shared: &Shared, s: ZmqState) {
-    shared.state.store(s as u8, Ordering::Relaxed);
+const CONNECTING: u8 = 0;
+const SUBSCRIBED: u8 = 1;
+const GONE: u8 = 2;
+const STOPPED: u8 = 3;
+
+/// A SUB socket connected and subscribed, with its monitor (which reports
+/// the peer going away).
+async fn connect(
+    cfg: &ZmqConfig,
+) -> Result<
+    (
+        zeromq::SubSocket,
+        impl futures_util::Stream<Item = SocketEvent>,
+    ),
+    String,
+> {
+    let mut opts = SocketOptions::default();
+    opts.connect_timeout(cfg.connect_timeout);
+    let mut sub = zeromq::SubSocket::with_options(opts);
+    let monitor = sub.monitor();
+    sub.connect(&cfg.endpoint.zmq_addr())
+        .await
+        .map_err(|e| format!("connect {}: {e}", cfg.endpoint))?;
+    sub.subscribe(&cfg.topic)
+        .await
+        .map_err(|e| format!("subscribe {}: {e}", cfg.endpoint))?;
+    Ok((sub, monitor))
 }
 
 async fn run(cfg: ZmqConfig, tx: mpsc::Sender<ZmqItem>, shared: Arc<Shared>) {
-    let mut pipe = Pipeline::new(cfg.translator);
-    let publish = |pipe: &Pipeline| {
-        *shared.counters.lock().unwrap_or_else(|p| p.into_inner()) = pipe.counters();
-    };
-    let mut sub = zeromq::SubSocket::new();
-    if let Err(e) = sub.connect(&cfg.endpoint.zmq_addr()).await {
-        pipe.counters.last_error = Some(format!("connect {}: {e}", cfg.endpoint));
-        publish(&pipe);
-        set_state(&shared, ZmqState::Stopped);
-        return;
-    }
-    if let Err(e) = sub.subscribe(&cfg.topic).await {
-        pipe.counters.last_error = Some(format!("subscribe: {e}"));
-        publish(&pipe);
-        set_state(&shared, ZmqState::Stopped);
-        return;
-    }
-    set_state(&shared, ZmqState::Subscribed);
-    let mut dealer: Option<zeromq::DealerSocket> = None;
+    let mut pipe = Pipeline::new(&cfg);
+    let mut zmq_replay = cfg
+        .replay
+        .clone()
+        .map(|ep| ZmqReplay::new(ep, cfg.replay_timeout, cfg.max_replay_batches));
+    let publish = |pipe: &Pipeline| *lock(&shared.counters) = pipe.counters();
+    let set_state = |s: u8| shared.state.store(s, Ordering::Relaxed);
     let mut out = Vec::new();
+    let mut wait = cfg.reconnect_min;
+    // Hands `out` to the consumer; false once it has gone.
+    async fn flush(out: &mut Vec<ZmqItem>, tx: &mpsc::Sender<ZmqItem>) -> bool {
+        for item in out.drain(..) {
+            if tx.send(item).await.is_err() {
+                return false;
+            }
+        }
+        true
+    }
     loop {
-        let msg = match sub.recv().await {
-            Ok(m) => m,
+        let (mut sub, mut monitor) = match connect(&cfg).await {
+            Ok(l) => l,
             Err(e) => {
-                // A dropped peer: the socket reconnects by itself.
-                tracing::debug!("zmq sub: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                pipe.counters.last_error = Some(e);
+                publish(&pipe);
+                if tx.is_closed() {
+                    break;
+                }
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(cfg.reconnect_max);
                 continue;
             }
         };
-        shared.received.fetch_add(1, Ordering::Relaxed);
-        let frames: Vec<&[u8]> = msg.iter().map(|b| b.as_ref()).collect();
-        let (step, pending) = pipe.message(&frames, &mut out);
-        if let Step::Gap { from, to } = step {
-            let filled = match &cfg.replay {
-                Some(ep) => replay(ep, &cfg, &mut dealer, &mut pipe, from, to, &mut out).await,
-                None => from,
-            };
-            if filled <= to {
-                pipe.give_up(filled, to, &mut out);
-            }
-            if let Some((_, batch)) = pending {
-                pipe.apply(&batch, &mut out);
-            }
-        }
+        wait = cfg.reconnect_min;
+        out.push(pipe.connected());
+        set_state(SUBSCRIBED);
         publish(&pipe);
-        for item in out.drain(..) {
-            if tx.send(item).await.is_err() {
-                set_state(&shared, ZmqState::Stopped);
-                return;
-            }
+        if !flush(&mut out, &tx).await {
+            break;
         }
-    }
-}
-
-/// Asks the replay endpoint for `from..` and applies what it returns up to
-/// `to`, in order. Returns the first seq not recovered (`to + 1` when the
-/// whole gap was filled).
-async fn replay(
-    ep: &ZmqEndpoint,
-    cfg: &ZmqConfig,
-    dealer: &mut Option<zeromq::DealerSocket>,
-    pipe: &mut Pipeline,
-    from: u64,
-    to: u64,
-    out: &mut Vec<ZmqItem>,
-) -> u64 {
-    pipe.counters.replay_requests += 1;
-    let mut next = from;
-    let ok = async {
-        if dealer.is_none() {
-            let mut d = zeromq::DealerSocket::new();
-            tokio::time::timeout(cfg.replay_timeout, d.connect(&ep.zmq_addr()))
-                .await
-                .ok()?
-                .ok()?;
-            *dealer = Some(d);
-        }
-        let d = dealer.as_mut()?;
-        let mut req = ZmqMessage::from(Vec::<u8>::new());
-        req.push_back(from.to_be_bytes().to_vec().into());
-        d.send(req).await.ok()?;
         loop {
-            let m = tokio::time::timeout(cfg.replay_timeout, d.recv())
-                .await
-                .ok()?
-                .ok()?;
-            let frames: Vec<&[u8]> = m.iter().map(|b| b.as_ref()).collect();
-            // [empty delimiter, seq, payload]; tolerate a missing delimiter.
-            let body = match frames.as_slice() {
-                [first, rest @ ..] if first.is_empty() && rest.len() == 2 => rest,
-                all if all.len() == 2 => all,
-                _ => return None,
-            };
-            let seq = u64::from_be_bytes(body[0].try_into().ok()?);
-            if seq == END_SEQ {
-                return Some(());
+            tokio::select! {
+                m = sub.recv() => match m {
+                    Ok(msg) => {
+                        shared.received.fetch_add(1, Ordering::Relaxed);
+                        let frames: Vec<&[u8]> = msg.iter().map(|b| b.as_ref()).collect();
+                        match zmq_replay.as_mut() {
+                            Some(r) => pipe.message(&frames, r, &mut out).await,
+                            None => pipe.message(&frames, &mut NoReplay, &mut out).await,
+                        }
+                        publish(&pipe);
+                        if !flush(&mut out, &tx).await {
+                            set_state(STOPPED);
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        // The monitor says whether the peer went away.
+                        tracing::debug!("zmq sub: {e}");
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                },
+                ev = monitor.next() => match ev {
+                    Some(SocketEvent::Disconnected(_)) | None => break,
+                    Some(_) => {}
+                },
             }
-            if seq == next && seq <= to {
-                pipe.replayed(body[1], out);
-                next += 1;
-            }
-            // Others (before the gap, after it, or past a hole in the
-            // publisher's buffer) are not needed.
         }
+        // Dropping the socket stops the crate's own reconnection task.
+        drop(sub);
+        tracing::warn!("the publisher {} went away; reconnecting", cfg.endpoint);
+        *lock(&shared.gone_since) = Some(Instant::now());
+        set_state(GONE);
+        out.push(pipe.disconnected());
+        publish(&pipe);
+        if !flush(&mut out, &tx).await {
+            break;
+        }
+        tokio::time::sleep(cfg.reconnect_min).await;
     }
-    .await;
-    if ok.is_none() {
-        pipe.counters.replay_failures += 1;
-        // A half-read answer must not be read as the next one's.
-        *dealer = None;
-    }
-    next
+    set_state(STOPPED);
 }

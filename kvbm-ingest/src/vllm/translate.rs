@@ -1,14 +1,28 @@
 //! Turning decoded KV events into kvbm events.
 //!
+//! Blocks are keyed by hash per tier: a hash is live on a tier while any
+//! *holder* holds it, a holder being a (medium, KV-cache group) pair.
+//! Hybrid models publish the same hash in several groups (`group_idx`),
+//! and one group removing it leaves it live in the others; SGLang's DISK
+//! and EXTERNAL share G3 the same way. (Keying kvbm blocks by group instead
+//! would show one hash several times in a tier whose registered set is a
+//! set of hashes.)
+//!
 //! - `BlockStored` → one `BlockRegistered {tier, block, sequence_hash,
-//!   duplicate_of: None}` per hash; a hash already live on that tier gives
-//!   `duplicate_of: Some(its block)` instead (vLLM re-announces a block that
-//!   is stored again).
-//! - `BlockRemoved` → one `BlockEvicted` per hash live on that tier. A hash
-//!   this source never saw stored (stored before it subscribed, or lost in a
+//!   duplicate_of: None}` per hash not yet live on that tier; a hash
+//!   already live gives `duplicate_of: Some(its block)` instead (vLLM
+//!   re-announces a block stored again, and another group or medium storing
+//!   it is another registration of the same block), and its holder joins.
+//! - `BlockRemoved` → its holder leaves; when it was the last, one
+//!   `BlockEvicted`. Removed while another holder remains: nothing emitted,
+//!   counted in [`TranslateCounters::still_held`]. A hash (or holder) this
+//!   source never saw stored (stored before it subscribed, or lost in a
 //!   gap) is counted in [`TranslateCounters::removed_unknown`] and emits
 //!   nothing, so the reducer never sees an eviction of an unregistered block.
-//! - `AllBlocksCleared` → one `BlockEvicted` per hash live on that tier.
+//!   A store or removal without `group_idx` stands for every group of its
+//!   medium.
+//! - `AllBlocksCleared` → every holder of that medium leaves; one
+//!   `BlockEvicted` per hash left with none.
 //! - After each batch, one `PoolGauge` per tier whose live count changed:
 //!   `active` = live blocks, `capacity`, `inactive` and `empty` 0 (vLLM does
 //!   not publish its pool sizes; the Pools view then shows "no capacity"
@@ -27,7 +41,7 @@
 //! back: a batch older than the last keeps the last time), iteration 0, no
 //! request.
 
-use super::decode::{KvBatch, KvEvent};
+use super::decode::{KvBatch, KvEvent, Medium};
 use kvbm_events::SequenceHash;
 use kvbm_events::tier::{BlockId, Tier};
 use kvbm_events::{Event, EventKind};
@@ -61,24 +75,48 @@ pub struct TranslateCounters {
     pub events: u64,
     /// `BlockRegistered` with `duplicate_of: None`.
     pub registered: u64,
-    /// Stored hashes already live on their tier.
+    /// Stored hashes already live on their tier (the same holder again, or
+    /// another group or medium).
     pub duplicates: u64,
     /// `BlockEvicted` for removed hashes.
     pub evicted: u64,
     /// `BlockEvicted` for `AllBlocksCleared`.
     pub cleared: u64,
-    /// Removed hashes that were not live (nothing emitted).
+    /// Removed hashes that were not live, or not held by the removing
+    /// group and medium (nothing emitted).
     pub removed_unknown: u64,
+    /// Removals that left the hash live because another group or medium
+    /// still holds it (nothing emitted).
+    pub still_held: u64,
+    /// Stores by a holder past [`MAX_HOLDERS`] of one hash (the hash stays
+    /// live; that holder is not tracked).
+    pub holders_overflow: u64,
     /// Oldest blocks evicted because a tier's live set was full.
     pub bound_evicted: u64,
     /// Publisher restarts (every live block evicted).
     pub restarts: u64,
 }
 
+/// Most holders tracked per hash (groups × media; real models have a few).
+pub const MAX_HOLDERS: usize = 64;
+
+/// Who holds a hash: a medium and a KV-cache group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Holder {
+    medium: Medium,
+    group: Option<i64>,
+}
+
+struct Entry {
+    id: BlockId,
+    generation: u64,
+    holders: Vec<Holder>,
+}
+
 #[derive(Default)]
 struct TierSet {
-    /// hash → (block id, generation).
-    live: HashMap<u64, (BlockId, u64)>,
+    /// hash → its block.
+    live: HashMap<u64, Entry>,
     /// Insertion order, with stale entries skipped lazily.
     order: VecDeque<(u64, u64)>,
     next_id: BlockId,
@@ -91,17 +129,15 @@ impl TierSet {
         if self.order.len() > 2 * self.live.len() + 64 {
             let live = &self.live;
             self.order
-                .retain(|(h, g)| live.get(h).is_some_and(|(_, lg)| lg == g));
+                .retain(|(h, g)| live.get(h).is_some_and(|e| e.generation == *g));
         }
     }
 
     fn pop_oldest(&mut self) -> Option<(u64, BlockId)> {
         while let Some((h, g)) = self.order.pop_front() {
-            if let Some((id, lg)) = self.live.get(&h).copied()
-                && lg == g
-            {
-                self.live.remove(&h);
-                return Some((h, id));
+            if self.live.get(&h).is_some_and(|e| e.generation == g) {
+                let e = self.live.remove(&h)?;
+                return Some((h, e.id));
             }
         }
         None
@@ -183,6 +219,31 @@ impl Translator {
         );
     }
 
+    /// Every holder on `medium` leaves; hashes left without one are
+    /// evicted (oldest first). Returns how many.
+    fn clear_medium(&mut self, medium: Medium, out: &mut Vec<Event>) -> u64 {
+        let tier = medium.tier();
+        let set = &mut self.tiers[tier.index()];
+        let mut gone: Vec<(u64, u64)> = Vec::new();
+        for (h, e) in set.live.iter_mut() {
+            e.holders.retain(|x| x.medium != medium);
+            if e.holders.is_empty() {
+                gone.push((e.generation, *h));
+            }
+        }
+        gone.sort_unstable();
+        let ids: Vec<(u64, BlockId)> = gone
+            .iter()
+            .filter_map(|(_, h)| set.live.remove(h).map(|e| (*h, e.id)))
+            .collect();
+        for (h, id) in ids {
+            self.counters.cleared += 1;
+            self.evict(tier, h, id, out);
+        }
+        self.tiers[tier.index()].compact();
+        gone.len() as u64
+    }
+
     fn clear(&mut self, tier: Tier, out: &mut Vec<Event>) -> u64 {
         let set = &mut self.tiers[tier.index()];
         let mut all: Vec<(u64, BlockId)> = Vec::with_capacity(set.live.len());
@@ -204,36 +265,89 @@ impl Translator {
         for ev in &b.events {
             match ev {
                 KvEvent::Stored {
-                    block_hashes, tier, ..
+                    block_hashes,
+                    medium,
+                    group,
+                    ..
                 } => {
+                    let holder = Holder {
+                        medium: *medium,
+                        group: *group,
+                    };
                     for &h in block_hashes {
-                        self.store(*tier, h, out);
+                        self.store(holder, h, out);
                     }
                 }
-                KvEvent::Removed { block_hashes, tier } => {
+                KvEvent::Removed {
+                    block_hashes,
+                    medium,
+                    group,
+                } => {
+                    let holder = Holder {
+                        medium: *medium,
+                        group: *group,
+                    };
                     for &h in block_hashes {
-                        match self.tiers[tier.index()].live.remove(&h) {
-                            Some((id, _)) => {
-                                self.counters.evicted += 1;
-                                self.evict(*tier, h, id, out);
-                            }
-                            None => self.counters.removed_unknown += 1,
-                        }
+                        self.remove(holder, h, out);
                     }
-                    self.tiers[tier.index()].compact();
+                    self.tiers[medium.tier().index()].compact();
                 }
-                KvEvent::AllCleared { tier } => {
-                    self.counters.cleared += self.clear(*tier, out);
+                KvEvent::AllCleared { medium } => {
+                    self.clear_medium(*medium, out);
                 }
             }
         }
         self.gauges(out);
     }
 
-    fn store(&mut self, tier: Tier, h: u64, out: &mut Vec<Event>) {
+    fn remove(&mut self, holder: Holder, h: u64, out: &mut Vec<Event>) {
+        let tier = holder.medium.tier();
+        let set = &mut self.tiers[tier.index()];
+        let Some(e) = set.live.get_mut(&h) else {
+            self.counters.removed_unknown += 1;
+            return;
+        };
+        let before = e.holders.len();
+        if let Some(i) = e.holders.iter().position(|x| *x == holder) {
+            e.holders.swap_remove(i);
+        } else if holder.group.is_none() {
+            // A removal without a group covers every group of its medium.
+            e.holders.retain(|x| x.medium != holder.medium);
+        } else if let Some(i) = e
+            .holders
+            .iter()
+            .position(|x| x.medium == holder.medium && x.group.is_none())
+        {
+            // A store without a group held it for every group.
+            e.holders.swap_remove(i);
+        }
+        if e.holders.len() == before {
+            self.counters.removed_unknown += 1;
+            return;
+        }
+        if !e.holders.is_empty() {
+            self.counters.still_held += 1;
+            return;
+        }
+        let id = e.id;
+        set.live.remove(&h);
+        self.counters.evicted += 1;
+        self.evict(tier, h, id, out);
+    }
+
+    fn store(&mut self, holder: Holder, h: u64, out: &mut Vec<Event>) {
+        let tier = holder.medium.tier();
         let max = self.cfg.max_live_per_tier;
         let set = &mut self.tiers[tier.index()];
-        if let Some((id, _)) = set.live.get(&h).copied() {
+        if let Some(e) = set.live.get_mut(&h) {
+            if !e.holders.contains(&holder) {
+                if e.holders.len() < MAX_HOLDERS {
+                    e.holders.push(holder);
+                } else {
+                    self.counters.holders_overflow += 1;
+                }
+            }
+            let id = e.id;
             self.counters.duplicates += 1;
             let block = set.next_id;
             set.next_id = set.next_id.wrapping_add(1);
@@ -256,7 +370,14 @@ impl Translator {
         set.next_id = set.next_id.wrapping_add(1);
         let g = set.next_gen;
         set.next_gen += 1;
-        set.live.insert(h, (id, g));
+        set.live.insert(
+            h,
+            Entry {
+                id,
+                generation: g,
+                holders: vec![holder],
+            },
+        );
         set.order.push_back((h, g));
         if let Some((oh, oid)) = dropped {
             self.counters.bound_evicted += 1;

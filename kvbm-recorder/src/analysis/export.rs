@@ -71,6 +71,18 @@ impl<W: Write> JsonLinesWriter<W> {
     }
 }
 
+impl ExportError {
+    /// Whether the reader went away (a closed pipe, as with `| head`):
+    /// not a failure of the export.
+    pub fn is_broken_pipe(&self) -> bool {
+        let kind = match self {
+            ExportError::Io(e) => Some(e.kind()),
+            ExportError::Json(e) => e.io_error_kind(),
+        };
+        kind == Some(io::ErrorKind::BrokenPipe)
+    }
+}
+
 /// Writes a whole stream as JSON lines; returns the number of events.
 pub fn write_jsonl<E: Borrow<Event>, W: Write>(
     events: impl IntoIterator<Item = E>,

@@ -64,7 +64,11 @@ struct RemoteArgs {
     #[arg(long, requires = "from")]
     duration_s: Option<f64>,
     /// `--from`: the first sequence number wanted (default 0, so
-    /// events the server no longer holds are reported, not skipped).
+    /// events the server no longer holds are reported, not skipped). For
+    /// `zmq://`, the publisher batch from which to fetch, through
+    /// `--replay-endpoint`, what was published before the recorder joined
+    /// (default 0 there too; without a replay endpoint what came before is
+    /// only counted).
     #[arg(long, requires = "from")]
     since: Option<u64>,
 }

@@ -219,8 +219,9 @@ fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Re
 
 /// `record --from zmq://HOST:PORT`: vLLM's KV-event stream until Ctrl-C or
 /// a limit. Engine id 0; the publisher's unrecovered gaps are the
-/// sidecar's losses (in publisher batches), its counters the sidecar's
-/// `client`.
+/// sidecar's losses (in publisher batches), what it published before the
+/// recorder joined and could not be fetched its `missed_before_start`, its
+/// counters the sidecar's `client`.
 fn record_from_zmq(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Result<i32> {
     use kvbm_ingest::vllm::{ZmqConfig, ZmqEndpoint, ZmqItem, ZmqSource};
     let endpoint = ZmqEndpoint::parse(url).map_err(anyhow::Error::msg)?;
@@ -231,6 +232,13 @@ fn record_from_zmq(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         .map(ZmqEndpoint::parse)
         .transpose()
         .map_err(anyhow::Error::msg)?;
+    if remote.since.is_some() && cfg.replay.is_none() {
+        bail!("--since with a zmq:// source needs --replay-endpoint (batches are fetched from it)");
+    }
+    // With a replay endpoint, fetch everything its buffer still holds, as
+    // a recording from an attach server starts at seq 0.
+    cfg.since = cfg.replay.as_ref().map(|_| remote.since.unwrap_or(0));
+    let has_replay = cfg.replay.is_some();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -260,14 +268,43 @@ fn record_from_zmq(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                     }
                     Some(g @ ZmqItem::Gap { .. }) => {
                         if let ZmqItem::Gap { from_seq, to_seq } = g {
-                            eprintln!("gap: publisher batches {from_seq}..={to_seq} missed");
+                            eprintln!("gap: publisher batches {from_seq}..={to_seq} lost");
                         }
                         // Counted as lost even before the first event: the
                         // publisher's seq says they existed.
                         sink.gap(g.missed());
                     }
-                    Some(ZmqItem::Restart { last_seq, new_seq }) => {
-                        eprintln!("publisher restarted (seq {last_seq} then {new_seq}); its live blocks are evicted");
+                    Some(ZmqItem::Joined { first_seq, fetched, missed }) => {
+                        sink.missed_before_start(missed);
+                        eprintln!(
+                            "joined the publisher at its batch {first_seq}: {fetched} earlier batches fetched from its replay endpoint, {missed} not recorded{}",
+                            if missed > 0 && !has_replay {
+                                " (give --replay-endpoint to fetch what its replay buffer still holds)"
+                            } else {
+                                ""
+                            }
+                        );
+                    }
+                    Some(ZmqItem::Restart(at)) => {
+                        eprintln!(
+                            "publisher restarted (batch {} then {}; {}): the old engine's blocks are evicted",
+                            at.last_seq,
+                            at.new_seq,
+                            at.cause.describe()
+                        );
+                    }
+                    Some(ZmqItem::Disconnected) => {
+                        eprintln!("the publisher went away; reconnecting");
+                    }
+                    Some(ZmqItem::Connected { connects }) => {
+                        if connects > 1 {
+                            eprintln!("reconnected to {url}");
+                        } else {
+                            eprintln!("subscribed to {url}");
+                        }
+                    }
+                    Some(ZmqItem::ReplayFailed { error }) => {
+                        eprintln!("replay failed: {error}");
                     }
                 },
                 _ = &mut until => return Ok("--duration-s reached"),
@@ -282,14 +319,38 @@ fn record_from_zmq(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     let rec = sink.finish()?;
     let why = outcome?;
     println!(
-        "recorded {} events ({} publisher batches lost in {} gaps, {} replayed, {} malformed, {} restarts) from {url} into {} ({why})",
+        "recorded {} events ({} publisher batches lost in {} gaps, {} replayed, {} replay failures, {} malformed messages, {} events skipped, {} restarts) from {url} into {} ({why})",
         rec.events,
         rec.lost,
         counters.gaps,
         counters.replayed,
+        counters.replay_failures,
         counters.malformed,
+        counters.skipped.total(),
         counters.restarts,
         out.display()
     );
+    if counters.skipped.total() > 0 {
+        println!("skipped events: {}", counters.skipped);
+    }
+    for r in &counters.restart_log {
+        println!(
+            "restart: batch {} then {} ({})",
+            r.last_seq,
+            r.new_seq,
+            r.cause.describe()
+        );
+    }
+    if rec.missed_before_start > 0 || counters.fetched_before_start > 0 {
+        println!(
+            "joined at publisher batch {}: {} earlier batches fetched, {} not recorded",
+            counters.first_seq.unwrap_or(0),
+            counters.fetched_before_start,
+            rec.missed_before_start
+        );
+    }
+    if let Some(e) = &counters.last_replay_error {
+        println!("last replay failure: {e}");
+    }
     Ok(0)
 }
