@@ -460,10 +460,11 @@ fn widest_blank_run(rows: &[Vec<char>]) -> (usize, usize) {
 fn no_column_is_wider_than_its_longest_cell_plus_the_gap() {
     let mut app = replay_app("preemption-heavy");
     special(&mut app, KeyCode::End);
-    let tables: [(ViewId, &[&[&str]]); 3] = [
+    let tables: [(ViewId, &[&[&str]]); 4] = [
         (ViewId::Slots, &[&["Slots"]]),
         (ViewId::Transfers, &[&["Totals"], &["In flight", "Recent"]]),
         (ViewId::Histograms, &[&["Histograms"]]),
+        (ViewId::Events, &[&["Events"]]),
     ];
     for (view, groups) in tables {
         key(&mut app, view_key(view));

@@ -1,6 +1,7 @@
 //! The event log: every event, newest at the bottom, filterable; it
 //! follows the newest event until scrolled away from it.
 
+use super::columns::{self, Col, GridRow};
 use super::filter::Filter;
 use super::list::ListState;
 use super::{View, head, panel, selected};
@@ -8,10 +9,9 @@ use crate::fmt;
 use crate::model::Model;
 use kvbm_events::{Category, EventKind, RequestId};
 use ratatui::Frame;
-use ratatui::layout::{Constraint, Rect};
+use ratatui::layout::Rect;
 use ratatui::style::{Color, Style};
-use ratatui::text::Span;
-use ratatui::widgets::{Cell, Paragraph, Row, Table};
+use ratatui::widgets::Paragraph;
 
 /// A short description of an event's payload.
 pub fn describe(kind: &EventKind) -> String {
@@ -144,6 +144,15 @@ fn kind_color(kind: &EventKind) -> Color {
     }
 }
 
+const COLS: [Col; 6] = [
+    Col::num("Seq", 3, 12),
+    Col::text("Time", 4, 24),
+    Col::num("Iter", 4, 10),
+    Col::text("Request", 7, 40),
+    Col::text("Kind", 4, 24),
+    Col::text("Detail", 6, u16::MAX),
+];
+
 /// The event log's state. Its rows are indices into the model's history
 /// (oldest first) of the events that pass the filter.
 #[derive(Debug, Clone)]
@@ -257,24 +266,28 @@ impl View for EventLog {
             f.render_widget(Paragraph::new("  no events").block(panel(title)), area);
             return;
         }
-        let body: Vec<Row> = rows
+        let body: Vec<GridRow> = rows
             .iter()
             .enumerate()
             .skip(off)
             .take(visible)
             .filter_map(|(i, &idx)| {
                 let e = h.get(idx)?;
-                let r = Row::new(vec![
-                    Cell::from(e.seq.to_string()),
-                    Cell::from(fmt::clock(e.ts_ns)),
-                    Cell::from(e.iteration.to_string()),
-                    Cell::from(e.request.as_deref().unwrap_or("-")),
-                    Cell::from(Span::styled(
-                        e.kind.name(),
-                        Style::new().fg(kind_color(&e.kind)),
-                    )),
-                    Cell::from(describe(&e.kind)),
-                ]);
+                let plain = |s: String| (s, Style::new());
+                let r = GridRow {
+                    cells: vec![
+                        plain(e.seq.to_string()),
+                        plain(fmt::clock(e.ts_ns)),
+                        plain(e.iteration.to_string()),
+                        plain(e.request.as_deref().unwrap_or("-").to_string()),
+                        (
+                            e.kind.name().to_string(),
+                            Style::new().fg(kind_color(&e.kind)),
+                        ),
+                        plain(describe(&e.kind)),
+                    ],
+                    style: Style::new(),
+                };
                 Some(if i == list.selected {
                     r.style(selected())
                 } else {
@@ -282,30 +295,10 @@ impl View for EventLog {
                 })
             })
             .collect();
-        // Wide enough for the longest time shown (a wall-clock time of day
-        // is longer than engine time).
-        let time_width = rows
-            .iter()
-            .skip(off)
-            .take(visible)
-            .filter_map(|&idx| h.get(idx))
-            .map(|e| fmt::clock(e.ts_ns).chars().count() as u16 + 1)
-            .max()
-            .unwrap_or(0)
-            .max(10);
-        let table = Table::new(
-            body,
-            [
-                Constraint::Length(8),
-                Constraint::Length(time_width),
-                Constraint::Length(6),
-                Constraint::Length(12),
-                Constraint::Length(17),
-                Constraint::Min(10),
-            ],
-        )
-        .header(Row::new(vec!["Seq", "Time", "Iter", "Request", "Kind", "Detail"]).style(head()))
-        .block(panel(title));
+        // Sized to what is on screen: a wall-clock time of day is longer
+        // than engine time, a vLLM request id than a simulated one.
+        let widths = columns::fit(&COLS, &body, area.width.saturating_sub(2));
+        let table = columns::table(&COLS, &widths, body, head(), panel(title));
         f.render_widget(table, area);
     }
 }
