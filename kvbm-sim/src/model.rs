@@ -6,7 +6,7 @@
 //! figures for one modern datacenter GPU (the 70B one for a
 //! tensor-parallel group); they shape the run, they are not a benchmark.
 
-use crate::sim::WorkerModel;
+use serde::Serialize;
 
 /// A model preset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -99,6 +99,38 @@ impl ModelPreset {
             decode_ns_per_seq: s.decode_ns_per_seq,
             model_kv_bytes_per_token: s.kv_bytes_per_token(),
             ..WorkerModel::default()
+        }
+    }
+}
+
+/// How long things take in the simulated engine.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct WorkerModel {
+    /// Prefill cost per prompt token, ns.
+    pub prefill_ns_per_token: u64,
+    /// Fixed cost of an iteration that decodes, ns.
+    pub decode_ns_per_step: u64,
+    /// Extra decode cost per sequence, ns.
+    pub decode_ns_per_seq: u64,
+    /// KV bytes per token of the modelled model (for transfer times only;
+    /// the bytes really moved are `real_bytes_per_token`).
+    pub model_kv_bytes_per_token: u64,
+    /// Host → device and device → host bandwidth, bytes/s.
+    pub pcie_bytes_per_s: f64,
+    /// Disk ↔ host bandwidth, bytes/s.
+    pub disk_bytes_per_s: f64,
+}
+
+impl Default for WorkerModel {
+    fn default() -> Self {
+        // Roughly an 8B model on one modern GPU.
+        WorkerModel {
+            prefill_ns_per_token: 30_000,
+            decode_ns_per_step: 15_000_000,
+            decode_ns_per_seq: 50_000,
+            model_kv_bytes_per_token: 128 * 1024,
+            pcie_bytes_per_s: 20e9,
+            disk_bytes_per_s: 2e9,
         }
     }
 }

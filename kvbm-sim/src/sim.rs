@@ -24,6 +24,7 @@
 //! Time is virtual (as fast as possible) or paced in real time × speed for
 //! the live demo. A worker model turns tokens and bytes into time.
 
+pub use crate::model::WorkerModel;
 use crate::modeled::{LinkModel, ModeledEngine};
 use crate::workload::RequestSpec;
 use kvbm_core::block::{ComputeDone, Empty, ImmutableBlock, MutableBlock};
@@ -48,38 +49,6 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// How long things take in the simulated engine.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct WorkerModel {
-    /// Prefill cost per prompt token, ns.
-    pub prefill_ns_per_token: u64,
-    /// Fixed cost of an iteration that decodes, ns.
-    pub decode_ns_per_step: u64,
-    /// Extra decode cost per sequence, ns.
-    pub decode_ns_per_seq: u64,
-    /// KV bytes per token of the modelled model (for transfer times only;
-    /// the bytes really moved are `real_bytes_per_token`).
-    pub model_kv_bytes_per_token: u64,
-    /// Host → device and device → host bandwidth, bytes/s.
-    pub pcie_bytes_per_s: f64,
-    /// Disk ↔ host bandwidth, bytes/s.
-    pub disk_bytes_per_s: f64,
-}
-
-impl Default for WorkerModel {
-    fn default() -> Self {
-        // Roughly an 8B model on one modern GPU.
-        WorkerModel {
-            prefill_ns_per_token: 30_000,
-            decode_ns_per_step: 15_000_000,
-            decode_ns_per_seq: 50_000,
-            model_kv_bytes_per_token: 128 * 1024,
-            pcie_bytes_per_s: 20e9,
-            disk_bytes_per_s: 2e9,
-        }
-    }
-}
 
 /// Virtual time, or real time × speed.
 #[derive(Debug, Clone, Copy, PartialEq)]
