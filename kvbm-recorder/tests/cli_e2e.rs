@@ -26,6 +26,168 @@ fn record(dir: &std::path::Path, seed: &str) {
     );
 }
 
+/// `stats --json` against figures counted here straight from the events,
+/// without the recorder's analyses: requests and finished slots, the time
+/// range, and for TTFT, time in each state, transfer latency and batch
+/// sizes the count and the maximum (exact in the output; only percentiles
+/// are bucketed); and how the transfers of each direction ended.
+fn stats_agree_with_a_count_by_hand(s: &serde_json::Value, events: &[Event]) {
+    use kvbm_events::slot::SlotState;
+    use std::collections::{BTreeMap, BTreeSet, HashMap};
+    /// (count, max) of a series.
+    #[derive(Debug, Default, PartialEq)]
+    struct Series(u64, u64);
+    impl Series {
+        fn add(&mut self, v: u64) {
+            self.0 += 1;
+            self.1 = self.1.max(v);
+        }
+    }
+    let got =
+        |p: &serde_json::Value| Series(p["count"].as_u64().unwrap(), p["max"].as_u64().unwrap());
+    let mut requests = BTreeSet::new();
+    let mut finished = 0;
+    let mut entered: HashMap<&str, u64> = HashMap::new();
+    let mut created: HashMap<&str, u64> = HashMap::new();
+    let mut ttft = Series::default();
+    let mut in_state: BTreeMap<&str, Series> = BTreeMap::new();
+    let mut planned: HashMap<u64, (String, u64)> = HashMap::new();
+    let mut latency: BTreeMap<String, Series> = BTreeMap::new();
+    // direction -> [completed, skipped, cancelled, failed]
+    let mut ends: BTreeMap<String, [u64; 4]> = BTreeMap::new();
+    let mut batches: BTreeMap<String, Series> = BTreeMap::new();
+    let mut batches_all = Series::default();
+    for e in events {
+        let req = e.request.as_deref();
+        if let Some(r) = req {
+            requests.insert(r);
+        }
+        // (transfer, direction, which end) when this event ends one.
+        let mut ended: Option<(u64, &kvbm_events::Direction, usize)> = None;
+        match &e.kind {
+            EventKind::SlotCreated { .. } => {
+                created.insert(req.unwrap(), e.ts_ns);
+                entered.insert(req.unwrap(), e.ts_ns);
+            }
+            EventKind::SlotTransition { from, to } => {
+                let since = entered.insert(req.unwrap(), e.ts_ns).unwrap();
+                in_state
+                    .entry(from.name())
+                    .or_default()
+                    .add(e.ts_ns - since);
+                if *to == SlotState::Finished {
+                    finished += 1;
+                }
+            }
+            EventKind::TokensScheduled { decode, .. } if *decode > 0 => {
+                if let Some(t0) = created.remove(req.unwrap()) {
+                    ttft.add(e.ts_ns - t0);
+                }
+            }
+            EventKind::TransferPlanned {
+                transfer,
+                direction,
+                ..
+            } => {
+                planned.insert(*transfer, (direction.to_string(), e.ts_ns));
+            }
+            EventKind::TransferCompleted {
+                transfer,
+                direction,
+                ..
+            } => {
+                let (d, t0) = planned[transfer].clone();
+                latency.entry(d).or_default().add(e.ts_ns - t0);
+                ended = Some((*transfer, direction, 0));
+            }
+            EventKind::TransferSkipped {
+                transfer,
+                direction,
+                ..
+            } => ended = Some((*transfer, direction, 1)),
+            EventKind::TransferCancelled {
+                transfer,
+                direction,
+            } => ended = Some((*transfer, direction, 2)),
+            EventKind::TransferFailed {
+                transfer,
+                direction,
+                ..
+            } => ended = Some((*transfer, direction, 3)),
+            EventKind::BatchDispatched {
+                direction, blocks, ..
+            } => {
+                batches
+                    .entry(direction.to_string())
+                    .or_default()
+                    .add(u64::from(*blocks));
+                batches_all.add(u64::from(*blocks));
+            }
+            _ => {}
+        }
+        if let Some((transfer, direction, i)) = ended {
+            planned.remove(&transfer);
+            ends.entry(direction.to_string()).or_default()[i] += 1;
+        }
+    }
+    let mut in_flight: BTreeMap<String, u64> = BTreeMap::new();
+    for (d, _) in planned.values() {
+        *in_flight.entry(d.clone()).or_default() += 1;
+    }
+
+    assert_eq!(s["events"], events.len() as u64);
+    assert_eq!(s["requests"], requests.len() as u64);
+    assert_eq!(s["finished"], finished);
+    let ts = events.iter().map(|e| e.ts_ns);
+    assert_eq!(
+        s["time_range_ns"],
+        serde_json::json!([ts.clone().min(), ts.max()])
+    );
+    assert!(ttft.0 > 0, "no request produced a token");
+    assert_eq!(got(&s["ttft_ns"]), ttft, "TTFT");
+    let states = s["time_in_state_ns"].as_object().unwrap();
+    assert_eq!(
+        states.keys().map(String::as_str).collect::<Vec<_>>(),
+        in_state.keys().copied().collect::<Vec<_>>()
+    );
+    for (state, want) in &in_state {
+        assert_eq!(&got(&states[*state]), want, "time in {state}");
+    }
+    let lat = s["transfer_latency_ns"].as_object().unwrap();
+    assert_eq!(lat.len(), latency.len());
+    for (d, want) in &latency {
+        assert_eq!(&got(&lat[d]), want, "latency {d}");
+    }
+    let outcomes = s["transfers"].as_object().unwrap();
+    assert_eq!(outcomes.len(), ends.len().max(in_flight.len()));
+    for (d, [completed, skipped, cancelled, failed]) in &ends {
+        let o = &outcomes[d];
+        assert_eq!(
+            [
+                &o["completed"],
+                &o["skipped"],
+                &o["cancelled"],
+                &o["failed"],
+                &o["in_flight"]
+            ],
+            [
+                completed,
+                skipped,
+                cancelled,
+                failed,
+                in_flight.get(d).unwrap_or(&0)
+            ],
+            "transfers {d}"
+        );
+    }
+    let b = s["batch_blocks"].as_object().unwrap();
+    assert_eq!(b.len(), batches.len());
+    for (d, want) in &batches {
+        assert_eq!(&got(&b[d]), want, "batches {d}");
+    }
+    assert_eq!(got(&s["batch_blocks_all"]), batches_all);
+}
+
 #[test]
 fn record_then_inspect_check_stats_export_replay_and_diff() {
     let tmp = tempfile::tempdir().unwrap();
@@ -64,7 +226,8 @@ fn record_then_inspect_check_stats_export_replay_and_diff() {
     let out = bin().arg("stats").arg(&a).arg("--json").output().unwrap();
     assert!(out.status.success());
     let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(s.is_object());
+    let events = recorder::read_events(&a, |_| {}).unwrap().events;
+    stats_agree_with_a_count_by_hand(&s, &events);
 
     let trace = tmp.path().join("t.json");
     let out = bin()
