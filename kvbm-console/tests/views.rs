@@ -1,69 +1,22 @@
 //! Every view drawn into a `TestBackend` at 80×24, 120×40, 160×48 and
 //! 240×60: empty, after a recorded log, and overflowing; two logs from
 //! `replays/` driven through the reducer and the UI state to known frames
-//! at every size (golden files under `tests/frames/`; `UPDATE_FRAMES=1`
-//! rewrites them); and tables no wider than what they hold.
+//! at every size: golden files under `tests/frames/` (compared, never
+//! written here: `cargo run -p kvbm-console --example update_frames`
+//! rewrites them), and, independently of those files, what each frame of
+//! the walk-through must show, worked out from its scenario; and tables no
+//! wider than what they hold.
+
+mod support;
 
 use kvbm_console::app::{App, Source};
 use kvbm_console::keys::ViewId;
 use kvbm_console::model::{Model, ModelConfig};
-use kvbm_console::source::ReplaySource;
 use kvbm_events::slot::SlotState;
 use kvbm_events::tier::Tier;
 use kvbm_events::{Direction, Event, EventKind, RequestId};
-use ratatui::Terminal;
-use ratatui::backend::TestBackend;
-use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-const SIZES: [(u16, u16); 4] = [(80, 24), (120, 40), (160, 48), (240, 60)];
-
-fn key(app: &mut App, c: char) {
-    app.key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
-}
-
-fn special(app: &mut App, code: KeyCode) {
-    app.key(KeyEvent::new(code, KeyModifiers::NONE));
-}
-
-fn view_key(v: ViewId) -> char {
-    char::from(b'1' + v.index() as u8)
-}
-
-/// Draws `app` at `w`×`h` and returns the screen's lines.
-fn draw(app: &mut App, w: u16, h: u16) -> Vec<String> {
-    app.resize(w, h);
-    app.tick();
-    let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
-    t.draw(|f| app.render(f)).unwrap();
-    let buf = t.backend().buffer();
-    (0..h)
-        .map(|y| {
-            (0..w)
-                .map(|x| buf[(x, y)].symbol().to_string())
-                .collect::<String>()
-                .trim_end()
-                .to_string()
-        })
-        .collect()
-}
-
-fn screen(lines: &[String]) -> String {
-    lines.join("\n")
-}
-
-fn replays() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../replays")
-}
-
-fn replay_app(name: &str) -> App {
-    let read = kvbm_recorder::recorder::read_events(&replays().join(name), |_| {}).unwrap();
-    assert!(read.damage.is_none());
-    let events: Arc<[Event]> = read.events.into();
-    let r = ReplaySource::new(events, 0, ModelConfig::default());
-    App::new(Model::new(ModelConfig::default()), Source::Replay(r), name)
-}
+use ratatui::crossterm::event::{KeyCode, KeyModifiers};
+use support::{SIZES, draw, key, replay_app, screen, special, view_key};
 
 fn empty_app() -> App {
     App::new(Model::new(ModelConfig::default()), Source::Fixed, "empty")
@@ -331,40 +284,276 @@ fn the_detail_event_list_survives_history_drops_and_seeks() {
     assert!(n_back <= n_end);
 }
 
+/// `lines` against its golden file, which only this test's counterpart
+/// `examples/update_frames.rs` writes.
 fn golden(name: &str, lines: &[String]) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/frames")
-        .join(format!("{name}.txt"));
-    let got = screen(lines) + "\n";
-    if std::env::var_os("UPDATE_FRAMES").is_some() {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, &got).unwrap();
-        return;
-    }
-    let want = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_FRAMES=1 writes it)", path.display()));
-    assert_eq!(got, want, "frame {name} differs from {}", path.display());
+    let path = support::golden_path(name);
+    let want = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (cargo run -p kvbm-console --example update_frames writes it)",
+            path.display()
+        )
+    });
+    assert_eq!(
+        support::golden_text(lines),
+        want,
+        "frame {name} differs from {} (if the change is intended: \
+         cargo run -p kvbm-console --example update_frames, and review the diff)",
+        path.display()
+    );
 }
 
-/// The CPU-offload walk-through, replayed to its end through the reducer and
-/// the UI state, draws these exact frames.
+/// The cells of the table row whose first cell is `first` (box-drawing
+/// borders removed); panics with the frame when there is none.
+fn row<'a>(lines: &'a [String], first: &str) -> Vec<&'a str> {
+    lines
+        .iter()
+        .map(|l| l.trim_matches(|c| c == '│' || c == ' '))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|cells| cells.first() == Some(&first))
+        .unwrap_or_else(|| panic!("no row {first:?} in:\n{}", screen(lines)))
+}
+
+/// Some table row starts with `cells` (however wide its columns are).
+fn has_row(lines: &[String], cells: &[&str]) {
+    assert!(
+        lines.iter().any(|l| {
+            let got: Vec<&str> = l
+                .trim_matches(|c| c == '│' || c == ' ')
+                .split_whitespace()
+                .collect();
+            got.starts_with(cells)
+        }),
+        "no row {cells:?} in:\n{}",
+        screen(lines)
+    );
+}
+
+fn has(lines: &[String], text: &str) {
+    assert!(
+        lines.iter().any(|l| l.contains(text)),
+        "{text:?} not in:\n{}",
+        screen(lines)
+    );
+}
+
+/// What every frame of the walk-through's end shows in its header: the
+/// replay paused at its end, 10.000 s of engine time (B ends 719,715 ns
+/// after 10 s), nothing lost, both slots finished, nothing in flight or
+/// paused; on a wide screen also the log's name and its 49 events and the
+/// lints, all zero.
+fn walkthrough_header(lines: &[String]) {
+    let wide = lines.iter().any(|l| l.chars().count() > 80);
+    for (text, narrow_too) in [
+        ("REPLAY ⏸ 1× 100%", true),
+        ("│ 00:10.000 ", true),
+        ("lagged 0  dropped 0", true),
+        ("slots 0 live / 2 shown · in flight 0 · paused 0", true),
+        ("lagged 0  dropped 0  history-dropped 0", false),
+        ("cpu-offload-walkthrough · 49 events", false),
+        ("stuck 0 · dest-full 0 · thrash 0 · near-deadline 0", false),
+    ] {
+        if !(wide || narrow_too) {
+            continue;
+        }
+        assert!(
+            lines[..2].iter().any(|l| l.contains(text)),
+            "header lacks {text:?}:\n{}",
+            screen(lines)
+        );
+    }
+}
+
+/// What each frame must show, from the scenario (see
+/// `kvbm-recorder/tests/replays.rs`, which derives the walk-through's 49
+/// events): A has 32 prompt tokens and hits nothing; B has 49 and hits A's
+/// 2 blocks (32 tokens) on the host; both finish with their one token from
+/// the prefill (no decode, so no TTFT); 2 stores G1→G2 (A's 2 blocks, B's
+/// third: 3 blocks of 16 tokens × 4 bytes = 192 B) and 1 load G2→G1 (2
+/// blocks, 128 B), all completed.
+fn walkthrough_contents(frames: &[(&str, Vec<String>)]) {
+    let frame = |name: &str| {
+        &frames
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("no frame {name}"))
+            .1
+    };
+    for (_, lines) in frames {
+        walkthrough_header(lines);
+    }
+
+    // Slots, wide: Request State Age Prompt Gen G1 G2 G3 HitG1 HitG2 HitG3 Xfer TTFT.
+    let slots = frame("cpu-offload-slots-160x48");
+    has(slots, "Slots — 2 shown");
+    assert_eq!(
+        row(slots, "Request"),
+        [
+            "Request", "State", "Age", "Prompt", "Gen", "G1", "G2", "G3", "Hit", "G1", "Hit", "G2",
+            "Hit", "G3", "Xfer", "TTFT"
+        ]
+    );
+    // A: created at 0, so 10.00 s old at the end; B: 719.7 µs.
+    assert_eq!(
+        row(slots, "A"),
+        [
+            "A", "Finished", "10.00s", "32", "0", "0", "0", "0", "0", "0", "0", "0", "-"
+        ]
+    );
+    assert_eq!(
+        row(slots, "B"),
+        [
+            "B", "Finished", "719.7µs", "49", "0", "0", "0", "0", "0", "32", "0", "0", "-"
+        ]
+    );
+    // Slots, narrow: the tiers folded into G1/G2/G3 and one Hit column.
+    let narrow = frame("cpu-offload-slots-80x24");
+    assert_eq!(
+        row(narrow, "A"),
+        ["A", "Finished", "10.00s", "32", "0", "0/0/0", "0", "0"]
+    );
+    assert_eq!(
+        row(narrow, "B"),
+        ["B", "Finished", "719.7µs", "49", "0", "0/0/0", "32", "0"]
+    );
+
+    // Transfers: Dir Planned Done Skipped Cancelled Failed Blocks Bytes Rate.
+    let t = frame("cpu-offload-transfers-160x48");
+    assert_eq!(
+        row(t, "G1→G2")[..8],
+        ["G1→G2", "2", "2", "0", "0", "0", "3", "192B"]
+    );
+    assert_eq!(
+        row(t, "G2→G1")[..8],
+        ["G2→G1", "1", "1", "0", "0", "0", "2", "128B"]
+    );
+    has(t, "In flight — 0 candidates · 0 batches");
+    has(t, "Recent — 3 kept");
+    // Id Request Status Dir Blocks Bytes Latency Batch, newest first.
+    assert_eq!(row(t, "#3")[..5], ["#3", "B", "Completed", "G1→G2", "1"]);
+    assert_eq!(row(t, "#2")[..5], ["#2", "B", "Completed", "G2→G1", "2"]);
+    assert_eq!(row(t, "#1")[..5], ["#1", "A", "Completed", "G1→G2", "2"]);
+
+    // Pools: G1 holds A's 2 blocks and B's third (inactive); B's loaded
+    // copies were duplicates of A's (5 registered, 2 duplicates); G1's
+    // prefix cache is off, so its 4 looked-up blocks (1 for A, 3 for B)
+    // all miss, while G2 hits 2 of the same 4. No disk tier.
+    let p = frame("cpu-offload-pools-160x48");
+    has(p, "G1 device — 100 blocks");
+    has(p, "active 0  ▓ inactive 3  ░ free 97");
+    has(p, "hit rate 0.0% (0 of 4 blocks looked up, 2 lookups)");
+    has(p, "registered 5 (2 duplicates)");
+    has(p, "G2 host — 50 blocks");
+    has(p, "active 0  ▓ inactive 3  ░ free 47");
+    has(p, "hit rate 50.0% (2 of 4 blocks looked up, 2 lookups)");
+    has(p, "registered 3 (0 duplicates)");
+    has(p, "no gauge seen");
+
+    // Histograms: Series Count p50 p90 p99 Max. Prefilling: A 960 µs, B
+    // 719.7 µs; every other interval is an instant.
+    let h = frame("cpu-offload-histograms-160x48");
+    has(h, "Histograms — 2 requests, 2 finished");
+    assert_eq!(row(h, "TTFT")[..2], ["TTFT", "0"]);
+    for (state, count) in [
+        ("Initialized", "2"),
+        ("OnboardStaged", "1"),
+        ("Onboarding", "1"),
+        ("Finishing", "2"),
+    ] {
+        let r = h
+            .iter()
+            .map(|l| l.trim_matches(|c| c == '│' || c == ' '))
+            .find(|l| l.starts_with(&format!("in {state} ")))
+            .unwrap_or_else(|| panic!("no {state} row"));
+        let cells: Vec<_> = r.split_whitespace().collect();
+        assert_eq!(cells[..7], ["in", state, count, "0ns", "0ns", "0ns", "0ns"]);
+    }
+    has_row(
+        h,
+        &[
+            "in",
+            "Prefilling",
+            "2",
+            "719.9µs",
+            "960.0µs",
+            "960.0µs",
+            "960.0µs",
+        ],
+    );
+    has_row(h, &["transfer", "G1→G2", "2", "0ns"]);
+    has_row(h, &["transfer", "G2→G1", "1", "0ns"]);
+
+    // Events: all 49 kept, following, so the screen ends at seq 48 (the
+    // last host gauge) with consecutive seqs above it.
+    let e = frame("cpu-offload-events-160x48");
+    has(e, "Events — 49 shown of 49 kept · following");
+    let seqs: Vec<u64> = e
+        .iter()
+        .filter(|l| l.starts_with('│'))
+        .filter_map(|l| {
+            l.trim_start_matches('│')
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(seqs.last(), Some(&48));
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    assert_eq!(
+        row(e, "48")[1..],
+        [
+            "00:10.000",
+            "3",
+            "-",
+            "PoolGauge",
+            "G2",
+            "active",
+            "0",
+            "inactive",
+            "3",
+            "free",
+            "47",
+            "of",
+            "50"
+        ]
+    );
+
+    // Request A's detail: its 12 events (the others of iterations 1 and 2
+    // carry no request), 960 µs of prefill, its one store.
+    let d = frame("cpu-offload-detail-160x48");
+    has(d, "Request A");
+    has(d, "Finished  age 10.00s");
+    has(d, "prompt 32 · computed 32");
+    has(d, "■ Prefilling 960.0µs");
+    has(d, "#1 G1→G2 2 blk completed");
+    has(d, "Events of A (12)");
+    let a_seqs: Vec<u64> = d
+        .iter()
+        .skip_while(|l| !l.contains("Events of A"))
+        .filter_map(|l| {
+            l.trim_start_matches('│')
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(a_seqs, [0, 1, 2, 3, 4, 5, 8, 9, 11, 12, 18, 19]);
+}
+
+/// The CPU-offload walk-through, replayed to its end through the reducer
+/// and the UI state, shows what the scenario implies and draws exactly the
+/// stored frames.
 #[test]
 fn the_cpu_offload_replay_reaches_known_frames() {
     let mut app = replay_app("cpu-offload-walkthrough");
-    special(&mut app, KeyCode::End);
-    golden("cpu-offload-slots-160x48", &draw(&mut app, 160, 48));
-    golden("cpu-offload-slots-80x24", &draw(&mut app, 80, 24));
-    key(&mut app, '2');
-    golden("cpu-offload-transfers-160x48", &draw(&mut app, 160, 48));
-    key(&mut app, '3');
-    golden("cpu-offload-pools-160x48", &draw(&mut app, 160, 48));
-    key(&mut app, '4');
-    golden("cpu-offload-histograms-160x48", &draw(&mut app, 160, 48));
-    key(&mut app, '6');
-    golden("cpu-offload-events-160x48", &draw(&mut app, 160, 48));
-    key(&mut app, '1');
-    special(&mut app, KeyCode::Enter);
-    golden("cpu-offload-detail-160x48", &draw(&mut app, 160, 48));
+    let frames = support::walkthrough_frames(&mut app);
+    assert_eq!(frames.len(), 7);
+    walkthrough_contents(&frames);
+    for (name, lines) in &frames {
+        golden(name, lines);
+    }
     // Stepping back one event at a time and forward again lands on the
     // same frame (the checkpointed model rebuilds exactly).
     special(&mut app, KeyCode::Esc);
@@ -374,34 +563,17 @@ fn the_cpu_offload_replay_reaches_known_frames() {
     for _ in 0..10 {
         key(&mut app, '.');
     }
-    golden("cpu-offload-slots-160x48", &draw(&mut app, 160, 48));
+    assert_eq!(draw(&mut app, 160, 48), frames[0].1);
 }
 
 /// The preemption-heavy log, replayed to its end, draws these exact
 /// frames in every view (and a request's detail) at every size.
 #[test]
 fn every_view_reaches_known_frames_at_every_size() {
-    for (w, h) in SIZES {
-        let mut app = replay_app("preemption-heavy");
-        special(&mut app, KeyCode::End);
-        for view in ViewId::ALL {
-            key(&mut app, view_key(view));
-            if view == ViewId::Histograms {
-                // A series with a spread, for the large histogram.
-                special(&mut app, KeyCode::Down);
-            }
-            let name = view.title().to_lowercase();
-            golden(
-                &format!("preemption-heavy-{name}-{w}x{h}"),
-                &draw(&mut app, w, h),
-            );
-        }
-        key(&mut app, '1');
-        special(&mut app, KeyCode::Enter);
-        golden(
-            &format!("preemption-heavy-detail-{w}x{h}"),
-            &draw(&mut app, w, h),
-        );
+    let frames = support::preemption_frames();
+    assert_eq!(frames.len(), SIZES.len() * (ViewId::ALL.len() + 1));
+    for (name, lines) in &frames {
+        golden(name, lines);
     }
 }
 
@@ -504,7 +676,8 @@ fn no_color_takes_every_colour_out_and_keeps_the_selection_visible() {
         let colours = |app: &mut App| {
             app.resize(120, 40);
             app.tick();
-            let mut t = Terminal::new(TestBackend::new(120, 40)).unwrap();
+            let mut t =
+                ratatui::Terminal::new(ratatui::backend::TestBackend::new(120, 40)).unwrap();
             t.draw(|f| app.render(f)).unwrap();
             let buf = t.backend().buffer().clone();
             let coloured = buf

@@ -773,6 +773,137 @@ async fn p4_the_executor_sweeps_cancelled_containers_immediately_before_upgrade(
     assert_eq!(p.stats().swept, 0);
 }
 
+/// A policy that holds every container until opened, then admits all.
+#[derive(Default)]
+struct HeldPolicy {
+    open: tokio::sync::Notify,
+    opened: std::sync::atomic::AtomicBool,
+}
+
+impl HeldPolicy {
+    fn open(&self) {
+        self.opened.store(true, Ordering::SeqCst);
+        self.open.notify_waiters();
+    }
+}
+
+impl OffloadPolicy for HeldPolicy {
+    fn name(&self) -> &'static str {
+        "held"
+    }
+    fn evaluate<'a>(
+        &'a self,
+        blocks: &'a [BlockInfo],
+        _: &'a BlockPool,
+    ) -> BoxFuture<'a, Vec<Verdict>> {
+        Box::pin(async move {
+            loop {
+                let notified = self.open.notified();
+                if self.opened.load(Ordering::SeqCst) {
+                    break;
+                }
+                notified.await;
+            }
+            vec![Verdict::Admit; blocks.len()]
+        })
+    }
+}
+
+/// P2: the container carries a token cloned from its handle. A cancel
+/// requested through a *clone* of a handle, at a moment when no stage is
+/// looking at the container, is carried by the container into whichever
+/// stage takes it next, and that stage drops it: here the policy stage
+/// (taking it from its queue), the batcher (flushing) and the executor
+/// (upgrading). The sweeper is off, so only the container's own token can
+/// tell a stage. The other containers, whose handles were not cancelled,
+/// complete. If the container had a token of its own (not the handle's),
+/// the three cancelled containers would be copied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2_the_token_cloned_from_the_handle_travels_with_the_container() {
+    let r = rig(64, 64, true);
+    let mut cfg = config();
+    cfg.sweep_interval = Duration::from_secs(3600);
+    cfg.policy_timeout = Duration::from_secs(3600);
+    cfg.batch_config.flush_interval = Duration::from_secs(3600);
+    let policy = Arc::new(HeldPolicy::default());
+    let p = OffloadPipeline::new(r.link.clone(), vec![policy.clone()], cfg).unwrap();
+    /// Requests the cancel through a clone of `h`; the clone's `cancel`
+    /// resolves when the container's final status arrives.
+    fn cancel_through_a_clone(h: &TransferHandle) -> tokio::task::JoinHandle<TransferStatus> {
+        let clone = h.clone();
+        tokio::spawn(async move { clone.cancel().await })
+    }
+
+    // 1. The policy stage holds G; F waits in the stage's queue.
+    let g_blocks = blocks(&r.g1, 8, 1);
+    let g = p.offload(&g_blocks, None).unwrap();
+    wait_status(&g, |s| *s == TransferStatus::Evaluating).await;
+    let f_blocks = blocks(&r.g1, 8, 2);
+    let f = p.offload(&f_blocks, None).unwrap();
+    let cancel_f = cancel_through_a_clone(&f);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(f.is_cancel_requested() && !g.is_cancel_requested());
+    assert_eq!(f.status(), TransferStatus::Queued, "nothing took F yet");
+    policy.open();
+    // G passes and is transferred (held at the engine's gate); F is
+    // dropped when the policy stage takes it.
+    r.gate.wait_started(1).await;
+    assert_eq!(final_within(&f, 5).await, TransferStatus::Cancelled);
+
+    // 2. B goes on deck, C waits in the in-queue, D alone in the batcher
+    //    (4 blocks: under the batch minimum, and the flush interval is an
+    //    hour).
+    let b_blocks = blocks(&r.g1, 8, 3);
+    let b = p.offload(&b_blocks, None).unwrap();
+    wait_status(&b, |s| *s == TransferStatus::Transferring).await;
+    let c_blocks = blocks(&r.g1, 8, 4);
+    let c = p.offload(&c_blocks, None).unwrap();
+    wait_status(&c, |s| *s == TransferStatus::Batched).await;
+    let d_blocks = blocks(&r.g1, 4, 5);
+    let d = p.offload(&d_blocks, None).unwrap();
+    wait_status(&d, |s| *s == TransferStatus::Batched).await;
+    let (cancel_c, cancel_d) = (cancel_through_a_clone(&c), cancel_through_a_clone(&d));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        (c.status(), d.status()),
+        (TransferStatus::Batched, TransferStatus::Batched),
+        "nothing took C or D yet"
+    );
+    // E fills D's batch: the batcher flushes it and drops D on the way.
+    let e_blocks = blocks(&r.g1, 4, 6);
+    let e = p.offload(&e_blocks, None).unwrap();
+    assert_eq!(final_within(&d, 5).await, TransferStatus::Cancelled);
+    assert_eq!(c.status(), TransferStatus::Batched);
+    // The engine finishes G; the executor drops C when it reaches it.
+    r.gate.open();
+    for (h, blocks) in [(&g, 8), (&b, 8), (&e, 4)] {
+        assert_eq!(
+            final_within(h, 5).await,
+            TransferStatus::Completed {
+                blocks,
+                filtered: 0,
+                gone: 0
+            }
+        );
+    }
+    assert_eq!(final_within(&c, 5).await, TransferStatus::Cancelled);
+    for (what, t) in [("F", cancel_f), ("C", cancel_c), ("D", cancel_d)] {
+        let through_the_clone = tokio::time::timeout(Duration::from_secs(5), t)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(through_the_clone, TransferStatus::Cancelled, "{what}");
+    }
+    // Not a byte of F, C or D moved: the engine saw G, B and E only.
+    assert_eq!(r.gate.blocks.load(Ordering::SeqCst), 8 + 8 + 4);
+    for cancelled in [&f_blocks, &c_blocks, &d_blocks] {
+        let hashes: Vec<_> = cancelled.iter().map(|b| b.sequence_hash()).collect();
+        assert!(r.g2.match_prefix(&hashes).is_empty());
+    }
+    let s = p.stats();
+    assert_eq!((s.cancelled, s.swept), (3, 0));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn p5_a_batch_of_several_containers_is_one_flat_transfer() {
     let r = rig(64, 64, true);

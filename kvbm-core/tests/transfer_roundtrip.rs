@@ -3,6 +3,11 @@
 //! G1 is device memory with a `CudaEngine` when the `cuda` feature is on and
 //! a GPU is usable; otherwise host memory stands in for it and a
 //! `MemcpyEngine` moves G1 ↔ G2. The test prints which.
+//!
+//! On a machine that has a GPU, set `KVBM_REQUIRE_GPU=1` (and build with
+//! `--features cuda`): every place that would fall back to host memory or
+//! skip for want of a GPU then fails instead, so a run that was meant to
+//! exercise the device cannot pass without touching it.
 
 use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};
 use kvbm_core::storage::{DiskStorage, HostStorage};
@@ -55,7 +60,23 @@ struct G1 {
     what: String,
 }
 
+/// Whether `KVBM_REQUIRE_GPU=1` asks for a GPU.
+fn gpu_required() -> bool {
+    std::env::var("KVBM_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// Where a GPU test would skip or fall back for `why`: fails instead under
+/// `KVBM_REQUIRE_GPU=1`, otherwise says why and lets the caller go on.
+fn no_gpu(why: &str) {
+    assert!(
+        !gpu_required(),
+        "KVBM_REQUIRE_GPU=1 but no GPU is used: {why}"
+    );
+    eprintln!("no GPU: {why}");
+}
+
 fn host_g1(g1_layout: Layout, g2: &Arc<HostStorage>, why: &str) -> G1 {
+    no_gpu(why);
     let g1 = Arc::new(HostStorage::new(g1_layout).unwrap());
     let (w, r) = (g1.clone(), g1.clone());
     G1 {
@@ -261,7 +282,7 @@ fn tickets_can_be_awaited() {
 #[test]
 fn cuda_engine_batches_and_shape_check() {
     if let Err(reason) = cuda_available() {
-        eprintln!("skipping: {reason}");
+        no_gpu(&format!("skipping the device-only checks: {reason}"));
         return;
     }
     let dev = Arc::new(DeviceStorage::new(0, layout(LayoutKind::LayerSeparate, 32)).unwrap());

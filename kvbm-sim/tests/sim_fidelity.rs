@@ -1,10 +1,16 @@
-//! Fidelity: on the sample Mooncake trace, with a host tier large enough to
-//! keep everything, the simulator finds (within 2 percentage points) the
-//! prefix hits the trace itself allows; shrinking the host lowers the hit
-//! ratio monotonically.
+//! Fidelity: on the sample Mooncake trace (`data/mooncake/`, in the
+//! repository), with a host tier large enough to keep everything, the
+//! simulator finds exactly the prefix hits the trace itself allows; with
+//! smaller hosts it finds the ratios the README states.
 //!
-//! The reference ratio is computed here, independently of the simulator
-//! and of kvbm's hashing, from the trace's `hash_ids` alone.
+//! The reference is computed here, independently of the simulator and of
+//! kvbm's hashing, from the trace's `hash_ids` alone. The README's figures
+//! are asserted as written there, with the tolerances written there: for a
+//! 64M-token host exactly the reference's hit tokens (ratio 0.6504); for 8M
+//! and 2M host tokens 0.548 ± 0.003 and 0.252 ± 0.002 (these two move a
+//! little from run to run: offloads complete on the pipelines' own tasks,
+//! so the order in which the host fills, and so what it evicts, varies);
+//! with no host 0.149 ± 0.0005.
 
 use kvbm_sim::sim::{SimConfig, Simulator, WorkerModel};
 use kvbm_sim::workload::{MooncakeOptions, RequestSpec, parse_mooncake};
@@ -14,13 +20,34 @@ use std::path::PathBuf;
 
 const BLOCK: usize = 512;
 
-fn trace() -> Option<PathBuf> {
+/// The sample trace kept in the repository. Missing is a failure: every
+/// clone has it.
+fn trace() -> PathBuf {
     let p = PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/data/mooncake/synthetic_trace.jsonl"
+        "/../data/mooncake/synthetic_trace.jsonl"
     ));
-    p.exists().then_some(p)
+    assert!(
+        p.is_file(),
+        "the sample Mooncake trace {} is missing: it is part of the repository (data/mooncake/)",
+        p.display()
+    );
+    p
 }
+
+/// What the README states, by host capacity in tokens: the prefix-hit
+/// ratio and the tolerance it gives it. (The 64M row is also checked token
+/// for token against the reference.)
+const README_RATIOS: [(usize, f64, f64); 4] = [
+    (64 << 20, 0.6504, 0.00005),
+    (8 << 20, 0.548, 0.003),
+    (2 << 20, 0.252, 0.002),
+    (0, 0.149, 0.0005),
+];
+/// The reference's hit and prompt tokens (also computed, in Python, from
+/// the hash ids; the trace parser's own test pins the same two numbers).
+const TRACE_HIT_TOKENS: u64 = 39_802_880;
+const TRACE_PROMPT_TOKENS: u64 = 61_194_628;
 
 /// Raw JSON, read without the workload module: (timestamp, input_length,
 /// hash_ids) per line.
@@ -48,7 +75,8 @@ fn raw(path: &PathBuf) -> Vec<(u64, usize, Vec<u64>)> {
 /// leading full blocks whose whole prefix (the chain of hash ids up to and
 /// including it) some earlier request already had. A prompt never hits on
 /// its last token (the engine must compute at least one), as in vLLM.
-fn reference_ratio(reqs: &[(u64, usize, Vec<u64>)]) -> f64 {
+/// Returns (hit tokens, prompt tokens).
+fn reference_hits(reqs: &[(u64, usize, Vec<u64>)]) -> (u64, u64) {
     let mut order: Vec<usize> = (0..reqs.len()).collect();
     order.sort_by_key(|&i| (reqs[i].0, i));
     let mut seen: HashSet<Vec<u64>> = HashSet::new();
@@ -68,10 +96,10 @@ fn reference_ratio(reqs: &[(u64, usize, Vec<u64>)]) -> f64 {
             seen.insert(key);
         }
     }
-    hit as f64 / prompt as f64
+    (hit, prompt)
 }
 
-fn run(workload: &[RequestSpec], host_tokens: usize) -> f64 {
+fn run(workload: &[RequestSpec], host_tokens: usize) -> kvbm_sim::sim::SimReport {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -95,51 +123,55 @@ fn run(workload: &[RequestSpec], host_tokens: usize) -> f64 {
         .run();
     assert_eq!(report.requests_finished, workload.len());
     assert_eq!(report.events_lost, 0);
-    report.prefix_hit_ratio
+    report
 }
 
 #[test]
-fn prefix_hits_match_what_the_trace_allows_and_fall_with_host_capacity() {
-    let Some(path) = trace() else {
-        eprintln!("skipping: the sample Mooncake trace is not beside the repository");
-        return;
-    };
-    let reference = reference_ratio(&raw(&path));
+fn prefix_hits_match_what_the_trace_allows_and_the_readme_figures() {
+    let path = trace();
+    let raw = raw(&path);
+    let (ref_hit, ref_prompt) = reference_hits(&raw);
+    let reference = ref_hit as f64 / ref_prompt as f64;
     let f = std::fs::File::open(&path).unwrap();
     let workload = parse_mooncake(BufReader::new(f), &MooncakeOptions::default()).unwrap();
     assert_eq!(workload.len(), 3993);
+    assert_eq!(
+        (ref_hit, ref_prompt),
+        (TRACE_HIT_TOKENS, TRACE_PROMPT_TOKENS),
+        "the independent reference moved"
+    );
 
     // Unbounded (64M tokens: more than the trace's 61M), then smaller hosts;
     // the runs are independent, so use both cores.
-    let hosts = [64usize << 20, 8 << 20, 2 << 20, 0];
-    let ratios: Vec<f64> = std::thread::scope(|s| {
-        let handles: Vec<_> = hosts
+    let reports: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = README_RATIOS
             .iter()
-            .map(|&h| {
+            .map(|&(h, _, _)| {
                 let w = &workload;
                 s.spawn(move || run(w, h))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let unbounded = ratios[0];
-    eprintln!("reference {reference:.4}; simulator by host capacity {hosts:?}: {ratios:.4?}");
-    assert!(
-        (unbounded - reference).abs() <= 0.02,
-        "simulator {unbounded:.4} vs trace {reference:.4}"
+    let ratios: Vec<f64> = reports.iter().map(|r| r.prefix_hit_ratio).collect();
+    eprintln!(
+        "reference {reference:.4}; simulator by host capacity {:?}: {ratios:.6?}",
+        README_RATIOS.map(|(h, _, _)| h)
     );
-    for (w, h) in ratios.windows(2).zip(hosts.windows(2)) {
+
+    // Unbounded: exactly what the trace allows, token for token.
+    let unbounded = &reports[0];
+    assert_eq!(
+        (unbounded.prefix_hit_tokens, unbounded.prompt_tokens),
+        (TRACE_HIT_TOKENS, TRACE_PROMPT_TOKENS),
+        "simulator {:.4} vs trace {reference:.4}",
+        unbounded.prefix_hit_ratio
+    );
+    for ((host, want, tolerance), got) in README_RATIOS.iter().zip(&ratios) {
         assert!(
-            w[1] <= w[0] + 1e-9,
-            "hit ratio rose from {:.4} to {:.4} when the host shrank from {} to {} tokens",
-            w[0],
-            w[1],
-            h[0],
-            h[1]
+            (got - want).abs() <= *tolerance,
+            "with a {host}-token host the simulator's prefix-hit ratio is {got:.6}; \
+             the README says {want} ± {tolerance}"
         );
     }
-    assert!(
-        ratios[3] < unbounded - 0.1,
-        "a host-less run should lose most hits"
-    );
 }

@@ -1,7 +1,7 @@
 //! `kvbm-sim`: runs the simulated engine on a workload and reports.
 //!
 //! ```sh
-//! kvbm-sim --trace ../shared/data/mooncake/synthetic_trace.jsonl --block-size 512 --json
+//! kvbm-sim --trace data/mooncake/synthetic_trace.jsonl --block-size 512 --json
 //! kvbm-sim --requests 200 --rate 20 --prompt-len 2048 --shared-prefix-ratio 0.5
 //! # serve the attach protocol while it runs (and after, until Ctrl-C):
 //! kvbm-sim --requests 5000 --rate 6 --real-time 1 --serve 127.0.0.1:7070
