@@ -1408,6 +1408,86 @@ mod tests {
         fbb.finished_data().to_vec()
     }
 
+    /// A block of one PrefixLookup, claiming `version`.
+    fn lookup_block(version: u16) -> Vec<u8> {
+        let mut fbb = FlatBufferBuilder::new();
+        let ts = fbb.create_vector(&[0u32]);
+        let iteration = fbb.create_vector(&[0u16]);
+        let request = fbb.create_vector(&[0u16]);
+        let kind = fbb.create_vector(&[fb::EventKind::PrefixLookup.0]);
+        let requests = fbb.create_vector::<WIPOffset<&str>>(&[]);
+        let hashes = fbb.create_vector(&[5u64, 6]);
+        let t = fb::PrefixLookup::create(
+            &mut fbb,
+            &fb::PrefixLookupArgs {
+                tokens: 33,
+                block_size: 16,
+                computed_blocks: 0,
+                hashes: Some(hashes),
+            },
+        );
+        let lookups = fbb.create_vector(&[t]);
+        let root = fb::EventBlock::create(
+            &mut fbb,
+            &fb::EventBlockArgs {
+                schema_version: version,
+                ts_delta: Some(ts),
+                iteration_delta: Some(iteration),
+                request: Some(request),
+                kind: Some(kind),
+                requests: Some(requests),
+                prefix_lookup: Some(lookups),
+                ..Default::default()
+            },
+        );
+        fbb.finish(root, Some(BLOCK_IDENTIFIER));
+        fbb.finished_data().to_vec()
+    }
+
+    #[test]
+    fn version_1_blocks_read_and_may_not_hold_a_later_kind() {
+        // hand_block leaves schema_version at its default, 1: an old log's
+        // block, which this build reads.
+        let old = hand_block(&[0, 0], &[0, 0], 2);
+        assert_eq!(
+            flatbuffers::root::<fb::EventBlock>(&old)
+                .unwrap()
+                .schema_version(),
+            1
+        );
+        assert_eq!(decode_block(&old).unwrap().len(), 2);
+        // What this build writes is version 2.
+        let mut enc = BlockEncoder::new();
+        assert!(enc.push(&sample_events()[0]));
+        let new = enc.finish().to_vec();
+        assert_eq!(
+            flatbuffers::root::<fb::EventBlock>(&new)
+                .unwrap()
+                .schema_version(),
+            2
+        );
+        let v2 = decode_block(&lookup_block(2)).unwrap();
+        assert!(matches!(
+            v2[0].kind,
+            EventKind::PrefixLookup { tokens: 33, .. }
+        ));
+        assert_eq!(
+            verify_block(&lookup_block(1)).unwrap_err(),
+            BlockError::Event {
+                index: 0,
+                error: DecodeError::KindNewerThanVersion {
+                    kind: "PrefixLookup",
+                    since: 2,
+                    version: 1
+                }
+            }
+        );
+        assert_eq!(
+            verify_block(&lookup_block(3)).unwrap_err(),
+            BlockError::UnsupportedVersion { found: 3 }
+        );
+    }
+
     #[test]
     fn inconsistent_columns_are_refused() {
         let good = decode_block(&hand_block(&[0, 0], &[0, 0], 2)).unwrap();

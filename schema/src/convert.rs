@@ -1212,19 +1212,71 @@ pub(crate) mod tests {
         let e = decode(&bad_tier).unwrap_err().to_string();
         assert_eq!(e, "PoolGauge.tier: unknown Tier value 3");
 
-        let newer = record(
-            |f| {
-                (
-                    fb::EventKind::PoolGauge,
-                    Some(pool_gauge(f, fb::Tier::Disk)),
-                )
-            },
-            2,
-        );
+        // Versions 1 and 2 read; a later one does not, nor version 0.
+        for v in [1, 2] {
+            let rec = record(
+                |f| {
+                    (
+                        fb::EventKind::PoolGauge,
+                        Some(pool_gauge(f, fb::Tier::Disk)),
+                    )
+                },
+                v,
+            );
+            assert!(decode(&rec).is_ok(), "version {v}");
+        }
+        for v in [0, 3] {
+            let rec = record(
+                |f| {
+                    (
+                        fb::EventKind::PoolGauge,
+                        Some(pool_gauge(f, fb::Tier::Disk)),
+                    )
+                },
+                v,
+            );
+            assert_eq!(
+                decode(&rec),
+                Err(DecodeError::UnsupportedVersion { found: v })
+            );
+        }
         assert_eq!(
-            decode(&newer),
-            Err(DecodeError::UnsupportedVersion { found: 2 })
+            decode(&record(|_| (fb::EventKind::NONE, None), 3))
+                .unwrap_err()
+                .to_string(),
+            "record has schema version 3, this build reads versions 1 to 2"
         );
+
+        // A PrefixLookup in a record that says version 1 is corruption: the
+        // kind did not exist yet.
+        let lookup = |f: &mut FlatBufferBuilder<'static>| {
+            let hashes = f.create_vector(&[7u64, 9]);
+            let t = fb::PrefixLookup::create(
+                f,
+                &fb::PrefixLookupArgs {
+                    tokens: 40,
+                    block_size: 16,
+                    computed_blocks: 1,
+                    hashes: Some(hashes),
+                },
+            );
+            (fb::EventKind::PrefixLookup, Some(t.as_union_value()))
+        };
+        assert_eq!(
+            decode(&record(lookup, 1)),
+            Err(DecodeError::KindNewerThanVersion {
+                kind: "PrefixLookup",
+                since: 2,
+                version: 1
+            })
+        );
+        assert!(matches!(
+            decode(&record(lookup, 2)),
+            Ok(Event {
+                kind: EventKind::PrefixLookup { tokens: 40, .. },
+                ..
+            })
+        ));
 
         let no_kind = record(|_| (fb::EventKind::NONE, None), 1);
         assert_eq!(decode(&no_kind), Err(DecodeError::MissingKind));

@@ -490,14 +490,110 @@ mod tests {
         let c = b.curve();
         assert_eq!(c.prompt_tokens, 29);
         assert_eq!(c.matchable_blocks, 2 + 1 + 2);
-        // Request 3 hits 1 and 2 at distance 3 and 2 → prefix max 3 for
-        // block 2 — wait: after request 2 the stack is [2, 1, 3?]: 3 is new.
-        // Distances: r2: 1 → 2, 2 → 2. r3: 1 → 2, 2 → 2.
+        // Distances: request 2: block 1 → 2, block 2 → 2 (not matchable);
+        // request 3: 1 → 2, 2 → 2, 3 new (not matchable). Nothing fits in
+        // one block.
         assert_eq!(c.at_tokens(4).hit_ratio, 0.0);
         let full = c.at_tokens(8);
         // Hits at 2 blocks: r2's block 1 and r3's blocks 1 and 2: 3 blocks.
         assert!((full.block_hit_ratio - 3.0 / 5.0).abs() < 1e-12);
         assert!((full.hit_ratio - 12.0 / 29.0).abs() < 1e-12);
         assert_eq!(c.ceiling().1, full.block_hit_ratio);
+    }
+
+    /// An LRU cache of `cap` blocks, the obvious way: each request looks up
+    /// its leading matchable blocks, then uses every block in order (a hit
+    /// moves to the front, a miss is stored and the oldest block goes).
+    /// Hit blocks.
+    fn brute_force(reqs: &[(u64, Vec<u64>)], bs: u64, cap: usize) -> u64 {
+        let mut lru: Vec<u64> = Vec::new(); // most recent last
+        let mut hits = 0;
+        for (tokens, keys) in reqs {
+            let m = ((tokens.saturating_sub(1) / bs) as usize).min(keys.len());
+            hits += keys[..m].iter().take_while(|k| lru.contains(k)).count() as u64;
+            for k in keys {
+                if let Some(i) = lru.iter().position(|x| x == k) {
+                    lru.remove(i);
+                } else if lru.len() == cap {
+                    lru.remove(0);
+                }
+                lru.push(*k);
+            }
+        }
+        hits
+    }
+
+    fn requests() -> impl Strategy<Value = Vec<(u64, Vec<u64>)>> {
+        // Requests of 0..10 blocks from a few ids, keys chained or not
+        // (the prefix rule must hold either way), token counts that put
+        // the last token in the last full block or past it.
+        proptest::collection::vec(
+            (
+                0u64..45,
+                proptest::collection::vec(0u64..24, 0..10),
+                any::<bool>(),
+            )
+                .prop_map(|(extra, ids, chained)| {
+                    let mut prev = 0u64;
+                    let keys: Vec<u64> = ids
+                        .iter()
+                        .map(|&id| {
+                            prev = if chained { mix(prev ^ id) } else { id };
+                            prev
+                        })
+                        .collect();
+                    (
+                        keys.len() as u64 * 4 + extra % 5 + u64::from(keys.is_empty()),
+                        keys,
+                    )
+                }),
+            0..80,
+        )
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn the_curve_equals_a_brute_force_lru_at_every_capacity(
+            reqs in requests(),
+            caps in proptest::collection::vec(1usize..40, 1..6),
+        ) {
+            let mut b = CurveBuilder::new(Sampling::Exact);
+            for (tokens, keys) in &reqs {
+                b.request(*tokens, 4, keys.iter().copied(), None);
+            }
+            let c = b.curve();
+            for cap in caps {
+                let want = brute_force(&reqs, 4, cap);
+                let p = c.at_tokens(cap as u64 * 4);
+                let got = (p.block_hit_ratio * c.matchable_blocks as f64).round() as u64;
+                prop_assert_eq!(got, want, "capacity {} blocks", cap);
+                if c.prompt_tokens > 0 {
+                    let tokens = p.hit_ratio * c.prompt_tokens as f64;
+                    prop_assert!((tokens - (want * 4) as f64).abs() < 1e-6);
+                }
+            }
+        }
+
+        #[test]
+        fn a_bounded_sample_never_holds_more_than_its_cap(
+            keys in proptest::collection::vec(any::<u64>(), 1..3000),
+            cap in 10usize..200,
+        ) {
+            let mut b = CurveBuilder::new(Sampling::Bounded(cap));
+            for chunk in keys.chunks(7) {
+                b.request(chunk.len() as u64 * 4, 4, chunk.iter().copied(), None);
+            }
+            let m = b.method();
+            prop_assert!(m.tracked_blocks <= cap);
+            let distinct: std::collections::HashSet<_> = keys.iter().collect();
+            if distinct.len() > cap {
+                prop_assert_eq!(m.method, "sampled");
+                prop_assert!(m.rate < 1.0);
+            } else {
+                prop_assert_eq!(m.method, "exact");
+            }
+        }
     }
 }
