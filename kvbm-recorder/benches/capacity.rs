@@ -3,10 +3,13 @@
 //! brute-force LRU simulation of one capacity in the same run, and the
 //! sampled curves' mean absolute error against exact.
 //!
-//! The stream is synthetic and shaped like a prefix-caching workload:
-//! requests share a prefix drawn from a Zipf-popular set of system prompts
-//! and documents, then carry blocks of their own; keys are chained as
-//! sequence hashes are. `KVBM_BENCH_QUICK=1` makes it small (a smoke run).
+//! Two streams: the sample Mooncake trace (3,993 requests, its hash ids
+//! chained into prefix keys; small enough to stay in cache), and a large
+//! synthetic one shaped like a prefix-caching workload: requests share a
+//! prefix drawn from a Zipf-popular set of system prompts and documents,
+//! then carry blocks of their own; keys are chained as sequence hashes
+//! are. `KVBM_BENCH_QUICK=1` makes the synthetic stream small (a smoke
+//! run).
 //!
 //! ```sh
 //! cargo bench -p kvbm-recorder --bench capacity
@@ -81,6 +84,32 @@ fn stream(requests: usize, groups: u64) -> Stream {
         let blocks = s.keys.len() - start;
         let tokens = blocks as u64 * u64::from(BLOCK) + rng.below(u64::from(BLOCK));
         s.requests.push((tokens, start, s.keys.len()));
+    }
+    s
+}
+
+/// The sample trace's requests: `input_length` tokens, full blocks' ids
+/// chained.
+fn mooncake() -> Stream {
+    let path = kvbm_testkit::data::mooncake_sample_trace();
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("the sample trace {}: {e}", path.display()));
+    let mut s = Stream {
+        requests: Vec::new(),
+        keys: Vec::new(),
+    };
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        let len = v["input_length"].as_u64().expect("input_length");
+        let ids = v["hash_ids"].as_array().expect("hash_ids");
+        let full = ((len / u64::from(BLOCK)) as usize).min(ids.len());
+        let start = s.keys.len();
+        let mut prev = 0u64;
+        for id in &ids[..full] {
+            prev = chain(prev, id.as_u64().expect("an id"));
+            s.keys.push(prev);
+        }
+        s.requests.push((len, start, s.keys.len()));
     }
     s
 }
@@ -167,52 +196,43 @@ fn brute_lru(s: &Stream, cap: usize) -> f64 {
     hit as f64 / prompt as f64
 }
 
-fn main() {
-    let q = quick();
-    let (requests, groups) = if q {
-        (20_000, 5_000)
-    } else {
-        (400_000, 100_000)
-    };
-    let t = Instant::now();
-    let s = stream(requests, groups);
-    let refs = s.keys.len() as u64;
-    let distinct = {
-        let mut m: KeyMap<()> = KeyMap::default();
-        for &k in &s.keys {
-            m.insert(k, ());
-        }
-        m.len()
-    };
-    println!(
-        "stream: {requests} requests, {refs} block references, {distinct} distinct blocks (built in {:.1} s)",
-        t.elapsed().as_secs_f64()
-    );
-    let (samples, time) = if q {
-        (1, Duration::from_millis(200))
-    } else {
-        (3, Duration::from_secs(2))
-    };
-    let per_s = |ns: f64| 1e9 / ns / 1e6;
+fn distinct(s: &Stream) -> usize {
+    let mut m: KeyMap<()> = KeyMap::default();
+    for &k in &s.keys {
+        m.insert(k, ());
+    }
+    m.len()
+}
 
+/// Exact and brute-force LRU at one capacity (a quarter of the distinct
+/// blocks), in the same run; then SHARDS at `rates` with their error
+/// against exact.
+fn measure(name: &str, s: &Stream, rates: &[f64], samples: usize, time: Duration) {
+    let refs = s.keys.len() as u64;
+    let distinct = distinct(s);
+    let per_s = |ns: f64| 1e9 / ns / 1e6;
+    println!();
+    println!(
+        "{name}: {} requests, {refs} block references, {distinct} distinct blocks",
+        s.requests.len()
+    );
+    println!("| {name} | M references/s | note |");
+    println!("|---|---:|---|");
     let exact_ns = median_ns_per_unit(samples, time, refs, || {
-        black_box(build(&s, Sampling::Exact));
+        black_box(build(s, Sampling::Exact));
     });
-    let exact = build(&s, Sampling::Exact).curve();
-    // The brute-force simulator at one capacity: a quarter of the
-    // distinct blocks.
+    let exact = build(s, Sampling::Exact).curve();
     let cap = (distinct / 4).max(1);
     let lru_ns = median_ns_per_unit(samples, time, refs, || {
-        black_box(brute_lru(&s, cap));
+        black_box(brute_lru(s, cap));
     });
-    let lru = brute_lru(&s, cap);
+    let lru = brute_lru(s, cap);
     let at = exact.at_tokens(cap as u64 * u64::from(BLOCK)).hit_ratio;
-    println!("| capacity curve ({refs} references) | M references/s | note |");
-    println!("|---|---:|---|");
     println!(
-        "| exact (every capacity) | {:.1} | ceiling {:.4} |",
+        "| exact curve (every capacity) | {:.1} | ceiling {:.4}; {:.2}× the brute-force LRU's rate |",
         per_s(exact_ns),
-        exact.ceiling().0
+        exact.ceiling().0,
+        lru_ns / exact_ns
     );
     println!(
         "| brute-force LRU, one capacity ({cap} blocks) | {:.1} | hit ratio {lru:.4}; the exact curve there {at:.4} |",
@@ -226,11 +246,11 @@ fn main() {
             ((distinct as f64 * f).max(1.0) as u64) * u64::from(BLOCK)
         })
         .collect();
-    for rate in [0.1, 0.01] {
+    for &rate in rates {
         let ns = median_ns_per_unit(samples, time, refs, || {
-            black_box(build(&s, Sampling::Fixed(rate)));
+            black_box(build(s, Sampling::Fixed(rate)));
         });
-        let c = build(&s, Sampling::Fixed(rate)).curve();
+        let c = build(s, Sampling::Fixed(rate)).curve();
         let mae = caps
             .iter()
             .map(|&t| (c.at_tokens(t).hit_ratio - exact.at_tokens(t).hit_ratio).abs())
@@ -238,14 +258,33 @@ fn main() {
             / caps.len() as f64;
         let se = caps.iter().map(|&t| c.at_tokens(t).stderr).sum::<f64>() / caps.len() as f64;
         println!(
-            "| SHARDS at {}% | {:.1} | mean absolute error {mae:.4} over {} capacities (reported standard error {se:.4}) |",
+            "| SHARDS at {}% | {:.1} | mean absolute error {mae:.4} over {} capacities (reported standard error {se:.4}); {:.1}× exact's rate |",
             rate * 100.0,
             per_s(ns),
-            caps.len()
+            caps.len(),
+            exact_ns / ns
         );
     }
+}
+
+fn main() {
+    let q = quick();
+    let (samples, time) = if q {
+        (1, Duration::from_millis(200))
+    } else {
+        (5, Duration::from_secs(2))
+    };
+    measure("Mooncake sample trace", &mooncake(), &[], samples, time);
+    let (requests, groups) = if q {
+        (20_000, 5_000)
+    } else {
+        (400_000, 100_000)
+    };
+    let t = Instant::now();
+    let s = stream(requests, groups);
     println!(
-        "exact / brute-force LRU: {:.2}× the references per second",
-        lru_ns / exact_ns
+        "\n(synthetic stream built in {:.1} s: Zipf-popular shared prefixes of 8-64 blocks, 0-32 blocks of each request's own)",
+        t.elapsed().as_secs_f64()
     );
+    measure("synthetic", &s, &[0.1, 0.01], samples.min(3), time);
 }

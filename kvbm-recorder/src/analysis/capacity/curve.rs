@@ -16,8 +16,10 @@
 //! for, and with a cap on the keys held the rate halves each time the cap
 //! is reached (the keys above the new threshold are dropped), each rate's
 //! samples weighted by `1 / R` (SHARDS with a bounded sample set). The
-//! hit ratio of matchable blocks is a ratio of sampled counts; the totals
-//! (prompt tokens, matchable blocks) are always counted exactly. The
+//! totals (prompt tokens, matchable blocks) are always counted exactly, and
+//! the difference between the references the sample should have held and
+//! those it did is put at the smallest distance (SHARDS-adj: it comes
+//! mostly from whether a few very hot blocks were sampled). The
 //! error estimate is the spread between eight disjoint groups of the
 //! sample (split by other bits of the hash): the standard error of their
 //! mean. It measures which blocks happened to be sampled, not the noise in
@@ -129,7 +131,12 @@ pub struct CurveBuilder {
     prompt_tokens: u64,
     blocks: u64,
     matchable_blocks: u64,
+    /// Scratch: the request's keys.
+    keys: Vec<u64>,
 }
+
+/// Keys whose loads are started together (see [`StackDistances::prefetch`]).
+const PREFETCH: usize = 16;
 
 impl CurveBuilder {
     /// An empty builder.
@@ -151,6 +158,7 @@ impl CurveBuilder {
             prompt_tokens: 0,
             blocks: 0,
             matchable_blocks: 0,
+            keys: Vec::new(),
         }
     }
 
@@ -180,10 +188,20 @@ impl CurveBuilder {
         let exact = self.rate >= 1.0;
         let mut max = 0u64;
         let mut cold = false;
-        let mut n = 0usize;
-        for h in hashes {
-            let j = n;
-            n += 1;
+        let mut keys = std::mem::take(&mut self.keys);
+        keys.clear();
+        keys.extend(hashes);
+        let n = keys.len();
+        for (j, &h) in keys.iter().enumerate() {
+            // Every key of the next few is a likely cache miss: start their
+            // loads together rather than one after another.
+            if exact && j % PREFETCH == 0 && self.stack.is_large() {
+                let mut acc = 0u64;
+                for &k in keys[j..].iter().take(PREFETCH) {
+                    acc ^= self.stack.prefetch(k);
+                }
+                std::hint::black_box(acc);
+            }
             let (sampled, g) = if exact {
                 (true, 0)
             } else {
@@ -218,6 +236,7 @@ impl CurveBuilder {
                 e.record((!cold).then_some(max), g);
             }
         }
+        self.keys = keys;
         self.blocks += n as u64;
         self.matchable_blocks += matchable.min(n) as u64;
     }
@@ -408,21 +427,33 @@ impl Curve {
         h
     }
 
-    /// Ratio of sums and the standard error across groups.
-    fn ratio(&self, num: &[f64]) -> (f64, f64) {
-        let t: f64 = self.total.iter().sum();
-        if t == 0.0 {
+    /// Hits over the (exactly counted) matchable blocks, and the standard
+    /// error across groups. A sample holds more or fewer references than
+    /// the rate promises, mostly because a very hot block was or was not
+    /// sampled; SHARDS-adj puts the difference in the smallest distance,
+    /// which every capacity of at least one block hits (`adjust`). For an
+    /// exact curve the difference is zero.
+    fn ratio(&self, num: &[f64], adjust: bool) -> (f64, f64) {
+        let n = self.matchable_blocks as f64;
+        if n == 0.0 {
             return (0.0, 0.0);
         }
-        let p = num.iter().sum::<f64>() / t;
+        let t: f64 = self.total.iter().sum();
+        let adj = if adjust { n - t } else { 0.0 };
+        let p = ((num.iter().sum::<f64>() + adj) / n).clamp(0.0, 1.0);
         if self.groups < 2 {
             return (p, 0.0);
         }
+        // Each group is a sample of its own, expected to hold n / groups.
+        let share = n / self.groups as f64;
         let ps: Vec<f64> = num
             .iter()
             .zip(&self.total)
             .filter(|(_, t)| **t > 0.0)
-            .map(|(n, t)| n / t)
+            .map(|(h, t)| {
+                let adj = if adjust { share - t } else { 0.0 };
+                ((h + adj) / share).clamp(0.0, 1.0)
+            })
             .collect();
         let k = ps.len() as f64;
         if k < 2.0 {
@@ -440,7 +471,7 @@ impl Curve {
     }
 
     fn at_blocks(&self, blocks: u64, capacity_tokens: u64) -> Point {
-        let (p, se) = self.ratio(&self.hits(blocks));
+        let (p, se) = self.ratio(&self.hits(blocks), blocks >= 1);
         let f = self.token_factor();
         Point {
             capacity_tokens,
@@ -453,7 +484,7 @@ impl Curve {
 
     /// The hit ratio of an unbounded cache (tokens, blocks).
     pub fn ceiling(&self) -> (f64, f64) {
-        let (p, _) = self.ratio(&self.seen);
+        let (p, _) = self.ratio(&self.seen, true);
         (p * self.token_factor(), p)
     }
 

@@ -597,6 +597,161 @@ mod tests {
         }
     }
 
+    use kvbm_events::{RequestId, SequenceHash};
+
+    struct Stream {
+        events: Vec<Event>,
+    }
+
+    impl Stream {
+        fn push(&mut self, ts_s: u64, request: Option<&str>, kind: EventKind) {
+            let seq = self.events.len() as u64;
+            self.events.push(Event {
+                engine: 0,
+                seq,
+                ts_ns: ts_s * 1_000_000_000,
+                iteration: seq,
+                request: request.map(RequestId::from),
+                kind,
+            });
+        }
+
+        fn lookup(&mut self, ts: u64, r: &str, device_hits: u32, hashes: &[u64]) {
+            self.push(
+                ts,
+                Some(r),
+                EventKind::SlotCreated {
+                    prompt_tokens: hashes.len() as u32 * 4 + 2,
+                    max_output_tokens: 1,
+                },
+            );
+            self.push(
+                ts,
+                Some(r),
+                EventKind::PrefixLookup {
+                    tokens: hashes.len() as u32 * 4 + 2,
+                    block_size: 4,
+                    computed_blocks: device_hits,
+                    hashes: hashes.iter().map(|&h| SequenceHash(h)).collect(),
+                },
+            );
+        }
+
+        fn host_match(&mut self, ts: u64, r: &str, looked_up: u32, hit: u32) {
+            self.push(
+                ts,
+                Some(r),
+                EventKind::MatchResult {
+                    tier: Tier::Host,
+                    looked_up,
+                    hit_blocks: hit,
+                    hit_tokens: hit * 4,
+                },
+            );
+        }
+
+        fn register(&mut self, ts: u64, tier: Tier, h: u64) {
+            self.push(
+                ts,
+                None,
+                EventKind::BlockRegistered {
+                    tier,
+                    block: h as u32,
+                    sequence_hash: SequenceHash(h),
+                    duplicate_of: None,
+                },
+            );
+        }
+
+        fn evict(&mut self, ts: u64, tier: Tier, h: u64) {
+            self.push(
+                ts,
+                None,
+                EventKind::BlockEvicted {
+                    tier,
+                    block: h as u32,
+                    sequence_hash: SequenceHash(h),
+                },
+            );
+        }
+
+        fn finish(&mut self, ts: u64, r: &str) {
+            self.push(
+                ts,
+                Some(r),
+                EventKind::SlotTransition {
+                    from: SlotState::Decoding,
+                    to: SlotState::Finished,
+                },
+            );
+        }
+    }
+
+    #[test]
+    fn each_miss_gets_its_reason() {
+        let mut s = Stream { events: Vec::new() };
+        // a: two cold blocks, computing them.
+        s.lookup(1, "a", 0, &[1, 2]);
+        s.host_match(1, "a", 2, 0);
+        // b, while a runs: the same blocks are in flight.
+        s.lookup(2, "b", 0, &[1, 2]);
+        s.host_match(2, "b", 2, 0);
+        // a stores them on G1 and G2 and finishes; b finishes.
+        for h in [1, 2] {
+            s.register(3, Tier::Device, h);
+            s.register(3, Tier::Host, h);
+        }
+        s.finish(3, "a");
+        s.finish(3, "b");
+        // c: new blocks 3, 4, 5, 6, 7; then G1 drops everything and G2
+        // evicts 1.
+        s.lookup(4, "c", 0, &[3, 4, 5, 6, 7]);
+        s.host_match(4, "c", 5, 0);
+        for h in [1, 2] {
+            s.evict(5, Tier::Device, h);
+        }
+        s.evict(6, Tier::Host, 1);
+        s.finish(6, "c");
+        // d: block 1 was evicted from G2 at 6 s; 2 is still on G2 but
+        // behind the miss.
+        s.lookup(7, "d", 0, &[1, 2]);
+        s.host_match(7, "d", 2, 0);
+        let a = CapacityAnalyzer::from_events(CapacityConfig::default(), &s.events);
+        let first = |r: &str| a.request_lookups(r).remove(0);
+        assert_eq!(first("a").stopped, Some(MissReason::Cold));
+        assert_eq!(first("b").stopped, Some(MissReason::InFlight));
+        assert_eq!(first("c").stopped, Some(MissReason::Cold));
+        let d = first("d");
+        assert_eq!(
+            d.stopped,
+            Some(MissReason::Evicted {
+                tier: Tier::Host,
+                at_ns: 6_000_000_000,
+                // Since 1's last use (by b): 2, then c's five blocks.
+                distance_blocks: Some(7),
+            })
+        );
+        assert_eq!(d.totals.evicted[Tier::Host.index()], 4);
+        assert_eq!(d.totals.behind_miss, 4);
+        assert_eq!(d.totals.partial, 2);
+        let t = a.reason_totals();
+        assert_eq!(t.lookups, 4);
+        assert_eq!(t.cold, 4 * (2 + 5));
+        assert_eq!(t.in_flight, 8);
+        assert_eq!(t.hits() + t.misses(), t.prompt_tokens);
+        // A hit on G2: e, after d, finds 1 and 2 nowhere but 2 on G2.
+        let mut s2 = Stream {
+            events: s.events.clone(),
+        };
+        s2.register(8, Tier::Host, 1);
+        s2.lookup(9, "e", 0, &[1, 2]);
+        s2.host_match(9, "e", 2, 2);
+        let a = CapacityAnalyzer::from_events(CapacityConfig::default(), &s2.events);
+        let e = a.request_lookups("e").remove(0);
+        assert_eq!(e.hit_blocks, [0, 2, 0]);
+        assert_eq!(e.stopped, None);
+    }
+
     proptest::proptest! {
         #[test]
         fn capacity_parsing_never_panics(s in ".{0,12}") {

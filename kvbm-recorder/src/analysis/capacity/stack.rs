@@ -1,21 +1,30 @@
-//! LRU stack distances, Mattson's way, with a Fenwick tree: for each
-//! reference, how many distinct keys were referenced since the previous
-//! reference to the same key, itself included — which is the smallest LRU
-//! cache (in keys) that would still have held it. O(log n) per reference.
+//! LRU stack distances, Mattson's way: for each reference, how many
+//! distinct keys were referenced since the previous reference to the same
+//! key, itself included — which is the smallest LRU cache (in keys) that
+//! would still have held it. O(log n) per reference.
 //!
 //! Each key's latest reference owns one *slot*; slots are handed out in
-//! time order and a Fenwick tree counts the live ones, so the distance of
-//! a key whose latest slot is `s` is the number of live slots at or after
-//! `s`. When the slots run out, the live ones are renumbered in order
-//! (linear time, no sort) into a tree four times their number, so the cost
-//! per reference stays logarithmic in the number of distinct keys, not in
-//! the length of the stream.
+//! time order, so the distance of a key whose latest slot is `s` is the
+//! number of live slots at or after `s`. Live slots are bits in a bitset,
+//! and a Fenwick tree counts them per cache line of 512 slots: a count is
+//! a walk over the (small, cache-resident) tree plus popcounts within one
+//! line, and an update touches one bitset word. When the slots run out,
+//! the live ones are renumbered in order (linear time, no sort) into a
+//! bitset four times their number, so the cost per reference stays
+//! logarithmic in the number of distinct keys, not in the length of the
+//! stream. Keys map to slots in an open-addressing table whose entries
+//! hold key and slot together (one cache line per lookup), and
+//! [`prefetch`](StackDistances::prefetch) lets a caller that knows the
+//! next keys start their memory loads early.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-/// The smallest number of slots a tree has.
-const MIN_SLOTS: usize = 1 << 10;
+/// The smallest number of slots (a multiple of [`LINE`]).
+const MIN_SLOTS: usize = 1 << 12;
+/// Slots per line (one 64-byte cache line of the bitset).
+const LINE: usize = 512;
+const WORDS_PER_LINE: usize = LINE / 64;
 
 /// A hasher for keys that are hashes already (sequence hashes, chained
 /// trace ids): one multiply, folded, so the low bits hashbrown indexes by
@@ -51,16 +60,260 @@ pub fn mix(x: u64) -> u64 {
 /// A map keyed by hashes.
 pub type KeyMap<V> = HashMap<u64, V, BuildHasherDefault<KeyHasher>>;
 
+/// An empty entry's slot.
+const EMPTY: u32 = u32::MAX;
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    key: u64,
+    slot: u32,
+}
+
+/// Key → slot, open addressing with linear probing, at most 3/4 full.
+#[derive(Debug, Clone)]
+struct SlotMap {
+    entries: Vec<Entry>,
+    len: usize,
+}
+
+impl Default for SlotMap {
+    fn default() -> Self {
+        SlotMap {
+            entries: vec![
+                Entry {
+                    key: 0,
+                    slot: EMPTY
+                };
+                1024
+            ],
+            len: 0,
+        }
+    }
+}
+
+impl SlotMap {
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        (mix(key) as usize) & (self.entries.len() - 1)
+    }
+
+    #[inline]
+    fn get(&self, key: u64) -> Option<u32> {
+        let mask = self.entries.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let e = self.entries[i];
+            if e.slot == EMPTY {
+                return None;
+            }
+            if e.key == key {
+                return Some(e.slot);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Sets `key`'s slot; its previous slot, if it had one.
+    #[inline]
+    fn set(&mut self, key: u64, slot: u32) -> Option<u32> {
+        // At most three quarters full: probes stay short, and the table
+        // stays small enough to sit in cache for longer.
+        if (self.len + 1) * 4 > self.entries.len() * 3 {
+            self.grow();
+        }
+        let mask = self.entries.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let e = &mut self.entries[i];
+            if e.slot == EMPTY {
+                *e = Entry { key, slot };
+                self.len += 1;
+                return None;
+            }
+            if e.key == key {
+                return Some(std::mem::replace(&mut e.slot, slot));
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    #[cold]
+    fn grow(&mut self) {
+        let bigger = vec![
+            Entry {
+                key: 0,
+                slot: EMPTY
+            };
+            self.entries.len() * 2
+        ];
+        let old = std::mem::replace(&mut self.entries, bigger);
+        let mask = self.entries.len() - 1;
+        for e in old.into_iter().filter(|e| e.slot != EMPTY) {
+            let mut i = self.home(e.key);
+            while self.entries[i].slot != EMPTY {
+                i = (i + 1) & mask;
+            }
+            self.entries[i] = e;
+        }
+    }
+
+    /// Removes `key` (backward-shift deletion keeps every probe chain
+    /// unbroken).
+    fn remove(&mut self, key: u64) -> Option<u32> {
+        let mask = self.entries.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let e = self.entries[i];
+            if e.slot == EMPTY {
+                return None;
+            }
+            if e.key == key {
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        let removed = self.entries[i].slot;
+        let mut hole = i;
+        let mut j = (i + 1) & mask;
+        loop {
+            let e = self.entries[j];
+            if e.slot == EMPTY {
+                break;
+            }
+            let home = self.home(e.key);
+            // Move `e` into the hole unless its home lies in (hole, j].
+            let stays = if hole <= j {
+                hole < home && home <= j
+            } else {
+                hole < home || home <= j
+            };
+            if !stays {
+                self.entries[hole] = e;
+                hole = j;
+            }
+            j = (j + 1) & mask;
+        }
+        self.entries[hole].slot = EMPTY;
+        self.len -= 1;
+        Some(removed)
+    }
+
+    fn slots_mut(&mut self) -> impl Iterator<Item = &mut u32> {
+        self.entries
+            .iter_mut()
+            .filter(|e| e.slot != EMPTY)
+            .map(|e| &mut e.slot)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.entries
+            .iter()
+            .filter(|e| e.slot != EMPTY)
+            .map(|e| (e.key, e.slot))
+    }
+
+    fn bytes(&self) -> usize {
+        self.entries.capacity() * std::mem::size_of::<Entry>()
+    }
+}
+
+/// Live slots: a bitset, and a Fenwick tree of per-line counts.
+#[derive(Debug, Clone, Default)]
+struct Slots {
+    bits: Vec<u64>,
+    /// 1-based Fenwick tree over lines.
+    tree: Vec<u32>,
+}
+
+impl Slots {
+    fn capacity(&self) -> usize {
+        self.bits.len() * 64
+    }
+
+    #[inline]
+    fn set(&mut self, s: u32) {
+        let s = s as usize;
+        self.bits[s >> 6] |= 1 << (s & 63);
+        self.add_line(s / LINE, 1);
+    }
+
+    #[inline]
+    fn clear(&mut self, s: u32) {
+        let s = s as usize;
+        self.bits[s >> 6] &= !(1 << (s & 63));
+        self.add_line(s / LINE, u32::MAX);
+    }
+
+    #[inline]
+    fn add_line(&mut self, line: usize, delta: u32) {
+        let mut i = line + 1;
+        let n = self.tree.len();
+        while i < n {
+            self.tree[i] = self.tree[i].wrapping_add(delta);
+            i += i & i.wrapping_neg();
+        }
+    }
+
+    /// Live slots before `s`.
+    #[inline]
+    fn before(&self, s: u32) -> u32 {
+        let s = s as usize;
+        let line = s / LINE;
+        let mut sum = 0u32;
+        let mut i = line;
+        while i > 0 {
+            sum = sum.wrapping_add(self.tree[i]);
+            i &= i - 1;
+        }
+        let w = s >> 6;
+        for &word in &self.bits[line * WORDS_PER_LINE..w] {
+            sum += word.count_ones();
+        }
+        let below = (1u64 << (s & 63)) - 1;
+        sum + (self.bits[w] & below).count_ones()
+    }
+
+    /// Room for `slots` slots with slots `0..n` live.
+    fn reset(&mut self, slots: usize, n: usize) {
+        let slots = slots.div_ceil(LINE) * LINE;
+        self.bits.clear();
+        self.bits.resize(slots / 64, 0);
+        for (w, word) in self.bits.iter_mut().enumerate() {
+            let lo = w * 64;
+            if lo + 64 <= n {
+                *word = u64::MAX;
+            } else if lo < n {
+                *word = (1u64 << (n - lo)) - 1;
+            }
+        }
+        let lines = slots / LINE;
+        self.tree.clear();
+        self.tree.resize(lines + 1, 0);
+        for l in 0..lines {
+            self.tree[l + 1] = n.saturating_sub(l * LINE).min(LINE) as u32;
+        }
+        for i in 1..=lines {
+            let j = i + (i & i.wrapping_neg());
+            if j <= lines {
+                self.tree[j] += self.tree[i];
+            }
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.bits.capacity() * 8 + self.tree.capacity() * 4
+    }
+}
+
 /// See the module docs.
 #[derive(Debug, Clone, Default)]
 pub struct StackDistances {
     /// Each live key's latest slot.
-    last: KeyMap<u32>,
-    /// Fenwick tree over the slots (1-based inside), counting live ones.
-    tree: Vec<u32>,
+    last: SlotMap,
+    slots: Slots,
     /// The next slot to hand out.
     next: u32,
-    /// Keys tracked (ones in the tree).
+    /// Keys tracked (live slots).
     live: u32,
     /// References so far (a clock that renumbering never changes).
     clock: u64,
@@ -104,18 +357,40 @@ impl StackDistances {
 
     /// Bytes held, roughly (for reports).
     pub fn approx_bytes(&self) -> usize {
-        // hashbrown: key, value and a control byte per bucket, at most 7/8 full.
-        self.last.capacity() * (8 + 4 + 1)
-            + self.tree.capacity() * 4
+        self.last.bytes()
+            + self.slots.bytes()
             + self.times.as_ref().map_or(0, |t| t.capacity() * 8)
             + self.remap.capacity() * 4
+    }
+
+    /// True when the tables outgrow the caches (tens of megabytes), where
+    /// [`prefetch`](Self::prefetch) pays for itself.
+    #[inline]
+    pub fn is_large(&self) -> bool {
+        self.last.entries.len() >= 1 << 20
+    }
+
+    /// Starts the memory loads [`reference`](Self::reference)`(key)` will
+    /// need, and returns a value that depends on them (pass it to
+    /// `std::hint::black_box`, so the loads are not optimised away).
+    /// Touching the next few keys before referencing them lets their cache
+    /// misses overlap.
+    #[inline]
+    pub fn prefetch(&self, key: u64) -> u64 {
+        let e = self.last.entries[self.last.home(key)];
+        if e.key == key && e.slot != EMPTY {
+            let w = (e.slot as usize) >> 6;
+            self.slots.bits.get(w).copied().unwrap_or(0) ^ u64::from(e.slot)
+        } else {
+            u64::from(e.slot)
+        }
     }
 
     /// References `key`: its stack distance (1 when it was the last key
     /// referenced), or `None` the first time.
     #[inline]
     pub fn reference(&mut self, key: u64) -> Option<u64> {
-        if self.next as usize + 1 >= self.tree.len() {
+        if self.next as usize >= self.slots.capacity() {
             self.renumber();
         }
         let now = self.next;
@@ -124,29 +399,26 @@ impl StackDistances {
         if let Some(t) = &mut self.times {
             t.push(self.clock);
         }
-        let d = match self.last.entry(key) {
-            std::collections::hash_map::Entry::Occupied(mut e) => {
-                let s = *e.get();
-                e.insert(now);
+        let d = match self.last.set(key, now) {
+            Some(s) => {
                 // Live slots at or after `s`: all live ones less those before.
-                let d = self.live - prefix(&self.tree, s);
-                add(&mut self.tree, s, u32::MAX); // -1, wrapping
+                let d = self.live - self.slots.before(s);
+                self.slots.clear(s);
                 Some(u64::from(d))
             }
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(now);
+            None => {
                 self.live += 1;
                 None
             }
         };
-        add(&mut self.tree, now, 1);
+        self.slots.set(now);
         d
     }
 
     /// The distance `key` would have now, without referencing it.
     pub fn peek(&self, key: u64) -> Option<u64> {
-        let s = *self.last.get(&key)?;
-        Some(u64::from(self.live - prefix(&self.tree, s)))
+        let s = self.last.get(key)?;
+        Some(u64::from(self.live - self.slots.before(s)))
     }
 
     /// Distinct keys referenced after clock `t` (references numbered
@@ -155,33 +427,28 @@ impl StackDistances {
     pub fn distinct_since(&self, t: u64) -> u64 {
         let Some(times) = &self.times else { return 0 };
         let s = times[..self.next as usize].partition_point(|&x| x <= t);
-        u64::from(self.live - prefix(&self.tree, s as u32))
+        u64::from(self.live - self.slots.before(s as u32))
     }
 
     /// Forgets every key for which `keep` is false (spatial sampling
     /// lowering its rate); the others keep their order.
     pub fn retain(&mut self, mut keep: impl FnMut(u64) -> bool) {
-        let tree = &mut self.tree;
-        let mut dropped = 0u32;
-        self.last.retain(|&k, &mut s| {
-            let k_ok = keep(k);
-            if !k_ok {
-                add(tree, s, u32::MAX);
-                dropped += 1;
-            }
-            k_ok
-        });
-        self.live -= dropped;
+        let gone: Vec<(u64, u32)> = self.last.iter().filter(|(k, _)| !keep(*k)).collect();
+        for (k, s) in gone {
+            self.last.remove(k);
+            self.slots.clear(s);
+            self.live -= 1;
+        }
     }
 
-    /// Renumbers the live slots 0..live in order and sizes the tree for
+    /// Renumbers the live slots 0..live in order and sizes the bitset for
     /// four times as many.
     #[cold]
     fn renumber(&mut self) {
         let used = self.next as usize;
         self.remap.clear();
         self.remap.resize(used, u32::MAX);
-        for &s in self.last.values() {
+        for (_, s) in self.last.iter() {
             self.remap[s as usize] = 0;
         }
         let mut n = 0u32;
@@ -191,7 +458,7 @@ impl StackDistances {
                 n += 1;
             }
         }
-        for s in self.last.values_mut() {
+        for s in self.last.slots_mut() {
             *s = self.remap[*s as usize];
         }
         if let Some(times) = &mut self.times {
@@ -204,44 +471,10 @@ impl StackDistances {
             }
             times.truncate(w);
         }
-        let slots = (4 * n as usize).max(MIN_SLOTS);
-        self.tree.clear();
-        self.tree.resize(slots + 1, 0);
-        // Ones at 1..=n, then the linear Fenwick build.
-        for v in &mut self.tree[1..=n as usize] {
-            *v = 1;
-        }
-        for i in 1..=slots {
-            let j = i + (i & i.wrapping_neg());
-            if j <= slots {
-                self.tree[j] += self.tree[i];
-            }
-        }
+        self.slots
+            .reset((4 * n as usize).max(MIN_SLOTS), n as usize);
         self.next = n;
         self.remap.clear();
-    }
-}
-
-/// Sum of slots `0..s` (the tree is 1-based: slot `k` is index `k + 1`).
-#[inline]
-fn prefix(tree: &[u32], s: u32) -> u32 {
-    let mut i = s as usize;
-    let mut sum = 0u32;
-    while i > 0 {
-        sum = sum.wrapping_add(tree[i]);
-        i &= i - 1;
-    }
-    sum
-}
-
-/// Adds `delta` (wrapping: `u32::MAX` is -1) at slot `s`.
-#[inline]
-fn add(tree: &mut [u32], s: u32, delta: u32) {
-    let mut i = s as usize + 1;
-    let n = tree.len();
-    while i < n {
-        tree[i] = tree[i].wrapping_add(delta);
-        i += i & i.wrapping_neg();
     }
 }
 
@@ -307,6 +540,27 @@ mod tests {
             }
             let want: std::collections::HashSet<u64> = stream[cut..].iter().copied().collect();
             prop_assert_eq!(s.distinct_since(cut as u64), want.len() as u64);
+        }
+
+        #[test]
+        fn the_slot_map_agrees_with_a_hash_map(
+            ops in proptest::collection::vec((0u64..64, any::<bool>()), 0..3000)
+        ) {
+            let mut m = SlotMap::default();
+            let mut want = std::collections::HashMap::new();
+            for (i, (k, insert)) in ops.into_iter().enumerate() {
+                // Keys that collide in the low bits too, to exercise probing.
+                let key = k << 40;
+                if insert {
+                    prop_assert_eq!(m.set(key, i as u32), want.insert(key, i as u32));
+                } else {
+                    prop_assert_eq!(m.remove(key), want.remove(&key));
+                }
+                prop_assert_eq!(m.len, want.len());
+            }
+            for (k, v) in &want {
+                prop_assert_eq!(m.get(*k), Some(*v));
+            }
         }
 
         #[test]
