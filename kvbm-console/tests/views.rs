@@ -411,7 +411,7 @@ fn sim_app() -> App {
     let mut sim = Simulator::new(cfg, w, rt.handle()).unwrap();
     let mut tap = sim.emitter().bus().take_tap().unwrap();
     let mut m = Model::new(ModelConfig::default());
-    let mut take = |m: &mut Model, item| match item {
+    let take = |m: &mut Model, item| match item {
         TapItem::Event(e) => m.apply(e),
         TapItem::Gap { dropped } => panic!("lost {dropped}"),
     };

@@ -23,7 +23,7 @@ pub mod restore;
 pub mod stack;
 
 pub use curve::{BlockDistance, Curve, CurveBuilder, Method, Point, Sampling};
-pub use reasons::{Lookup, MissReason, ReasonTotals, Reasons};
+pub use reasons::{Lookup, LookupBlocks, MissReason, ReasonTotals, Reasons};
 pub use restore::{RestorePoint, Restores, TierRestoreReport};
 pub use stack::StackDistances;
 
@@ -151,15 +151,14 @@ impl CapacityAnalyzer {
                         _ => None,
                     }));
                     let raw: Vec<u64> = hashes.iter().map(|h| h.0).collect();
-                    self.reasons.prefix_lookup(
-                        r,
-                        ev.ts_ns,
-                        *tokens,
-                        *block_size,
-                        *computed_blocks,
-                        &raw,
-                        &self.distances,
-                    );
+                    let blocks = reasons::LookupBlocks {
+                        tokens: *tokens,
+                        block_size: *block_size,
+                        computed_blocks: *computed_blocks,
+                        hashes: &raw,
+                    };
+                    self.reasons
+                        .prefix_lookup(r, ev.ts_ns, &blocks, &self.distances);
                 }
             }
             EventKind::MatchResult {

@@ -190,6 +190,19 @@ impl ReasonTotals {
     }
 }
 
+/// What a `PrefixLookup` says.
+#[derive(Debug, Clone, Copy)]
+pub struct LookupBlocks<'a> {
+    /// Tokens of the request.
+    pub tokens: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Leading blocks G1 held.
+    pub computed_blocks: u32,
+    /// Its full blocks' hashes.
+    pub hashes: &'a [u64],
+}
+
 /// One lookup of one request, explained.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Lookup {
@@ -335,12 +348,15 @@ impl Reasons {
         &mut self,
         request: &RequestId,
         ts_ns: u64,
-        tokens: u32,
-        block_size: u32,
-        computed_blocks: u32,
-        hashes: &[u64],
+        l: &LookupBlocks<'_>,
         distances: &[Option<u64>],
     ) {
+        let LookupBlocks {
+            tokens,
+            block_size,
+            computed_blocks,
+            hashes,
+        } = *l;
         self.close(request);
         let index = self.next_index;
         self.next_index = self.next_index.wrapping_add(1);
