@@ -18,17 +18,20 @@ pub enum ViewId {
     Breakpoints,
     /// The event log.
     Events,
+    /// Hit ratio by cache capacity, and why misses missed.
+    Capacity,
 }
 
 impl ViewId {
     /// Every view, in tab order.
-    pub const ALL: [ViewId; 6] = [
+    pub const ALL: [ViewId; 7] = [
         ViewId::Slots,
         ViewId::Transfers,
         ViewId::Pools,
         ViewId::Histograms,
         ViewId::Breakpoints,
         ViewId::Events,
+        ViewId::Capacity,
     ];
 
     /// The tab title.
@@ -40,6 +43,7 @@ impl ViewId {
             ViewId::Histograms => "Histograms",
             ViewId::Breakpoints => "Breakpoints",
             ViewId::Events => "Events",
+            ViewId::Capacity => "Capacity",
         }
     }
 
@@ -293,6 +297,7 @@ pub const BINDINGS: &[Binding] = &[
     b(&[k('4')], Action::View(ViewId::Histograms), Scope::Global, "histograms"),
     b(&[k('5')], Action::View(ViewId::Breakpoints), Scope::Global, "breakpoints"),
     b(&[k('6')], Action::View(ViewId::Events), Scope::Global, "event log"),
+    b(&[k('7')], Action::View(ViewId::Capacity), Scope::Global, "capacity: hit ratio by cache size, miss reasons"),
     b(&[code(KeyCode::Esc)], Action::Back, Scope::Global, "back: close the detail, a popup or the filter"),
     b(&[k('w')], Action::Warnings, Scope::Global, "warnings (lints)"),
     b(&[k('?')], Action::Help, Scope::Global, "this help"),

@@ -13,6 +13,7 @@ use crate::lints::{LintConfig, Lints};
 use kvbm_events::reducer::EngineState;
 use kvbm_events::tier::Tier;
 use kvbm_events::{Event, EventKind};
+use kvbm_recorder::analysis::capacity::{CapacityAnalyzer, CapacityConfig};
 use kvbm_recorder::analysis::stats::{StatsCollector, StatsConfig};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -30,6 +31,10 @@ pub struct ModelConfig {
     pub samples: usize,
     /// Lint thresholds.
     pub lints: LintConfig,
+    /// Distinct blocks the capacity analysis holds exactly; past it the
+    /// curve is sampled (the view says at what rate) and miss reasons
+    /// stop following new blocks (counted on screen).
+    pub capacity_blocks: usize,
 }
 
 impl Default for ModelConfig {
@@ -39,6 +44,7 @@ impl Default for ModelConfig {
             keep_finished_ns: 30 * NS_PER_S,
             samples: 120,
             lints: LintConfig::default(),
+            capacity_blocks: 1 << 20,
         }
     }
 }
@@ -129,6 +135,7 @@ pub struct Model {
     current: Sample,
     samples: VecDeque<Sample>,
     lints: Lints,
+    capacity: CapacityAnalyzer,
     now_ns: u64,
     last_prune_s: u64,
     applied: u64,
@@ -150,6 +157,7 @@ impl Model {
             current: Sample::default(),
             samples: VecDeque::with_capacity(cfg.samples),
             lints: Lints::new(cfg.lints),
+            capacity: CapacityAnalyzer::new(CapacityConfig::bounded(cfg.capacity_blocks.max(1))),
             now_ns: 0,
             last_prune_s: 0,
             applied: 0,
@@ -190,6 +198,7 @@ impl Model {
         self.now_ns = self.now_ns.max(ev.ts_ns);
         self.sample(ev);
         self.lints.observe(ev);
+        self.capacity.observe(ev);
         // Prune once per engine second: finished slots leave the screen
         // after `keep_finished_ns`, at the same points live and in replay.
         let second = self.now_ns / NS_PER_S;
@@ -298,6 +307,11 @@ impl Model {
     /// The lints.
     pub fn lints(&self) -> &Lints {
         &self.lints
+    }
+
+    /// The capacity what-if and the miss reasons.
+    pub fn capacity(&self) -> &CapacityAnalyzer {
+        &self.capacity
     }
 
     /// The settings.

@@ -401,9 +401,7 @@ fn in_flight_rows(screen: &str) -> Vec<(u64, String)> {
 /// for the 70B-like one.
 #[test]
 fn demo_transfers_are_in_flight_with_the_presets_bytes() {
-    if !have_tmux() {
-        return;
-    }
+    require_tmux();
     for (model, mib_per_block) in [(None, 2), (Some("llama-3-70b"), 5)] {
         let mut args = vec!["demo"];
         if let Some(m) = model {
@@ -439,9 +437,7 @@ fn demo_transfers_are_in_flight_with_the_presets_bytes() {
 /// while the same screen without it has them; reverse video stays.
 #[test]
 fn no_color_draws_without_colour_in_a_real_terminal() {
-    if !have_tmux() {
-        return;
-    }
+    require_tmux();
     let bin = env!("CARGO_BIN_EXE_kvbm-console");
     let replay = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../replays/preemption-heavy")
@@ -483,9 +479,7 @@ fn no_color_draws_without_colour_in_a_real_terminal() {
 /// pipe: `conventions.rs`), and clears it before the summary.
 #[test]
 fn progress_shows_on_a_terminal() {
-    if !have_tmux() {
-        return;
-    }
+    require_tmux();
     let sim = kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim");
     let sim = sim.display().to_string();
     let t = Tmux::start_with(

@@ -31,6 +31,7 @@ fn every_view_draws_an_empty_model_at_every_size() {
         (ViewId::Histograms, "nothing measured yet"),
         (ViewId::Breakpoints, "Paused calls — 0"),
         (ViewId::Events, "no events"),
+        (ViewId::Capacity, "No lookups recorded"),
     ];
     for (w, h) in SIZES {
         for (view, text) in expect {
@@ -64,6 +65,8 @@ fn every_view_draws_a_replayed_log_at_every_size() {
                 ViewId::Histograms => "in Preempted",
                 ViewId::Breakpoints => "replay: breakpoints are read-only",
                 ViewId::Events => "13801",
+                // A version-1 log: no lookups, but stores and removals.
+                ViewId::Capacity => "stored again after removal",
             };
             assert!(
                 s.contains(needle),
@@ -701,4 +704,78 @@ fn no_color_takes_every_colour_out_and_keeps_the_selection_visible() {
         assert_eq!(without, 0, "{view:?} keeps {without} coloured cells");
         assert_eq!(emphasis, emphasis_kept, "{view:?} lost its emphasis");
     }
+}
+
+/// A small simulator run with shared prefixes and a small host, its
+/// events fed to the model as the live console would.
+fn sim_app() -> App {
+    use kvbm_events::bus::TapItem;
+    use kvbm_sim::sim::{SimConfig, Simulator};
+    use kvbm_sim::workload::{LengthDist, SyntheticConfig, generate};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let w = generate(&SyntheticConfig {
+        seed: 5,
+        num_requests: 60,
+        arrival_rate_per_s: 30.0,
+        prompt_len: LengthDist::Uniform { min: 64, max: 400 },
+        output_len: LengthDist::Uniform { min: 1, max: 20 },
+        shared_prefix_ratio: 0.7,
+        num_shared_prefixes: 4,
+        shared_prefix_len: 128,
+        ..SyntheticConfig::default()
+    })
+    .unwrap();
+    let cfg = SimConfig {
+        block_size: 16,
+        device_capacity_tokens: 1024,
+        host_capacity_tokens: 2048,
+        ..SimConfig::default()
+    };
+    let mut sim = Simulator::new(cfg, w, rt.handle()).unwrap();
+    let mut tap = sim.emitter().bus().take_tap().unwrap();
+    let mut m = Model::new(ModelConfig::default());
+    let take = |m: &mut Model, item| match item {
+        TapItem::Event(e) => m.apply(e),
+        TapItem::Gap { dropped } => panic!("lost {dropped}"),
+    };
+    while sim.step() {
+        while let Ok(item) = tap.try_recv() {
+            take(&mut m, item);
+        }
+    }
+    sim.finish();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    while let Ok(item) = tap.try_recv() {
+        take(&mut m, item);
+    }
+    App::new(m, Source::Fixed, "sim")
+}
+
+#[test]
+fn the_capacity_view_draws_the_curve_the_tiers_and_the_miss_reasons() {
+    let mut app = sim_app();
+    let rep = app.model.capacity().report(&[], None);
+    assert_eq!(rep.requests, 60);
+    assert!(rep.ceiling > 0.1, "shared prefixes hit: {}", rep.ceiling);
+    for (w, h) in SIZES {
+        key(&mut app, '7');
+        let lines = draw(&mut app, w, h);
+        let s = screen(&lines);
+        assert!(lines.iter().all(|l| l.chars().count() <= w as usize));
+        assert!(s.contains("Hit ratio by LRU capacity"), "{s}");
+        assert!(s.contains(&format!("ceiling {:.3}", rep.ceiling)), "{s}");
+        assert!(s.contains("G2"), "the host's capacity is marked:\n{s}");
+        assert!(s.contains("misses"), "{s}");
+        assert!(s.contains("cold"), "{s}");
+        assert!(s.contains("7 Capacity"), "{s}");
+    }
+    // The request detail says why each of its lookups missed.
+    key(&mut app, '1');
+    special(&mut app, KeyCode::Enter);
+    let s = screen(&draw(&mut app, 160, 48));
+    assert!(s.contains("lookup 1: hit G1"), "{s}");
 }

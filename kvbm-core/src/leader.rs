@@ -93,6 +93,9 @@ struct Slot {
     outstanding: u32,
     /// Loads planned by `update_state_after_alloc`, not yet in metadata.
     pending_loads: Vec<LoadOp>,
+    /// Its `PrefixLookup` went out (once per slot: the first lookup is the
+    /// request's reference in the capacity analysis).
+    lookup_emitted: bool,
 }
 
 struct Candidate {
@@ -588,6 +591,7 @@ impl Leader {
                     staged: Vec::new(),
                     outstanding: 0,
                     pending_loads: Vec::new(),
+                    lookup_emitted: false,
                 },
             );
             self.shared.emitter.emit(
@@ -649,7 +653,9 @@ impl Leader {
     /// `OnboardStaged`. Returns `(tokens, load_is_async)`; the engine must
     /// still compute at least the prompt's last token, so a fully cached
     /// prompt reports one block less. Asked again before the engine
-    /// allocates, it stages anew.
+    /// allocates, it stages anew. The first ask of a slot also emits
+    /// `PrefixLookup` (the request's block hashes: the capacity analysis's
+    /// reference stream).
     pub fn get_num_new_matched_tokens(
         &self,
         request: &RequestId,
@@ -695,6 +701,18 @@ impl Leader {
         // Leave at least the last token to compute.
         let limit = (prompt_len.saturating_sub(1)) / self.block_size;
         let wanted = hashes.get(first..limit.max(first)).unwrap_or(&[]);
+        if !slot.lookup_emitted {
+            slot.lookup_emitted = true;
+            self.shared.emitter.emit(
+                Some(request),
+                EventKind::PrefixLookup {
+                    tokens: u32::try_from(prompt_len).unwrap_or(u32::MAX),
+                    block_size: u32::try_from(self.block_size).unwrap_or(u32::MAX),
+                    computed_blocks: u32::try_from(first.min(hashes.len())).unwrap_or(u32::MAX),
+                    hashes: hashes.clone(),
+                },
+            );
+        }
         // Anything staged by an earlier ask is let go first: the answer is
         // the tiers' contents now.
         slot.staged.clear();

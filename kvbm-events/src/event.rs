@@ -467,6 +467,22 @@ declare_event_kinds! {
         /// Tokens computed so far (prompt and generated).
         computed: u32,
     },
+    /// A request's blocks as its first prefix lookup saw them: the
+    /// reference stream of the capacity analysis. Emitted once per slot,
+    /// before the lookup's host and disk `MatchResult`s; a lookup may hit
+    /// at most the first `(tokens - 1) / block_size` blocks (the engine
+    /// computes at least the last token). Since schema version 2.
+    PrefixLookup("prefix_lookup", Block) {
+        /// Tokens of the request at the lookup.
+        tokens: u32,
+        /// Tokens per block.
+        block_size: u32,
+        /// Leading blocks the engine's own cache (G1) held already: the
+        /// lookup's device hits.
+        computed_blocks: u32,
+        /// The sequence hash of each full block, in prefix order.
+        hashes: Vec<SequenceHash>,
+    },
     }
 }
 

@@ -270,6 +270,16 @@ pub fn kind_of(tag: KindTag, s: Shape) -> BoxedStrategy<EventKind> {
                 computed,
             })
             .boxed(),
+        KindTag::PrefixLookup => (n.clone(), n.clone(), n, vec(hash, 0..24))
+            .prop_map(
+                |(tokens, block_size, computed_blocks, hashes)| K::PrefixLookup {
+                    tokens,
+                    block_size,
+                    computed_blocks,
+                    hashes,
+                },
+            )
+            .boxed(),
     }
 }
 
@@ -466,6 +476,16 @@ pub fn sample_kind(tag: KindTag) -> EventKind {
             prefill: 16,
             decode: 1,
             computed: 49,
+        },
+        KindTag::PrefixLookup => K::PrefixLookup {
+            tokens: 49,
+            block_size: 16,
+            computed_blocks: 1,
+            hashes: vec![
+                SequenceHash(0x0a0b),
+                SequenceHash(u64::MAX),
+                SequenceHash(7),
+            ],
         },
     }
 }

@@ -64,6 +64,7 @@
 //! | `batch_completed`   | `batch`, `direction`                    | `ok` (true), `blocks`, `bytes`, `elapsed_ns` (0) | [`EventKind::BatchCompleted`] |
 //! | `pool_gauge`        | `tier`, `capacity`                      | `active`, `inactive`, `empty` (0)    | [`EventKind::PoolGauge`] |
 //! | `tokens_scheduled`  | `request_id`                            | `prefill`, `decode`, `computed` (0)  | [`EventKind::TokensScheduled`] |
+//! | `prefix_lookup`     | `request_id`, `tokens`, `block_size`, `hashes`: a list `"0x1f,0x2e"` | `computed_blocks` (0) | [`EventKind::PrefixLookup`] |
 //!
 //! Kind names are the [`EventKind`] names in snake_case; hook and breakpoint
 //! events are not accepted (they belong to `kvbm_core::hooks`).
@@ -299,9 +300,11 @@ enum Num {
     Computed,
     Iteration,
     Tokens,
+    BlockSize,
+    ComputedBlocks,
 }
 
-const NUMS: usize = 24;
+const NUMS: usize = 26;
 
 fn parse_tier(s: &str) -> Option<Tier> {
     Some(match s {
@@ -384,6 +387,7 @@ struct Fields {
     text: Option<String>,
     blocks_list: Option<Vec<u64>>,
     transfers: Option<Vec<u64>>,
+    hashes: Option<Vec<u64>>,
     bad: bool,
 }
 
@@ -489,6 +493,7 @@ enum KnownField {
     Ok,
     Text,
     Transfers,
+    Hashes,
 }
 
 fn field_of(name: &str) -> Option<KnownField> {
@@ -502,6 +507,7 @@ fn field_of(name: &str) -> Option<KnownField> {
         "ok" => KnownField::Ok,
         "reason" | "error" => KnownField::Text,
         "transfers" => KnownField::Transfers,
+        "hashes" => KnownField::Hashes,
         "prompt_tokens" => KnownField::Num(Num::PromptTokens),
         "max_output_tokens" => KnownField::Num(Num::MaxOutputTokens),
         "looked_up" => KnownField::Num(Num::LookedUp),
@@ -526,6 +532,8 @@ fn field_of(name: &str) -> Option<KnownField> {
         "computed" => KnownField::Num(Num::Computed),
         "iteration" => KnownField::Num(Num::Iteration),
         "tokens" => KnownField::Num(Num::Tokens),
+        "block_size" => KnownField::Num(Num::BlockSize),
+        "computed_blocks" => KnownField::Num(Num::ComputedBlocks),
         _ => return None,
     })
 }
@@ -558,6 +566,10 @@ impl Fields {
             KnownField::Text => self.text = Some(s.to_owned()),
             KnownField::Transfers => match parse_list(s) {
                 Some(l) => self.transfers = Some(l),
+                None => self.bad = true,
+            },
+            KnownField::Hashes => match parse_list(s) {
+                Some(l) => self.hashes = Some(l),
                 None => self.bad = true,
             },
             KnownField::Num(Num::Blocks) => match parse_u64(s) {
@@ -655,6 +667,7 @@ impl Visit for Fields {
             KnownField::Request
             | KnownField::Text
             | KnownField::Transfers
+            | KnownField::Hashes
             | KnownField::Num(Num::Blocks) => {
                 let s = format!("{value:?}");
                 let s = s
@@ -881,6 +894,21 @@ impl Shared {
                     prefill: opt32(Num::Prefill)?,
                     decode: opt32(Num::Decode)?,
                     computed: opt32(Num::Computed)?,
+                }
+            }
+            KindTag::PrefixLookup => {
+                request.ok_or(Missing)?;
+                EventKind::PrefixLookup {
+                    tokens: need32(Num::Tokens)?,
+                    block_size: need32(Num::BlockSize)?,
+                    computed_blocks: opt32(Num::ComputedBlocks)?,
+                    hashes: f
+                        .hashes
+                        .as_ref()
+                        .ok_or(Missing)?
+                        .iter()
+                        .map(|&h| SequenceHash(h))
+                        .collect(),
                 }
             }
         }))

@@ -387,13 +387,20 @@ impl MooncakeOptions {
     }
 }
 
-/// One validated trace line.
-#[derive(Debug)]
-struct MooncakeRecord {
-    timestamp_ms: u64,
-    input_length: usize,
-    output_length: usize,
-    hash_ids: Vec<u64>,
+/// One validated trace line, before its tokens are generated (what an
+/// analysis that needs only the hash ids reads: [`MooncakeReader::next_line`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MooncakeLine {
+    /// 1-based line number.
+    pub line: usize,
+    /// Arrival, ms.
+    pub timestamp_ms: u64,
+    /// Prompt tokens.
+    pub input_length: usize,
+    /// Tokens to generate.
+    pub output_length: usize,
+    /// The prefix block ids, as written (possibly past the prompt's end).
+    pub hash_ids: Vec<u64>,
 }
 
 /// A non-negative integer, also accepting integral floats such as `1024.0`
@@ -441,7 +448,11 @@ fn json_error(e: &serde_json::Error) -> LineError {
     LineError::Json(format!("{msg} (column {})", e.column()))
 }
 
-fn parse_record(bytes: &[u8], opts: &MooncakeOptions) -> Result<MooncakeRecord, LineError> {
+fn parse_record(
+    bytes: &[u8],
+    line: usize,
+    opts: &MooncakeOptions,
+) -> Result<MooncakeLine, LineError> {
     // Parse to a `Value` first rather than deriving `Deserialize`, so each
     // problem gets a precise message naming the field.
     let v: Value = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
@@ -469,7 +480,8 @@ fn parse_record(bytes: &[u8], opts: &MooncakeOptions) -> Result<MooncakeRecord, 
             })
         })
         .collect::<Result<Vec<u64>, _>>()?;
-    Ok(MooncakeRecord {
+    Ok(MooncakeLine {
+        line,
         timestamp_ms,
         input_length,
         output_length,
@@ -477,8 +489,9 @@ fn parse_record(bytes: &[u8], opts: &MooncakeOptions) -> Result<MooncakeRecord, 
     })
 }
 
-impl MooncakeRecord {
-    fn into_request(mut self, line: usize, opts: &MooncakeOptions) -> RequestSpec {
+impl MooncakeLine {
+    fn into_request(mut self, opts: &MooncakeOptions) -> RequestSpec {
+        let line = self.line;
         let bt = opts.block_tokens;
         let len = self.input_length;
         // Ids past ceil(len / bt) contribute no token; drop them so that
@@ -601,10 +614,10 @@ fn skip_line(r: &mut impl BufRead) -> io::Result<()> {
     }
 }
 
-impl<R: BufRead> Iterator for MooncakeReader<R> {
-    type Item = Result<RequestSpec, WorkloadError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
+impl<R: BufRead> MooncakeReader<R> {
+    /// The next line, validated but without generating its tokens;
+    /// errors and the end of input as for the iterator.
+    pub fn next_line(&mut self) -> Option<Result<MooncakeLine, WorkloadError>> {
         loop {
             if self.done {
                 return None;
@@ -632,14 +645,23 @@ impl<R: BufRead> Iterator for MooncakeReader<R> {
             if self.buf.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            return Some(match parse_record(&self.buf, &self.opts) {
+            return Some(match parse_record(&self.buf, line, &self.opts) {
                 Ok(rec) => {
                     self.emitted += 1;
-                    Ok(rec.into_request(line, &self.opts))
+                    Ok(rec)
                 }
                 Err(error) => Err(WorkloadError::Line { line, error }),
             });
         }
+    }
+}
+
+impl<R: BufRead> Iterator for MooncakeReader<R> {
+    type Item = Result<RequestSpec, WorkloadError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let item = self.next_line()?;
+        Some(item.map(|l| l.into_request(&self.opts)))
     }
 }
 

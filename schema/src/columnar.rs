@@ -28,13 +28,13 @@
 //! checks it), and random or mutated bytes are refused with an error, never
 //! a panic.
 
-use crate::SCHEMA_VERSION;
 use crate::convert::{
-    DecodeError, cause_from_fb, cause_to_fb, decode_state, direction_from_fb, direction_to_fb,
-    encode_state, entry_from_fb, entry_to_fb, kind_from_fb, kind_to_fb, phase_from_fb, phase_to_fb,
-    tier_from_fb, tier_to_fb,
+    DecodeError, cause_from_fb, cause_to_fb, check_kind_version, check_version, decode_state,
+    direction_from_fb, direction_to_fb, encode_state, entry_from_fb, entry_to_fb, kind_from_fb,
+    kind_to_fb, phase_from_fb, phase_to_fb, tier_from_fb, tier_to_fb,
 };
 use crate::fb;
+use crate::{OLDEST_READABLE_VERSION, SCHEMA_VERSION};
 use flatbuffers::{FlatBufferBuilder, InvalidFlatbuffer, Push, VerifierOptions, WIPOffset};
 use kvbm_events::SequenceHash;
 use kvbm_events::{Event, EventKind, KindTag};
@@ -91,7 +91,9 @@ pub enum BlockError {
     #[error("block fails flatbuffers verification: {0}")]
     Invalid(#[from] InvalidFlatbuffer),
     /// Written with a schema version this build cannot read.
-    #[error("block has schema version {found}, this build reads version {SCHEMA_VERSION}")]
+    #[error(
+        "block has schema version {found}, this build reads versions {OLDEST_READABLE_VERSION} to {SCHEMA_VERSION}"
+    )]
     UnsupportedVersion {
         /// The version in the block.
         found: u16,
@@ -182,6 +184,7 @@ pub fn event_bytes(ev: &Event) -> usize {
         EventKind::BreakpointHit { .. } => size_of::<fb::BreakpointHitRow>(),
         EventKind::Resumed { .. } => size_of::<fb::ResumedRow>(),
         EventKind::TokensScheduled { .. } => size_of::<fb::TokensScheduledRow>(),
+        EventKind::PrefixLookup { hashes, .. } => TABLE + 8 * hashes.len() + 8,
     };
     // Alignment padding of the row's column, at most 7 bytes.
     ENVELOPE_BYTES + request + kind + 8
@@ -235,6 +238,7 @@ pub struct BlockEncoder {
     breakpoint_hit: Vec<fb::BreakpointHitRow>,
     resumed: Vec<fb::ResumedRow>,
     tokens_scheduled: Vec<fb::TokensScheduledRow>,
+    prefix_lookup: Vec<WIPOffset<fb::PrefixLookup<'static>>>,
 }
 
 impl std::fmt::Debug for BlockEncoder {
@@ -299,6 +303,7 @@ impl BlockEncoder {
             breakpoint_hit: Vec::new(),
             resumed: Vec::new(),
             tokens_scheduled: Vec::new(),
+            prefix_lookup: Vec::new(),
         }
     }
 
@@ -354,6 +359,7 @@ impl BlockEncoder {
         self.breakpoint_hit.clear();
         self.resumed.clear();
         self.tokens_scheduled.clear();
+        self.prefix_lookup.clear();
     }
 
     /// Adds an event to the block (after a `finish`, to a new block), or
@@ -691,6 +697,28 @@ impl BlockEncoder {
                 self.tokens_scheduled
                     .push(fb::TokensScheduledRow::new(*prefill, *decode, *computed));
             }
+            EventKind::PrefixLookup {
+                tokens,
+                block_size,
+                computed_blocks,
+                hashes,
+            } => {
+                fbb.start_vector::<u64>(hashes.len());
+                for h in hashes.iter().rev() {
+                    fbb.push(h.0);
+                }
+                let hashes = fbb.end_vector(hashes.len());
+                let t = fb::PrefixLookup::create(
+                    fbb,
+                    &fb::PrefixLookupArgs {
+                        tokens: *tokens,
+                        block_size: *block_size,
+                        computed_blocks: *computed_blocks,
+                        hashes: Some(hashes),
+                    },
+                );
+                self.prefix_lookup.push(t);
+            }
         }
     }
 
@@ -739,6 +767,7 @@ impl BlockEncoder {
             breakpoint_hit: column(fbb, &self.breakpoint_hit),
             resumed: column(fbb, &self.resumed),
             tokens_scheduled: column(fbb, &self.tokens_scheduled),
+            prefix_lookup: column(fbb, &self.prefix_lookup),
         };
         let root = fb::EventBlock::create(fbb, &args);
         fbb.finish(root, Some(BLOCK_IDENTIFIER));
@@ -794,6 +823,7 @@ fn kind_rows(b: &fb::EventBlock<'_>, k: u8) -> Option<(usize, &'static str)> {
         KindTag::BreakpointHit => n(b.breakpoint_hit()),
         KindTag::Resumed => n(b.resumed()),
         KindTag::TokensScheduled => n(b.tokens_scheduled()),
+        KindTag::PrefixLookup => n(b.prefix_lookup()),
     };
     Some((rows, tag.snake_name()))
 }
@@ -810,7 +840,7 @@ pub fn verify_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
     }
     let block = flatbuffers::root_with_opts::<fb::EventBlock>(&VERIFIER_OPTIONS, bytes)?;
     let version = block.schema_version();
-    if version != WRITE_VERSION {
+    if check_version(version).is_err() {
         return Err(BlockError::UnsupportedVersion { found: version });
     }
     let events = block.kind().len();
@@ -845,10 +875,22 @@ pub fn verify_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
             continue;
         }
         let k = k as u8;
+        let first = || kinds.iter().position(|&x| x == k).unwrap_or(0);
         let Some((rows, column)) = kind_rows(&block, k) else {
-            let index = kinds.iter().position(|&x| x == k).unwrap_or(0);
-            return Err(BlockError::UnknownKind { index, kind: k });
+            return Err(BlockError::UnknownKind {
+                index: first(),
+                kind: k,
+            });
         };
+        // A kind the block's version did not have yet is corruption.
+        if let Some(tag) = kind_from_fb(fb::EventKind(k))
+            && let Err(error) = check_kind_version(tag, version)
+        {
+            return Err(BlockError::Event {
+                index: first(),
+                error,
+            });
+        }
         if rows != count {
             return Err(BlockError::KindRows {
                 column,
@@ -1142,6 +1184,15 @@ impl<'a> BlockView<'a> {
                     computed: r.computed(),
                 }
             }
+            KindTag::PrefixLookup => {
+                let t = b.prefix_lookup().ok_or_else(missing)?.get(row);
+                EventKind::PrefixLookup {
+                    tokens: t.tokens(),
+                    block_size: t.block_size(),
+                    computed_blocks: t.computed_blocks(),
+                    hashes: t.hashes().iter().map(SequenceHash).collect(),
+                }
+            }
         })
     }
 }
@@ -1355,6 +1406,86 @@ mod tests {
         );
         fbb.finish(root, Some(BLOCK_IDENTIFIER));
         fbb.finished_data().to_vec()
+    }
+
+    /// A block of one PrefixLookup, claiming `version`.
+    fn lookup_block(version: u16) -> Vec<u8> {
+        let mut fbb = FlatBufferBuilder::new();
+        let ts = fbb.create_vector(&[0u32]);
+        let iteration = fbb.create_vector(&[0u16]);
+        let request = fbb.create_vector(&[0u16]);
+        let kind = fbb.create_vector(&[fb::EventKind::PrefixLookup.0]);
+        let requests = fbb.create_vector::<WIPOffset<&str>>(&[]);
+        let hashes = fbb.create_vector(&[5u64, 6]);
+        let t = fb::PrefixLookup::create(
+            &mut fbb,
+            &fb::PrefixLookupArgs {
+                tokens: 33,
+                block_size: 16,
+                computed_blocks: 0,
+                hashes: Some(hashes),
+            },
+        );
+        let lookups = fbb.create_vector(&[t]);
+        let root = fb::EventBlock::create(
+            &mut fbb,
+            &fb::EventBlockArgs {
+                schema_version: version,
+                ts_delta: Some(ts),
+                iteration_delta: Some(iteration),
+                request: Some(request),
+                kind: Some(kind),
+                requests: Some(requests),
+                prefix_lookup: Some(lookups),
+                ..Default::default()
+            },
+        );
+        fbb.finish(root, Some(BLOCK_IDENTIFIER));
+        fbb.finished_data().to_vec()
+    }
+
+    #[test]
+    fn version_1_blocks_read_and_may_not_hold_a_later_kind() {
+        // hand_block leaves schema_version at its default, 1: an old log's
+        // block, which this build reads.
+        let old = hand_block(&[0, 0], &[0, 0], 2);
+        assert_eq!(
+            flatbuffers::root::<fb::EventBlock>(&old)
+                .unwrap()
+                .schema_version(),
+            1
+        );
+        assert_eq!(decode_block(&old).unwrap().len(), 2);
+        // What this build writes is version 2.
+        let mut enc = BlockEncoder::new();
+        assert!(enc.push(&sample_events()[0]));
+        let new = enc.finish().to_vec();
+        assert_eq!(
+            flatbuffers::root::<fb::EventBlock>(&new)
+                .unwrap()
+                .schema_version(),
+            2
+        );
+        let v2 = decode_block(&lookup_block(2)).unwrap();
+        assert!(matches!(
+            v2[0].kind,
+            EventKind::PrefixLookup { tokens: 33, .. }
+        ));
+        assert_eq!(
+            verify_block(&lookup_block(1)).unwrap_err(),
+            BlockError::Event {
+                index: 0,
+                error: DecodeError::KindNewerThanVersion {
+                    kind: "PrefixLookup",
+                    since: 2,
+                    version: 1
+                }
+            }
+        );
+        assert_eq!(
+            verify_block(&lookup_block(3)).unwrap_err(),
+            BlockError::UnsupportedVersion { found: 3 }
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@
 //! record that decodes re-encodes to a record that decodes to the same event.
 
 use crate::fb;
-use crate::{FILE_IDENTIFIER, SCHEMA_VERSION};
+use crate::{FILE_IDENTIFIER, OLDEST_READABLE_VERSION, SCHEMA_VERSION};
 use flatbuffers::{
     FlatBufferBuilder, InvalidFlatbuffer, UnionWIPOffset, VerifierOptions, WIPOffset,
 };
@@ -85,10 +85,25 @@ pub enum DecodeError {
     #[error("record fails flatbuffers verification: {0}")]
     Invalid(#[from] InvalidFlatbuffer),
     /// Written with a schema version this build cannot read.
-    #[error("record has schema version {found}, this build reads version {SCHEMA_VERSION}")]
+    #[error(
+        "record has schema version {found}, this build reads versions {OLDEST_READABLE_VERSION} to {SCHEMA_VERSION}"
+    )]
     UnsupportedVersion {
         /// The version in the record.
         found: u16,
+    },
+    /// A kind that did not exist yet in the schema version the record (or
+    /// block) says it was written with: corruption, not an old writer.
+    #[error(
+        "event kind {kind} is from schema version {since}, but the record says version {version}"
+    )]
+    KindNewerThanVersion {
+        /// The kind.
+        kind: &'static str,
+        /// The version that introduced it.
+        since: u16,
+        /// The version written.
+        version: u16,
     },
     /// The record has no event kind.
     #[error("record has no event kind")]
@@ -226,10 +241,12 @@ pub fn verify(bytes: &[u8]) -> Result<fb::EventRecord<'_>, DecodeError> {
 /// Converts a verified record into an [`Event`], checking every value.
 pub fn from_record(rec: fb::EventRecord<'_>) -> Result<Event, DecodeError> {
     let version = rec.schema_version();
-    // Only version 1 exists; a reader of a later version adds arms for the
-    // older ones it can still read.
-    if u32::from(version) != SCHEMA_VERSION {
-        return Err(DecodeError::UnsupportedVersion { found: version });
+    check_version(version)?;
+    // Versions differ only by the kinds they know (version 2 added
+    // PrefixLookup), so every readable version decodes the same way once
+    // the kind is known to belong to it.
+    if let Some(tag) = kind_from_fb(rec.kind_type()) {
+        check_kind_version(tag, version)?;
     }
     Ok(Event {
         engine: rec.engine(),
@@ -239,6 +256,36 @@ pub fn from_record(rec: fb::EventRecord<'_>) -> Result<Event, DecodeError> {
         request: rec.request().map(Arc::<str>::from),
         kind: decode_kind(&rec)?,
     })
+}
+
+/// The schema version that introduced `tag`: 1 for the original kinds, 2
+/// for [`PrefixLookup`](EventKind::PrefixLookup).
+pub fn kind_since_version(tag: KindTag) -> u16 {
+    match tag {
+        KindTag::PrefixLookup => 2,
+        _ => 1,
+    }
+}
+
+/// Whether this build reads `version`.
+pub(crate) fn check_version(version: u16) -> Result<(), DecodeError> {
+    if u32::from(version) < OLDEST_READABLE_VERSION || u32::from(version) > SCHEMA_VERSION {
+        return Err(DecodeError::UnsupportedVersion { found: version });
+    }
+    Ok(())
+}
+
+/// A kind must exist in the version its record claims.
+pub(crate) fn check_kind_version(tag: KindTag, version: u16) -> Result<(), DecodeError> {
+    let since = kind_since_version(tag);
+    if since > version {
+        return Err(DecodeError::KindNewerThanVersion {
+            kind: tag.name(),
+            since,
+            version,
+        });
+    }
+    Ok(())
 }
 
 // ------------------------------------------------------------- encoding
@@ -506,6 +553,26 @@ fn encode_kind(fbb: &mut FlatBufferBuilder<'_>, kind: &EventKind) -> WIPOffset<U
             let t = fb::TokensScheduled::create(fbb, &args);
             t.as_union_value()
         }
+        EventKind::PrefixLookup {
+            tokens,
+            block_size,
+            computed_blocks,
+            hashes,
+        } => {
+            fbb.start_vector::<u64>(hashes.len());
+            for h in hashes.iter().rev() {
+                fbb.push(h.0);
+            }
+            let hashes = fbb.end_vector(hashes.len());
+            let args = fb::PrefixLookupArgs {
+                tokens: *tokens,
+                block_size: *block_size,
+                computed_blocks: *computed_blocks,
+                hashes: Some(hashes),
+            };
+            let t = fb::PrefixLookup::create(fbb, &args);
+            t.as_union_value()
+        }
     }
 }
 
@@ -764,6 +831,15 @@ fn decode_kind(rec: &fb::EventRecord<'_>) -> Result<EventKind, DecodeError> {
                 prefill: t.prefill(),
                 decode: t.decode(),
                 computed: t.computed(),
+            }
+        }
+        KindTag::PrefixLookup => {
+            let t = rec.kind_as_prefix_lookup().ok_or_else(missing)?;
+            EventKind::PrefixLookup {
+                tokens: t.tokens(),
+                block_size: t.block_size(),
+                computed_blocks: t.computed_blocks(),
+                hashes: t.hashes().iter().map(SequenceHash).collect(),
             }
         }
     })
@@ -1136,19 +1212,71 @@ pub(crate) mod tests {
         let e = decode(&bad_tier).unwrap_err().to_string();
         assert_eq!(e, "PoolGauge.tier: unknown Tier value 3");
 
-        let newer = record(
-            |f| {
-                (
-                    fb::EventKind::PoolGauge,
-                    Some(pool_gauge(f, fb::Tier::Disk)),
-                )
-            },
-            2,
-        );
+        // Versions 1 and 2 read; a later one does not, nor version 0.
+        for v in [1, 2] {
+            let rec = record(
+                |f| {
+                    (
+                        fb::EventKind::PoolGauge,
+                        Some(pool_gauge(f, fb::Tier::Disk)),
+                    )
+                },
+                v,
+            );
+            assert!(decode(&rec).is_ok(), "version {v}");
+        }
+        for v in [0, 3] {
+            let rec = record(
+                |f| {
+                    (
+                        fb::EventKind::PoolGauge,
+                        Some(pool_gauge(f, fb::Tier::Disk)),
+                    )
+                },
+                v,
+            );
+            assert_eq!(
+                decode(&rec),
+                Err(DecodeError::UnsupportedVersion { found: v })
+            );
+        }
         assert_eq!(
-            decode(&newer),
-            Err(DecodeError::UnsupportedVersion { found: 2 })
+            decode(&record(|_| (fb::EventKind::NONE, None), 3))
+                .unwrap_err()
+                .to_string(),
+            "record has schema version 3, this build reads versions 1 to 2"
         );
+
+        // A PrefixLookup in a record that says version 1 is corruption: the
+        // kind did not exist yet.
+        let lookup = |f: &mut FlatBufferBuilder<'static>| {
+            let hashes = f.create_vector(&[7u64, 9]);
+            let t = fb::PrefixLookup::create(
+                f,
+                &fb::PrefixLookupArgs {
+                    tokens: 40,
+                    block_size: 16,
+                    computed_blocks: 1,
+                    hashes: Some(hashes),
+                },
+            );
+            (fb::EventKind::PrefixLookup, Some(t.as_union_value()))
+        };
+        assert_eq!(
+            decode(&record(lookup, 1)),
+            Err(DecodeError::KindNewerThanVersion {
+                kind: "PrefixLookup",
+                since: 2,
+                version: 1
+            })
+        );
+        assert!(matches!(
+            decode(&record(lookup, 2)),
+            Ok(Event {
+                kind: EventKind::PrefixLookup { tokens: 40, .. },
+                ..
+            })
+        ));
 
         let no_kind = record(|_| (fb::EventKind::NONE, None), 1);
         assert_eq!(decode(&no_kind), Err(DecodeError::MissingKind));

@@ -42,12 +42,24 @@ pub mod fb {
     pub use crate::generated::kvbm::events::*;
 }
 
-/// Version of the event schema; bumped on every incompatible change.
+/// Version of the event schema this build writes; bumped whenever what a
+/// log or a record may hold changes.
 ///
-/// Records carry it in `EventRecord.schema_version`, whose default in the
-/// schema is frozen at 1: version-1 records spend no bytes on it, and a
-/// record of any later version stores its number explicitly.
-pub const SCHEMA_VERSION: u32 = 1;
+/// Records carry it in `EventRecord.schema_version` (and log blocks in
+/// `EventBlock.schema_version`), whose default in the schema is frozen at
+/// 1: version-1 records spend no bytes on it, and a record of any later
+/// version stores its number explicitly.
+///
+/// - 1: the original kinds.
+/// - 2: adds `PrefixLookup` (each request's block hashes at its first
+///   lookup, for the capacity analysis). A version-1 log still reads: its
+///   blocks simply hold no `PrefixLookup`, and a version-1 block or record
+///   that claims one is refused as corrupt
+///   ([`convert::kind_since_version`]).
+pub const SCHEMA_VERSION: u32 = 2;
+
+/// The oldest schema version this build reads.
+pub const OLDEST_READABLE_VERSION: u32 = 1;
 
 /// The flatbuffers file identifier of an [`EventRecord`](fb::EventRecord) buffer (bytes 4..8).
 pub const FILE_IDENTIFIER: &str = "KVBE";

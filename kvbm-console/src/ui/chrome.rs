@@ -56,11 +56,15 @@ pub struct Header<'a> {
     pub label: &'a str,
 }
 
+/// Blank columns between two tabs.
+const TAB_GAP: u16 = 2;
+
+/// The tabs' titles: seven views fit in 80 columns.
 fn tab_titles() -> Vec<(ViewId, String)> {
     ViewId::ALL
         .iter()
         .enumerate()
-        .map(|(i, v)| (*v, format!(" {} {} ", i + 1, v.title())))
+        .map(|(i, v)| (*v, format!("{} {}", i + 1, v.title())))
         .collect()
 }
 
@@ -72,7 +76,7 @@ pub fn tab_at(x: u16) -> Option<ViewId> {
         if x >= col && x < col + w {
             return Some(v);
         }
-        col += w + 1;
+        col += w + TAB_GAP;
     }
     None
 }
@@ -173,7 +177,7 @@ pub fn tabs(
             Style::new().fg(Color::Gray)
         };
         spans.push(Span::styled(t, style));
-        spans.push(Span::raw(" "));
+        spans.push(Span::raw(" ".repeat(TAB_GAP as usize)));
     }
     if let Some(d) = detail {
         spans.push(Span::styled(format!("› {d}"), Style::new().fg(Color::Cyan)));

@@ -8,6 +8,7 @@ use crate::fmt;
 use crate::model::{History, Model};
 use kvbm_events::slot::SlotState;
 use kvbm_events::{Event, EventKind, RequestId};
+use kvbm_recorder::analysis::capacity::Lookup;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
@@ -17,11 +18,43 @@ use std::collections::VecDeque;
 
 /// Transfer spans drawn at most.
 const MAX_SPANS: usize = 6;
+/// Lookups explained at most (the first, and the latest after it).
+const MAX_LOOKUPS: usize = 2;
+/// The summary panel: two lines of state, the lookups, the border.
+const INFO_HEIGHT: u16 = 4 + MAX_LOOKUPS as u16;
+
+/// One lookup, explained: what each tier hit and why it stopped.
+pub fn lookup_line(n: usize, l: &Lookup) -> String {
+    let hits = format!(
+        "hit G1 {} G2 {} G3 {} of {} blocks",
+        l.hit_blocks[0], l.hit_blocks[1], l.hit_blocks[2], l.matchable_blocks
+    );
+    let why = match &l.stopped {
+        None => "every block it could hit".to_string(),
+        Some(r) => format!("stopped: {r}"),
+    };
+    let t = &l.totals;
+    let misses: Vec<String> = t
+        .reasons()
+        .iter()
+        .filter(|(_, v)| *v > 0)
+        .map(|(name, v)| format!("{name} {v}"))
+        .collect();
+    format!(
+        "lookup {n}{}: {hits}; {why}{}",
+        if l.first { "" } else { " (again)" },
+        if misses.is_empty() {
+            String::new()
+        } else {
+            format!(" · missed tokens: {}", misses.join(", "))
+        }
+    )
+}
 
 /// The event list's area inside the view's body.
 pub fn list_area(body: Rect) -> Rect {
     let [_, _, list] = Layout::vertical([
-        Constraint::Length(4),
+        Constraint::Length(INFO_HEIGHT),
         Constraint::Length(4 + MAX_SPANS as u16),
         Constraint::Min(3),
     ])
@@ -153,7 +186,7 @@ impl View for Detail {
 
     fn draw(&self, model: &Model, f: &mut Frame, area: Rect) {
         let [info_a, time_a, list_a] = Layout::vertical([
-            Constraint::Length(4),
+            Constraint::Length(INFO_HEIGHT),
             Constraint::Length(4 + MAX_SPANS as u16),
             Constraint::Min(3),
         ])
@@ -165,7 +198,7 @@ impl View for Detail {
         let evs: Vec<&Event> = self.rows.iter().filter_map(|&i| h.get(i)).collect();
 
         // Summary.
-        let info = match st.slot(request) {
+        let mut info = match st.slot(request) {
             Some(s) => vec![
                 Line::from(vec![
                     Span::styled(s.state.to_string(), Style::new().fg(state_color(&s.state))),
@@ -196,6 +229,29 @@ impl View for Detail {
                 Style::new().fg(Color::DarkGray),
             ))],
         };
+        // Why its lookups missed: the first, and the latest after it.
+        let lookups = model.capacity().request_lookups(request);
+        let shown: Vec<(usize, &Lookup)> = match lookups.len() {
+            0 => Vec::new(),
+            1 => vec![(1, &lookups[0])],
+            n => vec![(1, &lookups[0]), (n, &lookups[n - 1])],
+        };
+        if shown.is_empty() {
+            info.push(Line::from(Span::styled(
+                "no lookup recorded",
+                Style::new().fg(Color::DarkGray),
+            )));
+        }
+        for (n, l) in shown {
+            info.push(Line::from(Span::styled(
+                lookup_line(n, l),
+                Style::new().fg(if l.stopped.is_some() {
+                    Color::Yellow
+                } else {
+                    Color::Green
+                }),
+            )));
+        }
         f.render_widget(
             Paragraph::new(info).block(panel(format!("Request {request}"))),
             info_a,

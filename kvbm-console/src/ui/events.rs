@@ -128,6 +128,18 @@ pub fn describe(kind: &EventKind) -> String {
             decode,
             computed,
         } => format!("prefill {prefill} decode {decode} computed {computed}"),
+        EventKind::PrefixLookup {
+            tokens,
+            block_size,
+            computed_blocks,
+            hashes,
+        } => format!(
+            "{tokens} tokens, {} full blocks of {block_size}, {computed_blocks} on G1{}",
+            hashes.len(),
+            hashes
+                .first()
+                .map_or(String::new(), |h| format!(" from {h}"))
+        ),
     }
 }
 

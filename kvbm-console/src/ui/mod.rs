@@ -2,7 +2,8 @@
 //!
 //! Each view ([`slots::Slots`], [`detail::Detail`],
 //! [`transfers::Transfers`], [`pools::Pools`], [`hist::Histograms`],
-//! [`breakpoints::Breakpoints`], [`events::EventLog`]) owns its rows, its
+//! [`breakpoints::Breakpoints`], [`events::EventLog`],
+//! [`capacity::Capacity`]) owns its rows, its
 //! selection and, where it has one, its filter. It implements [`View`]:
 //! [`View::update`] computes the rows from the [`Model`] in the update
 //! step, and [`View::draw`] takes `&self`, so drawing cannot change state.
@@ -14,6 +15,7 @@
 //! mouse clicks are mapped with the same arithmetic that drew the screen.
 
 pub mod breakpoints;
+pub mod capacity;
 pub mod chrome;
 pub mod columns;
 pub mod detail;
@@ -128,6 +130,8 @@ pub struct Views {
     pub breakpoints: breakpoints::Breakpoints,
     /// The event log.
     pub events: events::EventLog,
+    /// Hit ratio by capacity, miss reasons.
+    pub capacity: capacity::Capacity,
     /// The open request's detail, over whichever view is selected.
     pub detail: Option<detail::Detail>,
 }
@@ -143,6 +147,7 @@ impl Views {
             histograms: hist::Histograms::default(),
             breakpoints: breakpoints::Breakpoints::default(),
             events: events::EventLog::default(),
+            capacity: capacity::Capacity::default(),
             detail: None,
         }
     }
@@ -158,6 +163,7 @@ impl Views {
                 ViewId::Histograms => &self.histograms,
                 ViewId::Breakpoints => &self.breakpoints,
                 ViewId::Events => &self.events,
+                ViewId::Capacity => &self.capacity,
             },
         }
     }
@@ -173,6 +179,7 @@ impl Views {
                 ViewId::Histograms => &mut self.histograms,
                 ViewId::Breakpoints => &mut self.breakpoints,
                 ViewId::Events => &mut self.events,
+                ViewId::Capacity => &mut self.capacity,
             },
         }
     }

@@ -89,6 +89,8 @@
 //!   one that is paused there. A resume with nothing paused is an
 //!   inconsistency.
 //! - `HookCall`: counted per entry point and phase.
+//! - `PrefixLookup`: counted; it changes no state (the recorder's capacity
+//!   analysis reads the hashes it carries).
 //!
 //! An event that needs a slot (transition, tokens, or a per-request
 //! match/allocation/release) and names a request with no slot counts as
@@ -530,6 +532,9 @@ impl EngineState {
                     }
                 }
             }
+            // What a request looked up is the capacity analysis's input
+            // (kvbm-recorder); the engine's state does not change.
+            EventKind::PrefixLookup { .. } => {}
         }
     }
 

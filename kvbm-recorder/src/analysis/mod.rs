@@ -22,11 +22,13 @@
 //! | [`check`](mod@check) | the invariants CI asserts on a replay | [`check::check`] |
 //! | [`export`] | JSON lines, Chrome trace JSON (Perfetto) | [`export::write_jsonl`], [`export::write_chrome_trace`] |
 //! | [`diff`](mod@diff) | the first divergence between two streams | [`diff::diff`] |
+//! | [`capacity`] | hit ratio at every cache size, miss reasons | [`capacity::CapacityAnalyzer::from_events`] |
 //!
 //! None of them panics on any input: a malformed stream (events out of
 //! order, unknown requests, transfers that never started) is reported or
 //! counted, never fatal.
 
+pub mod capacity;
 pub mod check;
 pub mod diff;
 pub mod export;

@@ -1,7 +1,9 @@
 //! The `kvbm-recorder` command line: the commands and their options
 //! ([`Cli`]), and [`run`], which hands each command to its module:
-//! [`record`] writes a log, [`read`] reads one back.
+//! [`record`] writes a log, [`read`] reads one back, [`capacity`] asks what
+//! every cache size would have given.
 
+mod capacity;
 mod read;
 mod record;
 
@@ -180,6 +182,48 @@ enum Command {
         /// The shell.
         shell: clap_complete::Shell,
     },
+    /// The prefix-hit ratio an LRU cache of every capacity would have had
+    /// on the requests of a log (or of a Mooncake trace, with no
+    /// simulation), the ceiling, what the run's own tiers got, and why
+    /// each miss missed.
+    Capacity {
+        /// Log directory (or give --trace).
+        log: Option<PathBuf>,
+        /// A Mooncake trace (JSON lines with hash_ids of 512-token
+        /// blocks) instead of a log.
+        #[arg(long, conflicts_with = "log")]
+        trace: Option<PathBuf>,
+        /// Capacities to report, in tokens, comma-separated; K, M and G
+        /// are powers of 1024.
+        #[arg(long, default_value = "1M,3M,10M,50M", value_parser = parse_capacities)]
+        capacities: Capacities,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Also draw the curve into this SVG file.
+        #[arg(long)]
+        svg: Option<PathBuf>,
+        /// Sample blocks by hash (SHARDS) at this rate in (0, 1] instead
+        /// of computing exactly.
+        #[arg(long, conflicts_with = "max_exact_blocks")]
+        sample: Option<f64>,
+        /// Exact while at most this many distinct blocks are held, then
+        /// sampled at a rate halved each time the cap is reached again.
+        #[arg(long)]
+        max_exact_blocks: Option<usize>,
+        /// Tokens per block, for logs that do not say (vLLM's KV events):
+        /// the re-store bound's capacities are then in tokens.
+        #[arg(long)]
+        block_size: Option<u32>,
+    },
+}
+
+/// Capacities in tokens (a type of its own so clap takes the list whole).
+#[derive(Debug, Clone)]
+struct Capacities(Vec<u64>);
+
+fn parse_capacities(s: &str) -> Result<Capacities, String> {
+    kvbm_recorder::analysis::capacity::parse_capacities(s).map(Capacities)
 }
 
 /// Runs one command; its exit status.
@@ -214,5 +258,24 @@ pub fn run(cli: Cli) -> Result<i32> {
                 _ => Ok(0),
             }
         }
+        Command::Capacity {
+            log,
+            trace,
+            capacities,
+            json,
+            svg,
+            sample,
+            max_exact_blocks,
+            block_size,
+        } => capacity::capacity(&capacity::CapacityArgs {
+            log,
+            trace,
+            capacities: capacities.0,
+            json,
+            svg,
+            sample,
+            max_exact_blocks,
+            block_size,
+        }),
     }
 }

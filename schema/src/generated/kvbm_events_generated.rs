@@ -497,10 +497,10 @@ impl ::flatbuffers::SimpleToVerifyInSlice for SlotStateKind {}
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 pub const ENUM_MIN_EVENT_KIND: u8 = 0;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
-pub const ENUM_MAX_EVENT_KIND: u8 = 20;
+pub const ENUM_MAX_EVENT_KIND: u8 = 21;
 #[deprecated(since = "2.0.0", note = "Use associated constants instead. This will no longer be generated in 2021.")]
 #[allow(non_camel_case_types)]
-pub const ENUM_VALUES_EVENT_KIND: [EventKind; 21] = [
+pub const ENUM_VALUES_EVENT_KIND: [EventKind; 22] = [
   EventKind::NONE,
   EventKind::SlotCreated,
   EventKind::SlotTransition,
@@ -522,6 +522,7 @@ pub const ENUM_VALUES_EVENT_KIND: [EventKind; 21] = [
   EventKind::BreakpointHit,
   EventKind::Resumed,
   EventKind::TokensScheduled,
+  EventKind::PrefixLookup,
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -550,9 +551,10 @@ impl EventKind {
   pub const BreakpointHit: Self = Self(18);
   pub const Resumed: Self = Self(19);
   pub const TokensScheduled: Self = Self(20);
+  pub const PrefixLookup: Self = Self(21);
 
   pub const ENUM_MIN: u8 = 0;
-  pub const ENUM_MAX: u8 = 20;
+  pub const ENUM_MAX: u8 = 21;
   pub const ENUM_VALUES: &'static [Self] = &[
     Self::NONE,
     Self::SlotCreated,
@@ -575,6 +577,7 @@ impl EventKind {
     Self::BreakpointHit,
     Self::Resumed,
     Self::TokensScheduled,
+    Self::PrefixLookup,
   ];
   /// Returns the variant's name or "" if unknown.
   pub fn variant_name(self) -> Option<&'static str> {
@@ -600,6 +603,7 @@ impl EventKind {
       Self::BreakpointHit => Some("BreakpointHit"),
       Self::Resumed => Some("Resumed"),
       Self::TokensScheduled => Some("TokensScheduled"),
+      Self::PrefixLookup => Some("PrefixLookup"),
       _ => None,
     }
   }
@@ -5746,6 +5750,154 @@ impl ::core::fmt::Debug for TokensScheduled<'_> {
       ds.finish()
   }
 }
+pub enum PrefixLookupOffset {}
+#[derive(Copy, Clone, PartialEq)]
+
+pub struct PrefixLookup<'a> {
+  pub _tab: ::flatbuffers::Table<'a>,
+}
+
+impl<'a> ::flatbuffers::Follow<'a> for PrefixLookup<'a> {
+  type Inner = PrefixLookup<'a>;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    Self { _tab: unsafe { ::flatbuffers::Table::new(buf, loc) } }
+  }
+}
+
+impl<'a> PrefixLookup<'a> {
+  pub const VT_TOKENS: ::flatbuffers::VOffsetT = 4;
+  pub const VT_BLOCK_SIZE: ::flatbuffers::VOffsetT = 6;
+  pub const VT_COMPUTED_BLOCKS: ::flatbuffers::VOffsetT = 8;
+  pub const VT_HASHES: ::flatbuffers::VOffsetT = 10;
+
+  #[inline]
+  pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
+    PrefixLookup { _tab: table }
+  }
+  #[allow(unused_mut)]
+  pub fn create<'bldr: 'args, 'args: 'mut_bldr, 'mut_bldr, A: ::flatbuffers::Allocator + 'bldr>(
+    _fbb: &'mut_bldr mut ::flatbuffers::FlatBufferBuilder<'bldr, A>,
+    args: &'args PrefixLookupArgs<'args>
+  ) -> ::flatbuffers::WIPOffset<PrefixLookup<'bldr>> {
+    let mut builder = PrefixLookupBuilder::new(_fbb);
+    if let Some(x) = args.hashes { builder.add_hashes(x); }
+    builder.add_computed_blocks(args.computed_blocks);
+    builder.add_block_size(args.block_size);
+    builder.add_tokens(args.tokens);
+    builder.finish()
+  }
+
+
+  #[inline]
+  pub fn tokens(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(PrefixLookup::VT_TOKENS, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn block_size(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(PrefixLookup::VT_BLOCK_SIZE, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn computed_blocks(&self) -> u32 {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<u32>(PrefixLookup::VT_COMPUTED_BLOCKS, Some(0)).unwrap()}
+  }
+  #[inline]
+  pub fn hashes(&self) -> ::flatbuffers::Vector<'a, u64> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, u64>>>(PrefixLookup::VT_HASHES, None).unwrap()}
+  }
+}
+
+impl ::flatbuffers::Verifiable for PrefixLookup<'_> {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.visit_table(pos)?
+     .visit_field::<u32>("tokens", Self::VT_TOKENS, false)?
+     .visit_field::<u32>("block_size", Self::VT_BLOCK_SIZE, false)?
+     .visit_field::<u32>("computed_blocks", Self::VT_COMPUTED_BLOCKS, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, u64>>>("hashes", Self::VT_HASHES, true)?
+     .finish();
+    Ok(())
+  }
+}
+pub struct PrefixLookupArgs<'a> {
+    pub tokens: u32,
+    pub block_size: u32,
+    pub computed_blocks: u32,
+    pub hashes: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, u64>>>,
+}
+impl<'a> Default for PrefixLookupArgs<'a> {
+  #[inline]
+  fn default() -> Self {
+    PrefixLookupArgs {
+      tokens: 0,
+      block_size: 0,
+      computed_blocks: 0,
+      hashes: None, // required field
+    }
+  }
+}
+
+pub struct PrefixLookupBuilder<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> {
+  fbb_: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>,
+  start_: ::flatbuffers::WIPOffset<::flatbuffers::TableUnfinishedWIPOffset>,
+}
+impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> PrefixLookupBuilder<'a, 'b, A> {
+  #[inline]
+  pub fn add_tokens(&mut self, tokens: u32) {
+    self.fbb_.push_slot::<u32>(PrefixLookup::VT_TOKENS, tokens, 0);
+  }
+  #[inline]
+  pub fn add_block_size(&mut self, block_size: u32) {
+    self.fbb_.push_slot::<u32>(PrefixLookup::VT_BLOCK_SIZE, block_size, 0);
+  }
+  #[inline]
+  pub fn add_computed_blocks(&mut self, computed_blocks: u32) {
+    self.fbb_.push_slot::<u32>(PrefixLookup::VT_COMPUTED_BLOCKS, computed_blocks, 0);
+  }
+  #[inline]
+  pub fn add_hashes(&mut self, hashes: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , u64>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(PrefixLookup::VT_HASHES, hashes);
+  }
+  #[inline]
+  pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> PrefixLookupBuilder<'a, 'b, A> {
+    let start = _fbb.start_table();
+    PrefixLookupBuilder {
+      fbb_: _fbb,
+      start_: start,
+    }
+  }
+  #[inline]
+  pub fn finish(self) -> ::flatbuffers::WIPOffset<PrefixLookup<'a>> {
+    let o = self.fbb_.end_table(self.start_);
+    self.fbb_.required(o, PrefixLookup::VT_HASHES,"hashes");
+    ::flatbuffers::WIPOffset::new(o.value())
+  }
+}
+
+impl ::core::fmt::Debug for PrefixLookup<'_> {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+    let mut ds = f.debug_struct("PrefixLookup");
+      ds.field("tokens", &self.tokens());
+      ds.field("block_size", &self.block_size());
+      ds.field("computed_blocks", &self.computed_blocks());
+      ds.field("hashes", &self.hashes());
+      ds.finish()
+  }
+}
 pub enum EventRecordOffset {}
 #[derive(Copy, Clone, PartialEq)]
 
@@ -6149,6 +6301,21 @@ impl<'a> EventRecord<'a> {
     }
   }
 
+  #[inline]
+  #[allow(non_snake_case)]
+  pub fn kind_as_prefix_lookup(&self) -> Option<PrefixLookup<'a>> {
+    if self.kind_type() == EventKind::PrefixLookup {
+      self.kind().map(|t| {
+       // Safety:
+       // Created from a valid Table for this object
+       // Which contains a valid union in this slot
+       unsafe { PrefixLookup::init_from_table(t) }
+     })
+    } else {
+      None
+    }
+  }
+
 }
 
 impl ::flatbuffers::Verifiable for EventRecord<'_> {
@@ -6185,6 +6352,7 @@ impl ::flatbuffers::Verifiable for EventRecord<'_> {
           EventKind::BreakpointHit => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<BreakpointHit>>("EventKind::BreakpointHit", pos),
           EventKind::Resumed => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<Resumed>>("EventKind::Resumed", pos),
           EventKind::TokensScheduled => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<TokensScheduled>>("EventKind::TokensScheduled", pos),
+          EventKind::PrefixLookup => v.verify_union_variant::<::flatbuffers::ForwardsUOffset<PrefixLookup>>("EventKind::PrefixLookup", pos),
           _ => Ok(()),
         }
      })?
@@ -6421,6 +6589,13 @@ impl ::core::fmt::Debug for EventRecord<'_> {
             ds.field("kind", &"InvalidFlatbuffer: Union discriminant does not match value.")
           }
         },
+        EventKind::PrefixLookup => {
+          if let Some(x) = self.kind_as_prefix_lookup() {
+            ds.field("kind", &x)
+          } else {
+            ds.field("kind", &"InvalidFlatbuffer: Union discriminant does not match value.")
+          }
+        },
         _ => {
           let x: Option<()> = None;
           ds.field("kind", &x)
@@ -6477,6 +6652,7 @@ impl<'a> EventBlock<'a> {
   pub const VT_BREAKPOINT_HIT: ::flatbuffers::VOffsetT = 62;
   pub const VT_RESUMED: ::flatbuffers::VOffsetT = 64;
   pub const VT_TOKENS_SCHEDULED: ::flatbuffers::VOffsetT = 66;
+  pub const VT_PREFIX_LOOKUP: ::flatbuffers::VOffsetT = 68;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -6491,6 +6667,7 @@ impl<'a> EventBlock<'a> {
     builder.add_base_iteration(args.base_iteration);
     builder.add_base_ts_ns(args.base_ts_ns);
     builder.add_base_seq(args.base_seq);
+    if let Some(x) = args.prefix_lookup { builder.add_prefix_lookup(x); }
     if let Some(x) = args.tokens_scheduled { builder.add_tokens_scheduled(x); }
     if let Some(x) = args.resumed { builder.add_resumed(x); }
     if let Some(x) = args.breakpoint_hit { builder.add_breakpoint_hit(x); }
@@ -6748,6 +6925,13 @@ impl<'a> EventBlock<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, TokensScheduledRow>>>(EventBlock::VT_TOKENS_SCHEDULED, None)}
   }
+  #[inline]
+  pub fn prefix_lookup(&self) -> Option<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<PrefixLookup<'a>>>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<PrefixLookup>>>>(EventBlock::VT_PREFIX_LOOKUP, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for EventBlock<'_> {
@@ -6788,6 +6972,7 @@ impl ::flatbuffers::Verifiable for EventBlock<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, BreakpointHitRow>>>("breakpoint_hit", Self::VT_BREAKPOINT_HIT, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ResumedRow>>>("resumed", Self::VT_RESUMED, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, TokensScheduledRow>>>("tokens_scheduled", Self::VT_TOKENS_SCHEDULED, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<PrefixLookup>>>>("prefix_lookup", Self::VT_PREFIX_LOOKUP, false)?
      .finish();
     Ok(())
   }
@@ -6825,6 +7010,7 @@ pub struct EventBlockArgs<'a> {
     pub breakpoint_hit: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, BreakpointHitRow>>>,
     pub resumed: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ResumedRow>>>,
     pub tokens_scheduled: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, TokensScheduledRow>>>,
+    pub prefix_lookup: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<PrefixLookup<'a>>>>>,
 }
 impl<'a> Default for EventBlockArgs<'a> {
   #[inline]
@@ -6862,6 +7048,7 @@ impl<'a> Default for EventBlockArgs<'a> {
       breakpoint_hit: None,
       resumed: None,
       tokens_scheduled: None,
+      prefix_lookup: None,
     }
   }
 }
@@ -7000,6 +7187,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> EventBlockBuilder<'a, 'b, A> 
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_TOKENS_SCHEDULED, tokens_scheduled);
   }
   #[inline]
+  pub fn add_prefix_lookup(&mut self, prefix_lookup: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ::flatbuffers::ForwardsUOffset<PrefixLookup<'b >>>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_PREFIX_LOOKUP, prefix_lookup);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> EventBlockBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     EventBlockBuilder {
@@ -7054,6 +7245,7 @@ impl ::core::fmt::Debug for EventBlock<'_> {
       ds.field("breakpoint_hit", &self.breakpoint_hit());
       ds.field("resumed", &self.resumed());
       ds.field("tokens_scheduled", &self.tokens_scheduled());
+      ds.field("prefix_lookup", &self.prefix_lookup());
       ds.finish()
   }
 }
