@@ -5,6 +5,8 @@
 //!   WebSocket stream with backfill, a reducer snapshot, Prometheus
 //!   metrics, a health check and breakpoint control over an
 //!   `Arc<dyn kvbm_events::control::Control>`.
+//! - [`nats`] (feature `nats`): the fleet's event plane over NATS
+//!   JetStream: a publisher, the consumers, control by request-reply.
 //! - [`client`] (feature `client`): follows a server with reconnection and
 //!   resume, and sends control commands.
 
@@ -12,3 +14,5 @@
 pub mod client;
 #[cfg(feature = "server")]
 pub mod server;
+#[cfg(feature = "nats")]
+pub mod nats;
