@@ -44,6 +44,10 @@ pub mod track;
 pub mod wire;
 
 use async_nats::jetstream;
+
+/// The NATS client this plane is built on, for callers that hold its
+/// messages (a recorder acknowledging them).
+pub use async_nats;
 use std::time::Duration;
 
 /// The stream that holds every engine's event batches.
