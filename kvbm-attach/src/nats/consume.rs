@@ -177,9 +177,10 @@ impl DurableConfig {
     }
 }
 
-/// Creates (or finds) the durable consumer and returns its message
-/// stream. A consumer that exists with another filter is refused with a
-/// message saying so.
+/// Creates the durable consumer, or takes over the one an earlier
+/// recorder left (resuming right after what it acknowledged), and returns
+/// its message stream. A consumer that exists with another filter is
+/// refused with a message saying so.
 pub async fn durable_messages(
     js: &jetstream::Context,
     cfg: &DurableConfig,
@@ -191,7 +192,7 @@ pub async fn durable_messages(
         ))
     })?;
     let stream = ensure_stream(js, &cfg.limits).await?;
-    let config = consumer::pull::Config {
+    let mut config = consumer::pull::Config {
         durable_name: Some(cfg.name.clone()),
         deliver_policy: consumer::DeliverPolicy::All,
         ack_policy: consumer::AckPolicy::All,
@@ -200,24 +201,39 @@ pub async fn durable_messages(
         filter_subject: cfg.filter.subject(),
         ..Default::default()
     };
-    let consumer: consumer::PullConsumer = match stream.get_consumer(&cfg.name).await {
-        Ok(c) => {
-            let c: consumer::PullConsumer = c;
-            let have = c.cached_info().config.filter_subject.clone();
-            if have != config.filter_subject {
-                return Err(NatsError::Nats(format!(
-                    "consumer {} exists on {STREAM} with filter {have:?}, not {:?}: \
-                     use another --consumer name",
-                    cfg.name, config.filter_subject
-                )));
-            }
-            c
-        }
-        Err(_) => stream
-            .create_consumer(config)
+    // A consumer left by an earlier recorder: resume right after its ack
+    // floor. Its messages delivered and not acknowledged would otherwise
+    // come back only after `ack_wait`, behind newer ones, and the seqs
+    // would run backwards; recreating it from the floor keeps the stream's
+    // order.
+    if let Ok(mut old) = stream.get_consumer::<consumer::pull::Config>(&cfg.name).await {
+        let info = old
+            .info()
             .await
-            .map_err(|e| NatsError::Nats(format!("creating consumer {}: {e}", cfg.name)))?,
-    };
+            .map_err(|e| NatsError::Nats(format!("consumer {}: {e}", cfg.name)))?
+            .clone();
+        if info.config.filter_subject != config.filter_subject {
+            return Err(NatsError::Nats(format!(
+                "consumer {} exists on {STREAM} with filter {:?}, not {:?}: \
+                 use another --consumer name",
+                cfg.name, info.config.filter_subject, config.filter_subject
+            )));
+        }
+        let floor = info.ack_floor.stream_sequence;
+        if floor > 0 {
+            config.deliver_policy = consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: floor + 1,
+            };
+        }
+        stream
+            .delete_consumer(&cfg.name)
+            .await
+            .map_err(|e| NatsError::Nats(format!("consumer {}: {e}", cfg.name)))?;
+    }
+    let consumer: consumer::PullConsumer = stream
+        .create_consumer(config)
+        .await
+        .map_err(|e| NatsError::Nats(format!("creating consumer {}: {e}", cfg.name)))?;
     consumer
         .stream()
         .max_messages_per_batch(256)
