@@ -256,38 +256,55 @@ pub fn bridge(a: &BridgeArgs) -> Result<i32> {
     let bus = Arc::new(kvbm_events::bus::EventBus::<Event>::new(Default::default())?);
     let tap = bus.take_tap().context("the bridge's tap")?;
     let publisher = Publisher::spawn(tap, PublisherConfig::new(&a.to, &a.engine_id), rt.handle())?;
-    let mut src = ZmqSource::spawn(cfg, rt.handle());
-    let handle = src.handle();
-    eprintln!("bridging {} to {} as engine {}", a.from, a.to, a.engine_id);
     let deadline = a.duration_s.map(|d| Instant::now() + Duration::from_secs_f64(d));
-    let why = rt.block_on(async {
+    eprintln!("bridging {} to {} as engine {}", a.from, a.to, a.engine_id);
+    // The pure-Rust ZMQ socket refuses to connect to a publisher that is not
+    // listening yet (an engine still starting), so the source is started
+    // again until it connects; once subscribed, ZMQ reconnects by itself.
+    let mut reconnects = 0u64;
+    let (why, handle) = rt.block_on(async {
         let stop = interrupted();
         tokio::pin!(stop);
-        let mut tick = tokio::time::interval(Duration::from_millis(200));
         loop {
-            tokio::select! {
-                item = src.recv() => match item {
-                    None => return "the zmq source stopped",
-                    Some(ZmqItem::Events(events)) => for e in events { bus.publish(e) },
-                    Some(ZmqItem::Gap { from_seq, to_seq }) => {
-                        // The translator leaves a seq unused per lost
-                        // batch, so the recorder sees the hole too.
-                        eprintln!("zmq gap: publisher batches {from_seq}..={to_seq} missed");
+            let mut src = ZmqSource::spawn(cfg.clone(), rt.handle());
+            let handle = src.handle();
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            let mut got_any = false;
+            let ended = loop {
+                tokio::select! {
+                    item = src.recv() => match item {
+                        None => break None,
+                        Some(ZmqItem::Events(events)) => {
+                            got_any = true;
+                            for e in events { bus.publish(e) }
+                        }
+                        Some(ZmqItem::Gap { from_seq, to_seq }) => {
+                            // The translator leaves a seq unused per lost
+                            // batch, so the recorder sees the hole too.
+                            eprintln!("zmq gap: publisher batches {from_seq}..={to_seq} missed");
+                        }
+                        Some(ZmqItem::Restart { last_seq, new_seq }) => {
+                            eprintln!("zmq publisher restarted (seq {last_seq} then {new_seq})");
+                        }
+                    },
+                    _ = tick.tick() => {
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            break Some("--duration-s reached");
+                        }
                     }
-                    Some(ZmqItem::Restart { last_seq, new_seq }) => {
-                        eprintln!("zmq publisher restarted (seq {last_seq} then {new_seq})");
-                    }
-                },
-                _ = tick.tick() => {
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return "--duration-s reached";
-                    }
+                    _ = &mut stop => break Some("interrupted"),
                 }
-                _ = &mut stop => return "interrupted",
+            };
+            match ended {
+                Some(why) => return (why, handle),
+                None if got_any => return ("the zmq source stopped", handle),
+                None => {
+                    reconnects += 1;
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
             }
         }
     });
-    drop(src);
     let zmq = handle.counters();
     let c = std::thread::scope(|s| {
         s.spawn(|| publisher.stop(Duration::from_secs_f64(a.drain_s)))
@@ -295,7 +312,7 @@ pub fn bridge(a: &BridgeArgs) -> Result<i32> {
     })
     .map_err(|_| anyhow::anyhow!("the publisher panicked"))?;
     println!(
-        "bridged {} events to {} as {} ({} batches; {} dropped, {} publish errors; zmq: {} gaps, {} malformed) ({why})",
+        "bridged {} events to {} as {} ({} batches; {} dropped, {} publish errors; zmq: {} gaps, {} malformed, {reconnects} connection retries) ({why})",
         c.events_sent,
         a.to,
         a.engine_id,
