@@ -12,7 +12,7 @@
 
 #[cfg(feature = "client")]
 pub mod client;
-#[cfg(feature = "server")]
-pub mod server;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "server")]
+pub mod server;

@@ -140,7 +140,6 @@ impl Drop for Tmux {
     }
 }
 
-
 struct Sims(Vec<Child>);
 
 impl Drop for Sims {
@@ -192,7 +191,9 @@ fn fleet_console_drills_in_and_breaks_on_one_engine_through_nats() {
             .collect(),
     );
     let t = Tmux::start("fleet", &["attach", &url], 160, 48);
-    t.wait_for("eight live engines", 60, |s| s.contains("engines 8 (live 8"));
+    t.wait_for("eight live engines", 60, |s| {
+        s.contains("engines 8 (live 8")
+    });
 
     // Drill into eng-3: filter to it, Enter.
     t.send("/");
@@ -213,7 +214,9 @@ fn fleet_console_drills_in_and_breaks_on_one_engine_through_nats() {
     t.send("a");
     t.type_text("state=Decoding");
     t.send("Enter");
-    t.wait_for("the breakpoint set", 15, |s| s.contains("breakpoint #1 set"));
+    t.wait_for("the breakpoint set", 15, |s| {
+        s.contains("breakpoint #1 set")
+    });
     t.wait_for("a paused call", 60, |s| s.contains("Paused calls — 1"));
 
     // Back to the fleet: the pause shows on eng-3's row only.
@@ -233,7 +236,9 @@ fn fleet_console_drills_in_and_breaks_on_one_engine_through_nats() {
     t.type_text("eng-3");
     t.send("Enter");
     t.send("Enter");
-    t.wait_for("eng-3's breakpoints again", 15, |s| s.contains("Breakpoints — 1"));
+    t.wait_for("eng-3's breakpoints again", 15, |s| {
+        s.contains("Breakpoints — 1")
+    });
     t.send("D");
     t.wait_for("cleared", 15, |s| s.contains("1 breakpoints cleared"));
     t.wait_for("nothing paused", 30, |s| s.contains("paused 0"));

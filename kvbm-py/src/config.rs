@@ -250,7 +250,10 @@ impl Config {
         }
         match (&c.publish, &c.engine_id) {
             (Some(_), None) => {
-                return Err(bad("engine_id", "required with publish (the engine's name on NATS)"));
+                return Err(bad(
+                    "engine_id",
+                    "required with publish (the engine's name on NATS)",
+                ));
             }
             (None, Some(_)) => return Err(bad("engine_id", "set without publish")),
             _ => {}
@@ -341,10 +344,16 @@ mod tests {
             (json!({"breakpoint_deadline_s": 0}), "breakpoint_deadline_s"),
             (json!({"token": "t"}), "token"),
             (json!({"record": ""}), "record"),
-            (json!({"publish": "http://x:1", "engine_id": "a"}), "publish"),
+            (
+                json!({"publish": "http://x:1", "engine_id": "a"}),
+                "publish",
+            ),
             (json!({"publish": "nats://127.0.0.1:4222"}), "engine_id"),
             (json!({"engine_id": "a"}), "engine_id"),
-            (json!({"publish": "nats://127.0.0.1:4222", "engine_id": "a.b"}), "engine_id"),
+            (
+                json!({"publish": "nats://127.0.0.1:4222", "engine_id": "a.b"}),
+                "engine_id",
+            ),
             (
                 json!({"publish": "nats://127.0.0.1:4222", "engine_id": "a", "record": "/tmp/r"}),
                 "publish",

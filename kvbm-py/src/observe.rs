@@ -63,7 +63,10 @@ impl Observers {
                     .map_err(|e| format!("kv_connector_extra_config `publish`: {e}"))?,
             );
             let client = runtime
-                .block_on(kvbm_attach::nats::connect(url, &format!("kvbm-py {engine_id}")))
+                .block_on(kvbm_attach::nats::connect(
+                    url,
+                    &format!("kvbm-py {engine_id}"),
+                ))
                 .map_err(|e| format!("kv_connector_extra_config `publish`: {e}"))?;
             let responder = ControlResponder::new(
                 breakpoints.clone(),

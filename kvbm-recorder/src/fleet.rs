@@ -179,7 +179,12 @@ impl FleetWriter {
     /// Snapshots are off (`cfg.snapshot_every_events` is ignored): a
     /// fleet recorder writes as fast as the stream delivers, and readers
     /// build their own checkpoints.
-    pub fn open(dir: &Path, source: &str, consumer: Option<&str>, cfg: RecorderConfig) -> Result<Self, FleetError> {
+    pub fn open(
+        dir: &Path,
+        source: &str,
+        consumer: Option<&str>,
+        cfg: RecorderConfig,
+    ) -> Result<Self, FleetError> {
         let cfg = RecorderConfig {
             snapshot_every_events: 0,
             ..cfg
@@ -192,7 +197,8 @@ impl FleetWriter {
             if not_empty {
                 return Err(FleetError::Manifest {
                     path: mpath,
-                    message: "the directory exists, is not empty and holds no fleet recording".into(),
+                    message: "the directory exists, is not empty and holds no fleet recording"
+                        .into(),
                 });
             }
             FleetManifest {
@@ -251,7 +257,12 @@ impl FleetWriter {
                 Some(n) => (n.clone(), true),
                 None => {
                     // A new run: the engine's name, or name.k after a restart.
-                    let runs = self.manifest.logs.values().filter(|e| e.engine == engine).count();
+                    let runs = self
+                        .manifest
+                        .logs
+                        .values()
+                        .filter(|e| e.engine == engine)
+                        .count();
                     let name = if runs == 0 {
                         engine.to_string()
                     } else {
@@ -278,7 +289,11 @@ impl FleetWriter {
             let mut sink = RecordingSink::resume(&dir, &self.cfg).map_err(wrap)?;
             let rec = sink.recording().clone();
             sink.set_source(format!("{}#{engine}", self.manifest.source));
-            let declared = self.manifest.logs.get(&name).map_or(0, |e| e.declared_dropped);
+            let declared = self
+                .manifest
+                .logs
+                .get(&name)
+                .map_or(0, |e| e.declared_dropped);
             let tracker = match (rec.first_seq, rec.last_seq) {
                 (Some(f), Some(l)) => {
                     if resumed && rec.missed_before_start == 0 && f > 0 {
@@ -291,14 +306,26 @@ impl FleetWriter {
                     ..Tracker::default()
                 },
             };
-            self.open.insert(key.clone(), OpenLog { name, sink, tracker });
+            self.open.insert(
+                key.clone(),
+                OpenLog {
+                    name,
+                    sink,
+                    tracker,
+                },
+            );
         }
         Ok(self.open.get_mut(&key).expect("inserted above"))
     }
 
     /// Applies one batch of `engine`: each event written once, a gap
     /// written where its seqs jump.
-    pub fn apply(&mut self, engine: &str, header: &BatchHeader, events: &[Event]) -> Result<Applied, FleetError> {
+    pub fn apply(
+        &mut self,
+        engine: &str,
+        header: &BatchHeader,
+        events: &[Event],
+    ) -> Result<Applied, FleetError> {
         let dir = self.dir.clone();
         let log = self.log_for(engine, header.run)?;
         log.tracker.declared(header.dropped_before);
@@ -345,7 +372,10 @@ impl FleetWriter {
             Some(l) => l.refused += 1,
             None => self.manifest.refused_unattributed += 1,
         }
-        self.manifest.last_refusal = Some(kvbm_events::text::clip(why, kvbm_events::text::MAX_MESSAGE_CHARS));
+        self.manifest.last_refusal = Some(kvbm_events::text::clip(
+            why,
+            kvbm_events::text::MAX_MESSAGE_CHARS,
+        ));
     }
 
     /// Every log handed to the OS, every sidecar and the manifest written:
@@ -580,7 +610,8 @@ mod tests {
     fn a_directory_with_something_else_in_it_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
         std::fs::write(tmp.path().join("x"), b"1").unwrap();
-        let e = FleetWriter::open(tmp.path(), "nats://x:1", None, RecorderConfig::default()).unwrap_err();
+        let e = FleetWriter::open(tmp.path(), "nats://x:1", None, RecorderConfig::default())
+            .unwrap_err();
         assert!(e.to_string().contains("holds no fleet recording"), "{e}");
     }
 }

@@ -89,8 +89,14 @@ fn sim_result(dir: &Path, name: &str) -> (u64, Value) {
         .unwrap_or_else(|| panic!("{name}: no publisher line in its stderr:\n{err}"));
     let p: Value = serde_json::from_str(line).unwrap();
     let emitted = p["events_in"].as_u64().unwrap() + p["tap_dropped"].as_u64().unwrap();
-    assert!(report["events_emitted"].as_u64().unwrap() <= emitted, "{name}: {report} {p}");
-    assert!(report["events_emitted"].as_u64().unwrap() > 1000, "{name}: {report}");
+    assert!(
+        report["events_emitted"].as_u64().unwrap() <= emitted,
+        "{name}: {report} {p}"
+    );
+    assert!(
+        report["events_emitted"].as_u64().unwrap() > 1000,
+        "{name}: {report}"
+    );
     (emitted, p)
 }
 
@@ -123,8 +129,8 @@ fn assert_exactly_once(out: &Path, emitted: &[(String, u64)], recorder_log: &Pat
         assert_eq!(e["losses"]["holes"].as_u64(), Some(0), "{name}: {e}");
         assert_eq!(e["losses"]["unexplained"].as_u64(), Some(0), "{name}: {e}");
         // Not only the counts: the log itself, seq by seq.
-        let read = kvbm_recorder::recorder::read_events(&out.join("engines").join(name), |_| {})
-            .unwrap();
+        let read =
+            kvbm_recorder::recorder::read_events(&out.join("engines").join(name), |_| {}).unwrap();
         assert!(read.damage.is_none(), "{name}: {:?}", read.damage);
         let seqs: Vec<u64> = read.events.iter().map(|e| e.seq).collect();
         assert!(
@@ -168,7 +174,11 @@ fn eight_engines_arrive_exactly_once() {
     for (s, n) in sims.iter_mut().zip(&names) {
         assert!(wait(s, n, Duration::from_secs(60)).success(), "{n} failed");
         let (events, publisher) = sim_result(tmp.path(), n);
-        assert_eq!(publisher["events_sent"].as_u64(), Some(events), "{n}: {publisher}");
+        assert_eq!(
+            publisher["events_sent"].as_u64(),
+            Some(events),
+            "{n}: {publisher}"
+        );
         assert_eq!(publisher["dropped"].as_u64(), Some(0), "{n}: {publisher}");
         emitted.push((n.clone(), events));
     }
@@ -197,7 +207,14 @@ fn exactly_once_through_recorder_kills_and_a_server_restart() {
                 &nats.url(),
                 n,
                 &[
-                    "--requests", "80", "--rate", "12", "--real-time", "1", "--seed", &seed,
+                    "--requests",
+                    "80",
+                    "--rate",
+                    "12",
+                    "--real-time",
+                    "1",
+                    "--seed",
+                    &seed,
                 ],
                 tmp.path(),
             )
@@ -231,7 +248,11 @@ fn exactly_once_through_recorder_kills_and_a_server_restart() {
     for (s, n) in sims.iter_mut().zip(&names) {
         assert!(wait(s, n, Duration::from_secs(90)).success(), "{n} failed");
         let (events, publisher) = sim_result(tmp.path(), n);
-        assert_eq!(publisher["events_sent"].as_u64(), Some(events), "{n}: {publisher}");
+        assert_eq!(
+            publisher["events_sent"].as_u64(),
+            Some(events),
+            "{n}: {publisher}"
+        );
         emitted.push((n.clone(), events));
     }
     assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
@@ -289,13 +310,19 @@ fn a_publisher_cut_off_declares_its_drops_and_loses_nothing_later() {
     let until = |what: &str, f: &dyn Fn() -> bool| {
         let t = Instant::now();
         while !f() {
-            assert!(t.elapsed() < Duration::from_secs(20), "{what}: {:?}", publisher.counters());
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "{what}: {:?}",
+                publisher.counters()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     };
     until("connected", &|| publisher.counters().connected);
     emit(20_000);
-    until("the first events sent", &|| publisher.counters().events_sent == 20_000);
+    until("the first events sent", &|| {
+        publisher.counters().events_sent == 20_000
+    });
     nats.stop();
     emit(100_000);
     until("drops while cut off", &|| publisher.counters().dropped > 0);
@@ -321,18 +348,24 @@ fn a_publisher_cut_off_declares_its_drops_and_loses_nothing_later() {
     let e = &v["engines"]["cut-off"];
     assert_eq!(e["events"].as_u64(), Some(c.events_sent), "{e}");
     assert_eq!(e["losses"]["holes"].as_u64(), Some(c.dropped), "{e}");
-    assert_eq!(e["losses"]["declared_by_publisher"].as_u64(), Some(c.dropped), "{e}");
+    assert_eq!(
+        e["losses"]["declared_by_publisher"].as_u64(),
+        Some(c.dropped),
+        "{e}"
+    );
     assert_eq!(e["losses"]["unexplained"].as_u64(), Some(0), "{e}");
     // Everything emitted after the server came back is there.
-    let read =
-        kvbm_recorder::recorder::read_events(&out.join("engines/cut-off"), |_| {}).unwrap();
+    let read = kvbm_recorder::recorder::read_events(&out.join("engines/cut-off"), |_| {}).unwrap();
     let tail: Vec<u64> = read
         .events
         .iter()
         .map(|e| e.seq)
         .filter(|s| *s >= before_after)
         .collect();
-    assert!(tail.iter().copied().eq(before_after..140_000), "later events lost");
+    assert!(
+        tail.iter().copied().eq(before_after..140_000),
+        "later events lost"
+    );
     // And so is everything sent before the outage.
     assert!(read.events.iter().map(|e| e.seq).take(20_000).eq(0..20_000));
 }

@@ -69,11 +69,8 @@ impl NatsServer {
     /// Starts a server with a store of its own, and waits until it takes
     /// connections.
     pub fn start() -> NatsServer {
-        let store = std::env::temp_dir().join(format!(
-            "kvbm-nats-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
+        let store =
+            std::env::temp_dir().join(format!("kvbm-nats-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&store).expect("creating the store directory");
         let mut s = NatsServer {
             child: None,
@@ -88,7 +85,14 @@ impl NatsServer {
     fn spawn(&mut self) {
         let log = std::fs::File::create(self.store.join("server.log")).expect("server log");
         let child = Command::new(nats_server_bin())
-            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
             .arg(self.store.join("js"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())

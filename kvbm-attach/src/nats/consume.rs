@@ -206,7 +206,10 @@ pub async fn durable_messages(
     // come back only after `ack_wait`, behind newer ones, and the seqs
     // would run backwards; recreating it from the floor keeps the stream's
     // order.
-    if let Ok(mut old) = stream.get_consumer::<consumer::pull::Config>(&cfg.name).await {
+    if let Ok(mut old) = stream
+        .get_consumer::<consumer::pull::Config>(&cfg.name)
+        .await
+    {
         let info = old
             .info()
             .await

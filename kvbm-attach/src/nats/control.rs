@@ -262,7 +262,11 @@ impl ControlResponder {
 
     /// Releases every session (the engine is going away).
     pub fn release_all(&self) {
-        let ids: Vec<u64> = lock(&self.sessions).open.drain().map(|(id, _)| id).collect();
+        let ids: Vec<u64> = lock(&self.sessions)
+            .open
+            .drain()
+            .map(|(id, _)| id)
+            .collect();
         for id in ids {
             self.control.release_owner(id);
         }
@@ -454,7 +458,14 @@ async fn keep(client: async_nats::Client, subject: String, state: Arc<Mutex<Cont
             && last_renew.elapsed() >= lease / 3
         {
             last_renew = Instant::now();
-            match request(&client, &subject, &ControlRequest::Renew { session: id }, COMMAND_TIMEOUT).await {
+            match request(
+                &client,
+                &subject,
+                &ControlRequest::Renew { session: id },
+                COMMAND_TIMEOUT,
+            )
+            .await
+            {
                 Ok(ControlReply::Ok) => {}
                 Ok(ControlReply::Error { message, .. }) => {
                     let mut st = lock(&state);
@@ -462,7 +473,9 @@ async fn keep(client: async_nats::Client, subject: String, state: Arc<Mutex<Cont
                     st.last_error = Some(message);
                 }
                 Ok(_) => {}
-                Err(e) => lock(&state).last_error = Some(format!("renewing the control session: {e}")),
+                Err(e) => {
+                    lock(&state).last_error = Some(format!("renewing the control session: {e}"))
+                }
             }
         }
         let list = ControlRequest::Command {
@@ -599,7 +612,10 @@ mod tests {
         );
         assert_eq!(*lock(&probe.owners), vec![Some(session)]);
         // Renewed, it does not lapse; not renewed, it does.
-        assert_eq!(send(&r, &ControlRequest::Renew { session }), ControlReply::Ok);
+        assert_eq!(
+            send(&r, &ControlRequest::Renew { session }),
+            ControlReply::Ok
+        );
         assert_eq!(r.expire(Instant::now()), 0);
         assert_eq!(r.expire(Instant::now() + Duration::from_secs(1)), 1);
         assert_eq!(*lock(&probe.released), vec![session]);
@@ -616,7 +632,10 @@ mod tests {
             panic!()
         };
         assert_ne!(s2, session);
-        assert_eq!(send(&r, &ControlRequest::Close { session: s2 }), ControlReply::Ok);
+        assert_eq!(
+            send(&r, &ControlRequest::Close { session: s2 }),
+            ControlReply::Ok
+        );
         assert_eq!(*lock(&probe.released), vec![session, s2]);
         assert_eq!(r.counters().expired, 1);
     }

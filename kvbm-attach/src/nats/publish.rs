@@ -183,9 +183,9 @@ impl Shared {
             buffered_bytes: q.bytes as u64,
             publish_errors: self.publish_errors.load(Ordering::Relaxed),
             last_error: lock(&self.last_error).clone(),
-            connected: lock(&self.client).as_ref().is_some_and(|c| {
-                c.connection_state() == async_nats::connection::State::Connected
-            }),
+            connected: lock(&self.client)
+                .as_ref()
+                .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected),
         }
     }
 
@@ -439,9 +439,7 @@ async fn send_loop(shared: Arc<Shared>, cfg: PublisherConfig) {
                 match acked {
                     Ok(ack) => {
                         shared.batches_sent.fetch_add(1, Ordering::Relaxed);
-                        shared
-                            .events_sent
-                            .fetch_add(batch.count, Ordering::Relaxed);
+                        shared.events_sent.fetch_add(batch.count, Ordering::Relaxed);
                         if ack.duplicate {
                             shared.duplicate_acks.fetch_add(1, Ordering::Relaxed);
                         }

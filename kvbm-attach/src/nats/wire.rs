@@ -187,7 +187,12 @@ impl BatchEncoder {
 
     /// Seals the batch into `out` (cleared first) with the given run and
     /// declared losses; returns its header, or `None` when empty.
-    pub fn seal(&mut self, run: u64, dropped_before: u64, out: &mut Vec<u8>) -> Option<BatchHeader> {
+    pub fn seal(
+        &mut self,
+        run: u64,
+        dropped_before: u64,
+        out: &mut Vec<u8>,
+    ) -> Option<BatchHeader> {
         let first = self.first.take()?;
         let count = self.block.len() as u32;
         let block = self.block.finish();
@@ -211,7 +216,10 @@ impl BatchEncoder {
         out.extend_from_slice(&dropped_before.to_le_bytes());
         if self.compress {
             let start = out.len();
-            out.resize(start + lz4_flex::block::get_maximum_output_size(block.len()), 0);
+            out.resize(
+                start + lz4_flex::block::get_maximum_output_size(block.len()),
+                0,
+            );
             // Cannot fail: the output has the maximum size LZ4 can need.
             let n = lz4_flex::block::compress_into(block, &mut out[start..]).unwrap_or(0);
             out.truncate(start + n);
@@ -445,7 +453,11 @@ mod tests {
         );
         let mut b = encode(&events, 1, 0, true).remove(0);
         b[16..24].copy_from_slice(&0u64.to_le_bytes());
-        assert!(matches!(decode(&b), Err(WireError::Mismatch { .. })), "{:?}", decode(&b));
+        assert!(
+            matches!(decode(&b), Err(WireError::Mismatch { .. })),
+            "{:?}",
+            decode(&b)
+        );
         let mut b = encode(&events, 1, 0, true).remove(0);
         b[32..36].copy_from_slice(&3u32.to_le_bytes());
         assert!(matches!(decode(&b), Err(WireError::Mismatch { .. })));

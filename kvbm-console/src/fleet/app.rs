@@ -13,7 +13,9 @@ use crate::ui::list::ListState;
 use crate::ui::{head, panel, selected};
 use kvbm_events::Tier;
 use ratatui::Frame;
-use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers, MouseEvent, MouseEventKind};
+use ratatui::crossterm::event::{
+    KeyCode, KeyEvent, KeyEventKind, KeyModifiers, MouseEvent, MouseEventKind,
+};
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
 use ratatui::text::{Line, Span};
@@ -296,7 +298,9 @@ impl FleetApp {
                 EngineSort::Rate => (-(e.rate as i64), 0),
                 EngineSort::Lag => (-(e.lag.as_millis() as i64), 0),
                 EngineSort::Requests => (-(e.requests_live() as i64), 0),
-                EngineSort::Occupancy => (-(e.occupancy(Tier::Device).unwrap_or(0.0) * 1e6) as i64, 0),
+                EngineSort::Occupancy => {
+                    (-(e.occupancy(Tier::Device).unwrap_or(0.0) * 1e6) as i64, 0)
+                }
                 EngineSort::InFlight => (-(e.state.in_flight_count() as i64), 0),
                 EngineSort::Paused => (-(e.state.paused_count() as i64), 0),
                 EngineSort::Losses => (-(e.losses() as i64), 0),
@@ -359,12 +363,19 @@ impl FleetApp {
                 }
             }
             FleetAction::Filter => {
-                let t = self.filter.as_ref().map(|f| f.text.clone()).unwrap_or_default();
+                let t = self
+                    .filter
+                    .as_ref()
+                    .map(|f| f.text.clone())
+                    .unwrap_or_default();
                 self.input = Some(Input::Filter(t));
             }
             FleetAction::Find => self.input = Some(Input::Find(String::new())),
             FleetAction::Sort => {
-                let i = EngineSort::ALL.iter().position(|s| *s == self.sort).unwrap_or(0);
+                let i = EngineSort::ALL
+                    .iter()
+                    .position(|s| *s == self.sort)
+                    .unwrap_or(0);
                 self.sort = EngineSort::ALL[(i + 1) % EngineSort::ALL.len()];
                 self.say(format!("engines sorted by {}", self.sort.name()), false);
             }
@@ -433,7 +444,9 @@ impl FleetApp {
     }
 
     fn type_key(&mut self, ev: KeyEvent) {
-        let Some(input) = self.input.as_mut() else { return };
+        let Some(input) = self.input.as_mut() else {
+            return;
+        };
         let text = match input {
             Input::Filter(t) | Input::Find(t) => t,
         };
@@ -454,7 +467,9 @@ impl FleetApp {
                 text.pop();
             }
             KeyCode::Char('c') if ev.modifiers.contains(KeyModifiers::CONTROL) => self.quit = true,
-            KeyCode::Char(c) if !ev.modifiers.contains(KeyModifiers::CONTROL) && text.len() < 256 => {
+            KeyCode::Char(c)
+                if !ev.modifiers.contains(KeyModifiers::CONTROL) && text.len() < 256 =>
+            {
                 text.push(c)
             }
             _ => {}
@@ -579,7 +594,10 @@ impl Screen for FleetApp {
             });
         }
         if let Some(flt) = &self.filter {
-            spans.push(Span::styled(format!("  filter: {}", flt.text), Style::new().fg(Color::Yellow)));
+            spans.push(Span::styled(
+                format!("  filter: {}", flt.text),
+                Style::new().fg(Color::Yellow),
+            ));
         }
         f.render_widget(Paragraph::new(Line::from(spans)), tabs);
         match self.tab {
@@ -607,7 +625,10 @@ impl Screen for FleetApp {
             for (keys, _, text) in FLEET_KEYS {
                 let k: Vec<String> = keys.iter().map(Key::label).collect();
                 lines.push(Line::from(vec![
-                    Span::styled(format!("  {:<14}", k.join(" ")), Style::new().fg(Color::Yellow)),
+                    Span::styled(
+                        format!("  {:<14}", k.join(" ")),
+                        Style::new().fg(Color::Yellow),
+                    ),
                     Span::raw(*text),
                 ]));
             }
@@ -667,9 +688,15 @@ impl FleetApp {
             FleetSource::Live(fl) => {
                 let s = fl.status();
                 let ok = s.ends_with("FOLLOWING");
-                (s, if ok { Color::Green } else { Color::Yellow }, fl.url().to_string())
+                (
+                    s,
+                    if ok { Color::Green } else { Color::Yellow },
+                    fl.url().to_string(),
+                )
             }
-            FleetSource::Recorded { label } => ("FLEET RECORDING".into(), Color::Cyan, label.clone()),
+            FleetSource::Recorded { label } => {
+                ("FLEET RECORDING".into(), Color::Cyan, label.clone())
+            }
             FleetSource::Fixed => ("SNAPSHOT".into(), Color::Gray, String::new()),
         };
         let lost_style = if losses > 0 || self.model.refused_unattributed > 0 {
@@ -680,7 +707,11 @@ impl FleetApp {
         let l1 = Line::from(vec![
             Span::styled(" kvbm fleet ", Style::new().bold()),
             Span::styled(format!(" {badge} "), Style::new().bg(tone).fg(Color::Black)),
-            Span::raw(format!(" {label}  engines {} (live {live}, stale {stale}, gone {gone})  {:.0} ev/s  ", self.model.len(), rate)),
+            Span::raw(format!(
+                " {label}  engines {} (live {live}, stale {stale}, gone {gone})  {:.0} ev/s  ",
+                self.model.len(),
+                rate
+            )),
             Span::styled(
                 format!("lost {losses}  refused {}", self.model.refused_unattributed),
                 lost_style,
@@ -761,7 +792,11 @@ impl FleetApp {
                     }),
                 ];
                 let row = Row::new(cells);
-                Some(if i == self.list.selected { row.style(selected()) } else { row })
+                Some(if i == self.list.selected {
+                    row.style(selected())
+                } else {
+                    row
+                })
             });
         let widths = [
             Constraint::Min(10),
@@ -779,7 +814,10 @@ impl FleetApp {
             Constraint::Length(6),
             Constraint::Length(6),
         ];
-        f.render_widget(Table::new(rows, widths).header(header).block(panel(title)), area);
+        f.render_widget(
+            Table::new(rows, widths).header(header).block(panel(title)),
+            area,
+        );
     }
 
     fn draw_prefixes(&self, f: &mut Frame, area: Rect) {
@@ -798,27 +836,47 @@ impl FleetApp {
             );
             return;
         }
-        let header = Row::new(["SEQUENCE HASH", "ENGINES", "ON"].map(|h| Cell::from(h).style(head())));
+        let header =
+            Row::new(["SEQUENCE HASH", "ENGINES", "ON"].map(|h| Cell::from(h).style(head())));
         let off = self.list.offset_for(p.top.len(), self.visible());
-        let rows = p.top.iter().enumerate().skip(off).take(self.visible()).map(|(i, d)| {
-            let more = d.engines.saturating_sub(d.names.len());
-            let on = if more > 0 {
-                format!("{} +{more}", d.names.join(" "))
-            } else {
-                d.names.join(" ")
-            };
-            let r = Row::new([format!("{:#018x}", d.hash.0), d.engines.to_string(), on]);
-            if i == self.list.selected { r.style(selected()) } else { r }
-        });
-        let widths = [Constraint::Length(20), Constraint::Length(8), Constraint::Min(10)];
-        f.render_widget(Table::new(rows, widths).header(header).block(panel(title)), area);
+        let rows = p
+            .top
+            .iter()
+            .enumerate()
+            .skip(off)
+            .take(self.visible())
+            .map(|(i, d)| {
+                let more = d.engines.saturating_sub(d.names.len());
+                let on = if more > 0 {
+                    format!("{} +{more}", d.names.join(" "))
+                } else {
+                    d.names.join(" ")
+                };
+                let r = Row::new([format!("{:#018x}", d.hash.0), d.engines.to_string(), on]);
+                if i == self.list.selected {
+                    r.style(selected())
+                } else {
+                    r
+                }
+            });
+        let widths = [
+            Constraint::Length(20),
+            Constraint::Length(8),
+            Constraint::Min(10),
+        ];
+        f.render_widget(
+            Table::new(rows, widths).header(header).block(panel(title)),
+            area,
+        );
     }
 
     fn draw_where(&self, f: &mut Frame, area: Rect) {
         let Some(l) = &self.located else {
             f.render_widget(
-                Paragraph::new("f: type a request id or a sequence hash (0x…) to see which engines hold it")
-                    .block(panel("Where is this prefix")),
+                Paragraph::new(
+                    "f: type a request id or a sequence hash (0x…) to see which engines hold it",
+                )
+                .block(panel("Where is this prefix")),
                 area,
             );
             return;
@@ -828,21 +886,37 @@ impl FleetApp {
         } else {
             format!(", served by {}", l.served_by.join(" "))
         };
-        let title = format!("Where is {} — {} block(s){served}", l.query, l.prefix_blocks);
-        let header = Row::new(["ENGINE", "BLOCKS", "OF PREFIX", "G1", "G2", "G3", "BYTES"].map(|h| Cell::from(h).style(head())));
+        let title = format!(
+            "Where is {} — {} block(s){served}",
+            l.query, l.prefix_blocks
+        );
+        let header = Row::new(
+            ["ENGINE", "BLOCKS", "OF PREFIX", "G1", "G2", "G3", "BYTES"]
+                .map(|h| Cell::from(h).style(head())),
+        );
         let off = self.list.offset_for(l.rows.len(), self.visible());
-        let rows = l.rows.iter().enumerate().skip(off).take(self.visible()).map(|(i, r)| {
-            let row = Row::new([
-                r.engine.clone(),
-                r.blocks.to_string(),
-                crate::fmt::pct(r.blocks, l.prefix_blocks),
-                r.per_tier[0].to_string(),
-                r.per_tier[1].to_string(),
-                r.per_tier[2].to_string(),
-                crate::fmt::bytes(r.bytes),
-            ]);
-            if i == self.list.selected { row.style(selected()) } else { row }
-        });
+        let rows = l
+            .rows
+            .iter()
+            .enumerate()
+            .skip(off)
+            .take(self.visible())
+            .map(|(i, r)| {
+                let row = Row::new([
+                    r.engine.clone(),
+                    r.blocks.to_string(),
+                    crate::fmt::pct(r.blocks, l.prefix_blocks),
+                    r.per_tier[0].to_string(),
+                    r.per_tier[1].to_string(),
+                    r.per_tier[2].to_string(),
+                    crate::fmt::bytes(r.bytes),
+                ]);
+                if i == self.list.selected {
+                    row.style(selected())
+                } else {
+                    row
+                }
+            });
         let widths = [
             Constraint::Min(10),
             Constraint::Length(7),
@@ -852,7 +926,10 @@ impl FleetApp {
             Constraint::Length(6),
             Constraint::Length(10),
         ];
-        f.render_widget(Table::new(rows, widths).header(header).block(panel(title)), area);
+        f.render_widget(
+            Table::new(rows, widths).header(header).block(panel(title)),
+            area,
+        );
     }
 }
 

@@ -25,17 +25,33 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// `kvbm-console attach nats://HOST:PORT`: the fleet, live.
-pub fn attach(url: &str, ring: usize, view: ModelConfig, rt: &tokio::runtime::Runtime) -> Result<()> {
+pub fn attach(
+    url: &str,
+    ring: usize,
+    view: ModelConfig,
+    rt: &tokio::runtime::Runtime,
+) -> Result<()> {
     kvbm_attach::nats::check_url(url)?;
-    let follower = rt.block_on(nats::FleetFollower::start(url, kvbm_attach::nats::consume::StartAt::All))?;
+    let follower = rt.block_on(nats::FleetFollower::start(
+        url,
+        kvbm_attach::nats::consume::StartAt::All,
+    ))?;
     let client = follower.client.clone();
     let handle = rt.handle().clone();
     let opener: app::Opener = Box::new(move |engine: &str| {
         let remote = nats::EngineRemote::start(client.clone(), engine, ring, &handle)?;
-        let app = App::new(Model::new(view), Source::Live(remote.source()), format!("fleet › {engine}"));
+        let app = App::new(
+            Model::new(view),
+            Source::Live(remote.source()),
+            format!("fleet › {engine}"),
+        );
         Ok((app, Box::new(remote) as Box<dyn std::any::Any>))
     });
-    let mut fleet = app::FleetApp::new(model::FleetModel::new(), app::FleetSource::Live(follower), opener);
+    let mut fleet = app::FleetApp::new(
+        model::FleetModel::new(),
+        app::FleetSource::Live(follower),
+        opener,
+    );
     let mut term = Term::enter()?;
     rt.block_on(run(&mut fleet, &mut term, |_| {}))
 }
@@ -77,14 +93,21 @@ pub fn replay(dir: &Path, view: ModelConfig, rt: &tokio::runtime::Runtime) -> Re
         let lost = kvbm_recorder::recorder::read_sidecar(&path).map_or(0, |r| r.lost);
         let events: Arc<[kvbm_events::Event]> = read.events.into();
         let replay = ReplaySource::new(events, lost, view);
-        let app = App::new(Model::new(view), Source::Replay(replay), format!("fleet › {engine}"));
+        let app = App::new(
+            Model::new(view),
+            Source::Replay(replay),
+            format!("fleet › {engine}"),
+        );
         Ok((app, Box::new(()) as Box<dyn std::any::Any>))
     });
     let label = dir.display().to_string();
     let mut fleet = app::FleetApp::new(model, app::FleetSource::Recorded { label }, opener);
     if !damaged.is_empty() {
         fleet.message = Some(crate::app::Message {
-            text: format!("damaged logs, shown up to the damage: {}", damaged.join("; ")),
+            text: format!(
+                "damaged logs, shown up to the damage: {}",
+                damaged.join("; ")
+            ),
             error: true,
         });
     }

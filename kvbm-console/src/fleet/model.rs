@@ -176,7 +176,11 @@ impl EngineEntry {
                 blocks,
             } => {
                 if let Some(r) = &ev.request {
-                    if self.request_blocks.insert(r.clone(), blocks.clone()).is_none() {
+                    if self
+                        .request_blocks
+                        .insert(r.clone(), blocks.clone())
+                        .is_none()
+                    {
                         self.request_order.push_back(r.clone());
                     }
                     while self.request_order.len() > MAX_REQUESTS_REMEMBERED {
@@ -187,7 +191,12 @@ impl EngineEntry {
                     }
                 }
             }
-            EventKind::BatchCompleted { blocks, bytes, ok: true, .. } if *blocks > 0 => {
+            EventKind::BatchCompleted {
+                blocks,
+                bytes,
+                ok: true,
+                ..
+            } if *blocks > 0 => {
                 self.bytes_per_block = bytes / u64::from(*blocks);
             }
             _ => {}
@@ -265,7 +274,14 @@ impl FleetModel {
 
     /// Applies one batch of `engine`, which arrived at `now`, `lag` after
     /// it was published. A new run replaces the engine's state.
-    pub fn apply(&mut self, engine: &str, h: &BatchHeader, events: &[Event], now: Instant, lag: Duration) {
+    pub fn apply(
+        &mut self,
+        engine: &str,
+        h: &BatchHeader,
+        events: &[Event],
+        now: Instant,
+        lag: Duration,
+    ) {
         let e = self
             .engines
             .entry(engine.to_string())

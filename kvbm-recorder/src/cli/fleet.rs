@@ -7,9 +7,9 @@
 use super::{Format, RemoteArgs};
 use anyhow::{Context, Result, bail};
 use futures_util::StreamExt;
+use kvbm_attach::nats::async_nats;
 use kvbm_attach::nats::consume::{self, DurableConfig, EngineFilter};
 use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
-use kvbm_attach::nats::async_nats;
 use kvbm_attach::nats::{StreamLimits, connect};
 use kvbm_events::Event;
 use kvbm_recorder::analysis;
@@ -62,7 +62,10 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         Some(g) => EngineFilter::glob(g)?,
         None => EngineFilter::all(),
     };
-    let consumer = remote.consumer.clone().unwrap_or_else(|| "kvbm-recorder".into());
+    let consumer = remote
+        .consumer
+        .clone()
+        .unwrap_or_else(|| "kvbm-recorder".into());
     let resuming = fleet::is_fleet(out);
     let mut writer = FleetWriter::open(
         out,
@@ -82,7 +85,9 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         );
     }
     let rt = runtime()?;
-    let deadline = remote.duration_s.map(|d| Instant::now() + Duration::from_secs_f64(d));
+    let deadline = remote
+        .duration_s
+        .map(|d| Instant::now() + Duration::from_secs_f64(d));
     let idle = remote.idle_exit_s.map(Duration::from_secs_f64);
     let mut stats = Session::default();
     let outcome: Result<&str> = rt.block_on(async {
@@ -171,7 +176,10 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     for (name, rec) in recs {
         println!(
             "  {name:<24} {} events, seq {:?}..={:?}, {} missing",
-            rec.events, rec.first_seq, rec.last_seq, rec.lost + rec.missed_before_start
+            rec.events,
+            rec.first_seq,
+            rec.last_seq,
+            rec.lost + rec.missed_before_start
         );
     }
     Ok(0)
@@ -256,7 +264,9 @@ pub fn bridge(a: &BridgeArgs) -> Result<i32> {
     let bus = Arc::new(kvbm_events::bus::EventBus::<Event>::new(Default::default())?);
     let tap = bus.take_tap().context("the bridge's tap")?;
     let publisher = Publisher::spawn(tap, PublisherConfig::new(&a.to, &a.engine_id), rt.handle())?;
-    let deadline = a.duration_s.map(|d| Instant::now() + Duration::from_secs_f64(d));
+    let deadline = a
+        .duration_s
+        .map(|d| Instant::now() + Duration::from_secs_f64(d));
     eprintln!("bridging {} to {} as engine {}", a.from, a.to, a.engine_id);
     // The pure-Rust ZMQ socket refuses to connect to a publisher that is not
     // listening yet (an engine still starting), so the source is started
@@ -327,7 +337,12 @@ pub fn bridge(a: &BridgeArgs) -> Result<i32> {
 
 // ------------------------------------------------------------- reading
 
-fn manifest(dir: &Path) -> Result<(fleet::FleetManifest, Vec<(String, std::path::PathBuf, fleet::LogEntry)>)> {
+fn manifest(
+    dir: &Path,
+) -> Result<(
+    fleet::FleetManifest,
+    Vec<(String, std::path::PathBuf, fleet::LogEntry)>,
+)> {
     let m = fleet::read_manifest(dir)?;
     let logs = fleet::engine_logs(dir, &m);
     Ok((m, logs))
@@ -360,7 +375,12 @@ pub fn inspect(dir: &Path, json: bool) -> Result<i32> {
         println!("{v}");
         return Ok(0);
     }
-    println!("fleet         {} ({} logs) from {}", dir.display(), logs.len(), m.source);
+    println!(
+        "fleet         {} ({} logs) from {}",
+        dir.display(),
+        logs.len(),
+        m.source
+    );
     println!("events        {total}");
     for (name, s) in summaries {
         let l = &s.losses;
@@ -385,7 +405,8 @@ pub fn check(dir: &Path) -> Result<i32> {
     for (name, path, _) in &logs {
         let read = recorder::read_events(path, |_| {})?;
         let side = recorder::read_sidecar(path);
-        let complete = read.damage.is_none() && side.as_ref().is_none_or(|s| s.is_stream_complete());
+        let complete =
+            read.damage.is_none() && side.as_ref().is_none_or(|s| s.is_stream_complete());
         let report = recorder::check_recording(&read.events, side.as_ref(), complete);
         if let Some(d) = read.damage {
             println!("{name}: damaged log: {d}");
@@ -395,7 +416,10 @@ pub fn check(dir: &Path) -> Result<i32> {
         match report.first_violation() {
             None => println!("{name}: ok: {} events, invariants hold", read.events.len()),
             Some(v) => {
-                println!("{name}: violation ({} in all): {v}", report.violation_count());
+                println!(
+                    "{name}: violation ({} in all): {v}",
+                    report.violation_count()
+                );
                 worst = worst.max(1);
             }
         }
@@ -437,7 +461,9 @@ fn qualify_ids(kind: &mut kvbm_events::EventKind, base: u64) {
         | K::TransferCancelled { transfer, .. }
         | K::TransferCompleted { transfer, .. }
         | K::TransferFailed { transfer, .. } => *transfer |= base,
-        K::BatchDispatched { batch, transfers, .. } => {
+        K::BatchDispatched {
+            batch, transfers, ..
+        } => {
             *batch |= base;
             for t in transfers {
                 *t |= base;
@@ -474,15 +500,19 @@ pub fn stats(dir: &Path, json: bool) -> Result<i32> {
 pub fn export(dir: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
     let events = fleet_events(dir)?;
     let sink: Box<dyn Write> = match out {
-        Some(p) => Box::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?),
+        Some(p) => {
+            Box::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)
+        }
         None => Box::new(std::io::stdout().lock()),
     };
     let mut w = BufWriter::new(sink);
     match format {
         Format::Jsonl => analysis::export::write_jsonl(&events, &mut w)?,
-        Format::Chrome => {
-            analysis::export::write_chrome_trace(&events, &mut w, analysis::ChromeOptions::default())?
-        }
+        Format::Chrome => analysis::export::write_chrome_trace(
+            &events,
+            &mut w,
+            analysis::ChromeOptions::default(),
+        )?,
     };
     w.flush()?;
     Ok(0)

@@ -201,8 +201,17 @@ pub fn run(cli: Cli) -> Result<i32> {
             remote,
             log,
             sim: _,
-        } if remote.from.as_deref().is_some_and(kvbm_attach::nats::is_nats_url) => {
-            fleet::record_nats(remote.from.as_deref().unwrap_or_default(), &out, &remote, log.config())
+        } if remote
+            .from
+            .as_deref()
+            .is_some_and(kvbm_attach::nats::is_nats_url) =>
+        {
+            fleet::record_nats(
+                remote.from.as_deref().unwrap_or_default(),
+                &out,
+                &remote,
+                log.config(),
+            )
         }
         Command::Record {
             out,

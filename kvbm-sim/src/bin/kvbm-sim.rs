@@ -287,7 +287,10 @@ fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
         .context("the engine's tap was already taken")?;
     let publisher = Publisher::spawn(tap, PublisherConfig::new(url, &engine_id), rt.handle())?;
     let responder = ControlResponder::new(bps.clone(), Duration::from_secs_f64(a.control_lease_s));
-    let client = rt.block_on(kvbm_attach::nats::connect(url, &format!("kvbm-sim {engine_id}")))?;
+    let client = rt.block_on(kvbm_attach::nats::connect(
+        url,
+        &format!("kvbm-sim {engine_id}"),
+    ))?;
     let control = spawn_responder(responder.clone(), client, engine_id.clone(), rt.handle());
     eprintln!(
         "publishing to {url} as engine {engine_id} (run {:016x})",
