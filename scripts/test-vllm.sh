@@ -27,5 +27,8 @@ command -v tmux >/dev/null || { echo "tmux is needed (apt-get install tmux)" >&2
 
 echo "== the connector against vLLM"
 "$PY" kvbm-py/tests/vllm/run.py --recorder target/release/kvbm-recorder
+echo "== the fleet bridge: vLLM's own KV events onto NATS, into the fleet recorder"
+NATS_BIN="$(bash scripts/setup-nats.sh)"
+"$PY" kvbm-py/tests/vllm/fleet_bridge.py --recorder target/release/kvbm-recorder --nats-server "$NATS_BIN"
 echo "== the console attached to vLLM, in tmux"
 "$PY" kvbm-py/tests/vllm/console.py --console target/release/kvbm-console

@@ -5,10 +5,14 @@
 //!   WebSocket stream with backfill, a reducer snapshot, Prometheus
 //!   metrics, a health check and breakpoint control over an
 //!   `Arc<dyn kvbm_events::control::Control>`.
+//! - [`nats`] (feature `nats`): the fleet's event plane over NATS
+//!   JetStream: a publisher, the consumers, control by request-reply.
 //! - [`client`] (feature `client`): follows a server with reconnection and
 //!   resume, and sends control commands.
 
 #[cfg(feature = "client")]
 pub mod client;
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "server")]
 pub mod server;

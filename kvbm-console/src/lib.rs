@@ -23,6 +23,8 @@
 //!   [`embedded`]: the simulated engine behind `demo`.
 //! - [`bpspec`]: breakpoint specs as typed at the prompt; [`fmt`]: number
 //!   and duration formatting.
+//! - [`fleet`]: many engines through NATS (or a fleet recording): the
+//!   Fleet, Prefixes and Where views, and drilling into one engine.
 //!
 //! Module dependencies point one way (`a → b`: `a` uses `b`):
 //!
@@ -35,6 +37,7 @@
 //! source   → model, fmt
 //! model    → lints
 //! lints    → fmt
+//! fleet    → app, run, ui, keys, source, model, fmt
 //! embedded, keys, bpspec, fmt: nothing in this crate
 //! ```
 //!
@@ -44,6 +47,7 @@
 pub mod app;
 pub mod bpspec;
 pub mod embedded;
+pub mod fleet;
 pub mod fmt;
 pub mod keys;
 pub mod lints;

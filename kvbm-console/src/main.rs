@@ -70,7 +70,9 @@ enum Command {
     /// The console on a remote engine, through its attach server
     /// (`kvbm-sim --serve`): `attach http://127.0.0.1:PORT`; or on vLLM's
     /// KV-event publisher: `attach zmq://127.0.0.1:5557` (block events and
-    /// per-tier gauges; no requests, no breakpoints).
+    /// per-tier gauges; no requests, no breakpoints); or on a fleet through
+    /// NATS JetStream: `attach nats://127.0.0.1:4222` (one row per engine;
+    /// Enter drills into one).
     Attach {
         /// The server, `http://HOST:PORT`, or a vLLM KV-event publisher,
         /// `zmq://HOST:PORT`.
@@ -228,6 +230,14 @@ fn run_command(command: Command) -> Result<()> {
                 ),
             }
             Ok(())
+        }
+        Command::Attach {
+            url, ring, view, ..
+        } if kvbm_attach::nats::is_nats_url(&url) => {
+            kvbm_console::fleet::attach(&url, ring as usize, view.model(), &rt)
+        }
+        Command::Replay { log, view, .. } if kvbm_recorder::fleet::is_fleet(&log) => {
+            kvbm_console::fleet::replay(&log, view.model(), &rt)
         }
         Command::Attach {
             url,

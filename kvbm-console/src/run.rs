@@ -94,10 +94,63 @@ fn spawn_input(stop: Arc<AtomicBool>) -> mpsc::Receiver<TermEvent> {
     rx
 }
 
+/// What the loop drives: the single-engine [`App`], or the fleet console.
+pub trait Screen {
+    /// One key.
+    fn key(&mut self, ev: ratatui::crossterm::event::KeyEvent);
+    /// The mouse.
+    fn mouse(&mut self, ev: ratatui::crossterm::event::MouseEvent);
+    /// The terminal's new size.
+    fn resize(&mut self, width: u16, height: u16);
+    /// New events from the source.
+    fn pull(&mut self, now: Instant) -> usize;
+    /// The periodic step before drawing.
+    fn tick(&mut self);
+    /// Draws (changes nothing).
+    fn render(&self, f: &mut ratatui::Frame);
+    /// Whether it wants to exit.
+    fn quitting(&self) -> bool;
+    /// Asks it to exit (Ctrl-C).
+    fn quit(&mut self);
+}
+
+impl Screen for App {
+    fn key(&mut self, ev: ratatui::crossterm::event::KeyEvent) {
+        App::key(self, ev)
+    }
+    fn mouse(&mut self, ev: ratatui::crossterm::event::MouseEvent) {
+        App::mouse(self, ev)
+    }
+    fn resize(&mut self, width: u16, height: u16) {
+        App::resize(self, width, height)
+    }
+    fn pull(&mut self, now: Instant) -> usize {
+        App::pull(self, now)
+    }
+    fn tick(&mut self) {
+        App::tick(self)
+    }
+    fn render(&self, f: &mut ratatui::Frame) {
+        App::render(self, f)
+    }
+    fn quitting(&self) -> bool {
+        self.quit
+    }
+    fn quit(&mut self) {
+        self.quit = true;
+    }
+}
+
 /// Runs the console until the user quits. `on_tick` runs after each pull
 /// (the caller's chance to notice, say, that its engine finished).
-pub async fn run(app: &mut App, term: &mut Term, mut on_tick: impl FnMut(&mut App)) -> Result<()> {
-    app.ui.no_color |= no_color_requested();
+pub async fn run<S: Screen>(
+    app: &mut S,
+    term: &mut Term,
+    mut on_tick: impl FnMut(&mut S),
+) -> Result<()> {
+    // Applied here to whatever the screen drew, so the fleet console and
+    // an engine drilled into from it honour it as the single console does.
+    let no_color = no_color_requested();
     let stop = Arc::new(AtomicBool::new(false));
     let mut input = spawn_input(stop.clone());
     let size = term.terminal.size()?;
@@ -126,12 +179,18 @@ pub async fn run(app: &mut App, term: &mut Term, mut on_tick: impl FnMut(&mut Ap
                 app.tick();
                 redraw = true;
             }
-            _ = &mut ctrl_c => { app.quit = true; }
+            _ = &mut ctrl_c => { app.quit(); }
         }
-        if app.quit {
+        if app.quitting() {
             break Ok(());
         }
-        if redraw && let Err(e) = term.terminal.draw(|f| app.render(f)) {
+        let draw = |f: &mut ratatui::Frame| {
+            app.render(f);
+            if no_color {
+                crate::ui::strip_colors(f.buffer_mut());
+            }
+        };
+        if redraw && let Err(e) = term.terminal.draw(draw) {
             break Err(e.into());
         }
     };

@@ -44,6 +44,10 @@ pub struct Config {
     /// Where the shared host tier's file is made (default `/dev/shm`, or
     /// the temporary directory where there is none).
     pub shm_dir: Option<PathBuf>,
+    /// Publish every event to the fleet's NATS JetStream (`nats://HOST:PORT`).
+    pub publish: Option<String>,
+    /// This engine's name on the event plane (required with `publish`).
+    pub engine_id: Option<String>,
 }
 
 /// Why the settings were refused; always names the key.
@@ -69,7 +73,7 @@ pub enum ConfigError {
 }
 
 /// The keys kvbm reads.
-pub const KNOWN: [&str; 10] = [
+pub const KNOWN: [&str; 12] = [
     "host_capacity_tokens",
     "disk_path",
     "disk_capacity_tokens",
@@ -80,6 +84,8 @@ pub const KNOWN: [&str; 10] = [
     "breakpoint_deadline_s",
     "ship_timeout_s",
     "shm_dir",
+    "publish",
+    "engine_id",
 ];
 
 /// The host tier's default share of the machine's memory.
@@ -143,6 +149,8 @@ impl Default for Config {
             breakpoint_deadline: Duration::from_secs(60),
             ship_timeout: Duration::from_secs(1),
             shm_dir: None,
+            publish: None,
+            engine_id: None,
         }
     }
 }
@@ -195,6 +203,17 @@ impl Config {
                 }
                 "ship_timeout_s" => c.ship_timeout = seconds("ship_timeout_s", v)?,
                 "shm_dir" => c.shm_dir = Some(PathBuf::from(text("shm_dir", v)?)),
+                "publish" => {
+                    let url = text("publish", v)?;
+                    kvbm_attach::nats::check_url(url).map_err(|e| bad("publish", e.to_string()))?;
+                    c.publish = Some(url.to_string());
+                }
+                "engine_id" => {
+                    let name = text("engine_id", v)?;
+                    kvbm_attach::nats::check_engine_name(name)
+                        .map_err(|e| bad("engine_id", e.to_string()))?;
+                    c.engine_id = Some(name.to_string());
+                }
                 other => {
                     return Err(ConfigError::UnknownKey {
                         key: shorten(other),
@@ -228,6 +247,26 @@ impl Config {
         }
         if c.token.is_some() && c.serve.is_none() {
             return Err(bad("token", "set without serve"));
+        }
+        match (&c.publish, &c.engine_id) {
+            (Some(_), None) => {
+                return Err(bad(
+                    "engine_id",
+                    "required with publish (the engine's name on NATS)",
+                ));
+            }
+            (None, Some(_)) => return Err(bad("engine_id", "set without publish")),
+            _ => {}
+        }
+        // One lossless tap per engine: the publisher takes it, as the
+        // recorder or the attach server's feeder would.
+        if c.publish.is_some() && (c.serve.is_some() || c.record.is_some()) {
+            return Err(bad(
+                "publish",
+                "cannot be combined with serve or record (record the fleet with \
+                 `kvbm-recorder record --from nats://…` and attach with \
+                 `kvbm-console attach nats://…`)",
+            ));
         }
         Ok(c)
     }
@@ -275,6 +314,13 @@ mod tests {
         assert_eq!(c.serve, Some("127.0.0.1:7071".parse().unwrap()));
         assert_eq!(c.breakpoint_deadline, Duration::from_millis(2500));
         assert_eq!(Config::from_json(&Value::Null).unwrap(), Config::default());
+        let c = Config::from_json(&json!({
+            "publish": "nats://127.0.0.1:4222",
+            "engine_id": "vllm-3",
+        }))
+        .unwrap();
+        assert_eq!(c.publish.as_deref(), Some("nats://127.0.0.1:4222"));
+        assert_eq!(c.engine_id.as_deref(), Some("vllm-3"));
     }
 
     #[test]
@@ -298,6 +344,20 @@ mod tests {
             (json!({"breakpoint_deadline_s": 0}), "breakpoint_deadline_s"),
             (json!({"token": "t"}), "token"),
             (json!({"record": ""}), "record"),
+            (
+                json!({"publish": "http://x:1", "engine_id": "a"}),
+                "publish",
+            ),
+            (json!({"publish": "nats://127.0.0.1:4222"}), "engine_id"),
+            (json!({"engine_id": "a"}), "engine_id"),
+            (
+                json!({"publish": "nats://127.0.0.1:4222", "engine_id": "a.b"}),
+                "engine_id",
+            ),
+            (
+                json!({"publish": "nats://127.0.0.1:4222", "engine_id": "a", "record": "/tmp/r"}),
+                "publish",
+            ),
         ] {
             let e = Config::from_json(&v).unwrap_err().to_string();
             assert!(e.contains(&format!("`{key}`")), "{v}: {e}");

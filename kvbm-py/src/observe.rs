@@ -2,7 +2,9 @@
 //! protocol, limits and token rules as `kvbm-sim --serve`) and the durable
 //! recording (`record`). Both read the engine's one lossless tap: with a
 //! recording, the recorder drains it into the log and into the server's
-//! ring; without one, a feeder drains it into the ring.
+//! ring; without one, a feeder drains it into the ring. Or the fleet's
+//! event plane (`publish`, `engine_id`): the tap goes to a NATS publisher
+//! and breakpoints are controlled on `kvbm.control.<engine_id>`.
 
 use crate::config::Config;
 use kvbm_attach::server::{
@@ -26,6 +28,11 @@ pub struct Observers {
     feeder: Option<Feeder>,
     recorder: Option<JoinHandle<Result<Recording, RecordError>>>,
     recorder_stop: Arc<AtomicBool>,
+    publisher: Option<kvbm_attach::nats::publish::Publisher>,
+    control: Option<(
+        Arc<kvbm_attach::nats::control::ControlResponder>,
+        tokio::task::JoinHandle<()>,
+    )>,
 }
 
 impl Observers {
@@ -41,7 +48,34 @@ impl Observers {
             feeder: None,
             recorder: None,
             recorder_stop: Arc::new(AtomicBool::new(false)),
+            publisher: None,
+            control: None,
         };
+        if let (Some(url), Some(engine_id)) = (&cfg.publish, &cfg.engine_id) {
+            use kvbm_attach::nats::control::{ControlResponder, spawn_responder};
+            use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
+            let tap = emitter
+                .bus()
+                .take_tap()
+                .ok_or("the engine's event tap was already taken")?;
+            obs.publisher = Some(
+                Publisher::spawn(tap, PublisherConfig::new(url, engine_id), runtime)
+                    .map_err(|e| format!("kv_connector_extra_config `publish`: {e}"))?,
+            );
+            let client = runtime
+                .block_on(kvbm_attach::nats::connect(
+                    url,
+                    &format!("kvbm-py {engine_id}"),
+                ))
+                .map_err(|e| format!("kv_connector_extra_config `publish`: {e}"))?;
+            let responder = ControlResponder::new(
+                breakpoints.clone(),
+                kvbm_attach::nats::control::DEFAULT_LEASE,
+            );
+            let task = spawn_responder(responder.clone(), client, engine_id.clone(), runtime);
+            obs.control = Some((responder, task));
+            return Ok(obs);
+        }
         if cfg.serve.is_none() && cfg.record.is_none() {
             return Ok(obs);
         }
@@ -126,6 +160,17 @@ impl Observers {
         }
         if let Some(f) = self.feeder.take() {
             f.stop();
+        }
+        if let Some((responder, task)) = self.control.take() {
+            task.abort();
+            // Nothing stays paused once control is gone.
+            responder.release_all();
+        }
+        if let Some(p) = self.publisher.take() {
+            let c = p.stop(std::time::Duration::from_secs(5));
+            if c.lost() > 0 {
+                tracing::warn!("kvbm publisher lost {} events: {c:?}", c.lost());
+            }
         }
         self.recorder_stop.store(true, Ordering::Release);
         if let Some(r) = self.recorder.take() {

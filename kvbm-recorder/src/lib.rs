@@ -8,6 +8,7 @@
 //! kvbm engine) and `kvbm-ingest` (vLLM / SGLang).
 
 pub mod analysis;
+pub mod fleet;
 pub mod log;
 pub mod progress;
 pub mod recorder;

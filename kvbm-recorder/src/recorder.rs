@@ -340,6 +340,70 @@ impl RecordingSink {
         &self.rec
     }
 
+    /// Reopens the recording in `dir` to append to it, after a clean stop
+    /// or a crash: the log's torn tail is cut, and the bookkeeping is the
+    /// sidecar's when it agrees with the log (same last seq), else rebuilt
+    /// from the log itself — counts, seq range, and a gap at every jump in
+    /// the seqs (a loss the log cannot explain further). A log that does
+    /// not exist yet is created.
+    pub fn resume(dir: &Path, cfg: &RecorderConfig) -> Result<Self, RecordError> {
+        let writer = LogWriter::open_append(dir, cfg.log.clone())?;
+        let mut state = EngineState::default();
+        let side = read_sidecar(dir);
+        let mut rec = Recording {
+            engine: u32::try_from(cfg.log.engine_id).unwrap_or(u32::MAX),
+            schema_version: cfg.log.schema_version,
+            ..Recording::default()
+        };
+        if writer.last_seq().is_some() {
+            // Damage stops the read; the writer refused a log it could not
+            // append to, so what is read here is what it continues.
+            let reader = LogReader::open(dir, ReaderOptions::default())?;
+            let fold = cfg.snapshot_every_events > 0;
+            for r in reader.iter() {
+                let Ok(r) = r else { break };
+                let ev = r.event;
+                if let Some(last) = rec.last_seq
+                    && ev.seq > last + 1
+                {
+                    rec.gaps.push(GapAt {
+                        after_seq: Some(last),
+                        dropped: ev.seq - last - 1,
+                    });
+                    rec.lost += ev.seq - last - 1;
+                }
+                rec.events += 1;
+                rec.engine = ev.engine;
+                rec.first_seq.get_or_insert(ev.seq);
+                rec.last_seq = Some(ev.seq);
+                if fold {
+                    state.apply(&ev);
+                }
+            }
+            rec.gaps.truncate(MAX_GAPS);
+        }
+        if let Some(s) = side
+            && s.last_seq == rec.last_seq
+        {
+            rec = s;
+        }
+        Ok(RecordingSink {
+            dir: dir.to_path_buf(),
+            writer,
+            state,
+            rec,
+            since_snapshot: 0,
+            snapshot_every: cfg.snapshot_every_events,
+        })
+    }
+
+    /// Hands what was appended to the OS and writes the sidecar as it
+    /// stands, so a recording killed after this keeps its bookkeeping.
+    pub fn checkpoint(&mut self) -> Result<(), RecordError> {
+        self.writer.flush()?;
+        write_sidecar(&self.dir, &self.rec)
+    }
+
     /// Closes the log and writes the sidecar; returns what was recorded.
     pub fn finish(self) -> Result<Recording, RecordError> {
         let closed = self.writer.close();

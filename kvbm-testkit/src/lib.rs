@@ -1,12 +1,13 @@
 //! Helpers shared by the tests and benchmarks of every kvbm crate: timing
 //! (a median over samples), the workspace's own binaries, built on demand
 //! so one crate's test can run another crate's program, the data files the
-//! repository keeps for them, and the real vLLM that tests of kvbm against
-//! vLLM use.
+//! repository keeps for them, the real vLLM that tests of kvbm against vLLM
+//! use, and a real `nats-server` for the fleet's tests.
 //!
 //! Only ever a dev-dependency.
 
 pub mod bench;
 pub mod bin;
 pub mod data;
+pub mod nats;
 pub mod vllm;

@@ -4,6 +4,7 @@
 //! every cache size would have given.
 
 mod capacity;
+mod fleet;
 mod read;
 mod record;
 
@@ -73,6 +74,18 @@ struct RemoteArgs {
     /// only counted).
     #[arg(long, requires = "from")]
     since: Option<u64>,
+    /// `--from nats://`: only engines whose name matches this glob
+    /// (`*`, `?`).
+    #[arg(long, requires = "from")]
+    engines: Option<String>,
+    /// `--from nats://`: the durable consumer's name; a recorder restarted
+    /// with the same name and `--out` resumes where it acknowledged.
+    #[arg(long, requires = "from")]
+    consumer: Option<String>,
+    /// `--from nats://`: stop once nothing has arrived for this many
+    /// seconds.
+    #[arg(long, requires = "from")]
+    idle_exit_s: Option<f64>,
 }
 
 /// How the log is written.
@@ -169,6 +182,9 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Carry an engine we do not run onto the NATS event plane: vLLM's
+    /// KV-event ZMQ stream, published as engine `--engine-id`.
+    Bridge(fleet::BridgeArgs),
     /// Compare two logs by event signature; print the first divergence.
     Diff {
         /// First log.
@@ -226,6 +242,10 @@ fn parse_capacities(s: &str) -> Result<Capacities, String> {
     kvbm_recorder::analysis::capacity::parse_capacities(s).map(Capacities)
 }
 
+fn is_fleet(dir: &std::path::Path) -> bool {
+    kvbm_recorder::fleet::is_fleet(dir)
+}
+
 /// Runs one command; its exit status.
 pub fn run(cli: Cli) -> Result<i32> {
     match cli.command {
@@ -233,8 +253,33 @@ pub fn run(cli: Cli) -> Result<i32> {
             out,
             remote,
             log,
+            sim: _,
+        } if remote
+            .from
+            .as_deref()
+            .is_some_and(kvbm_attach::nats::is_nats_url) =>
+        {
+            fleet::record_nats(
+                remote.from.as_deref().unwrap_or_default(),
+                &out,
+                &remote,
+                log.config(),
+            )
+        }
+        Command::Record {
+            out,
+            remote,
+            log,
             sim,
         } => record::record(&out, &remote, log.config(), &sim),
+        Command::Bridge(a) => fleet::bridge(&a),
+        // A fleet recording (a directory with a manifest): per engine.
+        Command::Inspect { log, json } if is_fleet(&log) => fleet::inspect(&log, json),
+        Command::Check { log } if is_fleet(&log) => fleet::check(&log),
+        Command::Stats { log, json } if is_fleet(&log) => fleet::stats(&log, json),
+        Command::Export { log, format, out } if is_fleet(&log) => {
+            fleet::export(&log, format, out.as_deref())
+        }
         Command::Inspect { log, json } => read::inspect(&log, json),
         Command::Replay {
             log,

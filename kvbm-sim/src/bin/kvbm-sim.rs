@@ -11,6 +11,12 @@
 //! attach server (see `kvbm_attach::server`) on ADDR; the first line on
 //! stdout is `serving on http://HOST:PORT` (the real port when ADDR ends in
 //! `:0`). Anything but 127.0.0.1 and ::1 needs `--token` (or `KVBM_TOKEN`).
+//!
+//! With `--publish nats://HOST:PORT --engine-id NAME` the engine runs with
+//! breakpoints installed, publishes its events to the fleet's JetStream
+//! stream and answers control on `kvbm.control.NAME` (see
+//! `kvbm_attach::nats`); on exit the publisher's counters go to stderr as
+//! one line, `publisher {json}`.
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -70,8 +76,27 @@ struct Args {
     #[arg(long, default_value_t = 1 << 20, requires = "serve")]
     ring: usize,
     /// Seconds a paused call waits before it resumes by itself.
-    #[arg(long, default_value_t = 60, requires = "serve")]
+    #[arg(long, default_value_t = 60)]
     bp_deadline_s: u64,
+    /// Publish every event to NATS JetStream (`nats://HOST:PORT`) as
+    /// engine `--engine-id`, with breakpoint control on
+    /// `kvbm.control.<engine-id>`.
+    #[arg(long, conflicts_with = "serve", requires = "engine_id")]
+    publish: Option<String>,
+    /// This engine's name on the event plane (letters, digits, '-', '_').
+    #[arg(long, requires = "publish")]
+    engine_id: Option<String>,
+    /// On exit, keep sending what is buffered for at most this long.
+    #[arg(long, default_value_t = 10.0, requires = "publish")]
+    publish_drain_s: f64,
+    /// Seconds a controller's session lasts without a renewal before its
+    /// breakpoints are removed and its paused calls resume.
+    #[arg(long, default_value_t = 10.0, requires = "publish")]
+    control_lease_s: f64,
+    /// `--publish`: after the workload ends, keep answering control this
+    /// many seconds, then exit (default: exit at once).
+    #[arg(long, requires = "publish")]
+    publish_linger_s: Option<f64>,
 }
 
 /// Commands besides running the engine.
@@ -125,9 +150,10 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     let sim = Simulator::new(cfg, workload, rt.handle())?;
-    let report = match a.serve {
-        Some(addr) => serve(&a, addr, sim)?,
-        None => {
+    let report = match (a.serve, &a.publish) {
+        (Some(addr), _) => serve(&a, addr, sim)?,
+        (None, Some(url)) => publish(&a, url, sim)?,
+        (None, None) => {
             // A bar on stderr when it is a terminal; nothing otherwise.
             let bar = indicatif::ProgressBar::with_draw_target(
                 None,
@@ -263,6 +289,99 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
         .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
     feeder.stop();
     served?;
+    Ok(report)
+}
+
+/// Runs the engine with breakpoints, publishing to NATS and answering
+/// control there; returns the report once the engine finished (or Ctrl-C)
+/// and the publisher drained.
+fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
+    use kvbm_attach::nats::control::{ControlResponder, spawn_responder};
+    use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
+    let engine_id = a.engine_id.clone().unwrap_or_default();
+    kvbm_attach::nats::check_engine_name(&engine_id)?;
+    kvbm_attach::nats::check_url(url)?;
+    for (flag, v) in [
+        ("--publish-drain-s", a.publish_drain_s),
+        ("--control-lease-s", a.control_lease_s),
+        ("--publish-linger-s", a.publish_linger_s.unwrap_or(0.0)),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            bail!("{flag} must be a non-negative number");
+        }
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvbm-publish")
+        .enable_all()
+        .build()?;
+    let emitter = sim.emitter().clone();
+    let bps = Arc::new(Breakpoints::new(
+        Some(emitter.clone()),
+        Duration::from_secs(a.bp_deadline_s.max(1)),
+    ));
+    sim.leader_mut().set_hooks(
+        HookSet::none()
+            .with_emitter(emitter.clone())
+            .with_breakpoints(bps.clone()),
+    );
+    let tap = emitter
+        .bus()
+        .take_tap()
+        .context("the engine's tap was already taken")?;
+    let publisher = Publisher::spawn(tap, PublisherConfig::new(url, &engine_id), rt.handle())?;
+    let responder = ControlResponder::new(bps.clone(), Duration::from_secs_f64(a.control_lease_s));
+    let client = rt.block_on(kvbm_attach::nats::connect(
+        url,
+        &format!("kvbm-sim {engine_id}"),
+    ))?;
+    let control = spawn_responder(responder.clone(), client, engine_id.clone(), rt.handle());
+    eprintln!(
+        "publishing to {url} as engine {engine_id} (run {:016x})",
+        publisher.run()
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let engine_thread = std::thread::Builder::new()
+        .name("kvbm-sim-engine".into())
+        .spawn(move || {
+            while !stop2.load(Ordering::Relaxed) && sim.step() {}
+            sim.finish()
+        })?;
+    let interrupted = rt.block_on(async {
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let finished = async {
+            while !engine_thread.is_finished() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::select! {
+            _ = &mut ctrl_c => true,
+            _ = finished => {
+                if let Some(s) = a.publish_linger_s {
+                    tokio::select! {
+                        _ = &mut ctrl_c => {}
+                        _ = tokio::time::sleep(Duration::from_secs_f64(s)) => {}
+                    }
+                }
+                false
+            }
+        }
+    });
+    if interrupted {
+        stop.store(true, Ordering::Relaxed);
+    }
+    // Nothing may stay paused once control is gone.
+    control.abort();
+    responder.release_all();
+    bps.clear_all();
+    bps.resume_all();
+    let report = engine_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+    let counters = publisher.stop(Duration::from_secs_f64(a.publish_drain_s));
+    eprintln!("publisher {}", serde_json::to_string(&counters)?);
     Ok(report)
 }
 

@@ -1,0 +1,255 @@
+//! The fleet's event plane: kvbm events over NATS JetStream, breakpoint
+//! control over NATS request-reply.
+//!
+//! Many engines publish to one stream; one recorder keeps them all with a
+//! durable consumer; one console shows them. The broker is an existing
+//! program (`nats-server -js`), never one of ours.
+//!
+//! - [`wire`]: a batch of one engine's consecutive events as one message:
+//!   a fixed header (run, seq range, the publisher's declared losses) and
+//!   the durable log's columnar block, LZ4-compressed. Untrusted bytes are
+//!   checked before anything is decoded.
+//! - [`publish`]: drains an engine's tap on a thread of its own into
+//!   batches, keeps a bounded buffer while NATS is out of reach (dropping
+//!   the oldest, counted) and publishes each batch with a message id from
+//!   (engine, run, first seq), so JetStream drops a re-sent one.
+//! - [`track`]: what a consumer needs to apply each (engine, seq) once and
+//!   to tell holes from duplicates, as plain state (no I/O).
+//! - [`consume`]: the durable pull consumer a fleet recorder reads, and the
+//!   ordered consumer a console reads.
+//! - [`control`]: `kvbm.control.<engine>`: the engine side answers
+//!   breakpoint commands with its `Control`; a controller holds a session
+//!   whose lease it renews, and when the lease lapses (the controller went
+//!   away) its breakpoints are removed and its paused calls resume — the
+//!   attach server's release-on-disconnect, without a connection.
+//!
+//! # Subjects and the stream
+//!
+//! | subject | what |
+//! |---|---|
+//! | `kvbm.events.<engine>` | event batches of one engine, in the stream [`STREAM`] |
+//! | `kvbm.control.<engine>` | control requests (core NATS request-reply, not stored) |
+//!
+//! An engine name is one subject token: 1 to [`MAX_ENGINE_NAME`] ASCII
+//! letters, digits, `-` and `_` ([`check_engine_name`]).
+//!
+//! The stream is created when missing with [`StreamLimits`] (file store,
+//! 1 GiB, 24 h, 8 MiB messages, 2 min duplicate window, discard old); an
+//! existing stream is used as it is.
+
+pub mod consume;
+pub mod control;
+pub mod publish;
+pub mod track;
+pub mod wire;
+
+use async_nats::jetstream;
+
+/// The NATS client this plane is built on, for callers that hold its
+/// messages (a recorder acknowledging them).
+pub use async_nats;
+use std::time::Duration;
+
+/// The stream that holds every engine's event batches.
+pub const STREAM: &str = "KVBM_EVENTS";
+/// Event batches of engine `E` go to `kvbm.events.E`.
+pub const EVENTS_PREFIX: &str = "kvbm.events.";
+/// Control requests for engine `E` go to `kvbm.control.E`.
+pub const CONTROL_PREFIX: &str = "kvbm.control.";
+/// Longest engine name.
+pub const MAX_ENGINE_NAME: usize = 64;
+
+/// The events subject of `engine`.
+pub fn events_subject(engine: &str) -> String {
+    format!("{EVENTS_PREFIX}{engine}")
+}
+
+/// The control subject of `engine`.
+pub fn control_subject(engine: &str) -> String {
+    format!("{CONTROL_PREFIX}{engine}")
+}
+
+/// The engine an events subject names, if it is one.
+pub fn engine_of_subject(subject: &str) -> Option<&str> {
+    let name = subject.strip_prefix(EVENTS_PREFIX)?;
+    check_engine_name(name).ok().map(|_| name)
+}
+
+/// Why something given for NATS is not usable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NatsError {
+    /// An engine name that cannot be a subject token.
+    #[error(
+        "engine name {name:?}: use 1 to {MAX_ENGINE_NAME} ASCII letters, digits, '-' or '_' \
+         (it becomes the subject token of kvbm.events.<engine>)"
+    )]
+    BadEngineName {
+        /// The name, clipped.
+        name: String,
+    },
+    /// Not a `nats://HOST:PORT` URL.
+    #[error("{url:?} is not a NATS URL: expected nats://HOST:PORT")]
+    BadUrl {
+        /// The URL, clipped.
+        url: String,
+    },
+    /// Connecting, or a JetStream call, failed.
+    #[error("NATS: {0}")]
+    Nats(String),
+}
+
+/// Checks that `name` can be an engine's subject token.
+pub fn check_engine_name(name: &str) -> Result<(), NatsError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_ENGINE_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(NatsError::BadEngineName {
+            name: kvbm_events::text::clip(name, kvbm_events::text::MAX_QUOTED_CHARS),
+        })
+    }
+}
+
+/// Whether `url` names a NATS server (`nats://…`).
+pub fn is_nats_url(url: &str) -> bool {
+    url.starts_with("nats://")
+}
+
+/// Checks a `nats://HOST:PORT` URL (async-nats parses it again when
+/// connecting); returns it unchanged.
+pub fn check_url(url: &str) -> Result<&str, NatsError> {
+    let bad = || NatsError::BadUrl {
+        url: kvbm_events::text::clip(url, kvbm_events::text::MAX_QUOTED_CHARS),
+    };
+    let rest = url.strip_prefix("nats://").ok_or_else(bad)?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+    if host.is_empty() || host.contains('/') || port.parse::<u16>().is_err() {
+        return Err(bad());
+    }
+    Ok(url)
+}
+
+/// Connects to `url`, retrying in the background if the server is not up
+/// yet (so an engine starts whether or not NATS is there) and reconnecting
+/// for ever after a loss. `name` shows in the server's connection list.
+pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsError> {
+    check_url(url)?;
+    async_nats::ConnectOptions::new()
+        .name(name)
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .connection_timeout(Duration::from_secs(2))
+        .reconnect_delay_callback(|attempt| {
+            // 50 ms doubling to 2 s: a restarted server is found quickly.
+            let ms = 50u64.saturating_mul(1 << attempt.min(6));
+            Duration::from_millis(ms.min(2_000))
+        })
+        .connect(url)
+        .await
+        .map_err(|e| NatsError::Nats(format!("connecting to {url}: {e}")))
+}
+
+/// The stream's limits, used when it has to be created.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StreamLimits {
+    /// Oldest batches are discarded past this many bytes.
+    pub max_bytes: i64,
+    /// … or past this age.
+    pub max_age: Duration,
+    /// Largest message accepted.
+    pub max_message_size: i32,
+    /// How long JetStream remembers a message id to drop a duplicate.
+    pub duplicate_window: Duration,
+    /// File store (survives a server restart) or memory.
+    pub file_store: bool,
+}
+
+impl Default for StreamLimits {
+    fn default() -> Self {
+        StreamLimits {
+            max_bytes: 1 << 30,
+            max_age: Duration::from_secs(24 * 3600),
+            max_message_size: 8 << 20,
+            duplicate_window: Duration::from_secs(120),
+            file_store: true,
+        }
+    }
+}
+
+impl StreamLimits {
+    /// The stream's configuration.
+    pub fn config(&self) -> jetstream::stream::Config {
+        jetstream::stream::Config {
+            name: STREAM.into(),
+            subjects: vec![format!("{EVENTS_PREFIX}>")],
+            max_bytes: self.max_bytes,
+            max_age: self.max_age,
+            max_message_size: self.max_message_size,
+            duplicate_window: self.duplicate_window,
+            discard: jetstream::stream::DiscardPolicy::Old,
+            storage: if self.file_store {
+                jetstream::stream::StorageType::File
+            } else {
+                jetstream::stream::StorageType::Memory
+            },
+            num_replicas: 1,
+            ..Default::default()
+        }
+    }
+}
+
+/// Gets the stream, creating it with `limits` when missing.
+pub async fn ensure_stream(
+    js: &jetstream::Context,
+    limits: &StreamLimits,
+) -> Result<jetstream::stream::Stream, NatsError> {
+    js.get_or_create_stream(limits.config())
+        .await
+        .map_err(|e| NatsError::Nats(format!("stream {STREAM}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_names_are_single_subject_tokens() {
+        for ok in ["a", "sim-0", "vllm_pod_17", &"x".repeat(MAX_ENGINE_NAME)] {
+            assert!(check_engine_name(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "a.b",
+            "a b",
+            "*",
+            ">",
+            "é",
+            "a\n",
+            &"x".repeat(MAX_ENGINE_NAME + 1),
+        ] {
+            assert!(check_engine_name(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(engine_of_subject("kvbm.events.sim-3"), Some("sim-3"));
+        assert_eq!(engine_of_subject("kvbm.events.a.b"), None);
+        assert_eq!(engine_of_subject("kvbm.control.a"), None);
+    }
+
+    #[test]
+    fn urls_must_be_nats_host_port() {
+        assert!(check_url("nats://127.0.0.1:4222").is_ok());
+        assert!(check_url("nats://localhost:1").is_ok());
+        for bad in [
+            "http://x:1",
+            "nats://x",
+            "nats://:4222",
+            "nats://x:99999",
+            "nats://a/b:1",
+        ] {
+            assert!(check_url(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,571 @@
+//! What the fleet view knows: per engine, the shared reducer's state
+//! folded from its batches (each (engine, seq) applied once, holes
+//! counted), its rates and freshness; and across engines, which prefixes
+//! (sequence hashes) are cached where.
+
+use kvbm_attach::nats::track::{Admit, Tracker};
+use kvbm_attach::nats::wire::BatchHeader;
+use kvbm_events::reducer::EngineState;
+use kvbm_events::slot::SlotState;
+use kvbm_events::{BlockId, Event, EventKind, RequestId, SequenceHash, Tier};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// An engine whose last batch is older than this is *stale*.
+pub const STALE_AFTER: Duration = Duration::from_secs(5);
+/// … and older than this, *gone*.
+pub const GONE_AFTER: Duration = Duration::from_secs(30);
+/// Finished requests are kept this long (engine time).
+pub const KEEP_FINISHED_NS: u64 = 30_000_000_000;
+/// Requests whose device blocks are remembered per engine (for "where is
+/// this prefix"); the oldest are forgotten past it, counted.
+pub const MAX_REQUESTS_REMEMBERED: usize = 20_000;
+/// Distinct hashes the cross-engine index takes; past it, counted.
+pub const MAX_INDEXED_HASHES: usize = 2_000_000;
+
+/// Whether an engine is publishing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Liveness {
+    /// A batch within [`STALE_AFTER`].
+    Live,
+    /// Quiet for longer.
+    Stale,
+    /// Quiet past [`GONE_AFTER`].
+    Gone,
+}
+
+impl Liveness {
+    /// As shown.
+    pub fn name(self) -> &'static str {
+        match self {
+            Liveness::Live => "live",
+            Liveness::Stale => "stale",
+            Liveness::Gone => "gone",
+        }
+    }
+}
+
+/// One engine.
+#[derive(Debug)]
+pub struct EngineEntry {
+    /// Its name.
+    pub name: String,
+    /// Its run (a restart starts over).
+    pub run: u64,
+    /// The reducer's state of this run.
+    pub state: EngineState,
+    /// Each seq once; holes.
+    pub tracker: Tracker,
+    /// When its last batch arrived.
+    pub last_arrival: Instant,
+    /// Its last batch's delay from publication to arrival.
+    pub lag: Duration,
+    /// Events applied in all.
+    pub events: u64,
+    /// Events per second over the last full second.
+    pub rate: f64,
+    /// Messages of this engine refused as damaged.
+    pub refused: u64,
+    /// Requests forgotten by the bounded request memory.
+    pub requests_forgotten: u64,
+    window: (Instant, u64),
+    /// (tier, block) → its sequence hash, while registered.
+    block_hash: HashMap<(Tier, BlockId), SequenceHash>,
+    /// A request's device blocks, from its last allocation.
+    request_blocks: HashMap<RequestId, Vec<BlockId>>,
+    request_order: VecDeque<RequestId>,
+    /// Bytes per block, as its transfers measured them (0 until one).
+    bytes_per_block: u64,
+}
+
+impl EngineEntry {
+    fn new(name: &str, run: u64, now: Instant) -> Self {
+        EngineEntry {
+            name: name.to_string(),
+            run,
+            state: EngineState::default(),
+            tracker: Tracker::default(),
+            last_arrival: now,
+            lag: Duration::ZERO,
+            events: 0,
+            rate: 0.0,
+            refused: 0,
+            requests_forgotten: 0,
+            window: (now, 0),
+            block_hash: HashMap::new(),
+            request_blocks: HashMap::new(),
+            request_order: VecDeque::new(),
+            bytes_per_block: 0,
+        }
+    }
+
+    /// Live, stale or gone at `now`.
+    pub fn liveness(&self, now: Instant) -> Liveness {
+        let quiet = now.saturating_duration_since(self.last_arrival);
+        if quiet >= GONE_AFTER {
+            Liveness::Gone
+        } else if quiet >= STALE_AFTER {
+            Liveness::Stale
+        } else {
+            Liveness::Live
+        }
+    }
+
+    /// Requests not finished.
+    pub fn requests_live(&self) -> usize {
+        self.state
+            .slots()
+            .filter(|s| s.state != SlotState::Finished)
+            .count()
+    }
+
+    /// Occupancy of `tier` (active + inactive over capacity), if known.
+    pub fn occupancy(&self, tier: Tier) -> Option<f64> {
+        let p = self.state.pool(tier);
+        (p.capacity > 0).then(|| f64::from(p.active + p.inactive) / f64::from(p.capacity))
+    }
+
+    /// Prefix hit ratio of `tier` (blocks hit over blocks looked up).
+    pub fn hit_ratio(&self, tier: Tier) -> Option<f64> {
+        let p = self.state.pool(tier);
+        (p.looked_up_blocks > 0).then(|| p.hit_blocks as f64 / p.looked_up_blocks as f64)
+    }
+
+    /// Events lost on the way: holes, seqs before the first seen, refused
+    /// messages.
+    pub fn losses(&self) -> u64 {
+        self.tracker.missing() + self.refused
+    }
+
+    /// Bytes per block as measured by its transfers (0 until one).
+    pub fn bytes_per_block(&self) -> u64 {
+        self.bytes_per_block
+    }
+
+    /// The sequence hashes of `request`'s device blocks, as registered now.
+    pub fn request_hashes(&self, request: &str) -> Option<Vec<SequenceHash>> {
+        let blocks = self.request_blocks.get(request)?;
+        Some(
+            blocks
+                .iter()
+                .filter_map(|b| self.block_hash.get(&(Tier::Device, *b)).copied())
+                .collect(),
+        )
+    }
+
+    /// Whether it holds `hash`, per tier.
+    pub fn holds(&self, hash: SequenceHash) -> [bool; 3] {
+        Tier::ALL.map(|t| self.state.registered(t).contains(&hash))
+    }
+
+    fn observe(&mut self, ev: &Event) {
+        match &ev.kind {
+            EventKind::BlockRegistered {
+                tier,
+                block,
+                sequence_hash,
+                ..
+            } => {
+                self.block_hash.insert((*tier, *block), *sequence_hash);
+            }
+            EventKind::BlockEvicted { tier, block, .. } => {
+                self.block_hash.remove(&(*tier, *block));
+            }
+            EventKind::BlocksAllocated {
+                tier: Tier::Device,
+                blocks,
+            } => {
+                if let Some(r) = &ev.request {
+                    if self
+                        .request_blocks
+                        .insert(r.clone(), blocks.clone())
+                        .is_none()
+                    {
+                        self.request_order.push_back(r.clone());
+                    }
+                    while self.request_order.len() > MAX_REQUESTS_REMEMBERED {
+                        if let Some(old) = self.request_order.pop_front() {
+                            self.request_blocks.remove(&old);
+                            self.requests_forgotten += 1;
+                        }
+                    }
+                }
+            }
+            EventKind::BatchCompleted {
+                blocks,
+                bytes,
+                ok: true,
+                ..
+            } if *blocks > 0 => {
+                self.bytes_per_block = bytes / u64::from(*blocks);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A prefix cached on more than one engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Duplicate {
+    /// The sequence hash.
+    pub hash: SequenceHash,
+    /// Engines holding it (any tier).
+    pub engines: usize,
+    /// Their names, up to a few.
+    pub names: Vec<String>,
+}
+
+/// The cross-engine picture of cached prefixes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefixIndex {
+    /// Distinct hashes cached anywhere.
+    pub distinct: u64,
+    /// Hashes cached on two engines or more.
+    pub duplicated: u64,
+    /// Blocks beyond the first copy of each hash, summed.
+    pub extra_copies: u64,
+    /// The bytes of those copies, from each engine's measured block size
+    /// (0 where none was measured yet).
+    pub extra_bytes: u64,
+    /// The most duplicated prefixes, most engines first.
+    pub top: Vec<Duplicate>,
+    /// Hashes not indexed (past [`MAX_INDEXED_HASHES`]).
+    pub not_indexed: u64,
+}
+
+/// The fleet: every engine seen on the stream.
+#[derive(Debug, Default)]
+pub struct FleetModel {
+    engines: BTreeMap<String, EngineEntry>,
+    /// Messages refused with no engine to put them on.
+    pub refused_unattributed: u64,
+    /// The last refusal.
+    pub last_refusal: Option<String>,
+    /// Events applied, all engines.
+    pub events: u64,
+    prefixes: PrefixIndex,
+}
+
+impl FleetModel {
+    /// An empty fleet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Engines by name.
+    pub fn engines(&self) -> impl Iterator<Item = &EngineEntry> {
+        self.engines.values()
+    }
+
+    /// One engine.
+    pub fn engine(&self, name: &str) -> Option<&EngineEntry> {
+        self.engines.get(name)
+    }
+
+    /// Engines seen.
+    pub fn len(&self) -> usize {
+        self.engines.len()
+    }
+
+    /// No engine seen yet.
+    pub fn is_empty(&self) -> bool {
+        self.engines.is_empty()
+    }
+
+    /// Applies one batch of `engine`, which arrived at `now`, `lag` after
+    /// it was published. A new run replaces the engine's state.
+    pub fn apply(
+        &mut self,
+        engine: &str,
+        h: &BatchHeader,
+        events: &[Event],
+        now: Instant,
+        lag: Duration,
+    ) {
+        let e = self
+            .engines
+            .entry(engine.to_string())
+            .or_insert_with(|| EngineEntry::new(engine, h.run, now));
+        if e.run != h.run {
+            *e = EngineEntry::new(engine, h.run, now);
+        }
+        e.tracker.declared(h.dropped_before);
+        e.last_arrival = now;
+        e.lag = lag;
+        for ev in events {
+            if let Admit::Apply { .. } = e.tracker.admit(ev.seq) {
+                e.state.apply(ev);
+                e.observe(ev);
+                e.events += 1;
+                self.events += 1;
+            }
+        }
+    }
+
+    /// A message that was not a usable batch.
+    pub fn refused(&mut self, engine: Option<&str>, why: String) {
+        match engine.and_then(|e| self.engines.get_mut(e)) {
+            Some(e) => e.refused += 1,
+            None => self.refused_unattributed += 1,
+        }
+        self.last_refusal = Some(why);
+    }
+
+    /// The periodic step: rates, finished requests pruned, the prefix
+    /// index rebuilt.
+    pub fn tick(&mut self, now: Instant) {
+        for e in self.engines.values_mut() {
+            let (t0, n0) = e.window;
+            let dt = now.saturating_duration_since(t0);
+            if dt >= Duration::from_secs(1) {
+                e.rate = (e.events - n0) as f64 / dt.as_secs_f64();
+                e.window = (now, e.events);
+            }
+            let cutoff = e.state.last_ts_ns().saturating_sub(KEEP_FINISHED_NS);
+            e.state.retain_finished_since(cutoff);
+        }
+        self.prefixes = self.index();
+    }
+
+    /// The cross-engine prefix picture as of the last tick.
+    pub fn prefixes(&self) -> &PrefixIndex {
+        &self.prefixes
+    }
+
+    fn index(&self) -> PrefixIndex {
+        // hash → (engines holding it, copies, bytes of copies)
+        let mut by_hash: HashMap<SequenceHash, (u32, u64, u64, Vec<u16>)> = HashMap::new();
+        let mut not_indexed = 0u64;
+        for (i, e) in self.engines.values().enumerate() {
+            let mut mine: HashMap<SequenceHash, u64> = HashMap::new();
+            for t in Tier::ALL {
+                for h in e.state.registered(t) {
+                    *mine.entry(*h).or_default() += 1;
+                }
+            }
+            for (h, copies) in mine {
+                if by_hash.len() >= MAX_INDEXED_HASHES && !by_hash.contains_key(&h) {
+                    not_indexed += 1;
+                    continue;
+                }
+                let s = by_hash.entry(h).or_default();
+                s.0 += 1;
+                s.1 += copies;
+                s.2 += copies * e.bytes_per_block;
+                if s.3.len() < 4 {
+                    s.3.push(i as u16);
+                }
+            }
+        }
+        let names: Vec<&str> = self.engines.keys().map(String::as_str).collect();
+        let mut idx = PrefixIndex {
+            distinct: by_hash.len() as u64,
+            not_indexed,
+            ..PrefixIndex::default()
+        };
+        let mut dups: Vec<(SequenceHash, u32, Vec<u16>)> = Vec::new();
+        for (h, (engines, copies, bytes, who)) in by_hash {
+            if engines >= 2 {
+                idx.duplicated += 1;
+                idx.extra_copies += copies - 1;
+                idx.extra_bytes += bytes - bytes / copies.max(1);
+                dups.push((h, engines, who));
+            }
+        }
+        dups.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.0.cmp(&b.0.0)));
+        idx.top = dups
+            .into_iter()
+            .take(50)
+            .map(|(hash, engines, who)| Duplicate {
+                hash,
+                engines: engines as usize,
+                names: who.iter().map(|i| names[*i as usize].to_string()).collect(),
+            })
+            .collect();
+        idx
+    }
+
+    /// "Where is this prefix": `query` is a sequence hash (`0x…` or
+    /// decimal) or a request id. For a request, its device blocks' hashes
+    /// on the engine(s) that served it are the prefix. Returns the prefix
+    /// length in blocks and, per engine holding any of it, the blocks held
+    /// (any tier) and per tier.
+    pub fn locate(&self, query: &str) -> Located {
+        let q = query.trim();
+        let hash = q
+            .strip_prefix("0x")
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+            .or_else(|| q.parse::<u64>().ok())
+            .map(SequenceHash);
+        let (prefix, served_by): (Vec<SequenceHash>, Vec<String>) = match hash {
+            Some(h) => (vec![h], Vec::new()),
+            None => {
+                let mut served = Vec::new();
+                let mut prefix = Vec::new();
+                for e in self.engines.values() {
+                    if let Some(hs) = e.request_hashes(q) {
+                        served.push(e.name.clone());
+                        if hs.len() > prefix.len() {
+                            prefix = hs;
+                        }
+                    }
+                }
+                (prefix, served)
+            }
+        };
+        let mut rows = Vec::new();
+        for e in self.engines.values() {
+            let mut per_tier = [0u64; 3];
+            let mut any = 0u64;
+            for h in &prefix {
+                let held = e.holds(*h);
+                for (i, x) in held.iter().enumerate() {
+                    per_tier[i] += u64::from(*x);
+                }
+                any += u64::from(held.iter().any(|x| *x));
+            }
+            if any > 0 {
+                rows.push(LocatedRow {
+                    engine: e.name.clone(),
+                    blocks: any,
+                    per_tier,
+                    bytes: any * e.bytes_per_block,
+                });
+            }
+        }
+        rows.sort_by(|a, b| b.blocks.cmp(&a.blocks).then(a.engine.cmp(&b.engine)));
+        Located {
+            query: q.to_string(),
+            prefix_blocks: prefix.len() as u64,
+            served_by,
+            rows,
+        }
+    }
+}
+
+/// The answer to "where is this prefix".
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Located {
+    /// What was asked.
+    pub query: String,
+    /// Blocks in the prefix (1 for a hash; 0 for an unknown request).
+    pub prefix_blocks: u64,
+    /// Engines that served the request (empty for a hash).
+    pub served_by: Vec<String>,
+    /// Engines holding any of it, most first.
+    pub rows: Vec<LocatedRow>,
+}
+
+/// One engine's share of a prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocatedRow {
+    /// The engine.
+    pub engine: String,
+    /// Blocks of the prefix it holds (on any tier).
+    pub blocks: u64,
+    /// Per tier (G1, G2, G3).
+    pub per_tier: [u64; 3],
+    /// Bytes, from its measured block size.
+    pub bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(seq: u64, request: Option<&str>, kind: EventKind) -> Event {
+        Event {
+            engine: 0,
+            seq,
+            ts_ns: seq,
+            iteration: 0,
+            request: request.map(Into::into),
+            kind,
+        }
+    }
+
+    fn reg(seq: u64, tier: Tier, block: u32, hash: u64) -> Event {
+        ev(
+            seq,
+            None,
+            EventKind::BlockRegistered {
+                tier,
+                block,
+                sequence_hash: SequenceHash(hash),
+                duplicate_of: None,
+            },
+        )
+    }
+
+    fn header(run: u64, events: &[Event]) -> BatchHeader {
+        BatchHeader {
+            run,
+            first_seq: events[0].seq,
+            last_seq: events.last().unwrap().seq,
+            count: events.len() as u32,
+            dropped_before: 0,
+        }
+    }
+
+    #[test]
+    fn duplicated_prefixes_and_where_a_request_prefix_lives() {
+        let mut m = FleetModel::new();
+        let now = Instant::now();
+        let a = vec![
+            ev(
+                0,
+                Some("r1"),
+                EventKind::BlocksAllocated {
+                    tier: Tier::Device,
+                    blocks: vec![1, 2],
+                },
+            ),
+            reg(1, Tier::Device, 1, 100),
+            reg(2, Tier::Device, 2, 200),
+            reg(3, Tier::Host, 9, 100),
+        ];
+        m.apply("a", &header(1, &a), &a, now, Duration::ZERO);
+        let b = vec![reg(0, Tier::Device, 5, 100), reg(1, Tier::Device, 6, 300)];
+        m.apply("b", &header(2, &b), &b, now, Duration::ZERO);
+        // Redelivered: applied once.
+        m.apply("b", &header(2, &b), &b, now, Duration::ZERO);
+        assert_eq!(m.engine("b").unwrap().events, 2);
+        m.tick(now);
+        let p = m.prefixes();
+        assert_eq!((p.distinct, p.duplicated), (3, 1));
+        assert_eq!(p.top[0].hash, SequenceHash(100));
+        assert_eq!(p.top[0].names, ["a", "b"]);
+        // a holds hash 100 twice (G1 and G2), b once: two extra copies.
+        assert_eq!(p.extra_copies, 2);
+
+        let l = m.locate("r1");
+        assert_eq!(l.prefix_blocks, 2);
+        assert_eq!(l.served_by, ["a"]);
+        assert_eq!(l.rows[0].engine, "a");
+        assert_eq!(l.rows[0].blocks, 2);
+        assert_eq!(l.rows[0].per_tier, [2, 1, 0]);
+        assert_eq!(l.rows[1].engine, "b");
+        assert_eq!(l.rows[1].blocks, 1);
+        let l = m.locate("0x12c"); // 300
+        assert_eq!(l.rows.len(), 1);
+        assert_eq!(l.rows[0].engine, "b");
+        assert!(m.locate("nobody").rows.is_empty());
+    }
+
+    #[test]
+    fn engines_go_stale_then_gone_and_a_new_run_starts_over() {
+        let mut m = FleetModel::new();
+        let t0 = Instant::now();
+        let a = vec![reg(0, Tier::Device, 1, 1), reg(5, Tier::Device, 2, 2)];
+        m.apply("a", &header(1, &a), &a, t0, Duration::ZERO);
+        let e = m.engine("a").unwrap();
+        assert_eq!(e.losses(), 4);
+        assert_eq!(e.liveness(t0), Liveness::Live);
+        assert_eq!(e.liveness(t0 + STALE_AFTER), Liveness::Stale);
+        assert_eq!(e.liveness(t0 + GONE_AFTER), Liveness::Gone);
+        let b = vec![reg(0, Tier::Device, 1, 1)];
+        m.apply("a", &header(2, &b), &b, t0, Duration::ZERO);
+        assert_eq!(m.engine("a").unwrap().events, 1);
+        assert_eq!(m.engine("a").unwrap().losses(), 0);
+    }
+}

@@ -1,0 +1,359 @@
+//! The fleet through JetStream: events per second from 100 engines into
+//! the fleet recorder (`kvbm-recorder record --from nats://`), beside a
+//! plain async-nats consumer that only counts the same messages in the same
+//! run; the publisher's cost per event on the engine's thread; file store
+//! against memory store.
+//!
+//! ```sh
+//! bash scripts/setup-nats.sh
+//! cargo bench -p kvbm-recorder --bench fleet          # KVBM_BENCH_QUICK=1 for a smoke run
+//! ```
+//!
+//! Each store gets its own `nats-server`. First the 100 engines' batches
+//! are published (each engine one task, batches of the durable log's
+//! columnar blocks, one at a time with message ids, as the publisher
+//! sends them); then the counting consumer drains the stream (a pull
+//! consumer, no acknowledgements, counting each batch's events from its
+//! header); then the recorder drains it into a fleet recording and stops at
+//! the last event. Both read the same messages from the same server.
+
+use futures_util::StreamExt;
+use kvbm_attach::nats::async_nats;
+use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
+use kvbm_attach::nats::wire::{self, BatchEncoder};
+use kvbm_attach::nats::{StreamLimits, connect, ensure_stream, events_subject};
+use kvbm_events::bus::{BusConfig, TapItem};
+use kvbm_events::{
+    Direction, Emitter, Event, EventKind, MonotonicClock, SequenceHash, SlotState, Tier,
+};
+use kvbm_testkit::nats::NatsServer;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One engine's events: a request's lifecycle, its blocks and transfers,
+/// gauges — the kinds an engine emits most, in a plausible mix.
+fn engine_events(n: usize, engine: u32) -> Vec<Event> {
+    let mut out = Vec::with_capacity(n);
+    let mut seq = 0u64;
+    let mut push = |out: &mut Vec<Event>, req: Option<Arc<str>>, kind: EventKind| {
+        out.push(Event {
+            engine,
+            seq,
+            ts_ns: seq * 1_000,
+            iteration: seq / 50,
+            request: req,
+            kind,
+        });
+        seq += 1;
+    };
+    let mut r = 0u64;
+    while out.len() < n {
+        let req: Arc<str> = format!("req-{r}").into();
+        push(
+            &mut out,
+            Some(req.clone()),
+            EventKind::SlotCreated {
+                prompt_tokens: 512,
+                max_output_tokens: 64,
+            },
+        );
+        push(
+            &mut out,
+            Some(req.clone()),
+            EventKind::SlotTransition {
+                from: SlotState::Initialized,
+                to: SlotState::Prefilling,
+            },
+        );
+        for b in 0..8u32 {
+            push(
+                &mut out,
+                None,
+                EventKind::BlockRegistered {
+                    tier: Tier::Device,
+                    block: b + (r as u32 % 64) * 8,
+                    sequence_hash: SequenceHash(
+                        r.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(b),
+                    ),
+                    duplicate_of: None,
+                },
+            );
+        }
+        push(
+            &mut out,
+            Some(req.clone()),
+            EventKind::TransferPlanned {
+                transfer: r,
+                direction: Direction::DEVICE_TO_HOST,
+                blocks: 8,
+            },
+        );
+        push(
+            &mut out,
+            Some(req.clone()),
+            EventKind::TransferCompleted {
+                transfer: r,
+                direction: Direction::DEVICE_TO_HOST,
+                blocks: 8,
+            },
+        );
+        push(
+            &mut out,
+            Some(req.clone()),
+            EventKind::SlotTransition {
+                from: SlotState::Prefilling,
+                to: SlotState::Decoding,
+            },
+        );
+        push(
+            &mut out,
+            None,
+            EventKind::PoolGauge {
+                tier: Tier::Device,
+                capacity: 1024,
+                active: 300,
+                inactive: 200,
+                empty: 524,
+            },
+        );
+        r += 1;
+    }
+    out.truncate(n);
+    out
+}
+
+/// Every engine's batches, sealed as the publisher seals them.
+fn batches(events: &[Event]) -> Vec<(u64, u64, Vec<u8>)> {
+    let mut enc = BatchEncoder::new(true);
+    let mut out = Vec::new();
+    let mut buf = Vec::new();
+    for ev in events {
+        if !enc.push(ev, 60 << 10) {
+            let h = enc.seal(7, 0, &mut buf).unwrap();
+            out.push((h.first_seq, u64::from(h.count), buf.clone()));
+            enc.push(ev, 60 << 10);
+        }
+    }
+    if let Some(h) = enc.seal(7, 0, &mut buf) {
+        out.push((h.first_seq, u64::from(h.count), buf.clone()));
+    }
+    out
+}
+
+struct Run {
+    store: &'static str,
+    events: u64,
+    bytes: u64,
+    publish_s: f64,
+    count_s: f64,
+    record_s: f64,
+}
+
+fn run_store(
+    file_store: bool,
+    engines: usize,
+    per_engine: usize,
+    rt: &tokio::runtime::Runtime,
+) -> Run {
+    let nats = NatsServer::start();
+    let url = nats.url();
+    let limits = StreamLimits {
+        file_store,
+        max_bytes: 8 << 30,
+        ..StreamLimits::default()
+    };
+    let sets: Vec<(String, Vec<(u64, u64, Vec<u8>)>)> = (0..engines)
+        .map(|i| {
+            let ev = engine_events(per_engine, i as u32);
+            (format!("e{i:03}"), batches(&ev))
+        })
+        .collect();
+    let events: u64 = sets.iter().flat_map(|(_, b)| b.iter().map(|x| x.1)).sum();
+    let bytes: u64 = sets
+        .iter()
+        .flat_map(|(_, b)| b.iter().map(|x| x.2.len() as u64))
+        .sum();
+    let messages: u64 = sets.iter().map(|(_, b)| b.len() as u64).sum();
+
+    // 1. Publish: one task per engine, one batch at a time, with ids.
+    let publish_s = rt.block_on(async {
+        let client = connect(&url, "bench").await.unwrap();
+        let js = async_nats::jetstream::new(client.clone());
+        ensure_stream(&js, &limits).await.unwrap();
+        let t = Instant::now();
+        let mut tasks = Vec::new();
+        for (name, bs) in sets {
+            let js = js.clone();
+            tasks.push(tokio::spawn(async move {
+                let subject = events_subject(&name);
+                for (first, _, body) in bs {
+                    let p = async_nats::jetstream::message::PublishMessage::build()
+                        .payload(body.into())
+                        .message_id(wire::message_id(&name, 7, first));
+                    js.send_publish(subject.clone(), p)
+                        .await
+                        .unwrap()
+                        .await
+                        .unwrap();
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        t.elapsed().as_secs_f64()
+    });
+
+    // 2. The counting consumer.
+    let count_s = rt.block_on(async {
+        let client = connect(&url, "bench-count").await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let stream = ensure_stream(&js, &limits).await.unwrap();
+        let c: async_nats::jetstream::consumer::PullConsumer = stream
+            .create_consumer(async_nats::jetstream::consumer::pull::Config {
+                ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let t = Instant::now();
+        let mut msgs = c
+            .stream()
+            .max_messages_per_batch(256)
+            .messages()
+            .await
+            .unwrap();
+        let (mut n, mut ev) = (0u64, 0u64);
+        while n < messages {
+            let m = msgs.next().await.unwrap().unwrap();
+            ev += u64::from(wire::header(&m.payload).unwrap().count);
+            n += 1;
+        }
+        assert_eq!(ev, events);
+        t.elapsed().as_secs_f64()
+    });
+
+    // 3. The recorder, the real binary, until the last event.
+    let dir = tempfile::tempdir().unwrap();
+    let bin = kvbm_testkit::bin::workspace_bin("kvbm-recorder", "kvbm-recorder");
+    let t = Instant::now();
+    let o = Command::new(bin)
+        .args(["record", "--from", &url, "--out"])
+        .arg(dir.path().join("fleet"))
+        .args(["--events", &events.to_string()])
+        .output()
+        .unwrap();
+    let record_s = t.elapsed().as_secs_f64();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains(&format!("recorded {events} events")), "{out}");
+    drop(nats);
+    Run {
+        store: if file_store { "file" } else { "memory" },
+        events,
+        bytes,
+        publish_s,
+        count_s,
+        record_s,
+    }
+}
+
+/// The engine's side: `Emitter::emit` with the tap drained by a publisher
+/// connected to NATS, beside the tap drained by a thread that only
+/// receives, in the same run (ns per event, median of rounds).
+fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> (f64, f64, u64) {
+    let nats = NatsServer::start();
+    let kind = EventKind::SlotTransition {
+        from: SlotState::Prefilling,
+        to: SlotState::Decoding,
+    };
+    let req: kvbm_events::RequestId = Arc::from("req-1");
+    let mut with_pub = Vec::new();
+    let mut with_drain = Vec::new();
+    let mut lost = 0;
+    for _ in 0..rounds {
+        // Publisher.
+        let e = Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).unwrap();
+        let tap = e.bus().take_tap().unwrap();
+        let p =
+            Publisher::spawn(tap, PublisherConfig::new(nats.url(), "cost"), rt.handle()).unwrap();
+        let t = Instant::now();
+        for _ in 0..n {
+            e.emit(Some(&req), kind.clone());
+        }
+        with_pub.push(t.elapsed().as_nanos() as f64 / n as f64);
+        let c = std::thread::scope(|s| s.spawn(|| p.stop(Duration::from_secs(30))).join().unwrap());
+        lost += c.lost();
+        // Plain drain.
+        let e = Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).unwrap();
+        let mut tap = e.bus().take_tap().unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s2 = stop.clone();
+        let h = std::thread::spawn(move || {
+            let mut k = 0u64;
+            loop {
+                match tap.try_recv() {
+                    Ok(TapItem::Event(_)) => k += 1,
+                    Ok(TapItem::Gap { .. }) => {}
+                    Err(_) => {
+                        if s2.load(std::sync::atomic::Ordering::Acquire) {
+                            break k;
+                        }
+                        std::thread::sleep(Duration::from_micros(500));
+                    }
+                }
+            }
+        });
+        let t = Instant::now();
+        for _ in 0..n {
+            e.emit(Some(&req), kind.clone());
+        }
+        with_drain.push(t.elapsed().as_nanos() as f64 / n as f64);
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        h.join().unwrap();
+    }
+    let med = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    (med(with_pub), med(with_drain), lost)
+}
+
+fn main() {
+    let quick = kvbm_testkit::bench::quick();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (engines, per) = if quick { (100, 2_000) } else { (100, 20_000) };
+    println!(
+        "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | recorder (events/s) | recorder / counting |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for file in [true, false] {
+        let r = run_store(file, engines, per, &rt);
+        let rate = |s: f64| r.events as f64 / s / 1e6;
+        println!(
+            "| {} | {engines} | {} | {:.1} | {:.2} M | {:.2} M | {:.2} M | {:.0}% |",
+            r.store,
+            r.events,
+            r.bytes as f64 / 1e6,
+            rate(r.publish_s),
+            rate(r.count_s),
+            rate(r.record_s),
+            100.0 * r.count_s / r.record_s
+        );
+    }
+    let (n, rounds) = if quick { (200_000, 3) } else { (2_000_000, 5) };
+    let (p, d, lost) = engine_cost(&rt, n, rounds);
+    println!();
+    println!(
+        "| on the engine's thread (Emitter::emit, {n} events, median of {rounds}) | ns/event |"
+    );
+    println!("|---|---:|");
+    println!("| tap drained by the NATS publisher | {p:.1} |");
+    println!("| tap drained by a thread that only receives (baseline) | {d:.1} |");
+    println!("(publisher losses over all rounds: {lost})");
+}

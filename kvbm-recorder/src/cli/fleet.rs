@@ -1,0 +1,530 @@
+//! The fleet's commands: `record --from nats://…` (every engine of the
+//! stream into one fleet recording, resumable), `bridge` (an engine we do
+//! not run, from vLLM's ZMQ stream onto NATS), and `inspect`, `check`,
+//! `stats` and `export` of a fleet recording (per engine and for the
+//! fleet).
+
+use super::{Format, RemoteArgs};
+use anyhow::{Context, Result, bail};
+use futures_util::StreamExt;
+use kvbm_attach::nats::async_nats;
+use kvbm_attach::nats::consume::{self, DurableConfig, EngineFilter};
+use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
+use kvbm_attach::nats::{StreamLimits, connect};
+use kvbm_events::Event;
+use kvbm_recorder::analysis;
+use kvbm_recorder::fleet::{self, FleetWriter};
+use kvbm_recorder::log::LogConfig;
+use kvbm_recorder::recorder::{self, RecorderConfig};
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How often the recorder checkpoints and acknowledges.
+const COMMIT_EVERY: Duration = Duration::from_millis(200);
+/// … or after this many messages.
+const COMMIT_MESSAGES: u64 = 2_000;
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => return std::future::pending().await,
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// `record --from nats://HOST:PORT`: every engine (or those `--engines`
+/// names) into the fleet recording `out`, created or resumed.
+pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Result<i32> {
+    kvbm_attach::nats::check_url(url)?;
+    if remote.replay_endpoint.is_some() || remote.token.is_some() || remote.since.is_some() {
+        bail!("--replay-endpoint, --token and --since do not apply to a nats:// source");
+    }
+    let filter = match remote.engines.as_deref() {
+        Some(g) => EngineFilter::glob(g)?,
+        None => EngineFilter::all(),
+    };
+    let consumer = remote
+        .consumer
+        .clone()
+        .unwrap_or_else(|| "kvbm-recorder".into());
+    let resuming = fleet::is_fleet(out);
+    let mut writer = FleetWriter::open(
+        out,
+        url,
+        Some(&consumer),
+        RecorderConfig {
+            log,
+            ..RecorderConfig::default()
+        },
+    )
+    .with_context(|| format!("opening fleet recording {}", out.display()))?;
+    if resuming {
+        eprintln!(
+            "resuming {} ({} logs) with consumer {consumer}",
+            out.display(),
+            writer.manifest().logs.len()
+        );
+    }
+    let rt = runtime()?;
+    let deadline = remote
+        .duration_s
+        .map(|d| Instant::now() + Duration::from_secs_f64(d));
+    let idle = remote.idle_exit_s.map(Duration::from_secs_f64);
+    let mut stats = Session::default();
+    let outcome: Result<&str> = rt.block_on(async {
+        let client = connect(url, "kvbm-recorder").await?;
+        let js = async_nats::jetstream::new(client.clone());
+        let mut cfg = DurableConfig::new(&consumer);
+        cfg.filter = filter.clone();
+        cfg.limits = StreamLimits::default();
+        let mut messages = consume::durable_messages(&js, &cfg).await?;
+        eprintln!("recording {} from {url} (consumer {consumer})", cfg.filter.subject());
+        let stop = interrupted();
+        tokio::pin!(stop);
+        let mut tick = tokio::time::interval(COMMIT_EVERY);
+        let mut last: Option<async_nats::jetstream::Message> = None;
+        let mut pending = 0u64;
+        let mut last_delivery = Instant::now();
+        let why = loop {
+            tokio::select! {
+                m = messages.next() => match m {
+                    None => break "the consumer ended",
+                    Some(Err(e)) => {
+                        // Heartbeats missed while the server restarts, and
+                        // the like: the stream goes on.
+                        stats.consumer_errors += 1;
+                        tracing::warn!("consumer: {e}");
+                        continue;
+                    }
+                    Some(Ok(msg)) => {
+                        last_delivery = Instant::now();
+                        stats.messages += 1;
+                        match consume::decode_message(&msg) {
+                            Ok(d) if filter.matches(&d.engine) => {
+                                let a = writer.apply(&d.engine, &d.header, &d.events)?;
+                                stats.written += a.written;
+                                stats.duplicates += a.duplicates;
+                            }
+                            Ok(_) => stats.filtered += 1,
+                            Err(r) => {
+                                stats.refused += 1;
+                                eprintln!("refused message {} on {}: {}", r.stream_seq, r.subject, r.error);
+                                writer.refused(r.engine.as_deref(), &r.error);
+                            }
+                        }
+                        last = Some(msg);
+                        pending += 1;
+                        if pending >= COMMIT_MESSAGES {
+                            commit(&mut writer, &mut last, &mut stats).await?;
+                            pending = 0;
+                        }
+                        if remote.events.is_some_and(|n| stats.written >= n) {
+                            break "--events reached";
+                        }
+                    }
+                },
+                _ = tick.tick() => {
+                    if pending > 0 {
+                        commit(&mut writer, &mut last, &mut stats).await?;
+                        pending = 0;
+                    }
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        break "--duration-s reached";
+                    }
+                    if idle.is_some_and(|i| last_delivery.elapsed() >= i) {
+                        break "--idle-exit-s reached";
+                    }
+                }
+                _ = &mut stop => break "interrupted",
+            }
+        };
+        commit(&mut writer, &mut last, &mut stats).await?;
+        let _ = client.flush().await;
+        Ok(why)
+    });
+    let recs = writer.recordings();
+    let manifest = writer.finish()?;
+    let why = outcome?;
+    println!(
+        "recorded {} events in this session ({} duplicates skipped, {} messages refused, {} acknowledged) from {url} into {} ({} logs; {why})",
+        stats.written,
+        stats.duplicates,
+        stats.refused,
+        stats.acked,
+        out.display(),
+        manifest.logs.len()
+    );
+    for (name, rec) in recs {
+        println!(
+            "  {name:<24} {} events, seq {:?}..={:?}, {} missing",
+            rec.events,
+            rec.first_seq,
+            rec.last_seq,
+            rec.lost + rec.missed_before_start
+        );
+    }
+    Ok(0)
+}
+
+#[derive(Debug, Default)]
+struct Session {
+    messages: u64,
+    written: u64,
+    duplicates: u64,
+    refused: u64,
+    filtered: u64,
+    acked: u64,
+    consumer_errors: u64,
+}
+
+/// Checkpoints the recording, then acknowledges everything delivered so
+/// far (the consumer's acknowledgements are cumulative). Never the other
+/// way round: an acknowledged message is on disk.
+async fn commit(
+    writer: &mut FleetWriter,
+    last: &mut Option<async_nats::jetstream::Message>,
+    stats: &mut Session,
+) -> Result<()> {
+    writer.checkpoint()?;
+    if let Some(msg) = last.take() {
+        // A lost acknowledgement only means a redelivery, which the
+        // recording skips as duplicates.
+        match msg.double_ack().await {
+            Ok(()) => stats.acked = msg.info().map_or(stats.acked, |i| i.stream_sequence),
+            Err(e) => tracing::warn!("acknowledging: {e}"),
+        }
+    }
+    Ok(())
+}
+
+/// What `bridge` is given.
+#[derive(Debug, clap::Args)]
+pub struct BridgeArgs {
+    /// vLLM's (or SGLang's) KV-event publisher, `zmq://HOST:PORT`.
+    #[arg(long)]
+    from: String,
+    /// The publisher's replay endpoint, `zmq://HOST:PORT`.
+    #[arg(long)]
+    replay_endpoint: Option<String>,
+    /// The engine's name on the event plane (a subject token).
+    #[arg(long)]
+    engine_id: String,
+    /// The NATS server, `nats://HOST:PORT`.
+    #[arg(long)]
+    to: String,
+    /// Stop after this many seconds (default: until Ctrl-C).
+    #[arg(long)]
+    duration_s: Option<f64>,
+    /// On stop, keep sending what is buffered for at most this long.
+    #[arg(long, default_value_t = 5.0)]
+    drain_s: f64,
+}
+
+/// `bridge`: vLLM's KV events onto the event plane as engine
+/// `--engine-id`, through the same publisher an engine uses.
+pub fn bridge(a: &BridgeArgs) -> Result<i32> {
+    use kvbm_ingest::vllm::{ZmqConfig, ZmqEndpoint, ZmqItem, ZmqSource};
+    kvbm_attach::nats::check_engine_name(&a.engine_id)?;
+    kvbm_attach::nats::check_url(&a.to)?;
+    if !(a.drain_s.is_finite() && a.drain_s >= 0.0) {
+        bail!("--drain-s must be a non-negative number");
+    }
+    if let Some(d) = a.duration_s
+        && !(d.is_finite() && d > 0.0)
+    {
+        bail!("--duration-s must be a positive number");
+    }
+    let mut cfg = ZmqConfig::new(ZmqEndpoint::parse(&a.from).map_err(anyhow::Error::msg)?);
+    cfg.replay = a
+        .replay_endpoint
+        .as_deref()
+        .map(ZmqEndpoint::parse)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let rt = runtime()?;
+    let bus = Arc::new(kvbm_events::bus::EventBus::<Event>::new(Default::default())?);
+    let tap = bus.take_tap().context("the bridge's tap")?;
+    let publisher = Publisher::spawn(tap, PublisherConfig::new(&a.to, &a.engine_id), rt.handle())?;
+    let deadline = a
+        .duration_s
+        .map(|d| Instant::now() + Duration::from_secs_f64(d));
+    eprintln!("bridging {} to {} as engine {}", a.from, a.to, a.engine_id);
+    // The pure-Rust ZMQ socket refuses to connect to a publisher that is not
+    // listening yet (an engine still starting), so the source is started
+    // again until it connects; once subscribed, ZMQ reconnects by itself.
+    let mut reconnects = 0u64;
+    let (why, handle) = rt.block_on(async {
+        let stop = interrupted();
+        tokio::pin!(stop);
+        loop {
+            let mut src = ZmqSource::spawn(cfg.clone(), rt.handle());
+            let handle = src.handle();
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            let mut got_any = false;
+            let ended = loop {
+                tokio::select! {
+                    item = src.recv() => match item {
+                        None => break None,
+                        Some(ZmqItem::Events(events)) => {
+                            got_any = true;
+                            for e in events { bus.publish(e) }
+                        }
+                        Some(ZmqItem::Gap { from_seq, to_seq }) => {
+                            // The translator leaves a seq unused per lost
+                            // batch, so the recorder sees the hole too.
+                            eprintln!("zmq gap: publisher batches {from_seq}..={to_seq} missed");
+                        }
+                        Some(ZmqItem::Restart(at)) => {
+                            eprintln!(
+                                "zmq publisher restarted (batch {} then {}; {}): the old engine's blocks are evicted",
+                                at.last_seq,
+                                at.new_seq,
+                                at.cause.describe()
+                            );
+                        }
+                        Some(ZmqItem::Joined { first_seq, fetched, missed }) => {
+                            eprintln!("joined the zmq publisher at its batch {first_seq}: {fetched} earlier batches fetched, {missed} not bridged");
+                        }
+                        Some(ZmqItem::Disconnected) => eprintln!("the zmq publisher went away; reconnecting"),
+                        Some(ZmqItem::Connected { .. }) => {}
+                        Some(ZmqItem::ReplayFailed { error }) => eprintln!("zmq replay failed: {error}"),
+                    },
+                    _ = tick.tick() => {
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            break Some("--duration-s reached");
+                        }
+                    }
+                    _ = &mut stop => break Some("interrupted"),
+                }
+            };
+            match ended {
+                Some(why) => return (why, handle),
+                None if got_any => return ("the zmq source stopped", handle),
+                None => {
+                    reconnects += 1;
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        }
+    });
+    let zmq = handle.counters();
+    let c = std::thread::scope(|s| {
+        s.spawn(|| publisher.stop(Duration::from_secs_f64(a.drain_s)))
+            .join()
+    })
+    .map_err(|_| anyhow::anyhow!("the publisher panicked"))?;
+    println!(
+        "bridged {} events to {} as {} ({} batches; {} dropped, {} publish errors; zmq: {} gaps, {} malformed, {reconnects} connection retries) ({why})",
+        c.events_sent,
+        a.to,
+        a.engine_id,
+        c.batches_sent,
+        c.lost(),
+        c.publish_errors,
+        zmq.gaps,
+        zmq.malformed
+    );
+    Ok(0)
+}
+
+// ------------------------------------------------------------- reading
+
+fn manifest(
+    dir: &Path,
+) -> Result<(
+    fleet::FleetManifest,
+    Vec<(String, std::path::PathBuf, fleet::LogEntry)>,
+)> {
+    let m = fleet::read_manifest(dir)?;
+    let logs = fleet::engine_logs(dir, &m);
+    Ok((m, logs))
+}
+
+/// `inspect` of a fleet recording: the fleet and each engine's count,
+/// time range and losses.
+pub fn inspect(dir: &Path, json: bool) -> Result<i32> {
+    let (m, logs) = manifest(dir)?;
+    let mut engines = serde_json::Map::new();
+    let mut total = 0u64;
+    let mut summaries = Vec::new();
+    for (name, path, entry) in &logs {
+        let s = fleet::summarize(path, entry)?;
+        total += s.events;
+        engines.insert(name.clone(), serde_json::to_value(&s)?);
+        summaries.push((name.clone(), s));
+    }
+    let v = serde_json::json!({
+        "dir": dir,
+        "fleet": true,
+        "source": m.source,
+        "consumer": m.consumer,
+        "events": total,
+        "engines": engines,
+        "refused_unattributed": m.refused_unattributed,
+        "last_refusal": m.last_refusal,
+    });
+    if json {
+        println!("{v}");
+        return Ok(0);
+    }
+    println!(
+        "fleet         {} ({} logs) from {}",
+        dir.display(),
+        logs.len(),
+        m.source
+    );
+    println!("events        {total}");
+    for (name, s) in summaries {
+        let l = &s.losses;
+        println!(
+            "  {name:<24} {:>10} events  seq {:?}..={:?}  missing {} (declared {}, unexplained {})  refused {}",
+            s.events,
+            s.first_seq,
+            s.last_seq,
+            l.holes + l.before_start,
+            l.declared_by_publisher,
+            l.unexplained,
+            l.refused_messages
+        );
+    }
+    Ok(0)
+}
+
+/// `check` of a fleet recording: every engine's log; the worst status.
+pub fn check(dir: &Path) -> Result<i32> {
+    let (_, logs) = manifest(dir)?;
+    let mut worst = 0;
+    for (name, path, _) in &logs {
+        let read = recorder::read_events(path, |_| {})?;
+        let side = recorder::read_sidecar(path);
+        let complete =
+            read.damage.is_none() && side.as_ref().is_none_or(|s| s.is_stream_complete());
+        let report = recorder::check_recording(&read.events, side.as_ref(), complete);
+        if let Some(d) = read.damage {
+            println!("{name}: damaged log: {d}");
+            worst = 2;
+            continue;
+        }
+        match report.first_violation() {
+            None => println!("{name}: ok: {} events, invariants hold", read.events.len()),
+            Some(v) => {
+                println!(
+                    "{name}: violation ({} in all): {v}",
+                    report.violation_count()
+                );
+                worst = worst.max(1);
+            }
+        }
+    }
+    Ok(worst)
+}
+
+/// Every engine's events as one stream for the fleet-wide analyses:
+/// engine by engine, with request ids qualified by the engine
+/// (`engine/request`), transfer and batch ids moved into a range per
+/// engine, and seqs renumbered, so no two engines' ids meet.
+pub fn fleet_events(dir: &Path) -> Result<Vec<Event>> {
+    let (_, logs) = manifest(dir)?;
+    let mut out = Vec::new();
+    let mut seq = 0u64;
+    for (i, (name, path, _)) in logs.iter().enumerate() {
+        let read = recorder::read_events(path, |_| {})?;
+        let base = (i as u64) << 40;
+        for mut e in read.events {
+            e.engine = 0;
+            e.seq = seq;
+            seq += 1;
+            if let Some(r) = &e.request {
+                e.request = Some(format!("{name}/{r}").into());
+            }
+            qualify_ids(&mut e.kind, base);
+            out.push(e);
+        }
+    }
+    Ok(out)
+}
+
+fn qualify_ids(kind: &mut kvbm_events::EventKind, base: u64) {
+    use kvbm_events::EventKind as K;
+    match kind {
+        K::TransferPlanned { transfer, .. }
+        | K::TransferPromoted { transfer, .. }
+        | K::TransferSkipped { transfer, .. }
+        | K::TransferCancelled { transfer, .. }
+        | K::TransferCompleted { transfer, .. }
+        | K::TransferFailed { transfer, .. } => *transfer |= base,
+        K::BatchDispatched {
+            batch, transfers, ..
+        } => {
+            *batch |= base;
+            for t in transfers {
+                *t |= base;
+            }
+        }
+        K::BatchCompleted { batch, .. } => *batch |= base,
+        _ => {}
+    }
+}
+
+/// `stats` of a fleet recording: each engine's, then the fleet's.
+pub fn stats(dir: &Path, json: bool) -> Result<i32> {
+    let (_, logs) = manifest(dir)?;
+    let mut per = serde_json::Map::new();
+    for (name, path, _) in &logs {
+        let read = recorder::read_events(path, |_| {})?;
+        let s = analysis::stats::stats(&read.events, analysis::StatsConfig::default())?;
+        if !json {
+            println!("== {name}\n{s}");
+        }
+        per.insert(name.clone(), serde_json::to_value(&s)?);
+    }
+    let all = analysis::stats::stats(&fleet_events(dir)?, analysis::StatsConfig::default())?;
+    if json {
+        println!("{}", serde_json::json!({"fleet": all, "engines": per}));
+    } else {
+        println!("== the fleet ({} logs)\n{all}", logs.len());
+    }
+    Ok(0)
+}
+
+/// `export` of a fleet recording: one stream, request ids qualified by
+/// engine (a Chrome trace gets a track per engine's request).
+pub fn export(dir: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
+    let events = fleet_events(dir)?;
+    let sink: Box<dyn Write> = match out {
+        Some(p) => {
+            Box::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)
+        }
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let mut w = BufWriter::new(sink);
+    match format {
+        Format::Jsonl => analysis::export::write_jsonl(&events, &mut w)?,
+        Format::Chrome => analysis::export::write_chrome_trace(
+            &events,
+            &mut w,
+            analysis::ChromeOptions::default(),
+        )?,
+    };
+    w.flush()?;
+    Ok(0)
+}

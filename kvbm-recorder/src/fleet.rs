@@ -1,0 +1,617 @@
+//! A fleet recording: every engine of a NATS event plane in one directory,
+//! one ordinary log per engine plus a manifest.
+//!
+//! ```text
+//! DIR/fleet.json          the manifest: source, consumer, one entry per log
+//! DIR/engines/<engine>/   the engine's log (the first run seen)
+//! DIR/engines/<engine>.2/ the same engine after a restart (a new run: its
+//!                         seqs start again, so it cannot share a log)
+//! ```
+//!
+//! Each engine's directory is a log like any other (segments, index,
+//! `recording.json`), so every command that reads a log reads one engine;
+//! the CLI runs `check`, `stats` and `export` per engine and for the fleet.
+//! A log's seqs must increase, which is why there is one per (engine, run)
+//! rather than one interleaved log: an engine's events stay in its own
+//! order and a hole is a jump in its own seqs.
+//!
+//! [`FleetWriter`] applies each (engine, seq) once ([`Tracker`]), writes a
+//! gap where seqs jump, and [`checkpoint`](FleetWriter::checkpoint)s: every
+//! log handed to the OS, every sidecar and the manifest written. The
+//! recorder acknowledges JetStream only after a checkpoint, so a recorder
+//! killed at any moment restarts from its logs ([`FleetWriter::open`]
+//! resumes them) and the redelivered messages it already wrote are skipped
+//! as duplicates: no duplicates, no holes.
+
+use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink, read_sidecar};
+use kvbm_attach::nats::track::{Admit, Tracker};
+use kvbm_attach::nats::wire::BatchHeader;
+use kvbm_events::Event;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// The manifest's file name.
+pub const MANIFEST: &str = "fleet.json";
+/// Where the engines' logs are.
+pub const ENGINES_DIR: &str = "engines";
+/// The manifest's format version.
+pub const FORMAT: u32 = 1;
+
+/// The manifest.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FleetManifest {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// Where the events came from (`nats://…`).
+    pub source: String,
+    /// The JetStream consumer that fed it.
+    #[serde(default)]
+    pub consumer: Option<String>,
+    /// One entry per log, by its directory name under `engines/`.
+    pub logs: BTreeMap<String, LogEntry>,
+    /// Messages refused (not a batch, damaged) with no engine to count
+    /// them on.
+    #[serde(default)]
+    pub refused_unattributed: u64,
+    /// The last refusal, for the operator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_refusal: Option<String>,
+}
+
+/// One engine run's log in the manifest.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LogEntry {
+    /// The engine's name.
+    pub engine: String,
+    /// Its run (hex), from the batches.
+    pub run: String,
+    /// Events the publisher declared it dropped (its latest total).
+    pub declared_dropped: u64,
+    /// Events skipped because they had been written already.
+    pub duplicates: u64,
+    /// Messages of this engine refused as damaged.
+    pub refused: u64,
+}
+
+/// Whether `dir` holds a fleet recording.
+pub fn is_fleet(dir: &Path) -> bool {
+    dir.join(MANIFEST).is_file()
+}
+
+/// Why a fleet recording could not be written or read.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// A log failed.
+    #[error("{dir}: {source}")]
+    Log {
+        /// The engine's log.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: RecordError,
+    },
+    /// The manifest could not be read or written.
+    #[error("{}: {message}", path.display())]
+    Manifest {
+        /// Its path.
+        path: PathBuf,
+        /// Why.
+        message: String,
+    },
+}
+
+/// Reads the manifest of the fleet recording in `dir`.
+pub fn read_manifest(dir: &Path) -> Result<FleetManifest, FleetError> {
+    let path = dir.join(MANIFEST);
+    let bytes = std::fs::read(&path).map_err(|e| FleetError::Manifest {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    let m: FleetManifest = serde_json::from_slice(&bytes).map_err(|e| FleetError::Manifest {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    if m.format != FORMAT {
+        return Err(FleetError::Manifest {
+            path,
+            message: format!("format {}, this build reads {FORMAT}", m.format),
+        });
+    }
+    Ok(m)
+}
+
+/// The engines' logs of a fleet recording: (directory name, path, entry).
+pub fn engine_logs(dir: &Path, m: &FleetManifest) -> Vec<(String, PathBuf, LogEntry)> {
+    m.logs
+        .iter()
+        .map(|(name, e)| (name.clone(), dir.join(ENGINES_DIR).join(name), e.clone()))
+        .collect()
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so a
+/// reader (or a restart after a kill) sees the old or the new, never half.
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+struct OpenLog {
+    name: String,
+    sink: RecordingSink,
+    tracker: Tracker,
+}
+
+/// What applying one batch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Events written.
+    pub written: u64,
+    /// Events skipped as already written.
+    pub duplicates: u64,
+    /// Events missing before ones written (holes found).
+    pub missing: u64,
+}
+
+/// Writes a fleet recording; see the module docs.
+pub struct FleetWriter {
+    dir: PathBuf,
+    manifest: FleetManifest,
+    cfg: RecorderConfig,
+    open: HashMap<(String, u64), OpenLog>,
+    /// (engine, run) → directory name, for runs in the manifest.
+    known: HashMap<(String, u64), String>,
+}
+
+impl std::fmt::Debug for FleetWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FleetWriter")
+            .field("dir", &self.dir)
+            .field("logs", &self.manifest.logs.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl FleetWriter {
+    /// Creates the recording in `dir`, or resumes the one there (same
+    /// source expected; the logs are reopened as their engines send).
+    /// Snapshots are off (`cfg.snapshot_every_events` is ignored): a
+    /// fleet recorder writes as fast as the stream delivers, and readers
+    /// build their own checkpoints.
+    pub fn open(
+        dir: &Path,
+        source: &str,
+        consumer: Option<&str>,
+        cfg: RecorderConfig,
+    ) -> Result<Self, FleetError> {
+        let cfg = RecorderConfig {
+            snapshot_every_events: 0,
+            ..cfg
+        };
+        let mpath = dir.join(MANIFEST);
+        let manifest = if mpath.is_file() {
+            read_manifest(dir)?
+        } else {
+            let not_empty = std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some());
+            if not_empty {
+                return Err(FleetError::Manifest {
+                    path: mpath,
+                    message: "the directory exists, is not empty and holds no fleet recording"
+                        .into(),
+                });
+            }
+            FleetManifest {
+                format: FORMAT,
+                source: source.to_string(),
+                consumer: consumer.map(str::to_string),
+                ..FleetManifest::default()
+            }
+        };
+        let known = manifest
+            .logs
+            .iter()
+            .filter_map(|(name, e)| {
+                let run = u64::from_str_radix(&e.run, 16).ok()?;
+                Some(((e.engine.clone(), run), name.clone()))
+            })
+            .collect();
+        let w = FleetWriter {
+            dir: dir.to_path_buf(),
+            manifest,
+            cfg,
+            open: HashMap::new(),
+            known,
+        };
+        std::fs::create_dir_all(dir.join(ENGINES_DIR)).map_err(|e| FleetError::Manifest {
+            path: dir.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        w.write_manifest()?;
+        Ok(w)
+    }
+
+    /// The manifest as it stands.
+    pub fn manifest(&self) -> &FleetManifest {
+        &self.manifest
+    }
+
+    /// The recording's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn write_manifest(&self) -> Result<(), FleetError> {
+        let path = self.dir.join(MANIFEST);
+        let json = serde_json::to_vec_pretty(&self.manifest).unwrap_or_default();
+        write_atomic(&path, &json).map_err(|e| FleetError::Manifest {
+            path,
+            message: e.to_string(),
+        })
+    }
+
+    fn log_for(&mut self, engine: &str, run: u64) -> Result<&mut OpenLog, FleetError> {
+        let key = (engine.to_string(), run);
+        if !self.open.contains_key(&key) {
+            let (name, resumed) = match self.known.get(&key) {
+                Some(n) => (n.clone(), true),
+                None => {
+                    // A new run: the engine's name, or name.k after a restart.
+                    let runs = self
+                        .manifest
+                        .logs
+                        .values()
+                        .filter(|e| e.engine == engine)
+                        .count();
+                    let name = if runs == 0 {
+                        engine.to_string()
+                    } else {
+                        format!("{engine}.{}", runs + 1)
+                    };
+                    self.manifest.logs.insert(
+                        name.clone(),
+                        LogEntry {
+                            engine: engine.to_string(),
+                            run: format!("{run:016x}"),
+                            ..LogEntry::default()
+                        },
+                    );
+                    self.known.insert(key.clone(), name.clone());
+                    self.write_manifest()?;
+                    (name, false)
+                }
+            };
+            let dir = self.dir.join(ENGINES_DIR).join(&name);
+            let wrap = |source| FleetError::Log {
+                dir: dir.clone(),
+                source,
+            };
+            let mut sink = RecordingSink::resume(&dir, &self.cfg).map_err(wrap)?;
+            let rec = sink.recording().clone();
+            sink.set_source(format!("{}#{engine}", self.manifest.source));
+            let declared = self
+                .manifest
+                .logs
+                .get(&name)
+                .map_or(0, |e| e.declared_dropped);
+            let tracker = match (rec.first_seq, rec.last_seq) {
+                (Some(f), Some(l)) => {
+                    if resumed && rec.missed_before_start == 0 && f > 0 {
+                        sink.missed_before_start(f);
+                    }
+                    Tracker::resume(f, l, rec.events, declared)
+                }
+                _ => Tracker {
+                    declared_dropped: declared,
+                    ..Tracker::default()
+                },
+            };
+            self.open.insert(
+                key.clone(),
+                OpenLog {
+                    name,
+                    sink,
+                    tracker,
+                },
+            );
+        }
+        Ok(self.open.get_mut(&key).expect("inserted above"))
+    }
+
+    /// Applies one batch of `engine`: each event written once, a gap
+    /// written where its seqs jump.
+    pub fn apply(
+        &mut self,
+        engine: &str,
+        header: &BatchHeader,
+        events: &[Event],
+    ) -> Result<Applied, FleetError> {
+        let dir = self.dir.clone();
+        let log = self.log_for(engine, header.run)?;
+        log.tracker.declared(header.dropped_before);
+        let mut out = Applied::default();
+        for ev in events {
+            match log.tracker.admit(ev.seq) {
+                Admit::Duplicate => out.duplicates += 1,
+                Admit::Apply { hole_before } => {
+                    if hole_before > 0 {
+                        log.sink.gap(hole_before);
+                        out.missing += hole_before;
+                    } else if log.tracker.applied == 1 && ev.seq > 0 {
+                        log.sink.missed_before_start(ev.seq);
+                        out.missing += ev.seq;
+                    }
+                    log.sink.append(ev).map_err(|source| FleetError::Log {
+                        dir: dir.join(ENGINES_DIR).join(&log.name),
+                        source,
+                    })?;
+                    out.written += 1;
+                }
+            }
+        }
+        let (name, declared) = (log.name.clone(), log.tracker.declared_dropped);
+        if let Some(e) = self.manifest.logs.get_mut(&name) {
+            e.declared_dropped = e.declared_dropped.max(declared);
+            e.duplicates += out.duplicates;
+        }
+        Ok(out)
+    }
+
+    /// A message that was not a usable batch: counted on its engine when
+    /// the subject named one.
+    pub fn refused(&mut self, engine: Option<&str>, why: &str) {
+        let entry = engine.and_then(|e| {
+            self.manifest
+                .logs
+                .iter_mut()
+                .rev()
+                .find(|(_, l)| l.engine == e)
+                .map(|(_, l)| l)
+        });
+        match entry {
+            Some(l) => l.refused += 1,
+            None => self.manifest.refused_unattributed += 1,
+        }
+        self.manifest.last_refusal = Some(kvbm_events::text::clip(
+            why,
+            kvbm_events::text::MAX_MESSAGE_CHARS,
+        ));
+    }
+
+    /// Every log handed to the OS, every sidecar and the manifest written:
+    /// after this returns, what was applied survives the recorder being
+    /// killed.
+    pub fn checkpoint(&mut self) -> Result<(), FleetError> {
+        let dir = self.dir.clone();
+        for log in self.open.values_mut() {
+            log.sink.checkpoint().map_err(|source| FleetError::Log {
+                dir: dir.join(ENGINES_DIR).join(&log.name),
+                source,
+            })?;
+        }
+        self.write_manifest()
+    }
+
+    /// Per log: its directory name and what it holds so far.
+    pub fn recordings(&self) -> Vec<(String, Recording)> {
+        let mut v: Vec<_> = self
+            .open
+            .values()
+            .map(|l| (l.name.clone(), l.sink.recording().clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// Events written in this session and before (every open log).
+    pub fn events(&self) -> u64 {
+        self.open.values().map(|l| l.sink.recording().events).sum()
+    }
+
+    /// Closes every log (sidecars written) and the manifest.
+    pub fn finish(mut self) -> Result<FleetManifest, FleetError> {
+        let mut first_err = None;
+        for (_, log) in self.open.drain() {
+            let dir = self.dir.join(ENGINES_DIR).join(&log.name);
+            if let Err(source) = log.sink.finish() {
+                first_err.get_or_insert(FleetError::Log { dir, source });
+            }
+        }
+        self.write_manifest()?;
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(self.manifest),
+        }
+    }
+}
+
+/// What `inspect` says of one engine's log.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EngineSummary {
+    /// The engine's name.
+    pub engine: String,
+    /// Its run.
+    pub run: String,
+    /// Events in its log.
+    pub events: u64,
+    /// First and last seq.
+    pub first_seq: Option<u64>,
+    /// Last seq.
+    pub last_seq: Option<u64>,
+    /// Smallest and largest timestamp, ns.
+    pub time_range_ns: Option<(u64, u64)>,
+    /// Losses.
+    pub losses: Losses,
+}
+
+/// An engine's losses, by where they are known from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Losses {
+    /// Events missing between events written (seq jumps).
+    pub holes: u64,
+    /// Seqs before the first event written.
+    pub before_start: u64,
+    /// What the publisher declared it dropped.
+    pub declared_by_publisher: u64,
+    /// Missing and not declared (0 when every loss is accounted for).
+    pub unexplained: u64,
+    /// Messages refused as damaged.
+    pub refused_messages: u64,
+    /// Events skipped because they were written already.
+    pub duplicates_skipped: u64,
+}
+
+/// Summarises one engine's log from its sidecar (or, without one, from
+/// the log's own index) and its manifest entry.
+pub fn summarize(path: &Path, entry: &LogEntry) -> Result<EngineSummary, FleetError> {
+    let reader = crate::recorder::open_log(path).map_err(|e| FleetError::Log {
+        dir: path.to_path_buf(),
+        source: e.into(),
+    })?;
+    let info = reader.info();
+    let side = read_sidecar(path);
+    let (events, holes, before) = match side.as_ref().filter(|s| s.last_seq == info.last_seq) {
+        Some(s) => (s.events, s.lost, s.missed_before_start),
+        None => {
+            // No sidecar that agrees with the log (a recorder killed before
+            // its first checkpoint): count from the log.
+            let mut n = 0u64;
+            let mut holes = 0u64;
+            let mut last: Option<u64> = None;
+            for r in reader.iter() {
+                let Ok(r) = r else { break };
+                if let Some(l) = last {
+                    holes += r.event.seq.saturating_sub(l + 1);
+                }
+                last = Some(r.event.seq);
+                n += 1;
+            }
+            (n, holes, info.first_seq.unwrap_or(0))
+        }
+    };
+    let missing = holes + before;
+    Ok(EngineSummary {
+        engine: entry.engine.clone(),
+        run: entry.run.clone(),
+        events,
+        first_seq: info.first_seq,
+        last_seq: info.last_seq,
+        time_range_ns: info.time_range_ns,
+        losses: Losses {
+            holes,
+            before_start: before,
+            declared_by_publisher: entry.declared_dropped,
+            unexplained: missing.saturating_sub(entry.declared_dropped),
+            refused_messages: entry.refused,
+            duplicates_skipped: entry.duplicates,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbm_events::{EventKind, Tier};
+
+    fn ev(seq: u64) -> Event {
+        Event {
+            engine: 3,
+            seq,
+            ts_ns: seq * 10,
+            iteration: 0,
+            request: None,
+            kind: EventKind::PoolGauge {
+                tier: Tier::Host,
+                capacity: 1,
+                active: 0,
+                inactive: 0,
+                empty: 1,
+            },
+        }
+    }
+
+    fn header(run: u64, events: &[Event], dropped_before: u64) -> BatchHeader {
+        BatchHeader {
+            run,
+            first_seq: events[0].seq,
+            last_seq: events.last().unwrap().seq,
+            count: events.len() as u32,
+            dropped_before,
+        }
+    }
+
+    fn batch(seqs: std::ops::Range<u64>) -> Vec<Event> {
+        seqs.map(ev).collect()
+    }
+
+    /// Duplicates are skipped, holes become gaps, a restart of the writer
+    /// (without finishing: a kill) resumes from the logs, and a new run of
+    /// an engine gets a log of its own.
+    #[test]
+    fn batches_apply_once_resume_after_a_kill_and_runs_get_their_own_logs() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("fleet");
+        let cfg = RecorderConfig::default();
+        let mut w = FleetWriter::open(&dir, "nats://x:1", Some("c"), cfg.clone()).unwrap();
+        let b1 = batch(0..10);
+        assert_eq!(w.apply("a", &header(1, &b1, 0), &b1).unwrap().written, 10);
+        let b2 = batch(5..12);
+        let r = w.apply("a", &header(1, &b2, 0), &b2).unwrap();
+        assert_eq!((r.written, r.duplicates), (2, 5));
+        let b3 = batch(15..20);
+        let r = w.apply("a", &header(1, &b3, 3), &b3).unwrap();
+        assert_eq!((r.written, r.missing), (5, 3));
+        let b = batch(0..4);
+        w.apply("b", &header(9, &b, 0), &b).unwrap();
+        w.checkpoint().unwrap();
+        // Written after the checkpoint, then killed: still in the log (the
+        // OS has it after the next flush) — here, flushed by a checkpoint
+        // of the log alone, as a kill between the two would leave it.
+        let b4 = batch(20..25);
+        w.apply("a", &header(1, &b4, 3), &b4).unwrap();
+        w.checkpoint().unwrap();
+        drop(w); // a kill: nothing finished
+
+        let mut w = FleetWriter::open(&dir, "nats://x:1", Some("c"), cfg.clone()).unwrap();
+        // The redelivery of everything is all duplicates.
+        for b in [&b1, &b2, &b3, &b4] {
+            let r = w.apply("a", &header(1, b, 3), b).unwrap();
+            assert_eq!(r.written, 0);
+        }
+        let b5 = batch(25..30);
+        assert_eq!(w.apply("a", &header(1, &b5, 3), &b5).unwrap().written, 5);
+        // Engine a restarted: run 2, seqs from 0 again.
+        let b6 = batch(0..3);
+        assert_eq!(w.apply("a", &header(2, &b6, 0), &b6).unwrap().written, 3);
+        w.refused(Some("b"), "bad batch");
+        w.refused(None, "not a subject");
+        let m = w.finish().unwrap();
+        assert_eq!(m.logs.keys().collect::<Vec<_>>(), ["a", "a.2", "b"]);
+        assert_eq!(m.logs["a"].declared_dropped, 3);
+        assert_eq!(m.logs["b"].refused, 1);
+        assert_eq!(m.refused_unattributed, 1);
+
+        let m = read_manifest(&dir).unwrap();
+        let logs = engine_logs(&dir, &m);
+        let a = summarize(&logs[0].1, &logs[0].2).unwrap();
+        assert_eq!(a.events, 27);
+        assert_eq!((a.first_seq, a.last_seq), (Some(0), Some(29)));
+        assert_eq!(a.losses.holes, 3);
+        assert_eq!(a.losses.unexplained, 0);
+        let read = crate::recorder::read_events(&logs[0].1, |_| {}).unwrap();
+        let seqs: Vec<u64> = read.events.iter().map(|e| e.seq).collect();
+        let want: Vec<u64> = (0..12).chain(15..30).collect();
+        assert_eq!(seqs, want);
+        let a2 = summarize(&logs[1].1, &logs[1].2).unwrap();
+        assert_eq!(a2.events, 3);
+    }
+
+    #[test]
+    fn a_directory_with_something_else_in_it_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("x"), b"1").unwrap();
+        let e = FleetWriter::open(tmp.path(), "nats://x:1", None, RecorderConfig::default())
+            .unwrap_err();
+        assert!(e.to_string().contains("holds no fleet recording"), "{e}");
+    }
+}

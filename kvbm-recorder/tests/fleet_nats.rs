@@ -1,0 +1,371 @@
+//! The fleet through a real `nats-server` (JetStream, file store):
+//! simulated engines publish (`kvbm-sim --publish`), `kvbm-recorder record
+//! --from nats://` records them all, and every engine's events arrive
+//! exactly once — also while the recorder is killed with SIGKILL and
+//! restarted twice and the server is restarted once. A publisher cut off
+//! from NATS declares its drops and loses nothing sent after the outage.
+//!
+//! Needs `scripts/setup-nats.sh` (the test says so when the server is
+//! missing). Bounded: a few thousand requests in all, each wait capped.
+
+use kvbm_testkit::bin::workspace_bin;
+use kvbm_testkit::nats::NatsServer;
+use serde_json::Value;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// One test at a time: each runs eight engines, and on two cores they
+/// would only slow each other down.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn sim_bin() -> std::path::PathBuf {
+    workspace_bin("kvbm-sim", "kvbm-sim")
+}
+
+fn recorder_bin() -> std::path::PathBuf {
+    workspace_bin("kvbm-recorder", "kvbm-recorder")
+}
+
+fn spawn_sim(url: &str, name: &str, extra: &[&str], dir: &Path) -> Child {
+    let out = std::fs::File::create(dir.join(format!("{name}.json"))).unwrap();
+    let err = std::fs::File::create(dir.join(format!("{name}.err"))).unwrap();
+    Command::new(sim_bin())
+        .args(["--publish", url, "--engine-id", name, "--json"])
+        .args(extra)
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .expect("starting kvbm-sim")
+}
+
+fn spawn_recorder(url: &str, out: &Path, idle_s: &str, log: &Path) -> Child {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
+    Command::new(recorder_bin())
+        .args(["record", "--from", url, "--out"])
+        .arg(out)
+        .args(["--idle-exit-s", idle_s])
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .expect("starting kvbm-recorder")
+}
+
+/// Waits for `child` at most `limit`; kills it and fails past that.
+fn wait(child: &mut Child, what: &str, limit: Duration) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            panic!("{what} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// What a sim emitted and its publisher's counters. Every event goes
+/// through the engine's tap (the breakpoints' last events come after the
+/// report is taken), so what it emitted is what the tap took in plus what
+/// the tap dropped; the report's own count must not exceed it.
+fn sim_result(dir: &Path, name: &str) -> (u64, Value) {
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap())
+            .unwrap();
+    let err = std::fs::read_to_string(dir.join(format!("{name}.err"))).unwrap();
+    let line = err
+        .lines()
+        .find_map(|l| l.strip_prefix("publisher "))
+        .unwrap_or_else(|| panic!("{name}: no publisher line in its stderr:\n{err}"));
+    let p: Value = serde_json::from_str(line).unwrap();
+    let emitted = p["events_in"].as_u64().unwrap() + p["tap_dropped"].as_u64().unwrap();
+    assert!(
+        report["events_emitted"].as_u64().unwrap() <= emitted,
+        "{name}: {report} {p}"
+    );
+    assert!(
+        report["events_emitted"].as_u64().unwrap() > 1000,
+        "{name}: {report}"
+    );
+    (emitted, p)
+}
+
+fn inspect(out: &Path) -> Value {
+    let o = Command::new(recorder_bin())
+        .args(["inspect", "--json"])
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// Every engine's log holds exactly seqs 0..emitted, once each, and the
+/// recording's own checks pass.
+fn assert_exactly_once(out: &Path, emitted: &[(String, u64)], recorder_log: &Path) {
+    let v = inspect(out);
+    let engines = v["engines"].as_object().expect("engines in inspect --json");
+    assert_eq!(
+        engines.len(),
+        emitted.len(),
+        "{v}\nrecorder:\n{}",
+        std::fs::read_to_string(recorder_log).unwrap_or_default()
+    );
+    for (name, n) in emitted {
+        let e = &engines[name.as_str()];
+        assert_eq!(e["events"].as_u64(), Some(*n), "{name}: {e}");
+        assert_eq!(e["first_seq"].as_u64(), Some(0), "{name}: {e}");
+        assert_eq!(e["last_seq"].as_u64(), Some(n - 1), "{name}: {e}");
+        assert_eq!(e["losses"]["holes"].as_u64(), Some(0), "{name}: {e}");
+        assert_eq!(e["losses"]["unexplained"].as_u64(), Some(0), "{name}: {e}");
+        // Not only the counts: the log itself, seq by seq.
+        let read =
+            kvbm_recorder::recorder::read_events(&out.join("engines").join(name), |_| {}).unwrap();
+        assert!(read.damage.is_none(), "{name}: {:?}", read.damage);
+        let seqs: Vec<u64> = read.events.iter().map(|e| e.seq).collect();
+        assert!(
+            seqs.iter().copied().eq(0..*n),
+            "{name}: the log's seqs are not exactly 0..{n}"
+        );
+    }
+    let st = Command::new(recorder_bin())
+        .arg("check")
+        .arg(out)
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(0), "check of the fleet recording");
+}
+
+#[test]
+fn eight_engines_arrive_exactly_once() {
+    let _one = serial();
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("fleet");
+    let rlog = tmp.path().join("recorder.log");
+    // Built before anything starts, so no wait for a build counts as idle.
+    let _ = (sim_bin(), recorder_bin());
+    let mut rec = spawn_recorder(&nats.url(), &out, "3", &rlog);
+    let names: Vec<String> = (0..8).map(|i| format!("sim-{i}")).collect();
+    let mut sims: Vec<Child> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let seed = (i + 1).to_string();
+            spawn_sim(
+                &nats.url(),
+                n,
+                &["--requests", "30", "--rate", "40", "--seed", &seed],
+                tmp.path(),
+            )
+        })
+        .collect();
+    let mut emitted = Vec::new();
+    for (s, n) in sims.iter_mut().zip(&names) {
+        assert!(wait(s, n, Duration::from_secs(60)).success(), "{n} failed");
+        let (events, publisher) = sim_result(tmp.path(), n);
+        assert_eq!(
+            publisher["events_sent"].as_u64(),
+            Some(events),
+            "{n}: {publisher}"
+        );
+        assert_eq!(publisher["dropped"].as_u64(), Some(0), "{n}: {publisher}");
+        emitted.push((n.clone(), events));
+    }
+    assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
+    assert_exactly_once(&out, &emitted, &rlog);
+}
+
+/// The same while the recorder is killed with SIGKILL and restarted twice
+/// and the server (file store) is killed and restarted once.
+#[test]
+fn exactly_once_through_recorder_kills_and_a_server_restart() {
+    let _one = serial();
+    let mut nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("fleet");
+    let rlog = tmp.path().join("recorder.log");
+    let names: Vec<String> = (0..8).map(|i| format!("eng-{i}")).collect();
+    // Paced in real time, so the kills land while the engines publish.
+    let _ = (sim_bin(), recorder_bin());
+    let mut sims: Vec<Child> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let seed = (i + 11).to_string();
+            spawn_sim(
+                &nats.url(),
+                n,
+                &[
+                    "--requests",
+                    "80",
+                    "--rate",
+                    "12",
+                    "--real-time",
+                    "1",
+                    "--seed",
+                    &seed,
+                ],
+                tmp.path(),
+            )
+        })
+        .collect();
+    let mut rec = spawn_recorder(&nats.url(), &out, "6", &rlog);
+    let start = Instant::now();
+    let at = |s: f64| {
+        let t = Duration::from_secs_f64(s);
+        if let Some(d) = t.checked_sub(start.elapsed()) {
+            std::thread::sleep(d);
+        }
+    };
+    for (i, when) in [1.5, 3.0].into_iter().enumerate() {
+        at(when);
+        rec.kill().unwrap(); // SIGKILL
+        rec.wait().unwrap();
+        assert!(
+            sims.iter_mut().all(|s| s.try_wait().unwrap().is_none()),
+            "the engines finished before kill {i}: the test would prove nothing"
+        );
+        rec = spawn_recorder(&nats.url(), &out, "6", &rlog);
+    }
+    at(4.5);
+    nats.restart();
+    assert!(
+        sims.iter_mut().all(|s| s.try_wait().unwrap().is_none()),
+        "the engines finished before the server restart"
+    );
+    let mut emitted = Vec::new();
+    for (s, n) in sims.iter_mut().zip(&names) {
+        assert!(wait(s, n, Duration::from_secs(90)).success(), "{n} failed");
+        let (events, publisher) = sim_result(tmp.path(), n);
+        assert_eq!(
+            publisher["events_sent"].as_u64(),
+            Some(events),
+            "{n}: {publisher}"
+        );
+        emitted.push((n.clone(), events));
+    }
+    assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
+    assert_exactly_once(&out, &emitted, &rlog);
+    let log = std::fs::read_to_string(&rlog).unwrap();
+    assert_eq!(log.matches("resuming").count(), 2, "{log}");
+}
+
+/// A publisher whose server goes away: its bounded buffer overflows, it
+/// counts what it dropped, and declares it; nothing it emits after the
+/// server is back is lost, and the recording accounts for every hole.
+#[test]
+fn a_publisher_cut_off_declares_its_drops_and_loses_nothing_later() {
+    let _one = serial();
+    use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
+    use kvbm_events::bus::BusConfig;
+    use kvbm_events::{Emitter, EventKind, MonotonicClock, Tier};
+    use std::sync::Arc;
+
+    let mut nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let bus = BusConfig {
+        tap_capacity: 1 << 20,
+        ..BusConfig::default()
+    };
+    let emitter = Emitter::new(5, bus, Arc::new(MonotonicClock::new())).unwrap();
+    let tap = emitter.bus().take_tap().unwrap();
+    let mut cfg = PublisherConfig::new(nats.url(), "cut-off");
+    cfg.buffer_bytes = 64 << 10; // a few batches
+    cfg.publish_timeout = Duration::from_millis(500);
+    let publisher = Publisher::spawn(tap, cfg, rt.handle()).unwrap();
+    let emit = |n: u64| {
+        for i in 0..n {
+            emitter.emit(
+                None,
+                EventKind::PoolGauge {
+                    tier: Tier::Host,
+                    capacity: 1000,
+                    active: (i % 1000) as u32,
+                    inactive: 0,
+                    empty: 0,
+                },
+            );
+            if i % 1000 == 999 {
+                // An engine's pace, not a tight loop: the tap keeps up.
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    };
+    let until = |what: &str, f: &dyn Fn() -> bool| {
+        let t = Instant::now();
+        while !f() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "{what}: {:?}",
+                publisher.counters()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    until("connected", &|| publisher.counters().connected);
+    emit(20_000);
+    until("the first events sent", &|| {
+        publisher.counters().events_sent == 20_000
+    });
+    nats.stop();
+    emit(100_000);
+    until("drops while cut off", &|| publisher.counters().dropped > 0);
+    nats.start_again();
+    let before_after = emitter.emitted();
+    emit(20_000);
+    let c = std::thread::scope(|s| {
+        s.spawn(|| publisher.stop(Duration::from_secs(20)))
+            .join()
+            .unwrap()
+    });
+    assert_eq!(c.tap_dropped, 0, "{c:?}");
+    assert!(c.dropped > 0, "the buffer never overflowed: {c:?}");
+    assert_eq!(c.events_in, 140_000, "{c:?}");
+    assert_eq!(c.events_sent + c.dropped, 140_000, "{c:?}");
+    drop(emitter);
+
+    let out = tmp.path().join("fleet");
+    let rlog = tmp.path().join("recorder.log");
+    let mut rec = spawn_recorder(&nats.url(), &out, "2", &rlog);
+    assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
+    let v = inspect(&out);
+    let e = &v["engines"]["cut-off"];
+    assert_eq!(e["events"].as_u64(), Some(c.events_sent), "{e}");
+    assert_eq!(e["losses"]["holes"].as_u64(), Some(c.dropped), "{e}");
+    assert_eq!(
+        e["losses"]["declared_by_publisher"].as_u64(),
+        Some(c.dropped),
+        "{e}"
+    );
+    assert_eq!(e["losses"]["unexplained"].as_u64(), Some(0), "{e}");
+    // Everything emitted after the server came back is there.
+    let read = kvbm_recorder::recorder::read_events(&out.join("engines/cut-off"), |_| {}).unwrap();
+    let tail: Vec<u64> = read
+        .events
+        .iter()
+        .map(|e| e.seq)
+        .filter(|s| *s >= before_after)
+        .collect();
+    assert!(
+        tail.iter().copied().eq(before_after..140_000),
+        "later events lost"
+    );
+    // And so is everything sent before the outage.
+    assert!(read.events.iter().map(|e| e.seq).take(20_000).eq(0..20_000));
+}
