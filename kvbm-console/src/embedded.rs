@@ -8,7 +8,7 @@ use kvbm_events::control::Control;
 use kvbm_events::ring::{RingBuffer, RingConfig};
 use kvbm_recorder::recorder::{RecordError, RecorderConfig, Recording, spawn_recorder};
 use kvbm_sim::args::SimArgs;
-use kvbm_sim::sim::{Pacing, SimReport, Simulator};
+use kvbm_sim::sim::{Pacing, SimConfig, SimReport, Simulator};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -59,6 +59,19 @@ pub fn demo_defaults(cmd: clap::Command) -> clap::Command {
     .fold(cmd, |cmd, (id, v)| cmd.mut_arg(id, |a| a.default_value(v)))
 }
 
+/// "bytes as modelled for MODEL: X a block (Y a block really copied)":
+/// the transfer events carry the model's bytes (so rates and times are
+/// the model's), while the simulator's memory holds a few bytes a token.
+pub fn bytes_note(cfg: &SimConfig) -> String {
+    let bs = cfg.block_size as u64;
+    format!(
+        "bytes as modelled for {}: {} a block ({} a block really copied)",
+        cfg.model,
+        crate::fmt::bytes(bs * cfg.worker.model_kv_bytes_per_token),
+        crate::fmt::bytes(bs * cfg.real_bytes_per_token as u64)
+    )
+}
+
 /// A running embedded engine.
 pub struct Embedded {
     stop: Arc<AtomicBool>,
@@ -73,6 +86,9 @@ pub struct Embedded {
     recorder: Option<JoinHandle<Result<Recording, RecordError>>>,
     recorder_stop: Arc<AtomicBool>,
     runtime: tokio::runtime::Runtime,
+    /// What the engine's byte figures stand for: the model's KV bytes,
+    /// while the simulator copies only a few real bytes per token.
+    pub bytes_note: String,
 }
 
 impl Embedded {
@@ -91,6 +107,7 @@ impl Embedded {
         let runtime = rt.handle().clone();
         let loaded = args.sim.load().context("the demo's engine")?;
         let (mut cfg, workload) = (loaded.config, loaded.workload);
+        let bytes_note = bytes_note(&cfg);
         // The console shows a live engine: it always runs in real time.
         if !matches!(cfg.pacing, Pacing::RealTime { .. }) {
             cfg.pacing = Pacing::RealTime { speed: 1.0 };
@@ -171,6 +188,7 @@ impl Embedded {
             recorder: Some(recorder),
             recorder_stop: rec_stop_outer,
             runtime: rt,
+            bytes_note,
         })
     }
 
@@ -197,6 +215,7 @@ impl Embedded {
             recorder,
             recorder_stop,
             runtime,
+            bytes_note: _,
         } = self;
         stop.store(true, Ordering::Relaxed);
         breakpoints.clear_all();
@@ -230,5 +249,24 @@ impl Embedded {
     /// The log directory.
     pub fn log_dir(&self) -> &Path {
         &self.dir
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bytes_note_names_the_model_and_both_sizes() {
+        let cfg = SimConfig {
+            block_size: 16,
+            real_bytes_per_token: 4,
+            model: "llama-3-8b".into(),
+            ..SimConfig::default()
+        };
+        assert_eq!(
+            bytes_note(&cfg),
+            "bytes as modelled for llama-3-8b: 2.0MiB a block (64B a block really copied)"
+        );
     }
 }

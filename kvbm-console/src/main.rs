@@ -200,6 +200,9 @@ fn run_command(command: Command) -> Result<()> {
             let result = {
                 let source = LiveSource::new(embedded.ring.clone(), Some(embedded.control()));
                 let mut app = App::new(Model::new(view.model()), Source::Live(source), "demo");
+                app.views
+                    .transfers
+                    .set_bytes_note(Some(embedded.bytes_note.clone()));
                 let mut term = Term::enter()?;
                 let mut said_done = false;
                 rt.block_on(run(&mut app, &mut term, |app| {

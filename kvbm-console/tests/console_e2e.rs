@@ -402,7 +402,10 @@ fn in_flight_rows(screen: &str) -> Vec<(u64, String)> {
 #[test]
 fn demo_transfers_are_in_flight_with_the_presets_bytes() {
     require_tmux();
-    for (model, mib_per_block) in [(None, 2), (Some("llama-3-70b"), 5)] {
+    for (model, mib_per_block, name) in [
+        (None, 2, "llama-3-8b"),
+        (Some("llama-3-70b"), 5, "llama-3-70b"),
+    ] {
         let mut args = vec!["demo"];
         if let Some(m) = model {
             args.extend(["--model", m]);
@@ -415,6 +418,12 @@ fn demo_transfers_are_in_flight_with_the_presets_bytes() {
             in_flight_rows(s).iter().any(|(_, b)| b != "-")
         });
         assert!(started.elapsed() < Duration::from_secs(20));
+        // Which bytes are which: the model's, and the 4 bytes a token the
+        // simulator really copies (64 B a 16-token block).
+        let note = format!(
+            "bytes as modelled for {name}: {mib_per_block}.0MiB a block (64B a block really copied)"
+        );
+        assert!(s.contains(&note), "no {note:?}:\n{s}");
         for (blocks, bytes) in in_flight_rows(&s) {
             if bytes == "-" {
                 continue;

@@ -44,9 +44,17 @@ pub struct Transfers {
     in_flight: usize,
     list: ListState,
     filter: Option<Filter>,
+    bytes_note: Option<String>,
 }
 
 impl Transfers {
+    /// What the byte figures stand for, when the source knows (the demo's
+    /// simulator: the model's bytes, not the few really copied), shown in
+    /// the totals' title.
+    pub fn set_bytes_note(&mut self, note: Option<String>) {
+        self.bytes_note = note;
+    }
+
     /// Filters the rows from the next update on.
     pub fn set_filter(&mut self, filter: Option<Filter>) {
         self.filter = filter;
@@ -130,10 +138,11 @@ impl View for Transfers {
                 ])
             })
             .collect();
-        let title = if totals.is_empty() {
-            "Totals — no transfers yet"
-        } else {
-            "Totals by direction"
+        let title = match (&self.bytes_note, totals.is_empty()) {
+            (None, true) => "Totals — no transfers yet".to_string(),
+            (None, false) => "Totals by direction".to_string(),
+            (Some(n), true) => format!("Totals — no transfers yet · {n}"),
+            (Some(n), false) => format!("Totals by direction · {n}"),
         };
         let widths = columns::fit(&TOTAL_COLS, &totals, tot_a.width.saturating_sub(2));
         f.render_widget(
