@@ -261,7 +261,7 @@ fn demo_live_slots_help_breakpoint_and_quit() {
     assert!(
         s.lines().any(|l| {
             let cols: Vec<&str> = l.trim_matches('│').split_whitespace().collect();
-            cols.starts_with(&["#1", "request=syn-150"])
+            cols.starts_with(&["#1", "state=Decoding", "request=syn-150"])
         }),
         "{s}"
     );
