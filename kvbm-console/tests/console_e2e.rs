@@ -10,161 +10,21 @@
 //! Needs `tmux`: without it the test fails, saying how to install it (a
 //! test that passes without having run proves nothing).
 
-use std::path::{Path, PathBuf};
+use kvbm_testkit::tmux::Tmux;
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-struct Tmux {
-    socket: String,
-    exit_file: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-/// Fails, saying how to get tmux, when it is not installed.
-fn require_tmux() {
-    let version = Command::new("tmux").arg("-V").output();
-    assert!(
-        version.as_ref().is_ok_and(|o| o.status.success()),
-        "tmux is required: this test drives the real console in a tmux \
-         pseudo-terminal. Install it (Debian/Ubuntu: apt-get install tmux; \
-         Fedora: dnf install tmux; macOS: brew install tmux) and run the test \
-         again. (`tmux -V`: {version:?})"
-    );
-}
-
-impl Tmux {
-    /// Starts the console with `args` in a detached `w`×`h` session on a
-    /// private socket.
-    fn start(name: &str, args: &[&str], w: u16, h: u16) -> Tmux {
-        let bin = env!("CARGO_BIN_EXE_kvbm-console");
-        Tmux::start_with(name, "", bin, args, w, h, true)
-    }
-
-    /// Starts `env bin args` (`env`: `NAME=value ` prefixes) in a detached
-    /// `w`×`h` session; its stderr goes to a file unless `stderr_to_file`
-    /// is false (then it shows in the pane, as a user would see it).
-    fn start_with(
-        name: &str,
-        env: &str,
-        bin: &str,
-        args: &[&str],
-        w: u16,
-        h: u16,
-        stderr_to_file: bool,
-    ) -> Tmux {
-        let dir = tempfile::tempdir().unwrap();
-        let exit_file = dir.path().join("exit");
-        let socket = format!("kvbm-e2e-{}-{name}", std::process::id());
-        let redirect = if stderr_to_file {
-            format!(" 2>{}", dir.path().join("stderr").display())
-        } else {
-            String::new()
-        };
-        let cmd = format!(
-            "{env}{bin} {}{redirect}; echo $? > {}; sleep 30",
-            args.join(" "),
-            exit_file.display()
-        );
-        let st = Command::new("tmux")
-            .args([
-                "-L",
-                &socket,
-                "-f",
-                "/dev/null",
-                "new-session",
-                "-d",
-                "-s",
-                "t",
-            ])
-            .args(["-x", &w.to_string(), "-y", &h.to_string(), &cmd])
-            .status()
-            .unwrap();
-        assert!(st.success());
-        Tmux {
-            socket,
-            exit_file,
-            _dir: dir,
-        }
-    }
-
-    fn screen(&self) -> String {
-        let o = Command::new("tmux")
-            .args(["-L", &self.socket, "capture-pane", "-p", "-t", "t"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
-    /// The screen with its attributes as escape sequences (`-e`).
-    fn screen_with_attributes(&self) -> String {
-        let o = Command::new("tmux")
-            .args(["-L", &self.socket, "capture-pane", "-p", "-e", "-t", "t"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
-    /// Sends one key (tmux key name), then lets the console react. Keys
-    /// go one at a time: an Esc followed at once by another key would read
-    /// as Alt+key.
-    fn send(&self, key: &str) {
-        let st = Command::new("tmux")
-            .args(["-L", &self.socket, "send-keys", "-t", "t", key])
-            .status()
-            .unwrap();
-        assert!(st.success());
-        std::thread::sleep(Duration::from_millis(150));
-    }
-
-    fn type_text(&self, text: &str) {
-        let st = Command::new("tmux")
-            .args(["-L", &self.socket, "send-keys", "-t", "t", "-l", text])
-            .status()
-            .unwrap();
-        assert!(st.success());
-        std::thread::sleep(Duration::from_millis(150));
-    }
-
-    /// Waits until the screen satisfies `pred`; panics with the screen.
-    fn wait_for(&self, what: &str, secs: u64, pred: impl Fn(&str) -> bool) -> String {
-        let t = Instant::now();
-        loop {
-            let s = self.screen();
-            if pred(&s) {
-                return s;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(secs),
-                "timed out waiting for {what}; screen:\n{s}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn exit_code(&self, secs: u64) -> i32 {
-        let t = Instant::now();
-        loop {
-            if let Ok(s) = std::fs::read_to_string(&self.exit_file)
-                && let Ok(c) = s.trim().parse()
-            {
-                return c;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(secs),
-                "the console did not exit; screen:\n{}",
-                self.screen()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = Command::new("tmux")
-            .args(["-L", &self.socket, "kill-server"])
-            .status();
-    }
+/// `kvbm-console ARGS` in a real terminal (tmux; the test fails without it).
+fn console(name: &str, args: &[&str], w: u16, h: u16) -> Tmux {
+    Tmux::start(
+        name,
+        "",
+        env!("CARGO_BIN_EXE_kvbm-console"),
+        args,
+        (w, h),
+        true,
+    )
 }
 
 /// The state column of a slots row for `request`, if on screen.
@@ -209,11 +69,10 @@ fn slot_states(screen: &str) -> Vec<(String, String)> {
 
 #[test]
 fn demo_live_slots_help_breakpoint_and_quit() {
-    require_tmux();
     let rec = tempfile::tempdir().unwrap();
     let rec_dir = rec.path().join("demo.kvbm");
     let rec_arg = rec_dir.display().to_string();
-    let t = Tmux::start(
+    let t = console(
         "demo",
         &[
             "demo",
@@ -339,7 +198,7 @@ fn demo_live_slots_help_breakpoint_and_quit() {
     assert!(s.contains("recorded") && s.contains("events"), "{s}");
 
     // The recording replays.
-    let r = Tmux::start("replay", &["replay", &rec_arg, "--play", "64"], 120, 30);
+    let r = console("replay", &["replay", &rec_arg, "--play", "64"], 120, 30);
     r.wait_for("the replay to reach the end", 60, |s| {
         s.contains("REPLAY ⏸ 64× 100%")
     });
@@ -401,7 +260,6 @@ fn in_flight_rows(screen: &str) -> Vec<(u64, String)> {
 /// for the 70B-like one.
 #[test]
 fn demo_transfers_are_in_flight_with_the_presets_bytes() {
-    require_tmux();
     for (model, mib_per_block, name) in [
         (None, 2, "llama-3-8b"),
         (Some("llama-3-70b"), 5, "llama-3-70b"),
@@ -410,7 +268,7 @@ fn demo_transfers_are_in_flight_with_the_presets_bytes() {
         if let Some(m) = model {
             args.extend(["--model", m]);
         }
-        let t = Tmux::start(model.unwrap_or("default"), &args, 160, 48);
+        let t = console(model.unwrap_or("default"), &args, 160, 48);
         t.wait_for("the demo", 30, |s| s.contains("LIVE"));
         let started = Instant::now();
         t.send("2");
@@ -446,7 +304,6 @@ fn demo_transfers_are_in_flight_with_the_presets_bytes() {
 /// while the same screen without it has them; reverse video stays.
 #[test]
 fn no_color_draws_without_colour_in_a_real_terminal() {
-    require_tmux();
     let bin = env!("CARGO_BIN_EXE_kvbm-console");
     let replay = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../replays/preemption-heavy")
@@ -467,7 +324,7 @@ fn no_color_draws_without_colour_in_a_real_terminal() {
             .count()
     };
     for (env, name) in [("", "colour"), ("NO_COLOR=1 ", "nocolour")] {
-        let t = Tmux::start_with(name, env, bin, &["replay", &replay], 120, 40, true);
+        let t = Tmux::start(name, env, bin, &["replay", &replay], (120, 40), true);
         t.wait_for("the replay", 30, |s| s.contains("REPLAY"));
         t.send("End");
         t.wait_for("the end", 10, |s| s.contains("100%"));
@@ -488,16 +345,14 @@ fn no_color_draws_without_colour_in_a_real_terminal() {
 /// pipe: `conventions.rs`), and clears it before the summary.
 #[test]
 fn progress_shows_on_a_terminal() {
-    require_tmux();
     let sim = kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim");
     let sim = sim.display().to_string();
-    let t = Tmux::start_with(
+    let t = Tmux::start(
         "progress",
         "",
         &sim,
         &["--requests", "3000", "--rate", "50"],
-        120,
-        20,
+        (120, 20),
         false,
     );
     t.wait_for("a progress bar", 60, |s| {

@@ -9,135 +9,19 @@
 //! `scripts/setup-nats.sh`.
 
 use kvbm_testkit::nats::NatsServer;
-use std::path::PathBuf;
+use kvbm_testkit::tmux::Tmux;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
-struct Tmux {
-    socket: String,
-    exit_file: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-fn have_tmux() -> bool {
-    let ok = Command::new("tmux")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "tmux is required under CI"
-        );
-        eprintln!("skipping: tmux is not installed");
-    }
-    ok
-}
-
-impl Tmux {
-    /// Starts `args` in a detached `w`×`h` session on a private socket.
-    fn start(name: &str, args: &[&str], w: u16, h: u16) -> Tmux {
-        let dir = tempfile::tempdir().unwrap();
-        let exit_file = dir.path().join("exit");
-        let socket = format!("kvbm-e2e-{}-{name}", std::process::id());
-        let bin = env!("CARGO_BIN_EXE_kvbm-console");
-        let cmd = format!(
-            "{bin} {} 2>{}; echo $? > {}; sleep 30",
-            args.join(" "),
-            dir.path().join("stderr").display(),
-            exit_file.display()
-        );
-        let st = Command::new("tmux")
-            .args([
-                "-L",
-                &socket,
-                "-f",
-                "/dev/null",
-                "new-session",
-                "-d",
-                "-s",
-                "t",
-            ])
-            .args(["-x", &w.to_string(), "-y", &h.to_string(), &cmd])
-            .status()
-            .unwrap();
-        assert!(st.success());
-        Tmux {
-            socket,
-            exit_file,
-            _dir: dir,
-        }
-    }
-
-    fn screen(&self) -> String {
-        let o = Command::new("tmux")
-            .args(["-L", &self.socket, "capture-pane", "-p", "-t", "t"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
-    /// Sends one key (tmux key name), then lets the console react. Keys
-    /// go one at a time: an Esc followed at once by another key would read
-    /// as Alt+key.
-    fn send(&self, key: &str) {
-        let st = Command::new("tmux")
-            .args(["-L", &self.socket, "send-keys", "-t", "t", key])
-            .status()
-            .unwrap();
-        assert!(st.success());
-        std::thread::sleep(Duration::from_millis(150));
-    }
-
-    fn type_text(&self, text: &str) {
-        let st = Command::new("tmux")
-            .args(["-L", &self.socket, "send-keys", "-t", "t", "-l", text])
-            .status()
-            .unwrap();
-        assert!(st.success());
-        std::thread::sleep(Duration::from_millis(150));
-    }
-
-    /// Waits until the screen satisfies `pred`; panics with the screen.
-    fn wait_for(&self, what: &str, secs: u64, pred: impl Fn(&str) -> bool) -> String {
-        let t = Instant::now();
-        loop {
-            let s = self.screen();
-            if pred(&s) {
-                return s;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(secs),
-                "timed out waiting for {what}; screen:\n{s}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn exit_code(&self, secs: u64) -> i32 {
-        let t = Instant::now();
-        loop {
-            if let Ok(s) = std::fs::read_to_string(&self.exit_file)
-                && let Ok(c) = s.trim().parse()
-            {
-                return c;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(secs),
-                "the console did not exit; screen:\n{}",
-                self.screen()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = Command::new("tmux")
-            .args(["-L", &self.socket, "kill-server"])
-            .status();
-    }
+/// `kvbm-console ARGS` in a real terminal (tmux; the test fails without it).
+fn console(name: &str, args: &[&str], w: u16, h: u16) -> Tmux {
+    Tmux::start(
+        name,
+        "",
+        env!("CARGO_BIN_EXE_kvbm-console"),
+        args,
+        (w, h),
+        true,
+    )
 }
 
 struct Sims(Vec<Child>);
@@ -169,9 +53,6 @@ fn paused_by_engine(screen: &str) -> Vec<(String, String)> {
 
 #[test]
 fn fleet_console_drills_in_and_breaks_on_one_engine_through_nats() {
-    if !have_tmux() {
-        return;
-    }
     let nats = NatsServer::start();
     let url = nats.url();
     let sim = kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim");
@@ -190,7 +71,7 @@ fn fleet_console_drills_in_and_breaks_on_one_engine_through_nats() {
             })
             .collect(),
     );
-    let t = Tmux::start("fleet", &["attach", &url], 160, 48);
+    let t = console("fleet", &["attach", &url], 160, 48);
     t.wait_for("eight live engines", 60, |s| {
         s.contains("engines 8 (live 8")
     });

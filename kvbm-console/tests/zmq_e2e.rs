@@ -6,96 +6,23 @@
 //! included) is written over the screen; the publisher coming back is a
 //! restart in the header.
 //!
-//! Needs `tmux` (under CI a missing one is a failure, as in `console_e2e`).
+//! Needs `tmux`: without it the test fails, saying how to install it.
 
+use kvbm_testkit::tmux::Tmux;
 use rmpv::Value;
-use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
-fn have_tmux() -> bool {
-    let ok = Command::new("tmux")
-        .arg("-V")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "tmux is required under CI"
-        );
-        eprintln!("skipping: tmux is not installed");
-    }
-    ok
-}
-
-struct Tmux {
-    socket: String,
-    exit_file: std::path::PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Tmux {
-    /// `kvbm-console ARGS` in a detached session, stderr on the terminal.
-    fn start(args: &[&str], w: u16, h: u16) -> Tmux {
-        let dir = tempfile::tempdir().unwrap();
-        let exit_file = dir.path().join("exit");
-        let socket = format!("kvbm-zmq-e2e-{}", std::process::id());
-        let cmd = format!(
-            "{} {}; echo $? > {}; sleep 30",
-            env!("CARGO_BIN_EXE_kvbm-console"),
-            args.join(" "),
-            exit_file.display()
-        );
-        let st = Command::new("tmux")
-            .args(["-L", &socket, "-f", "/dev/null", "new-session", "-d"])
-            .args(["-s", "t", "-x", &w.to_string(), "-y", &h.to_string(), &cmd])
-            .status()
-            .unwrap();
-        assert!(st.success());
-        Tmux {
-            socket,
-            exit_file,
-            _dir: dir,
-        }
-    }
-
-    fn screen(&self) -> String {
-        let o = Command::new("tmux")
-            .args(["-L", &self.socket, "capture-pane", "-p", "-t", "t"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
-    fn send(&self, key: &str) {
-        let st = Command::new("tmux")
-            .args(["-L", &self.socket, "send-keys", "-t", "t", key])
-            .status()
-            .unwrap();
-        assert!(st.success());
-        std::thread::sleep(Duration::from_millis(150));
-    }
-
-    fn exit_code(&self) -> i32 {
-        let t = Instant::now();
-        loop {
-            if let Ok(s) = std::fs::read_to_string(&self.exit_file)
-                && let Ok(c) = s.trim().parse()
-            {
-                return c;
-            }
-            assert!(t.elapsed() < Duration::from_secs(10), "{}", self.screen());
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = Command::new("tmux")
-            .args(["-L", &self.socket, "kill-server"])
-            .status();
-    }
+/// `kvbm-console ARGS` in a real terminal (tmux; the test fails without it).
+fn console(name: &str, args: &[&str], w: u16, h: u16) -> Tmux {
+    Tmux::start(
+        name,
+        "",
+        env!("CARGO_BIN_EXE_kvbm-console"),
+        args,
+        (w, h),
+        false,
+    )
 }
 
 /// A free port below Linux's ephemeral range (32768 and up): a client
@@ -178,16 +105,18 @@ fn top(screen: &str) -> &str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zmq_source_on_screen_time_gaps_a_gone_publisher_and_no_stray_logs() {
-    if !have_tmux() {
-        return;
-    }
     let port = free_port();
     let dead = free_port(); // nothing answers replays there
     let mut sock = zeromq::PubSocket::new();
     sock.bind(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
     let url = format!("zmq://127.0.0.1:{port}");
     let replay = format!("zmq://127.0.0.1:{dead}");
-    let t = Tmux::start(&["attach", &url, "--replay-endpoint", &replay], 160, 30);
+    let t = console(
+        "zmq",
+        &["attach", &url, "--replay-endpoint", &replay],
+        160,
+        30,
+    );
     let mut seq = 0;
     publish_until(&mut sock, &mut seq, &t, "events", |s| {
         top(s).contains("ZMQ SUBSCRIBED") && !s.contains(" 0 events")
@@ -245,7 +174,7 @@ async fn a_zmq_source_on_screen_time_gaps_a_gone_publisher_and_no_stray_logs() {
     .await;
     assert!(!s.contains("WARN"), "{s}");
     t.send("q");
-    assert_eq!(t.exit_code(), 0);
+    assert_eq!(t.exit_code(10), 0);
 }
 
 /// `replay failed N` in the header, or 0.

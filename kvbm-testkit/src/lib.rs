@@ -10,4 +10,5 @@ pub mod bench;
 pub mod bin;
 pub mod data;
 pub mod nats;
+pub mod tmux;
 pub mod vllm;

