@@ -167,6 +167,12 @@ fn one_of_each() -> Vec<EventKind> {
             decode: 0,
             computed: 8,
         },
+        EventKind::PrefixLookup {
+            tokens: 32,
+            block_size: 16,
+            computed_blocks: 1,
+            hashes: vec![SequenceHash(7), SequenceHash(8)],
+        },
     ]
 }
 
@@ -183,11 +189,12 @@ fn every_kind_is_counted_under_its_name() {
         assert_eq!(k.tag(), *tag);
         assert_eq!(st.count_of(tag.name()), 1, "{tag}");
     }
-    assert_eq!(st.counts_by_kind().map(|(_, n)| n).sum::<u64>(), 20);
+    let n = KindTag::COUNT as u64;
+    assert_eq!(st.counts_by_kind().map(|(_, n)| n).sum::<u64>(), n);
     assert_eq!(st.count_of("NoSuchKind"), 0);
-    assert_eq!(st.stream().events, 20);
-    assert_eq!(st.last_seq(), Some(19));
-    assert_eq!(st.last_ts_ns(), 190);
+    assert_eq!(st.stream().events, n);
+    assert_eq!(st.last_seq(), Some(n - 1));
+    assert_eq!(st.last_ts_ns(), (n - 1) * 10);
     assert_eq!(st.engine(), Some(1));
     // Transfers 2, 3 and 4 were never planned.
     assert_eq!(st.inconsistencies().unknown_transfer, 3);
@@ -801,7 +808,11 @@ fn summary_and_snapshot_round_trip() {
     let st = s.state();
     let text = st.summary();
     assert!(
-        text.starts_with("engine 1: 21 events, seq 0..=20"),
+        text.starts_with(&format!(
+            "engine 1: {} events, seq 0..={}",
+            KindTag::COUNT + 1,
+            KindTag::COUNT
+        )),
         "{text}"
     );
     assert!(text.contains("Prefilling 1"), "{text}");
