@@ -135,7 +135,7 @@ async fn forward(mut client: Client, ring: Arc<RingBuffer>, view: Arc<Mutex<Brea
                 // The server released this connection's breakpoints.
                 *lock(&view) = BreakpointsView::default();
             }
-            ClientEvent::Live => {}
+            ClientEvent::Live | ClientEvent::NewRun { .. } => {}
         }
     }
 }

@@ -58,6 +58,7 @@ impl Observers {
         let mut engine = ring.as_ref().map(|ring| {
             let bus = emitter.clone();
             ServedEngine::new(ring.clone(), emitter.engine())
+                .with_run(emitter.run())
                 .with_control(breakpoints.clone())
                 .with_bus_counters(move || bus.bus().counters())
         });

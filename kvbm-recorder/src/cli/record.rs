@@ -175,7 +175,7 @@ fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Re
                         );
                     }
                     Some(ClientEvent::Failed(e)) => return Err(e.into()),
-                    Some(ClientEvent::Live | ClientEvent::Breakpoints(_)) => {}
+                    Some(ClientEvent::Live | ClientEvent::Breakpoints(_) | ClientEvent::NewRun { .. }) => {}
                 },
                 _ = &mut until => return Ok("--duration-s reached"),
                 _ = &mut ctrl_c => return Ok("interrupted"),
