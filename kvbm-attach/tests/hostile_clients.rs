@@ -285,6 +285,12 @@ async fn a_breakpoint_set_without_a_client_has_a_lease() {
     joined_within(paused, 10).await;
     assert!(bps.list().is_empty());
     assert_eq!(h.stats().leases_expired, 1);
+    // A step is a one-shot breakpoint: leased too.
+    assert_eq!(http(addr, "POST", "/step", &[], b"").await.status, 200);
+    let b = bps.clone();
+    let stepped = std::thread::spawn(move || b.check(&CallInfo::new(EntryPoint::CreateSlot)));
+    joined_within(stepped, 10).await;
+    assert_eq!(h.stats().leases_expired, 2);
     h.shutdown().await.unwrap();
 }
 

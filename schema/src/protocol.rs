@@ -30,9 +30,10 @@
 //!   `client_key` from its hello, makes that client the owner of what it
 //!   sets (`403 forbidden` without the right key: a client id alone does
 //!   not let anyone tie breakpoints to another client's connection).
-//!   Without them, what a request sets belongs to a *lease* that expires
-//!   (the response to `POST /breakpoints` says when: [`Added`]), so no
-//!   breakpoint is ever left without an owner.
+//!   Without them, what a request sets (a breakpoint, or the one-shot
+//!   pause of a step) belongs to a *lease* that expires (the response to
+//!   `POST /breakpoints` says when: [`Added`]), so no breakpoint is ever
+//!   left without an owner.
 //!   Bodies are JSON objects (`{}` for none; an empty body also means
 //!   none); anything else is a `400`.
 //!   Apart from `POST /breakpoints`, control endpoints answer with the

@@ -1,8 +1,7 @@
 //! What the HTTP handlers ([`http`](super::http)) and the WebSocket handler
 //! ([`ws`](super::ws)) both need: what the token check allowed a request
-//! ([`Access`]), the JSON responses ([`Fail`], [`json_error`],
-//! [`json_ok`]) and a compare of secrets that takes the same time whatever
-//! they hold ([`ct_eq`]).
+//! ([`Access`]) and the JSON responses ([`Fail`], [`json_error`],
+//! [`json_ok`]).
 //!
 //! It depends on neither handler module, so the routes can name the
 //! WebSocket handler without the WebSocket handler depending back on the
@@ -74,17 +73,4 @@ pub(super) fn bad_request(message: impl Into<String>) -> Fail {
         StatusCode::BAD_REQUEST,
         ApiError::new("bad_request", message),
     )
-}
-
-/// Compares without an early exit, so the time taken does not tell how
-/// much of a guess was right.
-pub(super) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = (a.len() ^ b.len()) as u64;
-    let n = a.len().max(b.len());
-    for i in 0..n {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0xff);
-        diff |= u64::from(std::hint::black_box(x ^ y));
-    }
-    std::hint::black_box(diff) == 0
 }

@@ -2,7 +2,7 @@
 //! breakpoint changes to WebSocket clients.
 
 use super::AppState;
-use super::api::ct_eq;
+use super::secret::ct_eq;
 use axum::http::StatusCode;
 use kvbm_events::breakpoint::{BreakpointError, BreakpointInfo, PausedCall};
 use kvbm_events::control::{BreakpointsView, ControlCommand, ControlError, ControlResult};
@@ -111,15 +111,16 @@ pub(super) fn execute_for(
 const MAX_LEASES: usize = 4096;
 
 /// Runs a command that came over HTTP without naming a client. A new
-/// breakpoint gets an owner all the same: a lease of
-/// [`ServerConfig::lease`](super::ServerConfig::lease), after which it is
-/// removed and what it paused resumes. (Other commands need no owner: a
-/// step arms one pause, which its deadline ends.)
+/// breakpoint, or a step (a one-shot breakpoint), gets an owner all the
+/// same: a lease of [`ServerConfig::lease`](super::ServerConfig::lease),
+/// after which it is removed (the step disarmed) and what it paused
+/// resumes. Other commands give nothing an owner.
 pub(super) fn execute_leased(
     state: &AppState,
     cmd: ControlCommand,
 ) -> Result<(ControlResult, Option<Lease>), Refusal> {
-    if !matches!(cmd, ControlCommand::Add { .. }) || state.engine.control.is_none() {
+    let owns = matches!(cmd, ControlCommand::Add { .. } | ControlCommand::Step);
+    if !owns || state.engine.control.is_none() {
         return execute(state, cmd, None).map(|r| (r, None));
     }
     let owner = state.next_client.fetch_add(1, Ordering::Relaxed);

@@ -1,8 +1,9 @@
 //! Routes, middleware (version, token, JSON errors, the body's size and
 //! deadline) and the HTTP handlers.
 
-use super::api::{Access, Fail, bad_request, ct_eq, json_error, json_ok};
+use super::api::{Access, Fail, bad_request, json_error, json_ok};
 use super::conn::{ConnInfo, RESERVED_DEADLINE};
+use super::secret::ct_eq;
 use super::{AppState, control, metrics, ws};
 use axum::Router;
 use axum::body::Bytes;

@@ -87,9 +87,9 @@
 //!   (`kvbm_http_refusals_unlogged_total`).
 //! - Every breakpoint has an owner. One set over a WebSocket (or over HTTP
 //!   with that client's id *and* key, [`CLIENT_KEY_HEADER`](kvbm_schema::protocol::CLIENT_KEY_HEADER))
-//!   belongs to that connection; one set over HTTP without them belongs
-//!   to a lease of [`ServerConfig::lease`] (5 minutes) and is removed, with
-//!   what it paused, when the lease runs out.
+//!   belongs to that connection; one set over HTTP without them (a step
+//!   too) belongs to a lease of [`ServerConfig::lease`] (5 minutes) and is
+//!   removed, with what it paused, when the lease runs out.
 //! - When a WebSocket client goes away (closes, stalls, falls silent), the
 //!   breakpoints it set are removed and the calls they paused resume
 //!   ([`ServerConfig::release_on_disconnect`], on by default), so an engine
@@ -106,6 +106,7 @@ mod http;
 mod live;
 mod metrics;
 mod reduce;
+mod secret;
 mod ws;
 
 pub use feeder::{Feeder, FeederConfig, FeederStats, spawn_feeder};
@@ -159,8 +160,9 @@ pub struct ServerConfig {
     /// A WebSocket client from which nothing (not even a pong) has arrived
     /// this long is disconnected, and its breakpoints released.
     pub silence_timeout: Duration,
-    /// How long a breakpoint set over HTTP without a client lives: when
-    /// its lease runs out it is removed and what it paused resumes.
+    /// How long a breakpoint (or a step) set over HTTP without a client
+    /// lives: when its lease runs out it is removed (the step disarmed)
+    /// and what it paused resumes.
     pub lease: Duration,
     /// Largest request body (and WebSocket message from a client), bytes.
     pub max_body_bytes: usize,

@@ -146,12 +146,6 @@ fn parse_query(query: Option<&str>) -> Result<Resume, Fail> {
     Ok(q)
 }
 
-/// A fresh secret for a connection (128 random bits, hex).
-fn client_key() -> String {
-    use kvbm_events::run::random_u64;
-    format!("{:016x}{:016x}", random_u64(), random_u64())
-}
-
 pub(super) async fn events(
     State(state): State<Arc<AppState>>,
     access: Option<Extension<Access>>,
@@ -238,7 +232,7 @@ async fn serve_client(
         .clients
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .insert(id, client_key());
+        .insert(id, super::secret::client_key());
     let mut guard = ConnGuard {
         state: state.clone(),
         id,
