@@ -75,6 +75,7 @@ impl Observers {
                     ..RecorderConfig::default()
                 };
                 rcfg.log.engine_id = u64::from(emitter.engine());
+                rcfg.run = Some(emitter.run());
                 obs.recorder = Some(
                     spawn_recorder(tap, dir.clone(), rcfg, ring.clone())
                         .map_err(|e| format!("starting the recorder into {}: {e}", dir.display()))?,

@@ -1,5 +1,6 @@
 //! `kvbm-recorder` keeps what an engine did and gives it back: the durable
-//! log, the recorder that drains an engine's tap into it, replay,
+//! log, the recorder that drains an engine's tap into it, its sidecar and
+//! what a recording can be trusted to hold ([`verdict`]), replay,
 //! timelines, statistics, invariant checks, exports and diffs, and the
 //! `kvbm-recorder` CLI.
 //!
@@ -10,5 +11,7 @@
 pub mod analysis;
 pub mod log;
 pub mod recorder;
+pub mod sidecar;
+pub mod verdict;
 
 pub use kvbm_schema::SCHEMA_VERSION;
