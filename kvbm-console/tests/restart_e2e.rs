@@ -224,6 +224,16 @@ fn engine_restarts_are_new_runs_in_the_recording_inspect_check_and_header() {
         0,
         "the console's model holds run 3 alone"
     );
+    // Run 3 alone, from its seq 0: not run 3's events folded onto the state
+    // of runs 1 and 2 (where they would be stale, below the seq seen).
+    let stream = app.model.state().stream().clone();
+    assert_eq!(stream.stale, 0, "{stream:?}");
+    assert_eq!(stream.first_seq, Some(0), "{stream:?}");
+    assert_eq!(
+        Some(stream.events),
+        stream.last_seq.map(|s| s + 1),
+        "{stream:?}"
+    );
     let run3_held_at_connect = held_at_last_connect(&rec_lines).expect("a connect line");
 
     // Ctrl-C: the recorder finishes cleanly.
