@@ -11,6 +11,10 @@
 //!    reconnect: the case a client without run ids spliced silently,
 //!    skipping the new run's first events.
 //!
+//! The real `kvbm-console attach URL`, in a terminal (tmux), is attached
+//! too, and its header must say each new run (tmux is required under CI;
+//! without it elsewhere that part is skipped, said on stderr).
+//!
 //! Each restart must show as a new run: a new recording starting at the
 //! new run's seq 0 (the old one's sidecar saying the engine restarted and
 //! where the next run is), in `inspect` and `check`, and in the console's
@@ -54,6 +58,74 @@ fn start_engine(port: u16) -> Proc {
         .unwrap();
     assert!(line.starts_with("serving on "), "{line:?}");
     Proc(child)
+}
+
+/// The real `kvbm-console attach URL` in a detached tmux session on a
+/// private socket (killed on drop).
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    fn attach(url: &str) -> Option<Tmux> {
+        let have = Command::new("tmux")
+            .arg("-V")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !have {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "tmux is required under CI"
+            );
+            eprintln!("SKIPPED (the terminal part): tmux is not installed");
+            return None;
+        }
+        let socket = format!("kvbm-restart-{}", std::process::id());
+        let cmd = format!(
+            "{} attach {url} 2>/dev/null; sleep 30",
+            env!("CARGO_BIN_EXE_kvbm-console")
+        );
+        let st = Command::new("tmux")
+            .args(["-L", &socket, "-f", "/dev/null", "new-session", "-d"])
+            .args(["-s", "t", "-x", "160", "-y", "30", &cmd])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        Some(Tmux { socket })
+    }
+
+    /// The first line of the screen: the header.
+    fn header(&self) -> String {
+        let o = Command::new("tmux")
+            .args(["-L", &self.socket, "capture-pane", "-p", "-t", "t"])
+            .output()
+            .unwrap();
+        let s = String::from_utf8_lossy(&o.stdout).into_owned();
+        s.lines().next().unwrap_or_default().to_string()
+    }
+
+    fn wait_header(&self, what: &str, secs: u64) {
+        let t = Instant::now();
+        loop {
+            let h = self.header();
+            if h.contains(what) {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(secs),
+                "the terminal's header never said {what:?}: {h}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .args(["-L", &self.socket, "kill-server"])
+            .status();
+    }
 }
 
 fn free_port() -> u16 {
@@ -174,7 +246,11 @@ fn engine_restarts_are_new_runs_in_the_recording_inspect_check_and_header() {
         Source::Live(remote.source()),
         status.url(),
     );
+    let term = Tmux::attach(&url);
     wait_app(&mut app, 30, "run 1's events", |a| a.model.applied() > 300);
+    if let Some(t) = &term {
+        t.wait_header(" ATTACHED ", 30);
+    }
     assert!(
         header(&mut app).contains(" ATTACHED "),
         "{}",
@@ -188,6 +264,9 @@ fn engine_restarts_are_new_runs_in_the_recording_inspect_check_and_header() {
     wait_app(&mut app, 30, "run 2 in the header", |a| {
         header(a).contains("RUN 2 (engine restarted)")
     });
+    if let Some(t) = &term {
+        t.wait_header("RUN 2 (engine restarted)", 30);
+    }
     wait_app(&mut app, 30, "run 2's events", |a| a.model.applied() > 100);
     run_for(&mut app, Duration::from_millis(800));
 
@@ -217,6 +296,10 @@ fn engine_restarts_are_new_runs_in_the_recording_inspect_check_and_header() {
     wait_app(&mut app, 30, "run 3 in the header", |a| {
         header(a).contains("RUN 3 (engine restarted)")
     });
+    if let Some(t) = &term {
+        t.wait_header("RUN 3 (engine restarted)", 30);
+    }
+    drop(term);
     wait_app(&mut app, 30, "run 3's events", |a| a.model.applied() > 100);
     run_for(&mut app, Duration::from_millis(500));
     assert_eq!(
