@@ -731,7 +731,9 @@ impl Breakpoints {
 
     /// Called by an instrumented entry point before its body runs. If a
     /// breakpoint matches `call` (or a step is armed), blocks this thread
-    /// until the pause ends; see the module docs.
+    /// until the pause ends; see the module docs. A pause that ends at its
+    /// deadline removes the breakpoint that made it (and resumes the other
+    /// calls it holds), so the engine is not stopped again at once.
     ///
     /// With no breakpoint and no step armed this is one atomic load and a
     /// return: no lock, no allocation, no event.
@@ -813,7 +815,9 @@ impl Breakpoints {
     /// the call's request is *held*: a pause is registered and announced
     /// (`BreakpointHit`) and `Held` returned, and every later call for
     /// that request returns `Held` until the pause is released (resume,
-    /// step, clear, its client gone) or its deadline passes. The next call
+    /// step, clear, its client gone) or its deadline passes (which, unlike
+    /// a blocking pause's, leaves the breakpoint in place: the engine never
+    /// waited, and the request passes it from then on). The next call
     /// after that gets `Go` (`Resumed` is announced), and the released
     /// breakpoint lets that request through from then on, here and in
     /// [`check`](Self::check): a request the engine asks about on every
