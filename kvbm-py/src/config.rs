@@ -171,13 +171,21 @@ impl Config {
                     c.offload = match v.as_str() {
                         Some("eager") => Offload::Eager,
                         Some("lazy") => Offload::Lazy,
-                        _ => return Err(bad("offload", format!("expected \"eager\" or \"lazy\", got {v}"))),
+                        _ => {
+                            return Err(bad(
+                                "offload",
+                                format!("expected \"eager\" or \"lazy\", got {v}"),
+                            ));
+                        }
                     }
                 }
                 "serve" => {
                     let s = text("serve", v)?;
                     c.serve = Some(s.parse().map_err(|_| {
-                        bad("serve", format!("`{}` is not an address such as 127.0.0.1:7071", shorten(s)))
+                        bad(
+                            "serve",
+                            format!("`{}` is not an address such as 127.0.0.1:7071", shorten(s)),
+                        )
                     })?);
                 }
                 "token" => c.token = Some(text("token", v)?.to_string()),
@@ -274,11 +282,17 @@ mod tests {
         for (v, key) in [
             (json!({"host_capacty_tokens": 1}), "host_capacty_tokens"),
             (json!({"host_capacity_tokens": -5}), "host_capacity_tokens"),
-            (json!({"host_capacity_tokens": "lots"}), "host_capacity_tokens"),
+            (
+                json!({"host_capacity_tokens": "lots"}),
+                "host_capacity_tokens",
+            ),
             (json!({"offload": "sometimes"}), "offload"),
             (json!({"serve": "localhost"}), "serve"),
             (json!({"disk_path": "/x"}), "disk_capacity_tokens"),
-            (json!({"disk_path": "/x", "disk_capacity_tokens": 0}), "disk_capacity_tokens"),
+            (
+                json!({"disk_path": "/x", "disk_capacity_tokens": 0}),
+                "disk_capacity_tokens",
+            ),
             (json!({"disk_capacity_tokens": 10}), "disk_capacity_tokens"),
             (json!({"host_capacity_tokens": 0}), "host_capacity_tokens"),
             (json!({"breakpoint_deadline_s": 0}), "breakpoint_deadline_s"),

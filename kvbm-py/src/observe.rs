@@ -51,7 +51,8 @@ impl Observers {
             .ok_or("the engine's event tap was already taken")?;
         let ring = match cfg.serve {
             Some(_) => Some(Arc::new(
-                RingBuffer::new(RingConfig::with_capacity(RING_EVENTS)).map_err(|e| e.to_string())?,
+                RingBuffer::new(RingConfig::with_capacity(RING_EVENTS))
+                    .map_err(|e| e.to_string())?,
             )),
             None => None,
         };
@@ -77,8 +78,9 @@ impl Observers {
                 rcfg.log.engine_id = u64::from(emitter.engine());
                 rcfg.run = Some(emitter.run());
                 obs.recorder = Some(
-                    spawn_recorder(tap, dir.clone(), rcfg, ring.clone())
-                        .map_err(|e| format!("starting the recorder into {}: {e}", dir.display()))?,
+                    spawn_recorder(tap, dir.clone(), rcfg, ring.clone()).map_err(|e| {
+                        format!("starting the recorder into {}: {e}", dir.display())
+                    })?,
                 );
             }
             None => {

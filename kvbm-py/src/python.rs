@@ -20,7 +20,9 @@ fn config(json: &str) -> PyResult<Config> {
     Config::from_json(&v).map_err(|e: ConfigError| PyValueError::new_err(e.to_string()))
 }
 
-fn geometry((num_gpu_blocks, block_size, num_layers, page_bytes): (usize, usize, usize, usize)) -> Geometry {
+fn geometry(
+    (num_gpu_blocks, block_size, num_layers, page_bytes): (usize, usize, usize, usize),
+) -> Geometry {
     Geometry {
         num_gpu_blocks,
         block_size,
@@ -151,7 +153,9 @@ impl PyScheduler {
         let bytes = py.detach(|| {
             let mut g = self.lock();
             let s = g.as_mut().ok_or_else(gone)?;
-            s.build_meta(&input).map(|p| p.to_bytes()).map_err(sched_err)
+            s.build_meta(&input)
+                .map(|p| p.to_bytes())
+                .map_err(sched_err)
         })?;
         Ok(PyBytes::new(py, &bytes))
     }
@@ -167,7 +171,12 @@ impl PyScheduler {
     }
 
     /// `delay_free`: true while the request's stores are out.
-    fn request_finished(&self, py: Python<'_>, request: &str, block_ids: Vec<u32>) -> PyResult<bool> {
+    fn request_finished(
+        &self,
+        py: Python<'_>,
+        request: &str,
+        block_ids: Vec<u32>,
+    ) -> PyResult<bool> {
         py.detach(|| {
             let mut g = self.lock();
             let s = g.as_mut().ok_or_else(gone)?;

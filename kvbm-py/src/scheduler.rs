@@ -270,7 +270,8 @@ impl SchedulerSide {
             .map_err(setup)?;
         let _guard = runtime.enter();
         let emitter = Arc::new(
-            Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).map_err(setup)?,
+            Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new()))
+                .map_err(setup)?,
         );
         let breakpoints = Arc::new(Breakpoints::new(
             Some(emitter.clone()),
@@ -348,7 +349,10 @@ impl SchedulerSide {
             pipelines.push((pipe.clone(), remote));
             Ok(pipe)
         };
-        let remote = |name, src: (Tier, usize), dst: (Tier, usize)| -> Result<Arc<RemoteEngine>, SchedulerError> {
+        let remote = |name,
+                      src: (Tier, usize),
+                      dst: (Tier, usize)|
+         -> Result<Arc<RemoteEngine>, SchedulerError> {
             let l = |t: Tier, n| {
                 geometry.layout(
                     n,
@@ -421,17 +425,41 @@ impl SchedulerSide {
             match (&g2, &host_storage) {
                 (Some(g2), Some(s2)) => {
                     let e23 = Arc::new(
-                        DiskEngine::new(s2.clone(), s3.clone(), DiskDirection::HostToDisk, Tier::Host)
-                            .map_err(setup)?,
+                        DiskEngine::new(
+                            s2.clone(),
+                            s3.clone(),
+                            DiskDirection::HostToDisk,
+                            Tier::Host,
+                        )
+                        .map_err(setup)?,
                     );
                     let e32 = Arc::new(
-                        DiskEngine::new(s2.clone(), s3.clone(), DiskDirection::DiskToHost, Tier::Host)
-                            .map_err(setup)?,
+                        DiskEngine::new(
+                            s2.clone(),
+                            s3.clone(),
+                            DiskDirection::DiskToHost,
+                            Tier::Host,
+                        )
+                        .map_err(setup)?,
                     );
-                    p.offload_host_to_disk =
-                        Some(make(Direction::HOST_TO_DISK, e23, None, g2, g3, true, local_cfg)?);
-                    p.onboard_disk_to_host =
-                        Some(make(Direction::DISK_TO_HOST, e32, None, g3, g2, true, local_cfg)?);
+                    p.offload_host_to_disk = Some(make(
+                        Direction::HOST_TO_DISK,
+                        e23,
+                        None,
+                        g2,
+                        g3,
+                        true,
+                        local_cfg,
+                    )?);
+                    p.onboard_disk_to_host = Some(make(
+                        Direction::DISK_TO_HOST,
+                        e32,
+                        None,
+                        g3,
+                        g2,
+                        true,
+                        local_cfg,
+                    )?);
                 }
                 _ => {
                     let e13 = remote(
@@ -638,10 +666,13 @@ impl SchedulerSide {
         let mut dests: Vec<MutableBlock<Empty>> = Vec::new();
         if n > 0 {
             let targets: Vec<u32> = block_ids.iter().skip(first).take(n).copied().collect();
-            dests = self.mirror.allocate(targets.len()).map_err(|e| SchedulerError::Request {
-                request: request.to_string(),
-                reason: format!("no mirror blocks for its load: {e}"),
-            })?;
+            dests = self
+                .mirror
+                .allocate(targets.len())
+                .map_err(|e| SchedulerError::Request {
+                    request: request.to_string(),
+                    reason: format!("no mirror blocks for its load: {e}"),
+                })?;
             for (d, v) in dests.iter().zip(&targets) {
                 self.map_g1(request, d.id(), *v);
                 self.req(request).load_dests.push((d.id(), *v));
@@ -770,7 +801,9 @@ impl SchedulerSide {
             };
             scheduled.insert(s.request.clone());
             let fresh = self.mirror_full_blocks(s)?;
-            let prefill = s.scheduled.min(s.prompt_len.saturating_sub(s.computed_before));
+            let prefill = s
+                .scheduled
+                .min(s.prompt_len.saturating_sub(s.computed_before));
             out.scheduled.push(ScheduledRequest {
                 request: id,
                 prefill_tokens: prefill,
@@ -816,9 +849,17 @@ impl SchedulerSide {
                     Some(pairs) => {
                         if route.is_load() {
                             shipped_loads.extend(b.pairs.iter().map(|p| p.dst));
-                            plan.loads.push(Batch { route: *route, id: b.id, pairs });
+                            plan.loads.push(Batch {
+                                route: *route,
+                                id: b.id,
+                                pairs,
+                            });
                         } else {
-                            plan.stores.push(Batch { route: *route, id: b.id, pairs });
+                            plan.stores.push(Batch {
+                                route: *route,
+                                id: b.id,
+                                pairs,
+                            });
                         }
                     }
                     None => {
@@ -827,7 +868,10 @@ impl SchedulerSide {
                         if !route.is_load() {
                             self.counters.unshippable_stores += 1;
                         }
-                        engine.complete(b.id, Err("its device blocks were freed before it shipped".into()));
+                        engine.complete(
+                            b.id,
+                            Err("its device blocks were freed before it shipped".into()),
+                        );
                     }
                 }
             }
@@ -891,16 +935,17 @@ impl SchedulerSide {
         loop {
             let ready = self.pipelines.iter().all(|(p, remote)| {
                 let s = p.stats();
-                let before_engine = s.queued_for_policy + s.queued_for_batcher + s.in_queue + s.on_deck;
+                let before_engine =
+                    s.queued_for_policy + s.queued_for_batcher + s.in_queue + s.on_deck;
                 let unsubmitted = match remote {
                     Some(r) => s.in_flight.saturating_sub(r.pending()),
                     None => 0,
                 };
                 before_engine == 0 && unsubmitted == 0
-            }) && loads
-                .iter()
-                .flat_map(|(_, h)| h)
-                .all(|h| h.status().is_final() || h.status() == kvbm_core::offload::TransferStatus::Transferring);
+            }) && loads.iter().flat_map(|(_, h)| h).all(|h| {
+                h.status().is_final()
+                    || h.status() == kvbm_core::offload::TransferStatus::Transferring
+            });
             if ready || Instant::now() >= deadline {
                 return;
             }
@@ -957,14 +1002,22 @@ impl SchedulerSide {
     /// 0): lazy mode stores them now. Returns `delay_free`: true while the
     /// request's stores are out (vLLM keeps its blocks until the worker
     /// reports it finished sending).
-    pub fn request_finished(&mut self, request: &str, block_ids: &[u32]) -> Result<bool, SchedulerError> {
+    pub fn request_finished(
+        &mut self,
+        request: &str,
+        block_ids: &[u32],
+    ) -> Result<bool, SchedulerError> {
         let t = Instant::now();
         let r = self.request_finished_inner(request, block_ids);
         self.spent(t);
         r
     }
 
-    fn request_finished_inner(&mut self, request: &str, block_ids: &[u32]) -> Result<bool, SchedulerError> {
+    fn request_finished_inner(
+        &mut self,
+        request: &str,
+        block_ids: &[u32],
+    ) -> Result<bool, SchedulerError> {
         let _guard = self.runtime.enter();
         let Some(id) = self.requests.get(request).map(|r| r.id.clone()) else {
             return Ok(false);
@@ -983,14 +1036,19 @@ impl SchedulerSide {
                 block_ids: block_ids.to_vec(),
             };
             self.mirror_full_blocks(&s)?;
-            blocks = self.requests.get(request).map(|r| r.own.clone()).unwrap_or_default();
+            blocks = self
+                .requests
+                .get(request)
+                .map(|r| r.own.clone())
+                .unwrap_or_default();
         }
-        let outstanding = self.leader.request_finished(&id, &blocks).map_err(|e| {
-            SchedulerError::Request {
-                request: request.to_string(),
-                reason: e.to_string(),
-            }
-        })?;
+        let outstanding =
+            self.leader
+                .request_finished(&id, &blocks)
+                .map_err(|e| SchedulerError::Request {
+                    request: request.to_string(),
+                    reason: e.to_string(),
+                })?;
         if outstanding {
             self.delayed.insert(request.to_string());
             self.counters.delayed_frees += 1;

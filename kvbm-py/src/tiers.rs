@@ -155,8 +155,20 @@ mod tests {
             page_bytes: 1000,
             ..g()
         };
-        assert_eq!(odd.layout(1, LayoutKind::LayerSeparate).unwrap().block_bytes(), 2000);
-        assert!(Geometry { num_layers: 0, ..g() }.layout(1, LayoutKind::FullyContiguous).is_err());
+        assert_eq!(
+            odd.layout(1, LayoutKind::LayerSeparate)
+                .unwrap()
+                .block_bytes(),
+            2000
+        );
+        assert!(
+            Geometry {
+                num_layers: 0,
+                ..g()
+            }
+            .layout(1, LayoutKind::FullyContiguous)
+            .is_err()
+        );
     }
 
     #[test]
@@ -168,6 +180,10 @@ mod tests {
         let s = TierSizes::of(&cfg, &g()).unwrap();
         assert_eq!((s.host_blocks, s.disk_blocks), (100, 0));
         let p = shm_path(&cfg, "a1b2/../c d");
-        assert!(p.to_string_lossy().ends_with("kvbm-a1b2cd.g2"), "{}", p.display());
+        assert!(
+            p.to_string_lossy().ends_with("kvbm-a1b2cd.g2"),
+            "{}",
+            p.display()
+        );
     }
 }

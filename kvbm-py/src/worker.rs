@@ -174,11 +174,17 @@ impl WorkerSide {
             }
             let need = (geometry.num_gpu_blocks * geometry.page_bytes) as u64;
             if t.nbytes < need || t.data_ptr == 0 {
-                return Err(bad(format!("{} bytes at {:#x}, need {need}", t.nbytes, t.data_ptr)));
+                return Err(bad(format!(
+                    "{} bytes at {:#x}, need {need}",
+                    t.nbytes, t.data_ptr
+                )));
             }
         }
         let g1_layout = geometry.layout(geometry.num_gpu_blocks, LayoutKind::LayerSeparate)?;
-        let regions = tensors.iter().map(|t| t.data_ptr as usize as *mut u8).collect();
+        let regions = tensors
+            .iter()
+            .map(|t| t.data_ptr as usize as *mut u8)
+            .collect();
         // SAFETY: checked above that each region holds the layout's bytes;
         // the caller keeps them alive and in place.
         let g1 = Arc::new(
@@ -190,10 +196,9 @@ impl WorkerSide {
         if sizes.host_blocks > 0 {
             let path = shm_path(cfg, engine_id);
             let l = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
-            let g2 = Arc::new(
-                HostStorage::shared(&path, l)
-                    .map_err(|e| tier_err(format!("the host tier's shared file {}", path.display()), e))?,
-            );
+            let g2 = Arc::new(HostStorage::shared(&path, l).map_err(|e| {
+                tier_err(format!("the host tier's shared file {}", path.display()), e)
+            })?);
             engines.insert(
                 Route::DeviceToHost,
                 Arc::new(
@@ -210,15 +215,20 @@ impl WorkerSide {
             );
         } else if let (true, Some(path)) = (sizes.disk_blocks > 0, &cfg.disk_path) {
             let l = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
-            let g3 = Arc::new(
-                DiskStorage::open_or_create(path, l)
-                    .map_err(|e| tier_err(format!("the disk tier's file {}", path.display()), e))?,
-            );
+            let g3 =
+                Arc::new(DiskStorage::open_or_create(path, l).map_err(|e| {
+                    tier_err(format!("the disk tier's file {}", path.display()), e)
+                })?);
             engines.insert(
                 Route::DeviceToDisk,
                 Arc::new(
-                    DiskEngine::new(g1.clone(), g3.clone(), DiskDirection::HostToDisk, Tier::Device)
-                        .map_err(|e| tier_err("the G1→G3 engine", e))?,
+                    DiskEngine::new(
+                        g1.clone(),
+                        g3.clone(),
+                        DiskDirection::HostToDisk,
+                        Tier::Device,
+                    )
+                    .map_err(|e| tier_err("the G1→G3 engine", e))?,
                 ),
             );
             engines.insert(
@@ -284,7 +294,11 @@ impl WorkerSide {
         let Some(engine) = self.engines.get(&b.route) else {
             return fail(format!("this worker has no {:?} engine", b.route));
         };
-        let pairs: Vec<BlockPair> = b.pairs.iter().map(|p| BlockPair::new(p.src, p.dst)).collect();
+        let pairs: Vec<BlockPair> = b
+            .pairs
+            .iter()
+            .map(|p| BlockPair::new(p.src, p.dst))
+            .collect();
         if !b.route.is_load() {
             self.dump("stored", b.pairs.iter().map(|p| (p.src, p.hash)));
         }
