@@ -2,7 +2,7 @@
 //! console's `attach` and `kvbm-recorder record --from` run.
 //!
 //! [`Client::spawn`] starts one task on a tokio runtime that connects to
-//! `GET /events?since=SEQ&version=1`, checks the server's
+//! `GET /events?since=SEQ&run=RUN&version=2`, checks the server's
 //! [`ServerMsg::Hello`], and hands everything it reads to the caller as
 //! [`ClientEvent`]s through a bounded channel, in order:
 //!
@@ -17,15 +17,25 @@
 //! When the connection drops, the task reconnects with capped exponential
 //! backoff ([`Backoff`]: 100 ms doubling to 5 s by default, back to the
 //! start after a connection that stayed up [`ClientConfig::healthy_after`])
-//! and resumes with `since = last seq + 1`, so a consumer sees every event
-//! once, or a gap saying it will not. [`ClientHandle::state`] says where the
-//! connection stands ([`ConnState`]) for display.
+//! and resumes with `since = last seq + 1` in the run it was following, so
+//! a consumer sees every event once, or a gap saying it will not.
+//! [`ClientHandle::state`] says where the connection stands ([`ConnState`])
+//! for display.
+//!
+//! **Engine restarts.** Every hello names the engine's run
+//! ([`kvbm_events::RunId`]). When the run after a reconnection is not the
+//! one the client was following (the engine restarted, whatever its
+//! sequence numbers and clocks say), the client never splices the two: it
+//! delivers [`ClientEvent::NewRun`] before the new run's `Connected`, and
+//! the new run's events from its first (the server starts a client that
+//! resumes in another run at seq 0, announcing what it no longer holds as
+//! a gap). A consumer starts a new recording (or a new model) there.
 //!
 //! Errors a retry cannot fix end the task: a protocol version mismatch
 //! (from the server's `Hello`, or its HTTP 400 `protocol_mismatch` refusal),
-//! a refused token, another 4xx refusal, or a server whose stream went back
-//! in time (a different engine run). The last [`ClientEvent`] is then
-//! [`ClientEvent::Failed`] and the state [`ConnState::Failed`].
+//! a refused token, another 4xx refusal, or a stream that went back within
+//! one run (which a sound server never sends). The last [`ClientEvent`] is
+//! then [`ClientEvent::Failed`] and the state [`ConnState::Failed`].
 //!
 //! Control commands ([`ControlCommand`]) go over the same connection and
 //! wait for their [`ServerMsg::Reply`] with a timeout, from async code
@@ -42,8 +52,8 @@
 
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
-use kvbm_events::Event;
 use kvbm_events::control::{BreakpointsView, ControlCommand, ControlResult};
+use kvbm_events::{Event, RunId};
 use kvbm_schema::protocol::{
     ApiError, ClientMsg, GapReason, PROTOCOL_VERSION, ServerMsg, VERSION_HEADER, decode_batch,
 };
@@ -187,18 +197,20 @@ impl Endpoint {
         }
     }
 
-    /// The WebSocket URL of the event stream, resuming at `since`.
-    pub fn events_url(&self, since: Option<u64>) -> String {
-        match since {
-            Some(s) => format!(
-                "ws://{}/events?since={s}&version={PROTOCOL_VERSION}",
-                self.host_port()
-            ),
-            None => format!(
-                "ws://{}/events?version={PROTOCOL_VERSION}",
-                self.host_port()
-            ),
+    /// The WebSocket URL of the event stream, resuming at `since` in run
+    /// `run` (in another run the server starts from that run's beginning).
+    pub fn events_url(&self, since: Option<u64>, run: Option<RunId>) -> String {
+        let mut q = String::new();
+        if let Some(s) = since {
+            q.push_str(&format!("since={s}&"));
         }
+        if let Some(r) = run {
+            q.push_str(&format!("run={r}&"));
+        }
+        format!(
+            "ws://{}/events?{q}version={PROTOCOL_VERSION}",
+            self.host_port()
+        )
     }
 }
 
@@ -309,8 +321,13 @@ impl ClientConfig {
 pub struct Hello {
     /// The engine id.
     pub engine: u32,
+    /// The engine run being served.
+    pub run: RunId,
     /// This connection's client id.
     pub client: u64,
+    /// This connection's secret, for acting for it over HTTP
+    /// ([`kvbm_schema::protocol::CLIENT_KEY_HEADER`]).
+    pub client_key: String,
     /// Oldest sequence number the server held when it said hello.
     pub first_seq: Option<u64>,
     /// Newest.
@@ -345,6 +362,18 @@ impl Gap {
 /// What the client hands its consumer, in stream order.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ClientEvent {
+    /// The engine restarted: the server now serves another run than the
+    /// one followed so far. Comes just before that run's `Connected`; what
+    /// follows is the new run from its start, never a continuation of the
+    /// old one.
+    NewRun {
+        /// The run followed until now.
+        previous: RunId,
+        /// The new run.
+        run: RunId,
+        /// How many runs this client has followed, this one included.
+        number: u32,
+    },
     /// Connected (again); the server said hello.
     Connected(Hello),
     /// Events, in sequence order, none delivered before.
@@ -399,13 +428,13 @@ pub enum ClientError {
         /// Its message.
         message: String,
     },
-    /// After a reconnection, the server's stream is not the engine run this
-    /// client was following: it holds fewer events than were already
-    /// delivered, or its time went back. (Protocol v1 has no run id, so a
-    /// new run that has already overtaken the old one in both sequence
-    /// and time cannot be told apart.)
+    /// After a reconnection to the same engine run, the server's stream
+    /// went back: it holds fewer events than were already delivered, or
+    /// its time went back. A sound server never does this (a restarted
+    /// engine has another run id, and is followed as a
+    /// [`ClientEvent::NewRun`]).
     #[error(
-        "the server's stream went back ({why}): a different engine run; attach again to \
+        "the server's stream went back within one engine run ({why}); attach again to \
          follow it"
     )]
     StreamReset {
@@ -436,6 +465,9 @@ pub enum ConnState {
         hello: Hello,
         /// Since when.
         since: Instant,
+        /// How many engine runs this client has followed (1 until the
+        /// engine restarts).
+        run_number: u32,
     },
     /// Waiting to try again.
     Reconnecting {
@@ -467,6 +499,9 @@ impl ConnState {
         match self {
             ConnState::Connecting { attempt: 1 } => "CONNECTING".into(),
             ConnState::Connecting { attempt } => format!("CONNECTING (attempt {attempt})"),
+            ConnState::Connected { run_number, .. } if *run_number > 1 => {
+                format!("ATTACHED · RUN {run_number} (engine restarted)")
+            }
             ConnState::Connected { .. } => "ATTACHED".into(),
             ConnState::Reconnecting {
                 attempt, next_try, ..
@@ -493,6 +528,7 @@ struct Counters {
     unannounced_gap_events: AtomicU64,
     bad_frames: AtomicU64,
     connects: AtomicU64,
+    new_runs: AtomicU64,
     disconnects: AtomicU64,
     consumer_full: AtomicU64,
     commands_sent: AtomicU64,
@@ -528,6 +564,9 @@ pub struct ClientCounters {
     pub bad_frames: u64,
     /// Connections made (Hello received).
     pub connects: u64,
+    /// Engine restarts seen (a hello naming another run than the one
+    /// followed).
+    pub new_runs: u64,
     /// Connections lost or attempts failed.
     pub disconnects: u64,
     /// Times the consumer's channel was full (the reader waited).
@@ -557,6 +596,7 @@ impl Counters {
             unannounced_gap_events: g(&self.unannounced_gap_events),
             bad_frames: g(&self.bad_frames),
             connects: g(&self.connects),
+            new_runs: g(&self.new_runs),
             disconnects: g(&self.disconnects),
             consumer_full: g(&self.consumer_full),
             commands_sent: g(&self.commands_sent),
@@ -795,6 +835,10 @@ enum Ended {
 /// What the stream has delivered; survives reconnections.
 #[derive(Default)]
 struct Cursor {
+    /// The engine run followed (`None` until the first hello).
+    run: Option<RunId>,
+    /// Runs followed so far.
+    runs: u32,
     /// The next sequence number wanted (`None` until known).
     next: Option<u64>,
     /// Timestamp of the last event delivered.
@@ -987,7 +1031,7 @@ async fn session(
     state: &watch::Sender<ConnState>,
     counters: &Counters,
 ) -> Ended {
-    let (ws, deadline) = match open(cfg, cursor.next).await {
+    let (ws, deadline) = match open(cfg, cursor.next, cursor.run).await {
         Ok(x) => x,
         Err(ended) => return ended,
     };
@@ -996,16 +1040,49 @@ async fn session(
         Ok(h) => h,
         Err(ended) => return ended,
     };
-    if let Err(ended) = check_same_run(cursor, &hello, counters) {
-        return ended;
-    }
-    cursor.check_time = cursor.last_ts.is_some();
+    let new_run = match cursor.run {
+        Some(previous) if previous != hello.run => {
+            // Another run: nothing of the old one continues. The server
+            // starts this run at seq 0 for a client that named the old run.
+            *cursor = Cursor {
+                run: Some(hello.run),
+                runs: cursor.runs + 1,
+                next: Some(0),
+                ..Cursor::default()
+            };
+            bump(&counters.new_runs, 1);
+            Some(previous)
+        }
+        Some(_) => {
+            if let Err(ended) = check_same_run(cursor, &hello, counters) {
+                return ended;
+            }
+            cursor.check_time = cursor.last_ts.is_some();
+            None
+        }
+        None => {
+            cursor.run = Some(hello.run);
+            cursor.runs = 1;
+            None
+        }
+    };
     let connected_at = Instant::now();
     bump(&counters.connects, 1);
     state.send_replace(ConnState::Connected {
         hello: hello.clone(),
         since: connected_at,
+        run_number: cursor.runs,
     });
+    if let Some(previous) = new_run {
+        let ev = ClientEvent::NewRun {
+            previous,
+            run: hello.run,
+            number: cursor.runs,
+        };
+        if deliver(tx, counters, ev).await.is_err() {
+            return Ended::ConsumerGone;
+        }
+    }
     if deliver(tx, counters, ClientEvent::Connected(hello))
         .await
         .is_err()
@@ -1025,14 +1102,18 @@ async fn session(
     ended
 }
 
-/// Sends the upgrade request for the stream from `since` (with the
-/// protocol version and the token) and checks the version the server
+/// Sends the upgrade request for the stream from `since` in `run` (with
+/// the protocol version and the token) and checks the version the server
 /// answers with. Returns the socket and the deadline for the whole
 /// handshake, hello included.
-async fn open(cfg: &ClientConfig, since: Option<u64>) -> Result<(Ws, tokio::time::Instant), Ended> {
+async fn open(
+    cfg: &ClientConfig,
+    since: Option<u64>,
+    run: Option<RunId>,
+) -> Result<(Ws, tokio::time::Instant), Ended> {
     let mut req = cfg
         .endpoint
-        .events_url(since)
+        .events_url(since, run)
         .into_client_request()
         .map_err(|e| {
             Ended::Fatal(ClientError::Url(UrlError::Malformed {
@@ -1101,7 +1182,9 @@ async fn await_hello(
             Ok(ServerMsg::Hello {
                 protocol,
                 engine,
+                run,
                 client,
+                client_key,
                 first_seq,
                 last_seq,
             }) => {
@@ -1114,7 +1197,9 @@ async fn await_hello(
                 }
                 Ok(Hello {
                     engine,
+                    run,
                     client,
+                    client_key,
                     first_seq,
                     last_seq,
                 })
@@ -1132,9 +1217,10 @@ async fn await_hello(
     }
 }
 
-/// After a reconnection, a server that holds fewer events than were
-/// already delivered is another engine run. Only if something was
-/// delivered: a `since` ahead of the server is just a wait.
+/// After a reconnection to the same run, a server that holds fewer events
+/// than were already delivered went back (never expected of a sound
+/// server). Only if something was delivered: a `since` ahead of the server
+/// is just a wait.
 fn check_same_run(cursor: &Cursor, hello: &Hello, counters: &Counters) -> Result<(), Ended> {
     if let (Some(next), Some(last)) = (cursor.next, hello.last_seq)
         && next > 0
@@ -1487,17 +1573,27 @@ mod tests {
         );
         assert_eq!(e.to_string(), "http://127.0.0.1:6669");
         assert_eq!(
-            e.events_url(Some(42)),
-            "ws://127.0.0.1:6669/events?since=42&version=1"
+            e.events_url(Some(42), None),
+            "ws://127.0.0.1:6669/events?since=42&version=2"
         );
-        assert_eq!(e.events_url(None), "ws://127.0.0.1:6669/events?version=1");
+        assert_eq!(
+            e.events_url(Some(42), Some(RunId(0xab))),
+            "ws://127.0.0.1:6669/events?since=42&run=00000000000000ab&version=2"
+        );
+        assert_eq!(
+            e.events_url(None, None),
+            "ws://127.0.0.1:6669/events?version=2"
+        );
         assert_eq!(
             Endpoint::parse(" HTTP://localhost:80/ ").unwrap().host,
             "localhost"
         );
         let v6 = Endpoint::parse("http://[::1]:9000").unwrap();
         assert_eq!(v6.host, "::1");
-        assert_eq!(v6.events_url(None), "ws://[::1]:9000/events?version=1");
+        assert_eq!(
+            v6.events_url(None, None),
+            "ws://[::1]:9000/events?version=2"
+        );
         assert_eq!(Endpoint::parse("ws://h:1").unwrap().port, 1);
         for (bad, why) in [
             ("127.0.0.1:6669", "no scheme"),
@@ -1539,6 +1635,17 @@ mod tests {
         assert_eq!(odd.delay(40), Duration::from_secs(7));
     }
 
+    fn hello() -> Hello {
+        Hello {
+            engine: 0,
+            run: RunId(1),
+            client: 1,
+            client_key: String::new(),
+            first_seq: None,
+            last_seq: None,
+        }
+    }
+
     #[test]
     fn state_lines_for_a_status_bar() {
         let now = Instant::now();
@@ -1550,16 +1657,21 @@ mod tests {
         assert_eq!(s.describe(now), "RECONNECTING (attempt 3, next in 0.8 s)");
         assert_eq!(
             ConnState::Connected {
-                hello: Hello {
-                    engine: 0,
-                    client: 1,
-                    first_seq: None,
-                    last_seq: None
-                },
-                since: now
+                hello: hello(),
+                since: now,
+                run_number: 1,
             }
             .describe(now),
             "ATTACHED"
+        );
+        assert_eq!(
+            ConnState::Connected {
+                hello: hello(),
+                since: now,
+                run_number: 3,
+            }
+            .describe(now),
+            "ATTACHED · RUN 3 (engine restarted)"
         );
         assert_eq!(
             ConnState::Connecting { attempt: 1 }.describe(now),
@@ -1686,6 +1798,7 @@ mod tests {
             next: Some(10),
             last_ts: Some(5_000_000_000),
             check_time: true,
+            ..Cursor::default()
         };
         // Within the slack: fine, and checked once only.
         let ok = vec![at(10, 4_500_000_000), at(11, 0)];
@@ -1697,7 +1810,10 @@ mod tests {
         let Err(Ended::Fatal(e)) = r else {
             panic!("not fatal")
         };
-        assert!(e.to_string().contains("a different engine run"), "{e}");
+        assert!(
+            e.to_string().contains("went back within one engine run"),
+            "{e}"
+        );
         drop(tx);
         assert_eq!(
             rx.recv().await.map(|e| matches!(e, ClientEvent::Events(_))),
@@ -1720,16 +1836,16 @@ mod tests {
         };
         let mismatch = classify_connect_error(resp(
             400,
-            Some("2"),
-            r#"{"code":"protocol_mismatch","message":"this server speaks v2"}"#,
+            Some("3"),
+            r#"{"code":"protocol_mismatch","message":"this server speaks v3"}"#,
         ));
         let Ended::Fatal(e) = mismatch else {
             panic!("a mismatch is fatal")
         };
         assert_eq!(
             e.to_string(),
-            "protocol mismatch: this client speaks kvbm attach protocol v1, the server speaks v2 \
-             (this server speaks v2)"
+            "protocol mismatch: this client speaks kvbm attach protocol v2, the server speaks v3 \
+             (this server speaks v3)"
         );
         assert!(matches!(
             classify_connect_error(resp(401, None, r#"{"code":"unauthorized","message":"no"}"#)),
@@ -1795,12 +1911,18 @@ mod tests {
         }
 
         pub async fn hello(ws: &mut Ws, protocol: u32, last_seq: Option<u64>) {
+            hello_run(ws, protocol, RunId(7), last_seq).await;
+        }
+
+        pub async fn hello_run(ws: &mut Ws, protocol: u32, run: RunId, last_seq: Option<u64>) {
             text(
                 ws,
                 &ServerMsg::Hello {
                     protocol,
                     engine: 7,
+                    run,
                     client: 1,
+                    client_key: "k".into(),
                     first_seq: Some(0),
                     last_seq,
                 },
@@ -1850,12 +1972,12 @@ mod tests {
         let (url, uris) = fake::serve(|n, mut ws| async move {
             match n {
                 0 => {
-                    fake::hello(&mut ws, 1, Some(4)).await;
+                    fake::hello(&mut ws, PROTOCOL_VERSION, Some(4)).await;
                     fake::batch(&mut ws, 0..5).await;
                     // Dropped without a close frame.
                 }
                 1 => {
-                    fake::hello(&mut ws, 1, Some(11)).await;
+                    fake::hello(&mut ws, PROTOCOL_VERSION, Some(11)).await;
                     fake::batch(&mut ws, 3..8).await;
                     fake::text(
                         &mut ws,
@@ -1870,7 +1992,7 @@ mod tests {
                     fake::text(&mut ws, &ServerMsg::Live).await;
                     let _ = ws.close(None).await;
                 }
-                _ => fake::hello(&mut ws, 2, Some(11)).await,
+                _ => fake::hello(&mut ws, PROTOCOL_VERSION + 1, Some(11)).await,
             }
         })
         .await;
@@ -1910,14 +2032,14 @@ mod tests {
         else {
             panic!("{got:?}")
         };
-        assert_eq!(*server, Some(2));
+        assert_eq!(*server, Some(PROTOCOL_VERSION + 1));
         let uris = uris.lock().unwrap().clone();
         assert_eq!(
             uris,
             [
-                "/events?since=0&version=1",
-                "/events?since=5&version=1",
-                "/events?since=12&version=1"
+                "/events?since=0&version=2",
+                "/events?since=5&run=0000000000000007&version=2",
+                "/events?since=12&run=0000000000000007&version=2"
             ]
         );
         let h = c.handle();
@@ -1930,12 +2052,91 @@ mod tests {
         assert!(c.recv().await.is_none(), "nothing after Failed");
     }
 
+    /// An engine restart whose new run has already passed the old run's
+    /// sequence numbers (and time) by the time the client reconnects: the
+    /// client says it is a new run, asks to resume in the old run (which
+    /// the server answers with the new run from seq 0), and delivers the
+    /// new run whole: nothing dropped as a "duplicate", nothing spliced.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restarted_engine_is_a_new_run_whatever_its_sequence_numbers() {
+        let (url, uris) = fake::serve(|n, mut ws| async move {
+            match n {
+                0 => {
+                    fake::hello_run(&mut ws, PROTOCOL_VERSION, RunId(1), Some(49)).await;
+                    fake::batch(&mut ws, 0..50).await;
+                }
+                _ => {
+                    fake::hello_run(&mut ws, PROTOCOL_VERSION, RunId(2), Some(119)).await;
+                    fake::batch(&mut ws, 0..120).await;
+                    fake::text(&mut ws, &ServerMsg::Live).await;
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                }
+            }
+        })
+        .await;
+        let mut c = Client::spawn(
+            quick(&url).with_since(0),
+            &tokio::runtime::Handle::current(),
+        )
+        .unwrap();
+        let mut got = Vec::new();
+        while let Ok(Some(e)) = tokio::time::timeout(Duration::from_secs(10), c.recv()).await {
+            let live = e == ClientEvent::Live;
+            got.push(e);
+            if live {
+                break;
+            }
+        }
+        let at = got
+            .iter()
+            .position(|e| matches!(e, ClientEvent::NewRun { .. }))
+            .unwrap_or_else(|| panic!("no NewRun in {got:?}"));
+        assert_eq!(
+            got[at],
+            ClientEvent::NewRun {
+                previous: RunId(1),
+                run: RunId(2),
+                number: 2
+            }
+        );
+        assert!(matches!(&got[at + 1], ClientEvent::Connected(h) if h.run == RunId(2)));
+        let seqs = |evs: &[ClientEvent]| -> Vec<u64> {
+            evs.iter()
+                .filter_map(|e| match e {
+                    ClientEvent::Events(v) => Some(v.iter().map(|e| e.seq)),
+                    _ => None,
+                })
+                .flatten()
+                .collect()
+        };
+        assert_eq!(seqs(&got[..at]), (0..50).collect::<Vec<_>>());
+        assert_eq!(seqs(&got[at..]), (0..120).collect::<Vec<_>>());
+        assert!(
+            !got.iter().any(|e| matches!(e, ClientEvent::Gap(_))),
+            "{got:?}"
+        );
+        let k = c.handle().counters();
+        assert_eq!((k.duplicates, k.new_runs, k.events), (0, 1, 170));
+        assert!(
+            c.handle()
+                .state()
+                .describe(Instant::now())
+                .contains("RUN 2"),
+            "{:?}",
+            c.handle().state()
+        );
+        assert_eq!(
+            uris.lock().unwrap()[1],
+            "/events?since=50&run=0000000000000001&version=2"
+        );
+    }
+
     /// Commands are answered by id; one without an answer times out; an
     /// unreachable server means NotConnected at once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn control_commands_get_their_replies_or_time_out() {
         let (url, _) = fake::serve(|_, mut ws| async move {
-            fake::hello(&mut ws, 1, None).await;
+            fake::hello(&mut ws, PROTOCOL_VERSION, None).await;
             while let Some(Ok(m)) = ws.next().await {
                 let Message::Text(t) = m else { continue };
                 let ClientMsg::Control { id, command } = serde_json::from_str(&t).unwrap();
@@ -2011,7 +2212,7 @@ mod tests {
         };
         assert_eq!(
             e.to_string(),
-            "protocol mismatch: this client speaks kvbm attach protocol v1, the server speaks v3 \
+            "protocol mismatch: this client speaks kvbm attach protocol v2, the server speaks v3 \
              (server speaks v3, asked v1)"
         );
     }
@@ -2052,7 +2253,7 @@ mod tests {
             if let Ok(e) = Endpoint::parse(&format!("http://{host}:{port}")) {
                 // What parses round-trips through its display form.
                 prop_assert_eq!(Endpoint::parse(&e.to_string()), Ok(e.clone()));
-                prop_assert!(e.events_url(Some(1)).into_client_request().is_ok());
+                prop_assert!(e.events_url(Some(1), Some(RunId(u64::MAX))).into_client_request().is_ok());
             }
         }
     }

@@ -16,7 +16,9 @@ use kvbm_events::ring::RingBuffer;
 use kvbm_events::slot::SlotState;
 use kvbm_events::tier::Tier;
 use kvbm_events::{Emitter, Event, EventKind, ResumeCause, VirtualClock};
-use kvbm_schema::protocol::{ApiError, ClientMsg, GapReason, Health, ServerMsg, decode_batch};
+use kvbm_schema::protocol::{
+    Added, ApiError, ClientMsg, GapReason, Health, ServerMsg, decode_batch,
+};
 use kvbm_sim::sim::{Pacing, SimConfig, SimReport, Simulator};
 use kvbm_sim::workload::{Origin, RequestSpec};
 use proptest::prelude::*;
@@ -197,7 +199,7 @@ async fn ws_connect(
         resp.headers()
             .get("x-kvbm-protocol")
             .and_then(|v| v.to_str().ok()),
-        Some("1"),
+        Some("2"),
         "the handshake states the server's version"
     );
     Ok(s)
@@ -399,7 +401,7 @@ async fn backfill_then_live_and_resume_without_duplicates_or_gaps() {
     let h = serve(local(), f.engine.clone()).await;
     let addr = h.local_addr();
 
-    let mut ws = ws_connect(addr, "?version=1", &[("x-kvbm-protocol", "1")])
+    let mut ws = ws_connect(addr, "?version=2", &[("x-kvbm-protocol", "2")])
         .await
         .unwrap();
     let mut seen = Seen::default();
@@ -413,7 +415,7 @@ async fn backfill_then_live_and_resume_without_duplicates_or_gaps() {
         }) => {
             assert_eq!(
                 (protocol, engine, first_seq, last_seq),
-                (1, 3, Some(0), Some(499))
+                (2, 3, Some(0), Some(499))
             );
         }
         other => panic!("the server speaks first with Hello, got {other:?}"),
@@ -432,7 +434,7 @@ async fn backfill_then_live_and_resume_without_duplicates_or_gaps() {
     drop(ws);
 
     // Resume from the middle: no duplicate, no gap, then live again.
-    let mut ws = ws_connect(addr, "?since=650&version=1", &[]).await.unwrap();
+    let mut ws = ws_connect(addr, "?since=650&version=2", &[]).await.unwrap();
     let mut again = Seen::default();
     read_until(&mut ws, &mut again, |s| s.live_at.is_some()).await;
     f.emit(100).await;
@@ -498,20 +500,21 @@ async fn a_protocol_mismatch_is_a_400_naming_both_versions() {
     let h = serve(local(), f.engine.clone()).await;
     let addr = h.local_addr();
 
-    let r = http(addr, "GET", "/health", &[("x-kvbm-protocol", "2")], b"").await;
+    let r = http(addr, "GET", "/health", &[("x-kvbm-protocol", "3")], b"").await;
     assert_eq!(r.status, 400);
     let e = r.error();
     assert_eq!(e.code, "protocol_mismatch");
-    assert!(e.message.contains('2') && e.message.contains('1'), "{e:?}");
-    assert_eq!(r.header("x-kvbm-protocol"), Some("1"));
+    assert!(e.message.contains('3') && e.message.contains('2'), "{e:?}");
+    assert_eq!(r.header("x-kvbm-protocol"), Some("2"));
 
-    let ok = http(addr, "GET", "/health", &[("x-kvbm-protocol", "1")], b"").await;
+    let ok = http(addr, "GET", "/health", &[("x-kvbm-protocol", "2")], b"").await;
     assert_eq!(ok.status, 200);
     let health: Health = ok.json();
-    assert_eq!((health.status.as_str(), health.protocol), ("ok", 1));
+    assert_eq!((health.status.as_str(), health.protocol), ("ok", 2));
+    assert_eq!(health.run, f.engine.run(), "the served run is in /health");
 
     // On the WebSocket: by query parameter and by header.
-    for (q, hdr) in [("?version=2", None), ("", Some("7"))] {
+    for (q, hdr) in [("?version=1", None), ("", Some("7"))] {
         let headers: Vec<(&str, &str)> = hdr.map(|v| ("x-kvbm-protocol", v)).into_iter().collect();
         match ws_connect(addr, q, &headers).await {
             Err(tungstenite::Error::Http(resp)) => {
@@ -872,7 +875,15 @@ async fn connections_are_capped_and_the_refusals_counted() {
         assert!(t.elapsed() < Duration::from_secs(10), "{:?}", h.stats());
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // The fourth is told why and closed.
+    // A fourth, from 127.0.0.1, takes the place kept for loopback (a
+    // health check or an operator's command gets through a flood) ...
+    let _reserved = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let t = Instant::now();
+    while h.stats().reserve_used < 1 {
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", h.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ... and a fifth is told why and closed.
     let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut answer = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), extra.read_to_end(&mut answer))
@@ -983,8 +994,11 @@ async fn bad_requests_get_json_errors() {
     )
     .await;
     assert_eq!(r.status, 200);
+    let added: Added = r.json();
+    let lease = added.lease.expect("set without a client: leased");
     let list: BreakpointsView = http(addr, "GET", "/breakpoints", &[], b"").await.json();
-    assert_eq!(list.breakpoints[0].spec.owner, None);
+    assert_eq!(list.breakpoints[0].spec.owner, Some(lease.owner));
+    assert_ne!(lease.owner, 42);
     // A control request acting for a client that is not connected.
     let r = http(addr, "POST", "/step", &[("x-kvbm-client", "4242")], b"").await;
     assert_eq!((r.status, r.error().code.as_str()), (400, "bad_request"));
@@ -1596,7 +1610,7 @@ fn kvbm_sim_serves_and_prints_its_address() {
     let _ = child.wait();
     let r = r.unwrap();
     assert_eq!(r.status, 200);
-    assert_eq!(r.json::<Health>().protocol, 1);
+    assert_eq!(r.json::<Health>().protocol, 2);
 
     // Off loopback without a token: a clear error, nothing served.
     let out = std::process::Command::new(kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim"))

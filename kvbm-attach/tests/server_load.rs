@@ -158,7 +158,7 @@ fn frame_span(frame: &[u8]) -> Result<(u64, u64, u64), String> {
 async fn subscriber(addr: SocketAddr, target: Arc<AtomicU64>) -> ClientReport {
     let mut r = ClientReport::default();
     let (mut ws, _) =
-        match tokio_tungstenite::connect_async(format!("ws://{addr}/events?since=0&version=1"))
+        match tokio_tungstenite::connect_async(format!("ws://{addr}/events?since=0&version=2"))
             .await
         {
             Ok(x) => x,

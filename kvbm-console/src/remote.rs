@@ -18,6 +18,12 @@
 //! connection drops, the server removes them and resumes their paused
 //! calls (the engine is never left paused by a console that went away), so
 //! the cache is emptied on a disconnect and read again on connect.
+//!
+//! When the engine restarts, the client says so ([`ClientEvent::NewRun`])
+//! and follows the new run from its start; the ring position where it
+//! begins is kept ([`Link::run_starts`]), so the live source starts a fresh
+//! model there instead of folding two runs into one, and the badge says
+//! `ATTACHED · RUN n (engine restarted)`.
 
 use crate::source::{Badge, Link, LiveSource, Tone};
 use kvbm_attach::client::{
@@ -66,8 +72,12 @@ impl Remote {
             last_error: Mutex::new(None),
             errors: AtomicU64::new(0),
         });
-        let status = Arc::new(RemoteStatus { url, handle });
-        let task = rt.spawn(forward(client, ring.clone(), view));
+        let status = Arc::new(RemoteStatus {
+            url,
+            handle,
+            run_starts: Mutex::new(Vec::new()),
+        });
+        let task = rt.spawn(forward(client, ring.clone(), view, status.clone()));
         Ok(Remote {
             ring,
             status,
@@ -108,8 +118,17 @@ impl Drop for Remote {
     }
 }
 
-/// Moves what the client receives into the ring and the breakpoint cache.
-async fn forward(mut client: Client, ring: Arc<RingBuffer>, view: Arc<Mutex<BreakpointsView>>) {
+/// Most run starts remembered (older ones have long been applied).
+const MAX_RUN_STARTS: usize = 64;
+
+/// Moves what the client receives into the ring and the breakpoint cache,
+/// and notes where new engine runs begin.
+async fn forward(
+    mut client: Client,
+    ring: Arc<RingBuffer>,
+    view: Arc<Mutex<BreakpointsView>>,
+    status: Arc<RemoteStatus>,
+) {
     let handle = client.handle();
     while let Some(ev) = client.recv().await {
         match ev {
@@ -135,6 +154,14 @@ async fn forward(mut client: Client, ring: Arc<RingBuffer>, view: Arc<Mutex<Brea
                 // The server released this connection's breakpoints.
                 *lock(&view) = BreakpointsView::default();
             }
+            ClientEvent::NewRun { .. } => {
+                // The new run's first event takes the next position.
+                let mut starts = lock(&status.run_starts);
+                starts.push(ring.counters().pushed);
+                if starts.len() > MAX_RUN_STARTS {
+                    starts.remove(0);
+                }
+            }
             ClientEvent::Live => {}
         }
     }
@@ -144,6 +171,8 @@ async fn forward(mut client: Client, ring: Arc<RingBuffer>, view: Arc<Mutex<Brea
 pub struct RemoteStatus {
     url: String,
     handle: ClientHandle,
+    /// Ring positions where new engine runs began.
+    run_starts: Mutex<Vec<u64>>,
 }
 
 impl RemoteStatus {
@@ -177,6 +206,10 @@ impl Link for RemoteStatus {
             ConnState::Failed { .. } | ConnState::Stopped => Tone::Down,
         };
         Badge::new(state.describe(now), tone)
+    }
+
+    fn run_starts(&self) -> Vec<u64> {
+        lock(&self.run_starts).clone()
     }
 }
 

@@ -135,6 +135,13 @@ pub enum Tone {
 pub trait Link: Send + Sync {
     /// The badge at `now`.
     fn badge(&self, now: Instant) -> Badge;
+
+    /// Ring positions where a new engine run begins (the engine
+    /// restarted), ascending: the model starts afresh at each, so two runs
+    /// are never folded into one state. None by default.
+    fn run_starts(&self) -> Vec<u64> {
+        Vec::new()
+    }
 }
 
 /// Most events applied per pull, so one pull never holds up input or
@@ -151,6 +158,11 @@ pub struct LiveSource {
     counters: RingCounters,
     link: Option<Arc<dyn Link>>,
     no_slots_reason: Option<String>,
+    /// Run starts not applied yet (ring positions, ascending), and the
+    /// last one seen.
+    run_starts: std::collections::VecDeque<u64>,
+    last_run_start: Option<u64>,
+    runs_started: u64,
 }
 
 impl LiveSource {
@@ -166,6 +178,9 @@ impl LiveSource {
             counters,
             link: None,
             no_slots_reason: None,
+            run_starts: Default::default(),
+            last_run_start: None,
+            runs_started: 0,
         }
     }
 
@@ -184,11 +199,20 @@ impl LiveSource {
 
     /// Applies what arrived since the last pull (nothing while frozen: the
     /// events wait in the ring, and whatever the ring overwrites meanwhile
-    /// is counted as lagged).
+    /// is counted as lagged). Where a new engine run begins (the link
+    /// says), the model starts afresh before that run's first event.
     pub fn pull(&mut self, model: &mut Model) -> usize {
         self.counters = self.ring.counters();
         if self.frozen {
             return 0;
+        }
+        if let Some(link) = &self.link {
+            for s in link.run_starts() {
+                if self.last_run_start.is_none_or(|l| s > l) {
+                    self.run_starts.push_back(s);
+                    self.last_run_start = Some(s);
+                }
+            }
         }
         let mut n = 0;
         while n < MAX_PULL {
@@ -198,7 +222,14 @@ impl LiveSource {
             self.counters = read.counters;
             let caught_up = read.caught_up();
             n += read.events.len();
-            for ev in read.events {
+            let first = read.next - read.events.len() as u64;
+            for (i, ev) in read.events.into_iter().enumerate() {
+                let pos = first + i as u64;
+                while self.run_starts.front().is_some_and(|&s| s <= pos) {
+                    self.run_starts.pop_front();
+                    *model = Model::new(*model.config());
+                    self.runs_started += 1;
+                }
                 model.apply(ev);
             }
             if caught_up || n == 0 {
@@ -206,6 +237,11 @@ impl LiveSource {
             }
         }
         n
+    }
+
+    /// Times the model started afresh for a new engine run.
+    pub fn runs_started(&self) -> u64 {
+        self.runs_started
     }
 
     /// Freezes or unfreezes the view.
@@ -534,6 +570,39 @@ mod tests {
             r.change_speed(false);
         }
         assert_eq!(r.speed(), SPEEDS.0);
+    }
+
+    /// A link that says where new engine runs begin: the model starts
+    /// afresh exactly there, so the runs are never folded together.
+    #[test]
+    fn a_new_engine_run_starts_a_fresh_model() {
+        struct Runs(std::sync::Mutex<Vec<u64>>);
+        impl Link for Runs {
+            fn badge(&self, _: Instant) -> Badge {
+                Badge::new("ATTACHED", Tone::Ok)
+            }
+            fn run_starts(&self) -> Vec<u64> {
+                self.0.lock().unwrap().clone()
+            }
+        }
+        let ring = Arc::new(RingBuffer::with_capacity(100).unwrap());
+        let link = Arc::new(Runs(Default::default()));
+        let mut src = LiveSource::new(ring.clone(), None).with_link(link.clone());
+        let mut m = Model::new(ModelConfig::default());
+        let run = events(6);
+        for e in run.iter() {
+            ring.push(e.clone());
+        }
+        assert_eq!(src.pull(&mut m), 6);
+        // The engine restarts: the same requests again, from seq 0.
+        link.0.lock().unwrap().push(ring.counters().pushed);
+        for e in run.iter().take(4) {
+            ring.push(e.clone());
+        }
+        assert_eq!(src.pull(&mut m), 4);
+        assert_eq!(src.runs_started(), 1);
+        assert_eq!(m.state(), &fold(&run[..4]), "only the new run");
+        assert_eq!(m.state().inconsistencies().total(), 0);
     }
 
     #[test]

@@ -39,7 +39,23 @@
 //!   is one atomic load (no lock — a test holds the lock on another thread
 //!   and makes a million checks);
 //! - leave an engine stuck: every pause has a deadline (60 s by default)
-//!   after which it resumes by itself and says so;
+//!   after which it resumes by itself and says so (`Resumed { cause:
+//!   Deadline }`). What a deadline does to the breakpoint depends on what
+//!   the pause held up:
+//!   - a *blocking* pause ([`Breakpoints::check`]: the engine's thread
+//!     waited the whole deadline) removes its breakpoint, and every other
+//!     call that breakpoint holds resumes too: nobody is attending to it,
+//!     and a breakpoint left in place would stop the engine again at the
+//!     very next matching call, one deadline after another;
+//!   - a *held* request ([`Breakpoints::hold`]: the engine went on with
+//!     its other requests) lets that request through that breakpoint from
+//!     then on, and the breakpoint stays for the other requests: each
+//!     request is held at most one deadline per breakpoint, and the engine
+//!     never waited.
+//!
+//!   A server that takes breakpoints from the network also gives every
+//!   breakpoint an owner (a connection, or a lease that expires) and
+//!   removes it when the owner goes: see `kvbm_attach::server`.
 //! - know about sockets, terminals or HTTP. The spec types derive serde so a
 //!   server can carry them, but the server lives elsewhere.
 //!
@@ -594,8 +610,11 @@ impl Breakpoints {
     /// The calls paused now, by pause id. A call already told to resume
     /// but not yet gone is not listed.
     pub fn paused(&self) -> Vec<PausedCall> {
+        let inner = self.lock();
+        // Read under the lock: a pause registered while this waited for it
+        // must not look as if it started after `now`.
         let now = Instant::now();
-        self.lock()
+        inner
             .paused
             .iter()
             .filter(|(_, p)| p.release.is_none())
@@ -712,7 +731,9 @@ impl Breakpoints {
 
     /// Called by an instrumented entry point before its body runs. If a
     /// breakpoint matches `call` (or a step is armed), blocks this thread
-    /// until the pause ends; see the module docs.
+    /// until the pause ends; see the module docs. A pause that ends at its
+    /// deadline removes the breakpoint that made it (and resumes the other
+    /// calls it holds), so the engine is not stopped again at once.
     ///
     /// With no breakpoint and no step armed this is one atomic load and a
     /// return: no lock, no allocation, no event.
@@ -743,7 +764,26 @@ impl Breakpoints {
         // reacting to the event finds it in `paused()`.
         self.emit_hit(call, breakpoint, deadline);
         let cause = self.wait(pause_id);
+        if cause == ResumeCause::Deadline && breakpoint != STEP_BREAKPOINT {
+            self.expire(breakpoint);
+        }
         self.emit_resumed(call.request.as_ref(), breakpoint, cause);
+    }
+
+    /// A blocking pause by `breakpoint` ran out its deadline: nobody is
+    /// attending to it. The breakpoint is removed and every other call it
+    /// holds resumes (cause `Deadline`); otherwise the very next matching
+    /// call would stop the engine again at once, and a breakpoint whose
+    /// owner is gone would keep it stopped one deadline after another.
+    fn expire(&self, breakpoint: u64) {
+        let mut inner = self.lock();
+        inner.breakpoints.remove(&breakpoint);
+        let resumed = inner.release(ResumeCause::Deadline, |p| p.breakpoint == breakpoint);
+        self.rearm(&inner);
+        drop(inner);
+        if resumed > 0 {
+            self.cond.notify_all();
+        }
     }
 
     fn emit_hit(&self, call: &CallInfo, breakpoint: u64, deadline: Duration) {
@@ -775,7 +815,9 @@ impl Breakpoints {
     /// the call's request is *held*: a pause is registered and announced
     /// (`BreakpointHit`) and `Held` returned, and every later call for
     /// that request returns `Held` until the pause is released (resume,
-    /// step, clear, its client gone) or its deadline passes. The next call
+    /// step, clear, its client gone) or its deadline passes (which, unlike
+    /// a blocking pause's, leaves the breakpoint in place: the engine never
+    /// waited, and the request passes it from then on). The next call
     /// after that gets `Go` (`Resumed` is announced), and the released
     /// breakpoint lets that request through from then on, here and in
     /// [`check`](Self::check): a request the engine asks about on every
@@ -1233,6 +1275,62 @@ mod tests {
         h.join().unwrap();
         let names: Vec<_> = drain(&mut tap).iter().map(|e| e.kind.name()).collect();
         assert_eq!(names, ["HookCall", "BreakpointHit", "Resumed", "HookCall"]);
+    }
+
+    /// A blocking pause that runs out its deadline removes its breakpoint
+    /// (and resumes the other calls it holds): the engine is not stopped
+    /// again at the next matching call. Other breakpoints stay.
+    #[test]
+    fn a_deadline_removes_the_breakpoint_that_blocked_the_engine() {
+        let (e, mut tap) = emitter();
+        let bp = Arc::new(Breakpoints::new(Some(e), Duration::from_secs(1)));
+        let id = bp
+            .add(BreakpointSpec::default().with_request_prefix("r"))
+            .unwrap();
+        let other = bp
+            .add(BreakpointSpec::default().with_entry(EntryPoint::RequestFinished))
+            .unwrap();
+        // Two engine threads paused by the same breakpoint, the second a
+        // little later: the first deadline ends both.
+        let bp2 = Arc::clone(&bp);
+        let first = thread::spawn(move || bp2.check(&call(EntryPoint::CreateSlot, "r1")));
+        wait_paused(&bp, 1);
+        bp.set_default_deadline(Duration::from_secs(30)).unwrap();
+        let bp3 = Arc::clone(&bp);
+        let second = thread::spawn(move || bp3.check(&call(EntryPoint::CreateSlot, "r2")));
+        wait_paused(&bp, 2);
+        let start = Instant::now();
+        first.join().unwrap();
+        second.join().unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the second pause waited for its own deadline"
+        );
+        assert_eq!(
+            bp.list().iter().map(|b| b.id).collect::<Vec<_>>(),
+            vec![other],
+            "the expired breakpoint is gone, the other stays"
+        );
+        // The next matching call goes straight through.
+        let t = Instant::now();
+        bp.check(&call(EntryPoint::CreateSlot, "r1"));
+        assert!(t.elapsed() < Duration::from_secs(1));
+        assert!(bp.paused().is_empty());
+        let resumed: Vec<EventKind> = drain(&mut tap)
+            .into_iter()
+            .map(|e| e.kind)
+            .filter(|k| matches!(k, EventKind::Resumed { .. }))
+            .collect();
+        assert_eq!(
+            resumed,
+            vec![
+                EventKind::Resumed {
+                    breakpoint: id,
+                    cause: ResumeCause::Deadline
+                };
+                2
+            ]
+        );
     }
 
     /// A held request is put off, not blocked: one hit, `Held` on every

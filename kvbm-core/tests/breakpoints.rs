@@ -304,8 +304,13 @@ fn a_pause_ends_by_itself_at_its_deadline() {
     ));
     assert_eq!(events[1].kind, resumed(id, ResumeCause::Deadline));
     assert!(r.bp.paused().is_empty());
-    // The breakpoint stays; only the pause ended.
-    assert_eq!(r.bp.list()[0].hits, 1);
+    // Nobody attended to it: the breakpoint is gone with the pause, so the
+    // engine is not stopped again at the next matching call.
+    assert!(r.bp.list().is_empty());
+    assert!(!r.bp.is_armed());
+    let start = Instant::now();
+    r.bp.check(&call(EntryPoint::UpdateStateAfterAlloc, "slow").with_state(SlotState::Prefilling));
+    assert!(start.elapsed() < Duration::from_millis(50));
 }
 
 #[test]

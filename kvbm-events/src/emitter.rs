@@ -4,6 +4,7 @@
 
 use crate::bus::{BusConfig, BusError, EventBus};
 use crate::event::{Event, EventKind, RequestId};
+use crate::run::RunId;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,6 +75,7 @@ struct Stamp {
 /// leader and the pipelines' tasks emit at once.
 pub struct Emitter {
     engine: u32,
+    run: RunId,
     bus: EventBus<Event>,
     clock: Arc<dyn Clock>,
     iteration: AtomicU64,
@@ -84,16 +86,19 @@ impl fmt::Debug for Emitter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Emitter")
             .field("engine", &self.engine)
+            .field("run", &self.run)
             .field("iteration", &self.iteration())
             .finish()
     }
 }
 
 impl Emitter {
-    /// An emitter for engine `engine` with its own bus.
+    /// An emitter for engine `engine` with its own bus, for a new run (a
+    /// fresh random [`RunId`]).
     pub fn new(engine: u32, bus: BusConfig, clock: Arc<dyn Clock>) -> Result<Self, BusError> {
         Ok(Emitter {
             engine,
+            run: RunId::random(),
             bus: EventBus::new(bus)?,
             clock,
             iteration: AtomicU64::new(0),
@@ -109,6 +114,12 @@ impl Emitter {
     /// The engine id.
     pub fn engine(&self) -> u32 {
         self.engine
+    }
+
+    /// This run's identity: drawn at random when the emitter was created,
+    /// so a restarted engine has another one whatever its engine id.
+    pub fn run(&self) -> RunId {
+        self.run
     }
 
     /// The clock.

@@ -9,6 +9,7 @@
 //!   read at their own pace.
 //! - [`reducer`]: `state = fold(events)`, the one model behind the console,
 //!   replay, the server's snapshots and every analysis.
+//! - [`run`]: the random identity of one engine run.
 //! - [`breakpoint`] and [`control`]: breakpoint specs and the control
 //!   commands, as data.
 //! - [`text`]: clipping untrusted text echoed back in an error.
@@ -25,6 +26,7 @@ pub mod event;
 pub mod hash;
 pub mod reducer;
 pub mod ring;
+pub mod run;
 pub mod slot;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
@@ -36,5 +38,6 @@ pub use event::{
     Category, Direction, EntryPoint, Event, EventKind, HookPhase, KindTag, RequestId, ResumeCause,
 };
 pub use hash::{BlockHash, SaltHash, SequenceHash};
+pub use run::RunId;
 pub use slot::SlotState;
 pub use tier::{BlockId, Tier};

@@ -93,6 +93,7 @@ impl Observers {
         let mut engine = ring.as_ref().map(|ring| {
             let bus = emitter.clone();
             ServedEngine::new(ring.clone(), emitter.engine())
+                .with_run(emitter.run())
                 .with_control(breakpoints.clone())
                 .with_bus_counters(move || bus.bus().counters())
         });
@@ -109,6 +110,7 @@ impl Observers {
                     ..RecorderConfig::default()
                 };
                 rcfg.log.engine_id = u64::from(emitter.engine());
+                rcfg.run = Some(emitter.run());
                 obs.recorder = Some(
                     spawn_recorder(tap, dir.clone(), rcfg, ring.clone()).map_err(|e| {
                         format!("starting the recorder into {}: {e}", dir.display())

@@ -1,5 +1,6 @@
 //! `kvbm-recorder` keeps what an engine did and gives it back: the durable
-//! log, the recorder that drains an engine's tap into it, replay,
+//! log, the recorder that drains an engine's tap into it, its sidecar and
+//! what a recording can be trusted to hold ([`verdict`]), replay,
 //! timelines, statistics, invariant checks, exports and diffs, progress
 //! for the commands that take a while, and the `kvbm-recorder` CLI.
 //!
@@ -12,5 +13,7 @@ pub mod fleet;
 pub mod log;
 pub mod progress;
 pub mod recorder;
+pub mod sidecar;
+pub mod verdict;
 
 pub use kvbm_schema::SCHEMA_VERSION;

@@ -6,21 +6,25 @@
 //! is, then sleep briefly): blocking in `recv` would make the engine pay a
 //! wake-up system call on nearly every event. Events the tap had to drop
 //! arrive as `Gap` markers; they are counted and written to the log's
-//! sidecar `recording.json`, so a reader can tell a loss from a gap.
+//! sidecar `recording.json` ([`crate::sidecar`]), so a reader can tell a
+//! loss from a gap, with how the recording ended: finished, killed, a
+//! full disk, or an engine restart.
+//!
+//! The first write error ends a recording: it is what the caller is told
+//! (naming the file it happened on), and what the sidecar says.
 
 use crate::log::{LogConfig, LogError, LogReader, LogWriter, ReaderOptions};
-use kvbm_events::Event;
+pub use crate::sidecar::{
+    Ended, GapAt, MAX_GAPS, Recording, SIDECAR, Sidecar, SidecarError, read as read_sidecar,
+};
 use kvbm_events::bus::{TapItem, TapReceiver, TryRecvError};
 use kvbm_events::reducer::EngineState;
 use kvbm_events::ring::RingBuffer;
-use serde::{Deserialize, Serialize};
+use kvbm_events::{Event, RunId};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-
-/// Name of the sidecar file the recorder writes next to the segments.
-pub const SIDECAR: &str = "recording.json";
 
 /// How the recorder runs.
 #[derive(Debug, Clone)]
@@ -41,6 +45,8 @@ pub struct RecorderConfig {
     /// flushing on every idle poll would make blocks tiny; the fsync policy
     /// still applies on top of this.
     pub flush_every: Duration,
+    /// The engine run recorded (its emitter's `run()`), for the sidecar.
+    pub run: Option<RunId>,
 }
 
 impl Default for RecorderConfig {
@@ -54,74 +60,10 @@ impl Default for RecorderConfig {
             idle_poll: Duration::from_micros(500),
             stop: None,
             flush_every: Duration::from_millis(50),
+            run: None,
         }
     }
 }
-
-/// What a recording holds; also the sidecar's contents.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Recording {
-    /// Engine id.
-    pub engine: u32,
-    /// Events written.
-    pub events: u64,
-    /// Events the tap dropped (marked by `Gap` items), never written.
-    pub lost: u64,
-    /// First and last seq written.
-    pub first_seq: Option<u64>,
-    /// Last seq written.
-    pub last_seq: Option<u64>,
-    /// Snapshots written.
-    pub snapshots: u64,
-    /// Schema version of the records.
-    pub schema_version: u32,
-    /// Where the losses fell: each gap marker with the last seq written
-    /// before it (`None`: before any). At most [`MAX_GAPS`] entries; later
-    /// markers are merged into the last one (totals stay exact).
-    #[serde(default)]
-    pub gaps: Vec<GapAt>,
-    /// Where the events came from, for a recording of a remote source (an
-    /// attach server's or a publisher's URL); absent for an in-process
-    /// engine.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub source: Option<String>,
-    /// `Some(false)` when the recording stopped while the engine ran on (a
-    /// remote source): transfers in flight at its end are not lost.
-    /// Absent: the engine's stream ended with the recording.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stream_complete: Option<bool>,
-    /// Events the source no longer held when the recording started (a gap
-    /// before the first event written): not a loss inside the recording.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub missed_before_start: u64,
-    /// The source client's own counters at the end, as it reports them.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client: Option<serde_json::Value>,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
-impl Recording {
-    /// Whether the engine's stream ended with the recording (see
-    /// [`stream_complete`](Self::stream_complete)).
-    pub fn is_stream_complete(&self) -> bool {
-        self.stream_complete.unwrap_or(true)
-    }
-}
-
-/// One gap marker of the tap, placed in the stream.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GapAt {
-    /// The last seq written before the marker arrived.
-    pub after_seq: Option<u64>,
-    /// Events lost there.
-    pub dropped: u64,
-}
-
-/// Most gap positions a sidecar keeps.
-pub const MAX_GAPS: usize = 65_536;
 
 /// Checks a recording's events against the invariants, feeding each loss
 /// in at the place it happened (from the sidecar), so a loss at the very
@@ -130,6 +72,18 @@ pub fn check_recording(
     events: &[Event],
     sidecar: Option<&Recording>,
     stream_complete: bool,
+) -> crate::analysis::CheckReport {
+    check_recording_with(events, sidecar, stream_complete, true)
+}
+
+/// [`check_recording`] for a recording whose losses may not be known
+/// (`losses_known: false`: no usable sidecar, or one its recorder never
+/// finished): holes in the sequence are then reported, not judged.
+pub fn check_recording_with(
+    events: &[Event],
+    sidecar: Option<&Recording>,
+    stream_complete: bool,
+    losses_known: bool,
 ) -> crate::analysis::CheckReport {
     use crate::analysis::{CheckOptions, Checker};
     let (gaps, lost) = match sidecar {
@@ -142,6 +96,7 @@ pub fn check_recording(
     let mut c = Checker::new(CheckOptions {
         lost,
         stream_complete,
+        losses_known,
         ..CheckOptions::default()
     });
     let mut g = gaps.iter().peekable();
@@ -172,6 +127,30 @@ pub enum RecordError {
         #[source]
         source: std::io::Error,
     },
+    /// Writing failed earlier and the recording ended there; this is that
+    /// first error, as it was reported then (its sidecar says so too).
+    #[error(
+        "{first}{}",
+        sidecar.as_ref().map_or(String::new(), |s| format!(
+            " (and the sidecar saying so could not be written: {s})"
+        ))
+    )]
+    EndedByError {
+        /// The first error.
+        first: String,
+        /// The sidecar could not be written either (a full disk with no
+        /// space held for it).
+        sidecar: Option<String>,
+    },
+}
+
+impl From<SidecarError> for RecordError {
+    fn from(e: SidecarError) -> Self {
+        RecordError::Sidecar {
+            path: e.path,
+            source: e.source,
+        }
+    }
 }
 
 /// Starts a recorder thread draining `tap` into a new log in `dir` (and
@@ -195,6 +174,9 @@ fn record(
     ring: Option<&RingBuffer>,
 ) -> Result<Recording, RecordError> {
     let mut sink = RecordingSink::create(dir, cfg)?;
+    if let Some(run) = cfg.run {
+        sink.set_run(run);
+    }
     let mut last_flush = std::time::Instant::now();
     let result: Result<(), RecordError> = loop {
         match tap.try_recv() {
@@ -221,14 +203,19 @@ fn record(
                     last_flush = std::time::Instant::now();
                 }
                 if cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)) {
+                    sink.end_because("stopped by its embedding, the engine's stream drained");
                     break Ok(());
                 }
                 std::thread::sleep(cfg.idle_poll);
             }
-            Err(TryRecvError::Closed) => break Ok(()),
+            Err(TryRecvError::Closed) => {
+                sink.end_because("the engine's stream ended");
+                break Ok(());
+            }
         }
     };
     let finished = sink.finish();
+    // The first error first: the one that ended the recording.
     result?;
     finished
 }
@@ -244,6 +231,10 @@ pub struct RecordingSink {
     rec: Recording,
     since_snapshot: u64,
     snapshot_every: u64,
+    /// The first write error: the recording ended there.
+    failed: Option<String>,
+    /// Why the recording ends, when it ends cleanly.
+    why: Option<String>,
 }
 
 impl std::fmt::Debug for RecordingSink {
@@ -256,26 +247,79 @@ impl std::fmt::Debug for RecordingSink {
 }
 
 impl RecordingSink {
-    /// Creates the log in `dir` (which must not hold one).
+    /// Creates the log in `dir` (which must not hold one), with a sidecar
+    /// that says the recording is under way (what a killed recorder
+    /// leaves) and space held for the final one.
     pub fn create(dir: &Path, cfg: &RecorderConfig) -> Result<Self, RecordError> {
         let writer = LogWriter::create(dir, cfg.log.clone())?;
-        Ok(RecordingSink {
+        let sink = RecordingSink {
             dir: dir.to_path_buf(),
             writer,
             state: EngineState::default(),
             rec: Recording {
                 engine: u32::try_from(cfg.log.engine_id).unwrap_or(u32::MAX),
+                run: cfg.run,
                 schema_version: cfg.log.schema_version,
+                ended: Ended::Unfinished,
                 ..Recording::default()
             },
             since_snapshot: 0,
             snapshot_every: cfg.snapshot_every_events,
-        })
+            failed: None,
+            why: None,
+        };
+        sink.write_under_way()?;
+        Ok(sink)
+    }
+
+    /// Writes the sidecar that says the recording is under way, then holds
+    /// space for the final one again (each write uses up the held file).
+    fn write_under_way(&self) -> Result<(), RecordError> {
+        crate::sidecar::write(&self.dir, &self.rec)?;
+        // Best effort: without the space held, the final sidecar is written
+        // the ordinary way.
+        if let Err(e) = crate::sidecar::reserve(&self.dir) {
+            tracing::warn!(
+                "no space held for the sidecar of {}: {e}",
+                self.dir.display()
+            );
+            let _ = std::fs::remove_file(self.dir.join(crate::sidecar::SIDECAR_TMP));
+        }
+        Ok(())
+    }
+
+    /// Rewrites the under-way sidecar after a change of what it names (the
+    /// source, the run), so a killed recorder's sidecar says it.
+    fn note_start(&mut self) {
+        if self.rec.ended == Ended::Unfinished
+            && self.rec.events == 0
+            && let Err(e) = self.write_under_way()
+        {
+            tracing::warn!("{e}");
+        }
+    }
+
+    /// Keeps the first write error; the recording has ended there.
+    fn fail(&mut self, e: &dyn std::fmt::Display) {
+        if self.failed.is_none() {
+            self.failed = Some(e.to_string());
+        }
     }
 
     /// Writes one event (and, every `snapshot_every_events`, a snapshot).
+    /// After a failure nothing more is written: the first error is
+    /// returned again.
     pub fn append(&mut self, ev: &Event) -> Result<(), RecordError> {
-        self.writer.append(ev)?;
+        if let Some(first) = &self.failed {
+            return Err(RecordError::EndedByError {
+                first: first.clone(),
+                sidecar: None,
+            });
+        }
+        if let Err(e) = self.writer.append(ev) {
+            self.fail(&e);
+            return Err(e.into());
+        }
         let rec = &mut self.rec;
         rec.events += 1;
         rec.engine = ev.engine;
@@ -323,6 +367,26 @@ impl RecordingSink {
     pub fn set_source(&mut self, source: impl Into<String>) {
         self.rec.source = Some(source.into());
         self.rec.stream_complete = Some(false);
+        self.note_start();
+    }
+
+    /// Names the engine run whose events this recording holds.
+    pub fn set_run(&mut self, run: RunId) {
+        self.rec.run = Some(run);
+        self.note_start();
+    }
+
+    /// Names the recording of the engine's previous run (this one began
+    /// because the engine restarted).
+    pub fn set_previous(&mut self, previous: &Path) {
+        self.rec.previous = Some(previous.to_path_buf());
+        self.note_start();
+    }
+
+    /// Says why the recording ends, for the sidecar of a clean finish
+    /// (`--duration-s` reached, interrupted, the stream ended).
+    pub fn end_because(&mut self, why: impl Into<String>) {
+        self.why = Some(why.into());
     }
 
     /// Keeps the source client's counters in the sidecar.
@@ -332,7 +396,16 @@ impl RecordingSink {
 
     /// Hands what was appended to the OS (and fsyncs as the policy says).
     pub fn flush(&mut self) -> Result<(), RecordError> {
-        Ok(self.writer.flush()?)
+        if let Some(first) = &self.failed {
+            return Err(RecordError::EndedByError {
+                first: first.clone(),
+                sidecar: None,
+            });
+        }
+        self.writer.flush().map_err(|e| {
+            self.fail(&e);
+            e.into()
+        })
     }
 
     /// What has been recorded so far.
@@ -352,6 +425,7 @@ impl RecordingSink {
         let side = read_sidecar(dir);
         let mut rec = Recording {
             engine: u32::try_from(cfg.log.engine_id).unwrap_or(u32::MAX),
+            run: cfg.run,
             schema_version: cfg.log.schema_version,
             ..Recording::default()
         };
@@ -387,42 +461,74 @@ impl RecordingSink {
         {
             rec = s;
         }
-        Ok(RecordingSink {
+        // Under way again: a recorder killed from here on leaves a
+        // sidecar that says so.
+        rec.ended = Ended::Unfinished;
+        let sink = RecordingSink {
             dir: dir.to_path_buf(),
             writer,
             state,
             rec,
             since_snapshot: 0,
             snapshot_every: cfg.snapshot_every_events,
-        })
+            failed: None,
+            why: None,
+        };
+        sink.write_under_way()?;
+        Ok(sink)
     }
 
     /// Hands what was appended to the OS and writes the sidecar as it
     /// stands, so a recording killed after this keeps its bookkeeping.
     pub fn checkpoint(&mut self) -> Result<(), RecordError> {
-        self.writer.flush()?;
-        write_sidecar(&self.dir, &self.rec)
+        self.flush()?;
+        self.write_under_way()
     }
 
-    /// Closes the log and writes the sidecar; returns what was recorded.
+    /// Closes the log and writes the sidecar saying how the recording
+    /// ended; returns what was recorded. If writing failed (now or
+    /// earlier), the error returned is the *first* one, the one that
+    /// ended the recording, and the sidecar says so.
     pub fn finish(self) -> Result<Recording, RecordError> {
+        self.finish_as(None)
+    }
+
+    /// Ends this recording because the engine restarted: it holds the old
+    /// run whole, and says that the new run `run` is recorded in `next`.
+    pub fn finish_new_run(mut self, run: RunId, next: &Path) -> Result<Recording, RecordError> {
+        self.rec.next = Some(next.to_path_buf());
+        self.finish_as(Some(Ended::NewRun { run }))
+    }
+
+    fn finish_as(mut self, ending: Option<Ended>) -> Result<Recording, RecordError> {
         let closed = self.writer.close();
-        write_sidecar(&self.dir, &self.rec)?;
-        closed?;
+        if let Err(e) = &closed
+            && self.failed.is_none()
+        {
+            self.failed = Some(e.to_string());
+        }
+        self.rec.ended = match (&self.failed, ending) {
+            (Some(error), _) => Ended::WriteFailed {
+                error: error.clone(),
+            },
+            (None, Some(e)) => e,
+            (None, None) => Ended::Finished {
+                why: self
+                    .why
+                    .take()
+                    .unwrap_or_else(|| "the recording was closed".into()),
+            },
+        };
+        let side = crate::sidecar::write(&self.dir, &self.rec);
+        if let Some(first) = self.failed.take() {
+            return Err(RecordError::EndedByError {
+                first,
+                sidecar: side.err().map(|e| e.to_string()),
+            });
+        }
+        side?;
         Ok(self.rec)
     }
-}
-
-fn write_sidecar(dir: &Path, rec: &Recording) -> Result<(), RecordError> {
-    let path = dir.join(SIDECAR);
-    let json = serde_json::to_vec_pretty(rec).unwrap_or_default();
-    std::fs::write(&path, json).map_err(|source| RecordError::Sidecar { path, source })
-}
-
-/// The sidecar of a recording, if present and readable.
-pub fn read_sidecar(dir: &Path) -> Option<Recording> {
-    let bytes = std::fs::read(dir.join(SIDECAR)).ok()?;
-    serde_json::from_slice(&bytes).ok()
 }
 
 /// Events read back from a log: every good one, then the first damage (if

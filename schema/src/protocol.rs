@@ -6,10 +6,19 @@
 //! Every request may carry [`VERSION_HEADER`]; a value other than
 //! [`PROTOCOL_VERSION`] is refused with `400` and an [`ApiError`] whose
 //! `code` is `"protocol_mismatch"`. Every response carries the header with
-//! the server's version. Errors are JSON [`ApiError`]s with a 4xx/5xx
-//! status, never a panic.
+//! the server's version, and every error is a JSON [`ApiError`] with a
+//! 4xx/5xx status, never a panic: a request the HTTP layer cannot even
+//! parse (`400`, `414`, `431`) included. A request's body must arrive
+//! within the server's request deadline (`408 request_timeout`), and a
+//! declared `Content-Length` over the body limit is refused at once
+//! (`413`).
 //!
-//! - `GET /health` → `{"status":"ok","protocol":1,...}` ([`Health`]).
+//! Version 2 added the engine run's identity ([`RunId`]): in
+//! [`Health`], in [`ServerMsg::Hello`], and as the `run` a client resumes
+//! in. An engine that restarts starts its sequence numbers again under a
+//! new run id; a v1 client could not tell and spliced the runs together.
+//!
+//! - `GET /health` → `{"status":"ok","protocol":2,"run":"…",...}` ([`Health`]).
 //! - `GET /snapshot` → the reducer's `EngineState` as JSON.
 //! - `GET /metrics` → Prometheus text, every name prefixed `kvbm_`.
 //! - `GET /breakpoints` → [`BreakpointsView`]; `POST /breakpoints` with a
@@ -17,18 +26,33 @@
 //!   `DELETE /breakpoints/{id}`; `POST /breakpoints/clear`;
 //!   `POST /resume` with `{"pause_id":N}` or `{}` (all);
 //!   `POST /step`. A request with [`CLIENT_HEADER`] naming a connected
-//!   WebSocket client makes that client the owner of what it sets.
+//!   WebSocket client, and [`CLIENT_KEY_HEADER`] with that client's
+//!   `client_key` from its hello, makes that client the owner of what it
+//!   sets (`403 forbidden` without the right key: a client id alone does
+//!   not let anyone tie breakpoints to another client's connection).
+//!   Without them, what a request sets (a breakpoint, or the one-shot
+//!   pause of a step) belongs to a *lease* that expires (the response to
+//!   `POST /breakpoints` says when: [`Added`]), so no breakpoint is ever
+//!   left without an owner.
+//!   Bodies are JSON objects (`{}` for none; an empty body also means
+//!   none); anything else is a `400`.
 //!   Apart from `POST /breakpoints`, control endpoints answer with the
 //!   [`ControlResult`] as JSON (`{"done":true}`, `{"count":2}`); an id that
 //!   names no breakpoint (`DELETE`) or no paused call (`/resume`) is a
 //!   `404 not_found`.
-//! - `GET /events?since=SEQ&version=1` upgrades to a WebSocket (below).
+//! - `GET /events?since=SEQ&run=RUN&version=2` upgrades to a WebSocket
+//!   (below). `run` is the run `since` counts in: when the server's run is
+//!   another (the engine restarted), `since` does not apply and the stream
+//!   starts at the new run's first event (seq 0; a gap says what the
+//!   server no longer holds).
 //!
 //! With a token configured, requests need `Authorization: Bearer TOKEN`
 //! (control endpoints always; read-only ones unless opened by config).
 //!
 //! # WebSocket `/events`
-//! The server speaks first: a text frame with [`ServerMsg::Hello`]. Then
+//! The server speaks first: a text frame with [`ServerMsg::Hello`], which
+//! names the engine's run: a client that followed another run must not
+//! take what follows for a continuation of it. Then
 //! binary frames, each an [`encode_batch`] of events in sequence order,
 //! starting at `since` (or at the oldest event the server holds when
 //! `since` is absent). When events from the requested range are no longer
@@ -44,14 +68,22 @@
 //! resume and its breakpoints are removed (unless the server is configured
 //! otherwise). The server pushes [`ServerMsg::Breakpoints`] when the
 //! breakpoints or paused calls change (and at least every second while any
-//! exist), so a client never has to poll.
+//! exist), so a client never has to poll. Commands are answered in order;
+//! a client may send many before reading the replies (the server stops
+//! reading its commands while the replies wait to be sent, rather than
+//! dropping it).
+//!
+//! The server pings every client every few seconds; a client from which
+//! nothing (not even a pong) arrives for the server's silence timeout is
+//! disconnected, and its breakpoints removed: a frozen console (stopped,
+//! or behind a half-open connection) cannot keep the engine paused.
 
-use kvbm_events::Event;
 use kvbm_events::control::{BreakpointsView, ControlCommand, ControlResult};
+use kvbm_events::{Event, RunId};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version both sides state.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// HTTP header carrying the protocol version (requests and responses).
 pub const VERSION_HEADER: &str = "x-kvbm-protocol";
@@ -60,15 +92,20 @@ pub const VERSION_HEADER: &str = "x-kvbm-protocol";
 /// request acts for.
 pub const CLIENT_HEADER: &str = "x-kvbm-client";
 
+/// HTTP header with the `client_key` of the client [`CLIENT_HEADER`]
+/// names: proof that the request comes from whoever holds that connection.
+pub const CLIENT_KEY_HEADER: &str = "x-kvbm-client-key";
+
 /// A JSON error body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[error("{code}: {message}")]
 pub struct ApiError {
     /// A stable machine-readable code (`bad_request`, `unauthorized`,
-    /// `not_found`, `protocol_mismatch`, `too_many_clients`,
-    /// `too_many_connections`,
-    /// `payload_too_large`, `no_breakpoints`, `refused`,
-    /// `method_not_allowed`, `shutting_down`, `internal`).
+    /// `forbidden`, `not_found`, `protocol_mismatch`, `too_many_clients`,
+    /// `too_many_connections`, `request_timeout`, `uri_too_long`,
+    /// `headers_too_large`, `payload_too_large`, `no_breakpoints`,
+    /// `refused`, `method_not_allowed`, `silent`, `shutting_down`,
+    /// `internal`).
     pub code: String,
     /// What was wrong, for a person.
     pub message: String,
@@ -93,8 +130,32 @@ pub struct Health {
     pub protocol: u32,
     /// The engine id.
     pub engine: u32,
+    /// The engine run being served.
+    pub run: RunId,
     /// Sequence number of the newest event held, if any.
     pub last_seq: Option<u64>,
+}
+
+/// `POST /breakpoints`: the new breakpoint, and the lease that owns it
+/// when no connected client does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Added {
+    /// The breakpoint's id.
+    pub id: u64,
+    /// Present when the request named no client: the breakpoint is removed
+    /// (and what it paused resumes) when the lease runs out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<Lease>,
+}
+
+/// What owns a breakpoint set without a client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    /// The owner id the breakpoint carries (from the same space as client
+    /// ids, so it never names a client).
+    pub owner: u64,
+    /// Milliseconds until it runs out.
+    pub expires_in_ms: u64,
 }
 
 /// Why events are missing from a stream.
@@ -118,8 +179,13 @@ pub enum ServerMsg {
         protocol: u32,
         /// The engine id.
         engine: u32,
+        /// The engine run being served.
+        run: RunId,
         /// This connection's client id (for [`CLIENT_HEADER`]).
         client: u64,
+        /// This connection's secret (for [`CLIENT_KEY_HEADER`]): only
+        /// whoever reads this hello can act for the connection over HTTP.
+        client_key: String,
         /// Oldest and newest sequence numbers the server holds now.
         first_seq: Option<u64>,
         /// See `first_seq`.

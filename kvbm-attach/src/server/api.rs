@@ -21,6 +21,7 @@ pub(super) struct Access {
 }
 
 /// A JSON error response.
+#[derive(Debug)]
 pub(super) struct Fail(pub StatusCode, pub ApiError);
 
 impl From<Refusal> for Fail {

@@ -2,11 +2,14 @@
 //! breakpoint changes to WebSocket clients.
 
 use super::AppState;
+use super::secret::ct_eq;
 use axum::http::StatusCode;
 use kvbm_events::breakpoint::{BreakpointError, BreakpointInfo, PausedCall};
 use kvbm_events::control::{BreakpointsView, ControlCommand, ControlError, ControlResult};
-use kvbm_schema::protocol::ApiError;
+use kvbm_schema::protocol::{ApiError, CLIENT_KEY_HEADER, Lease};
+use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// A refused command: the HTTP status and the error.
@@ -66,28 +69,134 @@ pub(super) fn execute(
 
 /// Runs `cmd` for the client named by `owner`, checking under the client
 /// registry's lock that it is still connected (so its breakpoints cannot
-/// outlive it).
+/// outlive it) and, for a request that came over HTTP, that it gave the
+/// client's key (`key`: `None` for the client's own WebSocket).
 pub(super) fn execute_for(
     state: &AppState,
     cmd: ControlCommand,
-    owner: Option<u64>,
+    owner: u64,
+    key: Option<&str>,
 ) -> Result<ControlResult, Refusal> {
-    match owner {
-        None => execute(state, cmd, None),
-        Some(id) => {
-            let clients = state.clients.lock().unwrap_or_else(|e| e.into_inner());
-            if !clients.contains(&id) {
-                return Err((
-                    StatusCode::BAD_REQUEST,
-                    ApiError::new(
-                        "bad_request",
-                        format!("client {id} is not connected to this server"),
-                    ),
-                ));
-            }
-            let r = execute(state, cmd, Some(id));
-            drop(clients);
-            r
+    let clients = state.clients.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(want) = clients.get(&owner) else {
+        return Err((
+            StatusCode::BAD_REQUEST,
+            ApiError::new(
+                "bad_request",
+                format!("client {owner} is not connected to this server"),
+            ),
+        ));
+    };
+    if let Some(key) = key
+        && !ct_eq(key.as_bytes(), want.as_bytes())
+    {
+        return Err((
+            StatusCode::FORBIDDEN,
+            ApiError::new(
+                "forbidden",
+                format!(
+                    "{CLIENT_KEY_HEADER} does not match client {owner}: only whoever holds that \
+                     connection (and read its hello) may act for it"
+                ),
+            ),
+        ));
+    }
+    let r = execute(state, cmd, Some(owner));
+    drop(clients);
+    r
+}
+
+/// Most leases alive at once; past it, leases whose breakpoints are gone
+/// are forgotten first.
+const MAX_LEASES: usize = 4096;
+
+/// Runs a command that came over HTTP without naming a client. A new
+/// breakpoint, or a step (a one-shot breakpoint), gets an owner all the
+/// same: a lease of [`ServerConfig::lease`](super::ServerConfig::lease),
+/// after which it is removed (the step disarmed) and what it paused
+/// resumes. Other commands give nothing an owner.
+pub(super) fn execute_leased(
+    state: &AppState,
+    cmd: ControlCommand,
+) -> Result<(ControlResult, Option<Lease>), Refusal> {
+    let owns = matches!(cmd, ControlCommand::Add { .. } | ControlCommand::Step);
+    if !owns || state.engine.control.is_none() {
+        return execute(state, cmd, None).map(|r| (r, None));
+    }
+    let owner = state.next_client.fetch_add(1, Ordering::Relaxed);
+    let lease = state.cfg.lease;
+    {
+        let mut leases = state.leases.lock().unwrap_or_else(|e| e.into_inner());
+        if leases.len() >= MAX_LEASES {
+            let owners: HashSet<u64> = view(state)
+                .breakpoints
+                .iter()
+                .filter_map(|b| b.spec.owner)
+                .collect();
+            leases.retain(|id, _| owners.contains(id));
+        }
+        if leases.len() >= MAX_LEASES {
+            return Err((
+                StatusCode::CONFLICT,
+                ApiError::new(
+                    "refused",
+                    format!("{MAX_LEASES} breakpoint leases are alive"),
+                ),
+            ));
+        }
+        leases.insert(owner, Instant::now() + lease);
+    }
+    match execute(state, cmd, Some(owner)) {
+        Ok(r) => Ok((
+            r,
+            Some(Lease {
+                owner,
+                expires_in_ms: u64::try_from(lease.as_millis()).unwrap_or(u64::MAX),
+            }),
+        )),
+        Err(e) => {
+            state
+                .leases
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&owner);
+            Err(e)
+        }
+    }
+}
+
+/// Ends the leases that ran out: their breakpoints are removed and what
+/// they paused resumes.
+fn expire_leases(state: &AppState, now: Instant) {
+    let Some(control) = state.engine.control.as_deref() else {
+        return;
+    };
+    let expired: Vec<u64> = {
+        let mut leases = state.leases.lock().unwrap_or_else(|e| e.into_inner());
+        let ids: Vec<u64> = leases
+            .iter()
+            .filter(|(_, until)| **until <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &ids {
+            leases.remove(id);
+        }
+        ids
+    };
+    for id in expired {
+        let r = control.release_owner(id);
+        state
+            .counters
+            .leases_expired
+            .fetch_add(1, Ordering::Relaxed);
+        if r.breakpoints > 0 || r.resumed > 0 {
+            tracing::info!(
+                lease = id,
+                breakpoints = r.breakpoints,
+                resumed = r.resumed,
+                "a breakpoint lease ran out: its breakpoints removed and its pauses resumed"
+            );
+            state.bp_poke.notify_one();
         }
     }
 }
@@ -117,7 +226,7 @@ fn key(v: &BreakpointsView) -> Key {
 
 /// Polls the breakpoints (and wakes at once after a command); publishes the
 /// view when it changed, and at least every second while anything is set
-/// or paused.
+/// or paused. Ends the leases that ran out on the way.
 pub(super) async fn run_breakpoint_watch(state: Arc<AppState>) {
     if state.engine.control.is_none() {
         return;
@@ -131,6 +240,7 @@ pub(super) async fn run_breakpoint_watch(state: Arc<AppState>) {
             _ = state.bp_poke.notified() => {}
             _ = super::shutting_down(&mut shutdown) => return,
         }
+        expire_leases(&state, Instant::now());
         let v = view(&state);
         let k = key(&v);
         let busy = !v.breakpoints.is_empty() || !v.paused.is_empty();

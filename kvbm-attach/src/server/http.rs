@@ -1,6 +1,9 @@
-//! Routes, middleware (version, token, JSON errors) and the HTTP handlers.
+//! Routes, middleware (version, token, JSON errors, the body's size and
+//! deadline) and the HTTP handlers.
 
 use super::api::{Access, Fail, bad_request, json_error, json_ok};
+use super::conn::{ConnInfo, RESERVED_DEADLINE};
+use super::secret::ct_eq;
 use super::{AppState, control, metrics, ws};
 use axum::Router;
 use axum::body::Bytes;
@@ -13,7 +16,9 @@ use axum::routing::{delete, get, post};
 use kvbm_events::breakpoint::BreakpointSpec;
 use kvbm_events::control::{ControlCommand, ControlResult};
 use kvbm_events::text::{MAX_QUOTED_CHARS, clip};
-use kvbm_schema::protocol::{ApiError, CLIENT_HEADER, Health, PROTOCOL_VERSION, VERSION_HEADER};
+use kvbm_schema::protocol::{
+    Added, ApiError, CLIENT_HEADER, CLIENT_KEY_HEADER, Health, PROTOCOL_VERSION, VERSION_HEADER,
+};
 use serde::Deserialize;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -33,6 +38,7 @@ pub(super) fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), bound_body))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(middleware::from_fn(check_version))
         .layer(middleware::from_fn(json_errors))
@@ -94,19 +100,6 @@ async fn check_version(req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-/// Compares without an early exit, so the time taken does not tell how
-/// much of a guess was right.
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = (a.len() ^ b.len()) as u64;
-    let n = a.len().max(b.len());
-    for i in 0..n {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0xff);
-        diff |= u64::from(std::hint::black_box(x ^ y));
-    }
-    std::hint::black_box(diff) == 0
-}
-
 fn bearer_ok(headers: &HeaderMap, token: &str) -> bool {
     let mut ok = false;
     for h in headers.get_all(header::AUTHORIZATION) {
@@ -148,9 +141,96 @@ async fn auth(State(state): State<Arc<AppState>>, mut req: Request, next: Next) 
     next.run(req).await
 }
 
+/// Reads a request's whole body before the handlers see it: a declared
+/// length over the limit is refused at once (`413`), and a body that has
+/// not arrived within the request deadline (shorter on the place kept for
+/// loopback) is answered `408`, so that no request holds its connection
+/// waiting for bytes that never come. Requests without a body pass as
+/// they are (a WebSocket upgrade among them).
+async fn bound_body(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let limit = state.cfg.max_body_bytes;
+    let headers = req.headers();
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().parse::<u64>());
+    let has_body = declared.is_some() || headers.contains_key(header::TRANSFER_ENCODING);
+    if !has_body {
+        return next.run(req).await;
+    }
+    if let Some(Ok(n)) = declared
+        && n > limit as u64
+    {
+        return json_error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::new(
+                "payload_too_large",
+                format!("a body of {n} bytes is over the limit of {limit}"),
+            ),
+        );
+    }
+    let reserved = req
+        .extensions()
+        .get::<ConnInfo>()
+        .is_some_and(|c| c.reserved);
+    let deadline = if reserved {
+        state.cfg.request_timeout.min(RESERVED_DEADLINE)
+    } else {
+        state.cfg.request_timeout
+    };
+    let (parts, body) = req.into_parts();
+    let bytes = match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
+        Err(_) => {
+            state
+                .counters
+                .request_timeouts
+                .fetch_add(1, Ordering::Relaxed);
+            let mut r = json_error(
+                StatusCode::REQUEST_TIMEOUT,
+                ApiError::new(
+                    "request_timeout",
+                    format!("the request's body did not arrive within {deadline:?}"),
+                ),
+            );
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return r;
+        }
+        Ok(Err(e)) => {
+            // axum wraps http-body's `LengthLimitError` ("length limit
+            // exceeded") without naming its type.
+            let mut too_large = false;
+            let mut cause: Option<&dyn std::error::Error> = Some(&e);
+            while let Some(c) = cause {
+                too_large |= c.to_string().contains("length limit");
+                cause = c.source();
+            }
+            return if too_large {
+                json_error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    ApiError::new(
+                        "payload_too_large",
+                        format!("the request body is over the limit of {limit} bytes"),
+                    ),
+                )
+            } else {
+                json_error(
+                    StatusCode::BAD_REQUEST,
+                    ApiError::new("bad_request", format!("unreadable body: {e}")),
+                )
+            };
+        }
+        Ok(Ok(b)) => b,
+    };
+    next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+        .await
+}
+
 fn code_for(status: StatusCode) -> &'static str {
     match status {
         StatusCode::UNAUTHORIZED => "unauthorized",
+        StatusCode::FORBIDDEN => "forbidden",
+        StatusCode::REQUEST_TIMEOUT => "request_timeout",
         StatusCode::NOT_FOUND => "not_found",
         StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
         StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
@@ -196,6 +276,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
         status: "ok".into(),
         protocol: PROTOCOL_VERSION,
         engine: state.engine.id,
+        run: state.engine.run,
         last_seq: state.engine.ring.latest(1).last().map(|e| e.seq),
     })
 }
@@ -264,33 +345,52 @@ fn parse_body<T: serde::de::DeserializeOwned>(
     {
         return Ok(v);
     }
-    serde_json::from_slice(&bytes).map_err(|e| bad_request(format!("malformed JSON body: {e}")))
+    // An object and nothing else: serde would take `[]` (or `[5]`) for a
+    // struct as readily as `{}`.
+    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes)
+        .map_err(|e| bad_request(format!("the body must be a JSON object: {e}")))?;
+    T::deserialize(serde_json::Value::Object(map))
+        .map_err(|e| bad_request(format!("malformed JSON body: {e}")))
 }
 
-/// The WebSocket client a control request acts for ([`CLIENT_HEADER`]).
-fn owner(headers: &HeaderMap) -> Result<Option<u64>, Fail> {
+/// The WebSocket client a control request acts for ([`CLIENT_HEADER`]) and
+/// the key it gave ([`CLIENT_KEY_HEADER`]; empty when missing, which no
+/// client's key is).
+fn owner(headers: &HeaderMap) -> Result<Option<(u64, String)>, Fail> {
     let Some(v) = headers.get(CLIENT_HEADER) else {
         return Ok(None);
     };
-    v.to_str()
+    let id = v
+        .to_str()
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
-        .map(Some)
-        .ok_or_else(|| bad_request(format!("{CLIENT_HEADER} must be a client id (a number)")))
+        .ok_or_else(|| bad_request(format!("{CLIENT_HEADER} must be a client id (a number)")))?;
+    let key = headers
+        .get(CLIENT_KEY_HEADER)
+        .map(|k| String::from_utf8_lossy(k.as_bytes()).trim().to_string())
+        .unwrap_or_default();
+    Ok(Some((id, key)))
+}
+
+/// Runs a control command from an HTTP request: for the client it names
+/// (key checked), or without one (a new breakpoint then gets a lease).
+fn run_leased(
+    state: &AppState,
+    headers: &HeaderMap,
+    cmd: ControlCommand,
+) -> Result<(ControlResult, Option<kvbm_schema::protocol::Lease>), Fail> {
+    Ok(match owner(headers)? {
+        Some((id, key)) => (control::execute_for(state, cmd, id, Some(&key))?, None),
+        None => control::execute_leased(state, cmd)?,
+    })
 }
 
 fn run(state: &AppState, headers: &HeaderMap, cmd: ControlCommand) -> Result<ControlResult, Fail> {
-    let owner = owner(headers)?;
-    Ok(control::execute_for(state, cmd, owner)?)
+    run_leased(state, headers, cmd).map(|(r, _)| r)
 }
 
 async fn list_bps(State(state): State<Arc<AppState>>) -> Response {
     json_ok(&control::view(&state))
-}
-
-#[derive(serde::Serialize)]
-struct Added {
-    id: u64,
 }
 
 async fn add_bp(
@@ -299,9 +399,9 @@ async fn add_bp(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Fail> {
     let spec: BreakpointSpec = parse_body(body, None)?;
-    match run(&state, &headers, ControlCommand::Add { spec })? {
-        ControlResult::Added(id) => Ok(json_ok(&Added { id })),
-        other => Ok(json_ok(&other)),
+    match run_leased(&state, &headers, ControlCommand::Add { spec })? {
+        (ControlResult::Added(id), lease) => Ok(json_ok(&Added { id, lease })),
+        (other, _) => Ok(json_ok(&other)),
     }
 }
 

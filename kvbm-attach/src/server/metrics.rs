@@ -179,10 +179,40 @@ fn server(o: &mut Out, stats: &ServerStats, cfg: &ServerConfig) {
         cfg.max_connections,
     );
     o.one(
+        "kvbm_http_connections_per_ip_max",
+        "gauge",
+        "TCP connections allowed at once from one address.",
+        cfg.max_connections_per_ip.min(cfg.max_connections),
+    );
+    o.one(
         "kvbm_http_connections_refused_total",
         "counter",
-        "TCP connections answered 503 and closed because too many were open.",
+        "TCP connections answered 503 and closed because too many were open (in all, or from one address).",
         stats.connections_refused,
+    );
+    o.one(
+        "kvbm_http_refusals_unlogged_total",
+        "counter",
+        "Refused connections not logged one by one (the warning is written at most every 10 s).",
+        stats.refusals_unlogged,
+    );
+    o.one(
+        "kvbm_http_reserved_connections_total",
+        "counter",
+        "Connections taken into the place kept for loopback when every other was taken.",
+        stats.reserve_used,
+    );
+    o.one(
+        "kvbm_http_unparsable_requests_total",
+        "counter",
+        "Requests the HTTP layer could not parse (answered 400, 414 or 431 with a JSON error).",
+        stats.unparsable_requests,
+    );
+    o.one(
+        "kvbm_http_request_timeouts_total",
+        "counter",
+        "Requests whose body did not arrive in time (answered 408).",
+        stats.request_timeouts,
     );
     o.one(
         "kvbm_ws_clients_accepted_total",
@@ -201,6 +231,12 @@ fn server(o: &mut Out, stats: &ServerStats, cfg: &ServerConfig) {
         "counter",
         "WebSocket clients disconnected because a send stalled past the timeout.",
         stats.slow_disconnects,
+    );
+    o.one(
+        "kvbm_ws_silent_disconnects_total",
+        "counter",
+        "WebSocket clients disconnected because nothing, not even a pong, came from them for the silence timeout.",
+        stats.silent_disconnects,
     );
     o.one(
         "kvbm_ws_messages_too_large_total",
@@ -231,6 +267,12 @@ fn server(o: &mut Out, stats: &ServerStats, cfg: &ServerConfig) {
         "counter",
         "Requests refused for a missing or wrong token.",
         stats.unauthorized,
+    );
+    o.one(
+        "kvbm_breakpoint_leases_expired_total",
+        "counter",
+        "Leases of breakpoints set over HTTP without a client that ran out (their breakpoints removed).",
+        stats.leases_expired,
     );
 }
 
@@ -592,6 +634,12 @@ mod tests {
         c.accepted.store(9, Ordering::Relaxed);
         c.rejected.store(1, Ordering::Relaxed);
         c.slow.store(1, Ordering::Relaxed);
+        c.silent.store(2, Ordering::Relaxed);
+        c.request_timeouts.store(5, Ordering::Relaxed);
+        c.leases_expired.store(6, Ordering::Relaxed);
+        c.conns.unlogged.store(7, Ordering::Relaxed);
+        c.conns.reserve_used.store(8, Ordering::Relaxed);
+        c.conns.unparsable.store(9, Ordering::Relaxed);
         c.too_large.store(1, Ordering::Relaxed);
         c.events_sent.store(500, Ordering::Relaxed);
         c.gaps_sent.store(2, Ordering::Relaxed);

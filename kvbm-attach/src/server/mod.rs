@@ -40,8 +40,18 @@
 //! - A single send (one frame) that does not complete within
 //!   [`ServerConfig::send_timeout`] (5 s by default: the client stopped
 //!   reading and the socket buffers are full) disconnects the client, and
-//!   `kvbm_ws_slow_disconnects_total` counts it. So does a client whose
-//!   queue of replies and breakpoint updates (64 messages) overflows.
+//!   `kvbm_ws_slow_disconnects_total` counts it.
+//! - A client may send commands faster than it reads the replies: while
+//!   its queue of replies and breakpoint updates (64 messages) is full, its
+//!   commands are simply not read (TCP pushes back); if it never reads, the
+//!   send timeout above ends it.
+//! - Every client is pinged every [`ServerConfig::ping_interval`] (5 s);
+//!   one from which nothing at all (not even a pong) has arrived for
+//!   [`ServerConfig::silence_timeout`] (15 s) is disconnected and counted
+//!   (`kvbm_ws_silent_disconnects_total`), and its breakpoints released. A
+//!   paused engine sends nothing, so without this a console that froze
+//!   (stopped, or behind a half-open connection) would hold the pause until
+//!   its deadline.
 //!
 //! Memory per client is bounded: one batch in flight plus that queue.
 //!
@@ -56,17 +66,37 @@
 //!   stream) are let through without it, but control is not (a WebSocket
 //!   opened without the token gets `unauthorized` replies to its control
 //!   commands).
-//! - Request bodies are capped ([`ServerConfig::max_body_bytes`], `413`),
-//!   and so are WebSocket messages from clients. Every error is a JSON
-//!   [`ApiError`](kvbm_schema::protocol::ApiError) with a 4xx status (a 5xx only
-//!   for a failure of the server itself).
+//! - Request bodies are capped ([`ServerConfig::max_body_bytes`], `413`,
+//!   at once for a declared `Content-Length` over it), and so are WebSocket
+//!   messages from clients. A body must arrive within
+//!   [`ServerConfig::request_timeout`] of its headers (`408`), and the
+//!   headers within [`ServerConfig::header_read_timeout`], so no request
+//!   holds its connection for longer than the two together. Every error is
+//!   a JSON [`ApiError`](kvbm_schema::protocol::ApiError) with a 4xx status
+//!   (a 5xx only for a failure of the server itself), requests the HTTP
+//!   layer cannot parse included.
 //! - At most [`ServerConfig::max_clients`] WebSocket clients at once
-//!   (`503 too_many_clients` beyond).
-//! - When a WebSocket client goes away, the breakpoints it set are removed
-//!   and the calls they paused resume ([`ServerConfig::release_on_disconnect`],
-//!   on by default), so an engine is never left stuck on a console that is
-//!   not there. This happens in a drop guard, so it runs however the
-//!   connection ends, the server's shutdown included.
+//!   (`503 too_many_clients` beyond), at most
+//!   [`ServerConfig::max_connections`] TCP connections, and at most
+//!   [`ServerConfig::max_connections_per_ip`] from one address, so one
+//!   client cannot take every place. One more place is kept for a
+//!   connection from `127.0.0.1` or `::1` when every other is taken (a
+//!   health check or an operator's command: one request, short deadlines,
+//!   no WebSocket). Refusals are counted; the warning they log is written
+//!   at most every 10 s, with the number left unsaid
+//!   (`kvbm_http_refusals_unlogged_total`).
+//! - Every breakpoint has an owner. One set over a WebSocket (or over HTTP
+//!   with that client's id *and* key, [`CLIENT_KEY_HEADER`](kvbm_schema::protocol::CLIENT_KEY_HEADER))
+//!   belongs to that connection; one set over HTTP without them (a step
+//!   too) belongs to a lease of [`ServerConfig::lease`] (5 minutes) and is
+//!   removed, with what it paused, when the lease runs out.
+//! - When a WebSocket client goes away (closes, stalls, falls silent), the
+//!   breakpoints it set are removed and the calls they paused resume
+//!   ([`ServerConfig::release_on_disconnect`], on by default), so an engine
+//!   is never left stuck on a console that is not there. This happens in a
+//!   drop guard, so it runs however the connection ends, the server's
+//!   shutdown included. And a pause that runs out its deadline removes the
+//!   breakpoint that made it (see `kvbm_core::hooks`).
 
 mod api;
 mod conn;
@@ -76,15 +106,17 @@ mod http;
 mod live;
 mod metrics;
 mod reduce;
+mod secret;
 mod ws;
 
 pub use feeder::{Feeder, FeederConfig, FeederStats, spawn_feeder};
 
+use kvbm_events::RunId;
 use kvbm_events::bus::BusCounters;
 use kvbm_events::control::BreakpointsView;
 use kvbm_events::control::Control;
 use kvbm_events::ring::RingBuffer;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -112,10 +144,26 @@ pub struct ServerConfig {
     /// least `max_clients`). One more is answered `503` and closed, and
     /// counted (`kvbm_http_connections_refused_total`).
     pub max_connections: usize,
+    /// Most TCP connections from one client address at once (taken as at
+    /// most `max_connections`). One more connection is accepted from
+    /// `127.0.0.1` or `::1` when every place is taken, for one request.
+    pub max_connections_per_ip: usize,
     /// A connection that has not delivered a request's headers this long
     /// after it opened (or after its previous response) is closed: a
     /// stuck or deliberately slow client cannot hold its place.
     pub header_read_timeout: Duration,
+    /// A request whose body has not arrived this long after its headers is
+    /// answered `408` and its connection closed.
+    pub request_timeout: Duration,
+    /// How often each WebSocket client is pinged.
+    pub ping_interval: Duration,
+    /// A WebSocket client from which nothing (not even a pong) has arrived
+    /// this long is disconnected, and its breakpoints released.
+    pub silence_timeout: Duration,
+    /// How long a breakpoint (or a step) set over HTTP without a client
+    /// lives: when its lease runs out it is removed (the step disarmed)
+    /// and what it paused resumes.
+    pub lease: Duration,
     /// Largest request body (and WebSocket message from a client), bytes.
     pub max_body_bytes: usize,
     /// Remove a WebSocket client's breakpoints and resume its paused calls
@@ -145,7 +193,12 @@ impl Default for ServerConfig {
             open_read: false,
             max_clients: 64,
             max_connections: 256,
+            max_connections_per_ip: 64,
             header_read_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(10),
+            ping_interval: Duration::from_secs(5),
+            silence_timeout: Duration::from_secs(15),
+            lease: Duration::from_secs(300),
             max_body_bytes: 64 * 1024,
             release_on_disconnect: true,
             send_timeout: Duration::from_secs(5),
@@ -261,6 +314,7 @@ pub struct ServedEngine {
     ring: Arc<RingBuffer>,
     control: Option<Arc<dyn Control>>,
     id: u32,
+    run: RunId,
     bus_counters: Option<BusCountersFn>,
     signal: RingSignal,
 }
@@ -269,6 +323,7 @@ impl fmt::Debug for ServedEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ServedEngine")
             .field("id", &self.id)
+            .field("run", &self.run)
             .field("ring_capacity", &self.ring.capacity())
             .field("control", &self.control.is_some())
             .field("bus_counters", &self.bus_counters.is_some())
@@ -278,12 +333,16 @@ impl fmt::Debug for ServedEngine {
 
 impl ServedEngine {
     /// An engine whose events are in `ring` (fed by [`spawn_feeder`] with
-    /// [`signal`](Self::signal), or by anything else).
+    /// [`signal`](Self::signal), or by anything else). Its run id is a
+    /// fresh random one unless [`with_run`](Self::with_run) names the
+    /// engine's own ([`kvbm_events::Emitter::run`]), which a recording of
+    /// the same engine then shares.
     pub fn new(ring: Arc<RingBuffer>, id: u32) -> Self {
         ServedEngine {
             ring,
             control: None,
             id,
+            run: RunId::random(),
             bus_counters: None,
             signal: RingSignal::new(),
         }
@@ -303,6 +362,12 @@ impl ServedEngine {
         f: impl Fn() -> BusCounters + Send + Sync + 'static,
     ) -> Self {
         self.bus_counters = Some(Arc::new(f));
+        self
+    }
+
+    /// Serves the engine run `run` (its emitter's [`kvbm_events::Emitter::run`]).
+    pub fn with_run(mut self, run: RunId) -> Self {
+        self.run = run;
         self
     }
 
@@ -332,6 +397,11 @@ impl ServedEngine {
     pub fn id(&self) -> u32 {
         self.id
     }
+
+    /// The engine run.
+    pub fn run(&self) -> RunId {
+        self.run
+    }
 }
 
 /// The server's own counters.
@@ -345,6 +415,9 @@ pub struct ServerStats {
     pub clients_rejected: u64,
     /// Clients disconnected for being too slow.
     pub slow_disconnects: u64,
+    /// Clients disconnected because nothing, not even a pong, came from
+    /// them for the silence timeout.
+    pub silent_disconnects: u64,
     /// WebSocket messages from clients over the size limit (each answered
     /// with an error, then the connection closed).
     pub messages_too_large: u64,
@@ -358,8 +431,20 @@ pub struct ServerStats {
     pub unauthorized: u64,
     /// TCP connections open now (HTTP and WebSocket).
     pub connections_open: usize,
-    /// TCP connections refused because `max_connections` were open.
+    /// TCP connections refused because `max_connections` were open, or
+    /// `max_connections_per_ip` from the same address.
     pub connections_refused: u64,
+    /// Refusals not logged one by one (the warning is rate-limited).
+    pub refusals_unlogged: u64,
+    /// Connections taken into the place kept for loopback.
+    pub reserve_used: u64,
+    /// Requests the HTTP layer could not parse (answered with a JSON
+    /// error all the same).
+    pub unparsable_requests: u64,
+    /// Requests whose body did not arrive in time (`408`).
+    pub request_timeouts: u64,
+    /// Breakpoint leases that ran out (their breakpoints removed).
+    pub leases_expired: u64,
 }
 
 #[derive(Debug, Default)]
@@ -368,7 +453,10 @@ struct Counters {
     accepted: AtomicU64,
     rejected: AtomicU64,
     slow: AtomicU64,
+    silent: AtomicU64,
     too_large: AtomicU64,
+    request_timeouts: AtomicU64,
+    leases_expired: AtomicU64,
     events_sent: AtomicU64,
     gaps_sent: AtomicU64,
     gap_events: AtomicU64,
@@ -384,6 +472,7 @@ impl Counters {
             clients_accepted: self.accepted.load(Ordering::Relaxed),
             clients_rejected: self.rejected.load(Ordering::Relaxed),
             slow_disconnects: self.slow.load(Ordering::Relaxed),
+            silent_disconnects: self.silent.load(Ordering::Relaxed),
             messages_too_large: self.too_large.load(Ordering::Relaxed),
             events_sent: self.events_sent.load(Ordering::Relaxed),
             gaps_sent: self.gaps_sent.load(Ordering::Relaxed),
@@ -391,6 +480,11 @@ impl Counters {
             unauthorized: self.unauthorized.load(Ordering::Relaxed),
             connections_open: self.open.as_ref().map_or(0, conn::OpenGauge::open),
             connections_refused: self.conns.refused.load(Ordering::Relaxed),
+            refusals_unlogged: self.conns.unlogged.load(Ordering::Relaxed),
+            reserve_used: self.conns.reserve_used.load(Ordering::Relaxed),
+            unparsable_requests: self.conns.unparsable.load(Ordering::Relaxed),
+            request_timeouts: self.request_timeouts.load(Ordering::Relaxed),
+            leases_expired: self.leases_expired.load(Ordering::Relaxed),
         }
     }
 }
@@ -401,10 +495,14 @@ struct AppState {
     engine: ServedEngine,
     counters: Counters,
     next_client: AtomicU64,
-    /// Connected WebSocket clients, by id. Locked around every command that
-    /// gives a breakpoint an owner, and around a client's removal, so a
-    /// breakpoint is never given to a client that is already gone.
-    clients: Mutex<HashSet<u64>>,
+    /// Connected WebSocket clients: id → the key that proves a request
+    /// comes from whoever holds the connection. Locked around every command
+    /// that gives a breakpoint an owner, and around a client's removal, so
+    /// a breakpoint is never given to a client that is already gone.
+    clients: Mutex<HashMap<u64, String>>,
+    /// Leases owning breakpoints set over HTTP without a client: owner id
+    /// → when it runs out.
+    leases: Mutex<HashMap<u64, std::time::Instant>>,
     live: Arc<live::LiveWindow>,
     reduced: Arc<reduce::Reduced>,
     /// The newest breakpoints view, pushed to clients.
@@ -432,7 +530,8 @@ impl AppState {
             engine,
             counters,
             next_client: AtomicU64::new(1),
-            clients: Mutex::new(HashSet::new()),
+            clients: Mutex::new(HashMap::new()),
+            leases: Mutex::new(HashMap::new()),
             live,
             reduced: Arc::new(reduce::Reduced::new()),
             bp_view,
@@ -501,8 +600,26 @@ fn check_config(cfg: &ServerConfig) -> Result<(), ServerError> {
     if cfg.max_connections < cfg.max_clients {
         return bad("max_connections", "must be at least max_clients");
     }
+    if cfg.max_connections_per_ip == 0 {
+        return bad("max_connections_per_ip", "must be at least 1");
+    }
     if cfg.header_read_timeout.is_zero() {
         return bad("header_read_timeout", "must be more than 0");
+    }
+    if cfg.request_timeout.is_zero() {
+        return bad("request_timeout", "must be more than 0");
+    }
+    if cfg.ping_interval.is_zero() {
+        return bad("ping_interval", "must be more than 0");
+    }
+    if cfg.silence_timeout <= cfg.ping_interval {
+        return bad(
+            "silence_timeout",
+            "must be longer than ping_interval (a client needs a ping to answer)",
+        );
+    }
+    if cfg.lease.is_zero() {
+        return bad("lease", "must be more than 0");
     }
     if !(256..=(64 << 20)).contains(&cfg.max_body_bytes) {
         return bad("max_body_bytes", "must be between 256 bytes and 64 MiB");
@@ -536,7 +653,14 @@ impl Server {
             })?;
         let local_addr = listener.local_addr()?;
         let conns = Arc::new(conn::ConnCounters::default());
-        let listener = conn::CappedListener::new(listener, cfg.max_connections, conns.clone());
+        let listener = conn::CappedListener::new(
+            listener,
+            conn::Caps {
+                max: cfg.max_connections,
+                per_ip: cfg.max_connections_per_ip.min(cfg.max_connections),
+            },
+            conns.clone(),
+        );
         let counters = Counters {
             conns,
             open: Some(listener.open_gauge()),
@@ -585,7 +709,8 @@ impl Server {
         let tx = shutdown_tx.clone();
         // The listener caps connections and sets TCP_NODELAY on each.
         let header_timeout = state.cfg.header_read_timeout;
-        conn::serve(listener, router, header_timeout, async move {
+        let write_stall = state.cfg.request_timeout;
+        conn::serve(listener, router, header_timeout, write_stall, async move {
             shutdown.await;
             tx.send_replace(true);
         })

@@ -1,11 +1,14 @@
 //! `GET /events`: one WebSocket client.
 //!
 //! Two tasks per client: the writer (this connection's own cursor over the
-//! live window and the ring, plus replies and breakpoint pushes) and the
-//! reader (control commands from the client). A [`ConnGuard`] releases the
-//! client's breakpoints however the connection ends.
+//! live window and the ring, plus replies, breakpoint pushes and pings)
+//! and the reader (control commands from the client, and the time anything
+//! was last heard from it). A [`ConnGuard`] releases the client's
+//! breakpoints however the connection ends: closed, too slow, silent, or
+//! the server shutting down.
 
 use super::api::{Access, Fail, bad_request, json_error};
+use super::conn::ConnInfo;
 use super::control;
 use super::live::{Cursor, Out, Step};
 use super::{AppState, Counters};
@@ -17,16 +20,17 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
+use kvbm_events::RunId;
 use kvbm_events::control::ControlCommand;
 use kvbm_events::text::{MAX_MESSAGE_CHARS, MAX_QUOTED_CHARS, clip};
 use kvbm_schema::protocol::{ApiError, ClientMsg, ServerMsg};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// Replies and breakpoint updates queued for one client at most; a client
-/// that lets more pile up is disconnected as slow.
+/// Replies and breakpoint updates queued for one client at most; while
+/// the queue is full the client's commands wait unread.
 const CONTROL_QUEUE: usize = 64;
 
 /// Leave for one WebSocket client to be connected, one of at most
@@ -98,31 +102,72 @@ impl Drop for ConnGuard {
     }
 }
 
-fn parse_since(query: Option<&str>) -> Result<Option<u64>, Fail> {
-    let mut since = None;
-    for pair in query.unwrap_or("").split('&') {
-        if let Some(("since", v)) = pair.split_once('=') {
-            since = Some(v.parse::<u64>().map_err(|_| {
-                bad_request(format!(
-                    "`since` must be a sequence number, got {:?}",
-                    clip(v, MAX_QUOTED_CHARS)
-                ))
-            })?);
+/// Where a client wants its stream to start: `since` (a sequence number)
+/// in engine run `run`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Resume {
+    since: Option<u64>,
+    run: Option<RunId>,
+}
+
+impl Resume {
+    /// The first sequence number to send when serving run `served`: a
+    /// client resuming in another run (the engine restarted) gets this
+    /// run from its start, so nothing of it is skipped because the old
+    /// run had got further.
+    fn since_in(&self, served: RunId) -> Option<u64> {
+        match self.run {
+            Some(r) if r != served => Some(0),
+            _ => self.since,
         }
     }
-    Ok(since)
+}
+
+fn parse_query(query: Option<&str>) -> Result<Resume, Fail> {
+    let mut q = Resume::default();
+    for pair in query.unwrap_or("").split('&') {
+        match pair.split_once('=') {
+            Some(("since", v)) => {
+                q.since = Some(v.parse::<u64>().map_err(|_| {
+                    bad_request(format!(
+                        "`since` must be a sequence number, got {:?}",
+                        clip(v, MAX_QUOTED_CHARS)
+                    ))
+                })?);
+            }
+            Some(("run", v)) => {
+                q.run = Some(v.parse::<RunId>().map_err(|e| {
+                    bad_request(format!("`run`: {e}, got {:?}", clip(v, MAX_QUOTED_CHARS)))
+                })?);
+            }
+            _ => {}
+        }
+    }
+    Ok(q)
 }
 
 pub(super) async fn events(
     State(state): State<Arc<AppState>>,
     access: Option<Extension<Access>>,
+    conn: Option<Extension<ConnInfo>>,
     RawQuery(query): RawQuery,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
-    let since = match parse_since(query.as_deref()) {
+    let resume = match parse_query(query.as_deref()) {
         Ok(s) => s,
         Err(f) => return f.into_response(),
     };
+    if conn.is_some_and(|Extension(c)| c.reserved) {
+        return json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::new(
+                "too_many_connections",
+                "every place for a stream is taken; this connection holds the one kept for \
+                 a loopback health check or command, which takes no WebSocket",
+            ),
+        );
+    }
+    let since = resume.since_in(state.engine.run);
     let ws = match ws {
         Ok(ws) => ws,
         Err(e) => {
@@ -166,8 +211,11 @@ pub(super) async fn events(
 enum End {
     /// The client closed, or its stream failed.
     Gone,
-    /// A send stalled, or the client let replies pile up.
+    /// A send stalled.
     Slow,
+    /// Nothing came from the client (not even a pong) for the silence
+    /// timeout.
+    Silent,
     /// The server is shutting down.
     Shutdown,
 }
@@ -184,7 +232,7 @@ async fn serve_client(
         .clients
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .insert(id);
+        .insert(id, super::secret::client_key());
     let mut guard = ConnGuard {
         state: state.clone(),
         id,
@@ -193,14 +241,14 @@ async fn serve_client(
     };
     let (mut sink, stream) = socket.split();
     let (tx, mut rx) = mpsc::channel(CONTROL_QUEUE);
-    let overflow = Arc::new(AtomicBool::new(false));
+    let heard = Arc::new(Heard::new());
     let reader = tokio::spawn(read_client(
         state.clone(),
         stream,
         tx,
         id,
         control,
-        overflow.clone(),
+        heard.clone(),
     ));
     guard.reader = Some(reader.abort_handle());
     let mut w = Writer {
@@ -208,11 +256,32 @@ async fn serve_client(
         counters: &state.counters,
         timeout: state.cfg.send_timeout,
     };
-    let end = write_loop(&state, &mut w, &mut rx, &overflow, id, since).await;
+    let end = write_loop(&state, &mut w, &mut rx, &heard, id, since).await;
     match end {
         End::Slow => {
             state.counters.slow.fetch_add(1, Ordering::Relaxed);
             tracing::info!(client = id, "slow client disconnected");
+        }
+        End::Silent => {
+            state.counters.silent.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                client = id,
+                "silent client disconnected: nothing from it, not even a pong, for {:?}",
+                state.cfg.silence_timeout
+            );
+            // Best effort: a frozen client will not read it.
+            let bye = ServerMsg::Error(ApiError::new(
+                "silent",
+                format!(
+                    "nothing came from this client for {:?}; disconnected",
+                    state.cfg.silence_timeout
+                ),
+            ));
+            let _ = tokio::time::timeout(Duration::from_millis(200), async {
+                let _ = sink.send(text(&bye)).await;
+                let _ = sink.close().await;
+            })
+            .await;
         }
         End::Shutdown | End::Gone => {
             let _ = tokio::time::timeout(Duration::from_millis(500), sink.close()).await;
@@ -288,12 +357,80 @@ fn hello(state: &AppState, id: u64) -> ServerMsg {
         .first()
         .map(|e| e.seq);
     let last = ring.latest(1).last().map(|e| e.seq);
+    let client_key = state
+        .clients
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&id)
+        .cloned()
+        .unwrap_or_default();
     ServerMsg::Hello {
         protocol: kvbm_schema::protocol::PROTOCOL_VERSION,
         engine: state.engine.id,
+        run: state.engine.run,
         client: id,
+        client_key,
         first_seq: first.filter(|_| last.is_some()),
         last_seq: last.filter(|_| first.is_some()),
+    }
+}
+
+/// When anything (a message, a ping, a pong) was last heard from a
+/// client, as milliseconds since the connection opened.
+struct Heard {
+    start: Instant,
+    ms: AtomicU64,
+}
+
+impl Heard {
+    fn new() -> Self {
+        Heard {
+            start: Instant::now(),
+            ms: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.ms.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    /// How long since.
+    fn silence(&self) -> Duration {
+        self.start
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// Pings a client on schedule and ends it when it has been silent too
+/// long.
+struct Pinger<'a> {
+    heard: &'a Heard,
+    every: Duration,
+    silence: Duration,
+    next: tokio::time::Instant,
+}
+
+impl Pinger<'_> {
+    /// Pings if one is due; `Err(Silent)` when the client has been silent
+    /// past the timeout.
+    async fn tick(&mut self, w: &mut Writer<'_>) -> Result<(), End> {
+        if self.heard.silence() >= self.silence {
+            return Err(End::Silent);
+        }
+        let now = tokio::time::Instant::now();
+        if now >= self.next {
+            self.next = now + self.every;
+            w.send_all(vec![Message::Ping(Default::default())]).await?;
+        }
+        Ok(())
+    }
+
+    /// When to look again: the next ping, or when the silence would run out.
+    fn wake_at(&self) -> tokio::time::Instant {
+        let left = self.silence.saturating_sub(self.heard.silence());
+        self.next.min(tokio::time::Instant::now() + left)
     }
 }
 
@@ -301,12 +438,11 @@ async fn write_loop(
     state: &AppState,
     w: &mut Writer<'_>,
     rx: &mut mpsc::Receiver<ServerMsg>,
-    overflow: &AtomicBool,
+    heard: &Heard,
     id: u64,
     since: Option<u64>,
 ) -> End {
-    match write_loop_inner(state, w, rx, id, since).await {
-        Ok(()) | Err(End::Gone) if overflow.load(Ordering::Acquire) => End::Slow,
+    match write_loop_inner(state, w, rx, heard, id, since).await {
         Ok(()) => End::Gone,
         Err(e) => e,
     }
@@ -316,6 +452,7 @@ async fn write_loop_inner(
     state: &AppState,
     w: &mut Writer<'_>,
     rx: &mut mpsc::Receiver<ServerMsg>,
+    heard: &Heard,
     id: u64,
     since: Option<u64>,
 ) -> Result<(), End> {
@@ -323,12 +460,19 @@ async fn write_loop_inner(
     let mut live_rx = state.live.subscribe();
     let mut bp_rx = state.bp_view.clone();
     let mut shutdown = state.shutdown.clone();
+    let mut pinger = Pinger {
+        heard,
+        every: state.cfg.ping_interval,
+        silence: state.cfg.silence_timeout,
+        next: tokio::time::Instant::now() + state.cfg.ping_interval,
+    };
     w.send(&hello(state, id)).await?;
     let view = (**bp_rx.borrow_and_update()).clone();
     w.send(&ServerMsg::Breakpoints(view)).await?;
     let mut cursor = Cursor::new(ring, since, state.max_batch());
     let mut live_sent = false;
     loop {
+        pinger.tick(w).await?;
         // Replies and breakpoint changes go before more events.
         loop {
             match rx.try_recv() {
@@ -368,6 +512,7 @@ async fn write_loop_inner(
                         let view = (**bp_rx.borrow_and_update()).clone();
                         w.send(&ServerMsg::Breakpoints(view)).await?;
                     }
+                    _ = tokio::time::sleep_until(pinger.wake_at()) => {}
                     _ = super::shutting_down(&mut shutdown) => {}
                 }
             }
@@ -381,9 +526,10 @@ async fn read_client(
     tx: mpsc::Sender<ServerMsg>,
     id: u64,
     control: bool,
-    overflow: Arc<AtomicBool>,
+    heard: Arc<Heard>,
 ) {
     while let Some(m) = stream.next().await {
+        heard.now();
         let (reply, fatal) = match m {
             Ok(Message::Text(t)) => handle_text(&state, t.as_str(), id, control),
             Ok(Message::Binary(_)) => (
@@ -409,13 +555,11 @@ async fn read_client(
             },
             Ok(Message::Ping(_) | Message::Pong(_)) => continue,
         };
-        match tx.try_send(reply) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                overflow.store(true, Ordering::Release);
-                return;
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => return,
+        // A full queue holds this reader (and so the client's next
+        // commands) back until the writer has sent replies; a client that
+        // never reads them is ended by the writer's send timeout.
+        if tx.send(reply).await.is_err() {
+            return;
         }
         if fatal {
             return;
@@ -439,7 +583,7 @@ fn handle_text(state: &AppState, text: &str, client: u64, control: bool) -> (Ser
     match serde_json::from_str::<ClientMsg>(text) {
         Ok(ClientMsg::Control { id, command }) => {
             let result = if control || matches!(command, ControlCommand::List) {
-                control::execute_for(state, command, Some(client)).map_err(|(_, e)| e)
+                control::execute_for(state, command, client, None).map_err(|(_, e)| e)
             } else {
                 Err(ApiError::new(
                     "unauthorized",
@@ -480,10 +624,16 @@ mod tests {
 
     #[test]
     fn a_bad_since_is_refused_quoting_its_start() {
-        assert_eq!(parse_since(None).ok(), Some(None));
-        assert_eq!(parse_since(Some("version=1&since=42")).ok(), Some(Some(42)));
+        assert_eq!(parse_query(None).ok(), Some(Resume::default()));
+        assert_eq!(
+            parse_query(Some("version=2&since=42"))
+                .ok()
+                .map(|q| q.since),
+            Some(Some(42))
+        );
+        assert!(parse_query(Some("run=xyz")).is_err());
         let long = "9".repeat(1000) + "x";
-        let Err(Fail(status, e)) = parse_since(Some(&format!("since={long}"))) else {
+        let Err(Fail(status, e)) = parse_query(Some(&format!("since={long}"))) else {
             panic!("accepted")
         };
         assert_eq!(
@@ -492,5 +642,17 @@ mod tests {
         );
         let quoted = format!("{:?}", clip(&long, MAX_QUOTED_CHARS));
         assert!(e.message.ends_with(&quoted), "{}", e.message);
+    }
+
+    /// `since` counts in the run the client names: in another run the
+    /// stream starts at that run's beginning.
+    #[test]
+    fn since_applies_only_in_its_own_run() {
+        let (a, b) = (RunId(1), RunId(2));
+        let q = parse_query(Some(&format!("since=500&run={a}"))).unwrap();
+        assert_eq!(q.since_in(a), Some(500));
+        assert_eq!(q.since_in(b), Some(0));
+        let no_run = parse_query(Some("since=500")).unwrap();
+        assert_eq!(no_run.since_in(b), Some(500));
     }
 }

@@ -38,6 +38,16 @@
 //! With losses, checks 2–4 may fire on events whose context was lost; the
 //! report says how many were lost, and check 5 tells whether the losses are
 //! at least accounted for.
+//!
+//! A stream that did not end cleanly ([`CheckOptions::stream_complete`]
+//! false: a remote engine that ran on, an engine that restarted, a
+//! recorder that was killed or hit a full disk) may be cut anywhere, so
+//! what only its end could settle is listed rather than judged: promoted
+//! transfers still in flight (check 4), and the device blocks of slots
+//! that finished but whose release had not come yet (check 2 at the end;
+//! a slot replaced by a new one of the same id is still judged). When the
+//! losses are not known ([`CheckOptions::losses_known`] false: no usable
+//! sidecar), holes in the sequence are reported, not judged (check 5).
 
 use super::apply_accepted;
 use super::stats::fmt_ns;
@@ -69,6 +79,10 @@ pub struct CheckOptions {
     pub stream_complete: bool,
     /// Most violations kept (the rest are counted).
     pub max_violations: usize,
+    /// True when the recorder's losses are known (`lost` and the gap
+    /// markers are the whole story), so holes in the sequence can be
+    /// judged against them.
+    pub losses_known: bool,
 }
 
 impl Default for CheckOptions {
@@ -77,6 +91,7 @@ impl Default for CheckOptions {
             lost: 0,
             stream_complete: true,
             max_violations: DEFAULT_MAX_VIOLATIONS,
+            losses_known: true,
         }
     }
 }
@@ -180,6 +195,12 @@ pub struct CheckReport {
     pub inconsistencies: Inconsistencies,
     /// Whether the stream was declared complete.
     pub stream_complete: bool,
+    /// Whether the losses were known (holes judged against them).
+    pub losses_known: bool,
+    /// Slots finished at the end of an incomplete stream that still held
+    /// device blocks: their release may simply not have come before the
+    /// cut (listed, not judged).
+    pub unreleased_at_end: Vec<RequestId>,
 }
 
 impl CheckReport {
@@ -216,7 +237,13 @@ impl fmt::Display for CheckReport {
         if let Some((a, b)) = self.seq_range {
             write!(f, ", seq {a}..={b}")?;
         }
-        if self.seq_gaps > 0 || self.lost > 0 {
+        if !self.losses_known {
+            write!(
+                f,
+                ", {} missing from the sequence, losses unknown",
+                self.seq_gaps
+            )?;
+        } else if self.seq_gaps > 0 || self.lost > 0 {
             write!(
                 f,
                 ", {} missing from the sequence, {} reported lost",
@@ -263,6 +290,7 @@ pub struct Checker {
     lost_markers: u64,
     lost_pending: u64,
     events: u64,
+    unreleased_at_end: Vec<RequestId>,
 }
 
 impl Checker {
@@ -280,6 +308,7 @@ impl Checker {
             lost_markers: 0,
             lost_pending: 0,
             events: 0,
+            unreleased_at_end: Vec::new(),
         }
     }
 
@@ -483,7 +512,13 @@ impl Checker {
         );
     }
 
+    /// Judges a finished slot's device blocks; `at_end`: because the
+    /// stream ended (rather than because its id is being reused).
     fn judge_finished(&mut self, r: &RequestId) {
+        self.judge_finished_at(r, false);
+    }
+
+    fn judge_finished_at(&mut self, r: &RequestId, at_end: bool) {
         let Some(slot) = self.state.slot(r) else {
             return;
         };
@@ -493,6 +528,10 @@ impl Checker {
         let held = slot.blocks[Tier::Device.index()];
         let finished_ns = slot.state_since_ns;
         let seq = self.finished_at.remove(&**r);
+        if held > 0 && at_end && !self.opts.stream_complete {
+            self.unreleased_at_end.push(r.clone());
+            return;
+        }
         if held > 0 {
             let msg = format!(
                 "request {r} finished at {} still holding {held} device blocks \
@@ -514,7 +553,7 @@ impl Checker {
             .map(|s| s.request.clone())
             .collect();
         for r in &finished {
-            self.judge_finished(r);
+            self.judge_finished_at(r, true);
         }
         // Promoted transfers that never ended.
         let mut promoted: Vec<(u64, Promoted)> = self.promoted.drain().collect();
@@ -539,7 +578,9 @@ impl Checker {
         let seq_gaps = self.state.seq_gaps();
         let placed = self.opts.lost.saturating_add(self.lost_markers);
         let tail_lost = self.lost_pending;
-        if seq_gaps > placed {
+        if !self.opts.losses_known {
+            // Nothing to judge the holes against.
+        } else if seq_gaps > placed {
             // The first hole that takes the running total past the losses.
             let at = self.gaps.iter().find(|(_, cum)| *cum > placed).map(|g| g.0);
             let msg = format!(
@@ -584,6 +625,8 @@ impl Checker {
             transfers_in_flight: self.state.in_flight_count() as u64,
             inconsistencies: self.state.inconsistencies().clone(),
             stream_complete: self.opts.stream_complete,
+            losses_known: self.opts.losses_known,
+            unreleased_at_end: self.unreleased_at_end,
         }
     }
 }
@@ -882,7 +925,7 @@ mod tests {
             lost in 0u64..5,
             complete in any::<bool>(),
         ) {
-            let r = check(&events, CheckOptions { lost, stream_complete: complete, max_violations: 5 });
+            let r = check(&events, CheckOptions { lost, stream_complete: complete, max_violations: 5, losses_known: true });
             let seqs: Vec<_> = r.violations.iter().map(|v| (v.seq.is_none(), v.seq)).collect();
             let mut sorted = seqs.clone();
             sorted.sort();

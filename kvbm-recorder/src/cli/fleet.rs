@@ -409,31 +409,14 @@ pub fn inspect(dir: &Path, json: bool) -> Result<i32> {
     Ok(0)
 }
 
-/// `check` of a fleet recording: every engine's log; the worst status.
+/// `check` of a fleet recording: every engine's log, as `check` judges
+/// one; the worst status.
 pub fn check(dir: &Path) -> Result<i32> {
     let (_, logs) = manifest(dir)?;
     let mut worst = 0;
     for (name, path, _) in &logs {
-        let read = recorder::read_events(path, |_| {})?;
-        let side = recorder::read_sidecar(path);
-        let complete =
-            read.damage.is_none() && side.as_ref().is_none_or(|s| s.is_stream_complete());
-        let report = recorder::check_recording(&read.events, side.as_ref(), complete);
-        if let Some(d) = read.damage {
-            println!("{name}: damaged log: {d}");
-            worst = 2;
-            continue;
-        }
-        match report.first_violation() {
-            None => println!("{name}: ok: {} events, invariants hold", read.events.len()),
-            Some(v) => {
-                println!(
-                    "{name}: violation ({} in all): {v}",
-                    report.violation_count()
-                );
-                worst = worst.max(1);
-            }
-        }
+        let code = super::read::check_one(path, &format!("{name}: "))?;
+        worst = super::read::worse(worst, code);
     }
     Ok(worst)
 }

@@ -135,7 +135,8 @@ enum Command {
         #[command(flatten)]
         sim: SimArgs,
     },
-    /// Header, counts by kind, time range and losses of a log.
+    /// Header, counts by kind, time range, losses and how the recording
+    /// ended (finished, the engine restarted, killed, disk full, unknown).
     Inspect {
         /// Log directory.
         log: PathBuf,
@@ -157,8 +158,11 @@ enum Command {
         #[arg(long)]
         verbose: bool,
     },
-    /// Check the invariants; exit 1 naming the first violation, 2 if the
-    /// log is damaged.
+    /// Check the invariants; exit 0 when they hold over a whole
+    /// recording, 1 naming the first violation, 2 if the log is damaged
+    /// (a cleanly finished recording missing events included), 3 if they
+    /// hold but the recording ended early (recorder killed, disk full) or
+    /// its completeness is unknown (no usable sidecar).
     Check {
         /// Log directory.
         log: PathBuf,

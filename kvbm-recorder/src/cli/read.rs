@@ -6,7 +6,9 @@ use anyhow::{Context, Result, bail};
 use kvbm_events::Event;
 use kvbm_recorder::analysis::{self, ReplayMode, Replayer};
 use kvbm_recorder::progress::Progress;
-use kvbm_recorder::recorder;
+use kvbm_recorder::recorder::{self, Ended};
+use kvbm_recorder::sidecar::{self, Sidecar};
+use kvbm_recorder::verdict::{self, Assessment, LogHolds, Verdict};
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
@@ -22,7 +24,45 @@ fn load(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
     Ok((read.events, read.damage.map(|d| d.to_string())))
 }
 
-/// `inspect`: header, counts by kind, time range and losses.
+/// What the recording in `log` can be trusted to hold, given what was read.
+fn assess(
+    log: &Path,
+    info: &kvbm_recorder::log::LogInfo,
+    events: &[Event],
+) -> (Sidecar, Assessment) {
+    let side = sidecar::load(log);
+    let holds = LogHolds {
+        events: events.len() as u64,
+        last_seq: events.last().map(|e| e.seq),
+    };
+    let a = verdict::assess(&side, info, holds);
+    (side, a)
+}
+
+/// How a recording ended, in a few words.
+fn ending(side: &Sidecar) -> String {
+    match side {
+        Sidecar::Missing => "unknown (no sidecar)".into(),
+        Sidecar::Unreadable(why) => format!("unknown ({why})"),
+        Sidecar::Present(r) => match &r.ended {
+            Ended::Unfinished => {
+                "never said: the recorder was killed or crashed while recording".into()
+            }
+            Ended::Finished { why } if why.is_empty() => "finished".into(),
+            Ended::Finished { why } => format!("finished ({why})"),
+            Ended::NewRun { run } => format!(
+                "the engine restarted: its new run {run} is recorded in {}",
+                r.next
+                    .as_ref()
+                    .map_or("(not recorded)".to_string(), |n| n.display().to_string())
+            ),
+            Ended::WriteFailed { error } => format!("writing failed: {error}"),
+        },
+    }
+}
+
+/// `inspect`: header, counts by kind, time range, losses and how the
+/// recording ended.
 pub fn inspect(log: &Path, json: bool) -> Result<i32> {
     let reader =
         recorder::open_log(log).with_context(|| format!("opening log {}", log.display()))?;
@@ -30,29 +70,57 @@ pub fn inspect(log: &Path, json: bool) -> Result<i32> {
     let (events, damage) = load(log)?;
     let st = kvbm_events::reducer::fold(&events);
     let counts: Vec<(&str, u64)> = st.counts_by_kind().filter(|(_, n)| *n > 0).collect();
-    let side = recorder::read_sidecar(log);
+    let (side, a) = assess(log, &info, &events);
+    let rec = side.recording();
+    // Losses are known only from a sidecar that finished counting them.
+    let lost = rec.filter(|_| a.losses_known).map(|r| r.lost);
     let v = serde_json::json!({
         "dir": log,
         "engine": info.header.as_ref().map(|h| h.engine_id),
+        "run": rec.and_then(|r| r.run).map(|r| r.to_string()),
         "schema_version": info.header.as_ref().map(|h| h.schema_version),
         "segments": info.segments.len(),
         "events": events.len(),
+        "events_written": rec.map(|r| r.events),
         "first_seq": info.first_seq,
         "last_seq": info.last_seq,
         "time_range_ns": info.time_range_ns,
         "counts_by_kind": counts.iter().map(|(k, n)| (k.to_string(), *n)).collect::<std::collections::BTreeMap<_, _>>(),
-        "lost": side.as_ref().map_or(0, |s| s.lost),
+        "lost": lost,
         "seq_gaps": st.seq_gaps(),
         "torn_tail_bytes": info.torn_tail_bytes,
         "damage": damage,
+        "sidecar": match &side {
+            Sidecar::Present(_) => "present".to_string(),
+            Sidecar::Missing => "missing".to_string(),
+            Sidecar::Unreadable(why) => format!("unreadable: {why}"),
+        },
+        "ended": rec.map(|r| &r.ended),
+        "verdict": a.verdict.name(),
+        "verdict_detail": a.verdict.to_string(),
+        "previous": rec.and_then(|r| r.previous.as_ref()),
+        "next": rec.and_then(|r| r.next.as_ref()),
+        "notes": a.notes,
     });
     if json {
         println!("{v}");
         return Ok(0);
     }
     println!("log           {}", log.display());
+    if let Some(run) = rec.and_then(|r| r.run) {
+        println!("run           {run}");
+    }
     println!("segments      {}", info.segments.len());
-    println!("events        {}", events.len());
+    match rec {
+        Some(r) if a.losses_known => {
+            println!(
+                "events        {} (the recorder wrote {})",
+                events.len(),
+                r.events
+            )
+        }
+        _ => println!("events        {}", events.len()),
+    }
     println!("seq           {:?} ..= {:?}", info.first_seq, info.last_seq);
     if let Some((a, b)) = info.time_range_ns {
         println!(
@@ -61,12 +129,19 @@ pub fn inspect(log: &Path, json: bool) -> Result<i32> {
             b as f64 / 1e9
         );
     }
-    println!(
-        "lost          {} (tap), {} (seq gaps)",
-        v["lost"],
-        st.seq_gaps()
-    );
+    match lost {
+        Some(n) => println!("lost          {n} (tap), {} (seq gaps)", st.seq_gaps()),
+        None => println!(
+            "lost          unknown (no finished sidecar), {} (seq gaps)",
+            st.seq_gaps()
+        ),
+    }
     println!("torn tail     {} bytes", info.torn_tail_bytes);
+    println!("ended         {}", ending(&side));
+    println!("verdict       {}", a.verdict);
+    for n in &a.notes {
+        println!("note          {n}");
+    }
     if let Some(d) = &damage {
         println!("damage        {d}");
     }
@@ -111,28 +186,101 @@ pub fn replay(
     Ok(0)
 }
 
-/// `check`: the invariants; 0 ok, 1 a violation, 2 a damaged log.
+/// `check`'s exit status when the invariants hold over what is there,
+/// but the recording ended early or its completeness is unknown.
+pub const EXIT_INCOMPLETE: i32 = 3;
+
+/// The worse of two `check` statuses: damaged (2), then a violation (1),
+/// then incomplete or unknown (3), then ok (0).
+pub fn worse(a: i32, b: i32) -> i32 {
+    let rank = |c: i32| match c {
+        2 => 3,
+        1 => 2,
+        EXIT_INCOMPLETE => 1,
+        _ => 0,
+    };
+    if rank(b) > rank(a) { b } else { a }
+}
+
+/// `check`: the invariants; 0 ok, 1 a violation, 2 a damaged log (or a
+/// cleanly finished recording missing events), 3 a recording that ended
+/// early (recorder killed, disk full) or whose completeness is unknown (no
+/// usable sidecar), with no violation in what is there.
 pub fn check(log: &Path) -> Result<i32> {
+    check_one(log, "")
+}
+
+/// [`check`] of one log, each line it prints led by `prefix` (a fleet
+/// recording's engine name).
+pub fn check_one(log: &Path, prefix: &str) -> Result<i32> {
+    let info = recorder::open_log(log)
+        .with_context(|| format!("opening log {}", log.display()))?
+        .info()
+        .clone();
     let (events, damage) = load(log)?;
-    let side = recorder::read_sidecar(log);
-    // A recording from a remote source stops while the engine runs on:
-    // transfers still in flight at its end are not lost.
-    let complete = damage.is_none() && side.as_ref().is_none_or(|s| s.is_stream_complete());
-    let report = recorder::check_recording(&events, side.as_ref(), complete);
+    let (_, a) = assess(log, &info, &events);
     if let Some(d) = damage {
-        println!("damaged log: {d}");
+        println!("{prefix}damaged log: {d}");
         return Ok(2);
     }
-    match report.first_violation() {
-        None => {
-            println!("ok: {} events, invariants hold", events.len());
-            Ok(0)
-        }
-        Some(v) => {
-            println!("violation ({} in all): {v}", report.violation_count());
-            Ok(1)
-        }
+    if let Verdict::Damaged(why) = &a.verdict {
+        println!("{prefix}damaged log: {why}");
+        return Ok(2);
     }
+    // A recording that stopped while its engine ran on, or whose engine
+    // restarted, or that ended early: what was in flight at its end is
+    // not judged; and without known losses, neither are the holes.
+    let report = recorder::check_recording_with(
+        &events,
+        a.recording.as_ref(),
+        a.stream_complete,
+        a.losses_known,
+    );
+    let mut what = format!("{} events", events.len());
+    if let Some(s) = events.last().map(|e| e.seq) {
+        what.push_str(&format!(" (up to seq {s})"));
+    }
+    if !report.unreleased_at_end.is_empty() || !report.promoted_in_flight.is_empty() {
+        what.push_str(&format!(
+            "; not judged at the cut: {} promoted transfers in flight, {} finished slots \
+             awaiting their release",
+            report.promoted_in_flight.len(),
+            report.unreleased_at_end.len()
+        ));
+    }
+    let code = match report.first_violation() {
+        Some(v) => {
+            println!(
+                "{prefix}violation ({} in all): {v}",
+                report.violation_count()
+            );
+            1
+        }
+        None => match &a.verdict {
+            Verdict::Whole => {
+                println!("{prefix}ok: {what}, invariants hold");
+                0
+            }
+            Verdict::EndedEarly(why) => {
+                println!("{prefix}ended early: {why}");
+                println!("{prefix}  invariants hold over the {what}");
+                EXIT_INCOMPLETE
+            }
+            Verdict::Unknown(why) => {
+                println!("{prefix}unknown: {why}");
+                println!("{prefix}  invariants hold over the {what}");
+                EXIT_INCOMPLETE
+            }
+            Verdict::Damaged(_) => 2,
+        },
+    };
+    if code == 1 && !matches!(a.verdict, Verdict::Whole) {
+        println!("{prefix}  note: {}", a.verdict);
+    }
+    for n in &a.notes {
+        println!("{prefix}  note: {n}");
+    }
+    Ok(code)
 }
 
 /// `stats`: time in each state, TTFT, transfer latency, batch sizes.
@@ -185,5 +333,20 @@ pub fn diff(a: &Path, b: &Path) -> Result<i32> {
             println!("{d}");
             Ok(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_worst_status_is_damage_then_violation_then_incomplete() {
+        assert_eq!(worse(0, 3), 3);
+        assert_eq!(worse(3, 1), 1);
+        assert_eq!(worse(1, 3), 1);
+        assert_eq!(worse(2, 1), 2);
+        assert_eq!(worse(1, 2), 2);
+        assert_eq!(worse(0, 0), 0);
     }
 }

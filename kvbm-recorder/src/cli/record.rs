@@ -59,6 +59,7 @@ fn record_simulator(out: &Path, log: LogConfig, sim: &SimArgs) -> Result<i32> {
         ..RecorderConfig::default()
     };
     rcfg.log.engine_id = u64::from(sim.emitter().engine());
+    rcfg.run = Some(sim.emitter().run());
     let handle = recorder::spawn_recorder(tap, out.to_path_buf(), rcfg, None)?;
     let bar = Progress::new(loaded_requests as u64, "requests finished");
     let report = sim.run_with_progress(|done, _| bar.set(done as u64));
@@ -103,8 +104,31 @@ async fn stop_at(deadline: Option<tokio::time::Instant>) {
     }
 }
 
+/// Where the recording of the `n`th engine run followed (1 for the first)
+/// goes: `OUT` for the first, then `OUT-run2`, `OUT-run3`, … beside it (or,
+/// if that name is taken, the first of `OUT-run2-2`, … that is free).
+fn run_dir(out: &Path, n: u32) -> std::path::PathBuf {
+    if n <= 1 {
+        return out.to_path_buf();
+    }
+    let name = out
+        .file_name()
+        .map_or_else(|| "recording".into(), |f| f.to_string_lossy().into_owned());
+    let base = out.with_file_name(format!("{name}-run{n}"));
+    if !base.exists() {
+        return base;
+    }
+    (2..)
+        .map(|k| out.with_file_name(format!("{name}-run{n}-{k}")))
+        .find(|p| !p.exists())
+        .unwrap_or(base)
+}
+
 /// `record --from URL`: a running engine through its attach server, until
-/// Ctrl-C or a limit.
+/// Ctrl-C or a limit. An engine restart is never spliced onto the run
+/// before it: the recording of the old run ends there (its sidecar says
+/// the engine restarted, and where the next run is) and the new run is
+/// recorded from its first event into a new directory ([`run_dir`]).
 fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Result<i32> {
     let mut cfg = ClientConfig::new(url)?.with_since(remote.since.unwrap_or(0));
     cfg.token = remote.token.clone();
@@ -116,6 +140,10 @@ fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Re
     let handle = client.handle();
     let deadline = deadline_of(remote.duration_s);
     let mut sink: Option<RecordingSink> = None;
+    // Runs recorded so far, oldest first: (directory, what it holds).
+    let mut done: Vec<(std::path::PathBuf, kvbm_recorder::recorder::Recording)> = Vec::new();
+    let mut dir = out.to_path_buf();
+    let mut total = 0u64;
     let outcome: Result<&str> = rt.block_on(async {
         let ctrl_c = tokio::signal::ctrl_c();
         tokio::pin!(ctrl_c);
@@ -126,13 +154,32 @@ fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Re
             tokio::select! {
                 ev = client.recv() => match ev {
                     None => return Ok("the client stopped"),
+                    Some(ClientEvent::NewRun { previous, run, number }) => {
+                        let next = run_dir(out, number);
+                        eprintln!(
+                            "the engine restarted (run {previous} -> {run}): its new run is recorded from its start in {}",
+                            next.display()
+                        );
+                        if let Some(s) = sink.take() {
+                            let rec = s.finish_new_run(run, &next)?;
+                            done.push((dir.clone(), rec));
+                        }
+                        dir = next;
+                    }
                     Some(ClientEvent::Connected(h)) => {
                         eprintln!(
-                            "connected to {url} (engine {}, holding seq {:?}..={:?})",
-                            h.engine, h.first_seq, h.last_seq
+                            "connected to {url} (engine {}, run {}, holding seq {:?}..={:?})",
+                            h.engine, h.run, h.first_seq, h.last_seq
                         );
                         match &sink {
-                            None => sink = Some(remote_sink(out, log.clone(), h.engine, url)?),
+                            None => {
+                                let mut s = remote_sink(&dir, log.clone(), h.engine, url)?;
+                                s.set_run(h.run);
+                                if let Some((prev, _)) = done.last() {
+                                    s.set_previous(prev);
+                                }
+                                sink = Some(s);
+                            }
                             Some(s) if s.recording().engine != h.engine => bail!(
                                 "the server now serves engine {}, not engine {}",
                                 h.engine,
@@ -147,7 +194,8 @@ fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Re
                         };
                         for ev in &events {
                             s.append(ev)?;
-                            if remote.events.is_some_and(|n| s.recording().events >= n) {
+                            total += 1;
+                            if remote.events.is_some_and(|n| total >= n) {
                                 return Ok("--events reached");
                             }
                         }
@@ -195,25 +243,45 @@ fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Re
     let counters = handle.counters();
     let Some(mut sink) = sink else {
         outcome?;
-        bail!("never connected to {url}; nothing recorded");
+        if done.is_empty() {
+            bail!("never connected to {url}; nothing recorded");
+        }
+        bail!(
+            "the engine restarted and the client stopped before its new run said hello; {} runs recorded",
+            done.len()
+        );
     };
     sink.set_client_counters(serde_json::to_value(counters)?);
+    if let Ok(why) = &outcome {
+        sink.end_because(*why);
+    }
+    // The first error first: a failure that ended the recording (the
+    // sink returns it again here), then the outcome.
     let rec = sink.finish()?;
     let why = outcome?;
+    done.push((dir, rec));
+    for (d, rec) in &done {
+        println!(
+            "recorded {} events ({} lost in gaps) of engine run {} from {url} into {}",
+            rec.events,
+            rec.lost,
+            rec.run.map_or("?".to_string(), |r| r.to_string()),
+            d.display()
+        );
+        if rec.missed_before_start > 0 {
+            println!(
+                "the server no longer held the {} events before seq {:?}",
+                rec.missed_before_start, rec.first_seq
+            );
+        }
+    }
     println!(
-        "recorded {} events ({} lost in gaps, {} duplicates dropped, {} reconnections) from {url} into {} ({why})",
-        rec.events,
-        rec.lost,
+        "{} events in all, {} duplicates dropped, {} reconnections, {} engine restarts ({why})",
+        done.iter().map(|(_, r)| r.events).sum::<u64>(),
         counters.duplicates,
         counters.connects.saturating_sub(1),
-        out.display()
+        counters.new_runs
     );
-    if rec.missed_before_start > 0 {
-        println!(
-            "the server no longer held the {} events before seq {:?}",
-            rec.missed_before_start, rec.first_seq
-        );
-    }
     Ok(0)
 }
 

@@ -64,6 +64,10 @@ struct Args {
     /// --max-clients); one more is answered 503 and closed.
     #[arg(long, default_value_t = 256, requires = "serve")]
     max_connections: usize,
+    /// Most TCP connections from one client address (taken as at most
+    /// --max-connections); one more place is kept for 127.0.0.1 / ::1.
+    #[arg(long, default_value_t = 64, requires = "serve")]
+    max_connections_per_ip: usize,
     /// Keep a client's breakpoints (and its paused calls paused) when it
     /// disconnects.
     #[arg(long, requires = "serve")]
@@ -223,6 +227,7 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
         .context("the engine's tap was already taken")?;
     let bus = emitter.clone();
     let engine = ServedEngine::new(ring.clone(), emitter.engine())
+        .with_run(emitter.run())
         .with_control(bps.clone())
         .with_bus_counters(move || bus.bus().counters());
     let feeder = spawn_feeder(tap, ring, engine.signal(), FeederConfig::default())
@@ -233,6 +238,7 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
         open_read: a.open_read,
         max_clients: a.max_clients,
         max_connections: a.max_connections,
+        max_connections_per_ip: a.max_connections_per_ip,
         release_on_disconnect: !a.keep_breakpoints_on_disconnect,
         ..ServerConfig::default()
     };

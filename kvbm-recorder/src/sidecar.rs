@@ -1,0 +1,315 @@
+//! A recording's sidecar, `recording.json`: what the recorder knows that
+//! the log cannot say (how many events it wrote, what it lost and where,
+//! which engine run they belong to, how the recording ended), and how it
+//! is written so that it says the truth after a crash or a full disk.
+//!
+//! - The recorder writes a sidecar saying [`Ended::Unfinished`] when the
+//!   recording starts, so a recorder that is killed leaves one that says
+//!   so; it is replaced when the recording ends.
+//! - Every write is atomic: a temporary file, then a rename. A reader sees
+//!   the old sidecar or the new one, never a torn or empty one.
+//! - The temporary file is created, [`RESERVE_BYTES`] long, when the
+//!   recording starts: the final sidecar is written *into space already
+//!   held*, so a disk that filled up during the recording still takes it
+//!   (and the reason the recording ended). If it does not fit, the gap
+//!   positions are dropped (the totals stay) and it is tried again.
+//! - A sidecar without an `ended` field was written by an older recorder,
+//!   which wrote its sidecar only when it finished cleanly.
+
+use kvbm_events::RunId;
+use serde::{Deserialize, Serialize};
+use std::fs::{File, OpenOptions};
+use std::io::{Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+/// Name of the sidecar file the recorder writes next to the segments.
+pub const SIDECAR: &str = "recording.json";
+
+/// The temporary file the sidecar is written to before its rename (held
+/// from the start, [`RESERVE_BYTES`] long).
+pub const SIDECAR_TMP: &str = "recording.json.tmp";
+
+/// Space held for the final sidecar while recording.
+pub const RESERVE_BYTES: u64 = 64 << 10;
+
+/// Most gap positions a sidecar keeps.
+pub const MAX_GAPS: usize = 65_536;
+
+/// How a recording ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "how", rename_all = "snake_case")]
+pub enum Ended {
+    /// The recorder is still writing, or it stopped without saying how
+    /// (killed, crashed, the machine lost): events after the last one in
+    /// the log may never have been written, and what the engine lost is
+    /// not known.
+    #[default]
+    Unfinished,
+    /// The recorder finished cleanly: every event it took is in the log.
+    Finished {
+        /// What ended it (the engine's stream closed, a limit, Ctrl-C).
+        #[serde(default)]
+        why: String,
+    },
+    /// The engine restarted: this recording holds the old run up to where
+    /// it stopped, and ends there rather than splicing the new run on.
+    NewRun {
+        /// The new run.
+        run: RunId,
+    },
+    /// Writing failed: the recording holds what reached the disk before
+    /// `error` (which names the file); nothing after it was recorded.
+    WriteFailed {
+        /// The first error, as it was reported.
+        error: String,
+    },
+}
+
+impl Ended {
+    /// What an older recorder's sidecar (with no `ended`) means.
+    pub fn legacy() -> Self {
+        Ended::Finished { why: String::new() }
+    }
+
+    /// Whether the recorder finished cleanly (so the log must hold every
+    /// event the sidecar counts, with no torn tail).
+    pub fn is_clean(&self) -> bool {
+        matches!(self, Ended::Finished { .. } | Ended::NewRun { .. })
+    }
+}
+
+/// What a recording holds; also the sidecar's contents.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Recording {
+    /// Engine id.
+    pub engine: u32,
+    /// The engine run the events belong to, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<RunId>,
+    /// Events written.
+    pub events: u64,
+    /// Events the tap dropped (marked by `Gap` items), never written.
+    pub lost: u64,
+    /// First and last seq written.
+    pub first_seq: Option<u64>,
+    /// Last seq written.
+    pub last_seq: Option<u64>,
+    /// Snapshots written.
+    pub snapshots: u64,
+    /// Schema version of the records.
+    pub schema_version: u32,
+    /// Where the losses fell: each gap marker with the last seq written
+    /// before it (`None`: before any). At most [`MAX_GAPS`] entries; later
+    /// markers are merged into the last one (totals stay exact).
+    #[serde(default)]
+    pub gaps: Vec<GapAt>,
+    /// Where the events came from, for a recording of a remote source (an
+    /// attach server's or a publisher's URL); absent for an in-process
+    /// engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// `Some(false)` when the recording stopped while the engine ran on (a
+    /// remote source): transfers in flight at its end are not lost.
+    /// Absent: the engine's stream ended with the recording.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_complete: Option<bool>,
+    /// Events the source no longer held when the recording started (a gap
+    /// before the first event written): not a loss inside the recording.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub missed_before_start: u64,
+    /// The source client's own counters at the end, as it reports them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client: Option<serde_json::Value>,
+    /// How the recording ended. (Absent in an older recorder's sidecar,
+    /// which it wrote only after finishing cleanly.)
+    #[serde(default = "Ended::legacy")]
+    pub ended: Ended,
+    /// The recording of the engine's previous run, when this one began
+    /// because the engine restarted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<PathBuf>,
+    /// The recording of the engine's next run, when this one ended because
+    /// the engine restarted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<PathBuf>,
+    /// True when the gap positions did not fit the space left on a full
+    /// disk and were dropped (the totals are exact).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gaps_dropped: bool,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// One gap marker of the tap, placed in the stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GapAt {
+    /// The last seq written before the marker arrived.
+    pub after_seq: Option<u64>,
+    /// Events lost there.
+    pub dropped: u64,
+}
+
+/// A recording's sidecar as found on disk.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Sidecar {
+    /// Read and understood.
+    Present(Box<Recording>),
+    /// There is none.
+    Missing,
+    /// There is one, but it cannot be read or understood (why).
+    Unreadable(String),
+}
+
+impl Sidecar {
+    /// The recording it describes, if it could be read.
+    pub fn recording(&self) -> Option<&Recording> {
+        match self {
+            Sidecar::Present(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+/// Reads the sidecar of the recording in `dir`.
+pub fn load(dir: &Path) -> Sidecar {
+    match std::fs::read(dir.join(SIDECAR)) {
+        Ok(bytes) => match serde_json::from_slice(&bytes) {
+            Ok(r) => Sidecar::Present(Box::new(r)),
+            Err(e) if bytes.is_empty() => Sidecar::Unreadable(format!("{SIDECAR} is empty ({e})")),
+            Err(e) => Sidecar::Unreadable(format!("{SIDECAR} does not parse: {e}")),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Sidecar::Missing,
+        Err(e) => Sidecar::Unreadable(format!("reading {SIDECAR}: {e}")),
+    }
+}
+
+/// The sidecar of a recording, if present and readable.
+pub fn read(dir: &Path) -> Option<Recording> {
+    match load(dir) {
+        Sidecar::Present(r) => Some(*r),
+        _ => None,
+    }
+}
+
+/// Holds space for the final sidecar: creates [`SIDECAR_TMP`] in `dir`,
+/// [`RESERVE_BYTES`] long (written, not sparse, so the blocks are really
+/// taken). Best effort: without it the final sidecar is written the
+/// ordinary way.
+pub fn reserve(dir: &Path) -> std::io::Result<()> {
+    let mut f = File::create(dir.join(SIDECAR_TMP))?;
+    let zeros = vec![b' '; 8 << 10];
+    let mut left = RESERVE_BYTES;
+    while left > 0 {
+        let n = left.min(zeros.len() as u64) as usize;
+        f.write_all(&zeros[..n])?;
+        left -= n as u64;
+    }
+    f.sync_all()
+}
+
+/// Writes `rec` as the sidecar of `dir` atomically: into [`SIDECAR_TMP`]
+/// (the space reserved for it, if any), then renamed over [`SIDECAR`].
+/// When it does not fit a full disk, the gap positions are dropped (the
+/// totals stay) and it is tried once more.
+pub fn write(dir: &Path, rec: &Recording) -> Result<(), SidecarError> {
+    let path = dir.join(SIDECAR);
+    match write_once(dir, rec) {
+        Ok(()) => Ok(()),
+        Err(e) if !rec.gaps.is_empty() && is_no_space(&e) => {
+            let lean = Recording {
+                gaps: Vec::new(),
+                gaps_dropped: true,
+                ..rec.clone()
+            };
+            write_once(dir, &lean).map_err(|source| SidecarError { path, source })
+        }
+        Err(source) => Err(SidecarError { path, source }),
+    }
+}
+
+fn is_no_space(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::StorageFull || e.raw_os_error() == Some(28)
+}
+
+fn write_once(dir: &Path, rec: &Recording) -> std::io::Result<()> {
+    let json = serde_json::to_vec_pretty(rec).map_err(std::io::Error::other)?;
+    let tmp = dir.join(SIDECAR_TMP);
+    // Into the reserved file when there is one: overwriting blocks it
+    // already holds needs no new space.
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&tmp)?;
+    f.seek(SeekFrom::Start(0))?;
+    f.write_all(&json)?;
+    f.set_len(json.len() as u64)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, dir.join(SIDECAR))?;
+    // The rename itself, durable.
+    #[cfg(unix)]
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// The sidecar could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("writing {}: {source}", path.display())]
+pub struct SidecarError {
+    /// Its path.
+    pub path: PathBuf,
+    /// Why.
+    #[source]
+    pub source: std::io::Error,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_older_sidecar_without_an_ending_was_finished_cleanly() {
+        let old = r#"{"engine":0,"events":3,"lost":0,"first_seq":0,"last_seq":2,
+                      "snapshots":0,"schema_version":1}"#;
+        let r: Recording = serde_json::from_str(old).unwrap();
+        assert_eq!(r.ended, Ended::legacy());
+        assert!(r.ended.is_clean());
+        assert_eq!(r.run, None);
+    }
+
+    /// A written sidecar replaces the old one whole, through the reserved
+    /// file, which is gone afterwards; missing, empty and garbled
+    /// sidecars are told apart.
+    #[test]
+    fn sidecars_are_replaced_whole_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        assert_eq!(load(d), Sidecar::Missing);
+        reserve(d).unwrap();
+        assert_eq!(
+            std::fs::metadata(d.join(SIDECAR_TMP)).unwrap().len(),
+            RESERVE_BYTES
+        );
+        let mut rec = Recording {
+            run: Some(RunId(9)),
+            ..Recording::default()
+        };
+        write(d, &rec).unwrap();
+        assert_eq!(load(d), Sidecar::Present(Box::new(rec.clone())));
+        assert!(!d.join(SIDECAR_TMP).exists());
+        rec.ended = Ended::WriteFailed {
+            error: "disk full".into(),
+        };
+        write(d, &rec).unwrap();
+        assert_eq!(read(d), Some(rec));
+        std::fs::write(d.join(SIDECAR), b"").unwrap();
+        assert!(matches!(load(d), Sidecar::Unreadable(m) if m.contains("empty")));
+        std::fs::write(d.join(SIDECAR), b"{\"engine\":").unwrap();
+        assert!(matches!(load(d), Sidecar::Unreadable(m) if m.contains("does not parse")));
+    }
+}
