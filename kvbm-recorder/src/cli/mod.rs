@@ -101,12 +101,17 @@ struct LogArgs {
     /// Segment size in bytes.
     #[arg(long, default_value_t = 64 << 20)]
     segment_bytes: u64,
+    /// The write buffer in bytes: what is handed to the OS at a time
+    /// between flushes (a frame that does not fit waits for the next one).
+    #[arg(long, default_value_t = 256 << 10, value_parser = clap::value_parser!(u32).range(1024..))]
+    write_buffer_bytes: u32,
 }
 
 impl LogArgs {
     fn config(&self) -> LogConfig {
         LogConfig {
             segment_bytes: self.segment_bytes,
+            write_buffer_bytes: self.write_buffer_bytes as usize,
             fsync: match self.fsync {
                 Fsync::Every => FsyncPolicy::EveryRecord,
                 Fsync::Interval => FsyncPolicy::Interval(Duration::from_millis(self.fsync_ms)),
