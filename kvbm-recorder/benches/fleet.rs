@@ -31,6 +31,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// One encoded batch: (first seq, last seq, its bytes).
+type Batch = (u64, u64, Vec<u8>);
+
 /// One engine's events: a request's lifecycle, its blocks and transfers,
 /// gauges — the kinds an engine emits most, in a plausible mix.
 fn engine_events(n: usize, engine: u32) -> Vec<Event> {
@@ -124,7 +127,7 @@ fn engine_events(n: usize, engine: u32) -> Vec<Event> {
 }
 
 /// Every engine's batches, sealed as the publisher seals them.
-fn batches(events: &[Event]) -> Vec<(u64, u64, Vec<u8>)> {
+fn batches(events: &[Event]) -> Vec<Batch> {
     let mut enc = BatchEncoder::new(true);
     let mut out = Vec::new();
     let mut buf = Vec::new();
@@ -163,7 +166,7 @@ fn run_store(
         max_bytes: 8 << 30,
         ..StreamLimits::default()
     };
-    let sets: Vec<(String, Vec<(u64, u64, Vec<u8>)>)> = (0..engines)
+    let sets: Vec<(String, Vec<Batch>)> = (0..engines)
         .map(|i| {
             let ev = engine_events(per_engine, i as u32);
             (format!("e{i:03}"), batches(&ev))

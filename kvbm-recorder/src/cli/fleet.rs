@@ -348,12 +348,11 @@ pub fn bridge(a: &BridgeArgs) -> Result<i32> {
 
 // ------------------------------------------------------------- reading
 
-fn manifest(
-    dir: &Path,
-) -> Result<(
-    fleet::FleetManifest,
-    Vec<(String, std::path::PathBuf, fleet::LogEntry)>,
-)> {
+/// Each engine of a fleet recording: its name, its log's directory, its
+/// manifest entry.
+type EngineLogs = Vec<(String, std::path::PathBuf, fleet::LogEntry)>;
+
+fn manifest(dir: &Path) -> Result<(fleet::FleetManifest, EngineLogs)> {
     let m = fleet::read_manifest(dir)?;
     let logs = fleet::engine_logs(dir, &m);
     Ok((m, logs))
