@@ -184,6 +184,69 @@ fn eight_engines_arrive_exactly_once() {
     }
     assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
     assert_exactly_once(&out, &emitted, &rlog);
+    fleet_analyses(&out, &emitted);
+}
+
+/// `stats`, `export` and `capacity` of a fleet recording: per engine and
+/// for the fleet, which holds every engine's events once.
+fn fleet_analyses(out: &Path, emitted: &[(String, u64)]) {
+    let run = |args: &[&str], dir: &Path| -> Vec<u8> {
+        let o = Command::new(recorder_bin())
+            .args(args)
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        o.stdout
+    };
+    let total: u64 = emitted.iter().map(|(_, n)| n).sum();
+    let stats: Value = serde_json::from_slice(&run(&["stats", "--json"], out)).unwrap();
+    let engines = stats["engines"].as_object().expect("stats per engine");
+    assert_eq!(engines.len(), emitted.len());
+    let per_engine_requests: u64 = engines
+        .values()
+        .map(|s| s["requests"].as_u64().unwrap())
+        .sum();
+    assert_eq!(stats["fleet"]["events"].as_u64(), Some(total));
+    // Request ids are qualified by engine, so none is counted twice.
+    assert_eq!(
+        stats["fleet"]["requests"].as_u64(),
+        Some(per_engine_requests)
+    );
+    assert_eq!(per_engine_requests, 30 * emitted.len() as u64);
+    let jsonl = run(&["export", "--format", "jsonl"], out);
+    assert_eq!(
+        jsonl
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty())
+            .count() as u64,
+        total
+    );
+    // Capacity: the fleet as one shared cache sees every engine's
+    // requests; each engine alone its own.
+    let fleet: Value = serde_json::from_slice(&run(&["capacity", "--json"], out)).unwrap();
+    let mut references = 0;
+    for (name, _) in emitted {
+        let one: Value = serde_json::from_slice(&run(
+            &["capacity", "--json"],
+            &out.join("engines").join(name),
+        ))
+        .unwrap();
+        assert_eq!(one["requests"].as_u64(), Some(30), "{name}: {one}");
+        references += one["references"].as_u64().unwrap();
+    }
+    assert_eq!(
+        fleet["requests"].as_u64(),
+        Some(per_engine_requests),
+        "{fleet}"
+    );
+    assert_eq!(fleet["references"].as_u64(), Some(references), "{fleet}");
+    // Its lookups give a curve with something to hit.
+    assert!(fleet["ceiling"].as_f64().unwrap() > 0.0, "{fleet}");
 }
 
 /// The same while the recorder is killed with SIGKILL and restarted twice

@@ -49,6 +49,28 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
             })
             .with_context(|| format!("reading trace {}", t.display()))?
         }
+        (Some(dir), None) if kvbm_recorder::fleet::is_fleet(dir) => {
+            // One cache every engine shares (a shared host or disk tier,
+            // an external store): every engine's lookups in time order.
+            // Each engine alone: `capacity DIR/engines/NAME`.
+            let mut events = super::fleet::fleet_events(dir)?;
+            events.sort_by_key(|e| e.ts_ns);
+            for (i, e) in events.iter_mut().enumerate() {
+                e.seq = i as u64;
+            }
+            let cfg = CapacityConfig {
+                sampling,
+                max_tracked_blocks: None,
+            };
+            let mut rep =
+                CapacityAnalyzer::from_events(cfg, &events).report(&a.capacities, a.block_size);
+            rep.notes.push(
+                "a fleet recording: one cache shared by every engine, their lookups merged \
+                 by their timestamps (each engine alone: capacity DIR/engines/NAME)"
+                    .into(),
+            );
+            rep
+        }
         (Some(log), None) => {
             let read = recorder::read_events(log, |_| {})
                 .with_context(|| format!("opening log {}", log.display()))?;

@@ -212,7 +212,8 @@ enum Command {
     /// simulation), the ceiling, what the run's own tiers got, and why
     /// each miss missed.
     Capacity {
-        /// Log directory (or give --trace).
+        /// Log directory (or give --trace); a fleet recording is taken as
+        /// one cache every engine shares.
         log: Option<PathBuf>,
         /// A Mooncake trace (JSON lines with hash_ids of 512-token
         /// blocks) instead of a log.
