@@ -9,6 +9,10 @@ use kvbm_recorder::recorder;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
+/// Distinct blocks tracked exactly before sampling starts, unless
+/// `--max-exact-blocks` or `--sample` says otherwise.
+pub const DEFAULT_MAX_EXACT_BLOCKS: usize = 1 << 24;
+
 /// What `capacity` was asked.
 #[derive(Debug)]
 pub struct CapacityArgs {
@@ -36,7 +40,9 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
         }
         (None, Some(0)) => bail!("--max-exact-blocks must be at least 1"),
         (None, Some(m)) => Sampling::Bounded(m),
-        (None, None) => Sampling::Exact,
+        // Exact while it fits in memory (16M distinct blocks at about 30
+        // bytes each), sampled past that, as the report then says.
+        (None, None) => Sampling::Bounded(DEFAULT_MAX_EXACT_BLOCKS),
     };
     let report = match (&a.log, &a.trace) {
         (Some(_), Some(_)) => bail!("give a LOG or --trace, not both"),

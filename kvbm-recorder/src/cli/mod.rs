@@ -234,7 +234,8 @@ enum Command {
         #[arg(long, conflicts_with = "max_exact_blocks")]
         sample: Option<f64>,
         /// Exact while at most this many distinct blocks are held, then
-        /// sampled at a rate halved each time the cap is reached again.
+        /// sampled at a rate halved each time the cap is reached again
+        /// (default 16,777,216: exact while it fits in about 0.5 GiB).
         #[arg(long)]
         max_exact_blocks: Option<usize>,
         /// Tokens per block, for logs that do not say (vLLM's KV events):
