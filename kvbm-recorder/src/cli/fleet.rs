@@ -16,7 +16,6 @@ use kvbm_recorder::analysis;
 use kvbm_recorder::fleet::{self, FleetWriter};
 use kvbm_recorder::log::LogConfig;
 use kvbm_recorder::recorder::{self, RecorderConfig};
-use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -491,22 +490,6 @@ pub fn stats(dir: &Path, json: bool) -> Result<i32> {
 /// `export` of a fleet recording: one stream, request ids qualified by
 /// engine (a Chrome trace gets a track per engine's request).
 pub fn export(dir: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
-    let events = fleet_events(dir)?;
-    let sink: Box<dyn Write> = match out {
-        Some(p) => {
-            Box::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)
-        }
-        None => Box::new(std::io::stdout().lock()),
-    };
-    let mut w = BufWriter::new(sink);
-    match format {
-        Format::Jsonl => analysis::export::write_jsonl(&events, &mut w)?,
-        Format::Chrome => analysis::export::write_chrome_trace(
-            &events,
-            &mut w,
-            analysis::ChromeOptions::default(),
-        )?,
-    };
-    w.flush()?;
+    super::read::write_export(&fleet_events(dir)?, format, out)?;
     Ok(0)
 }

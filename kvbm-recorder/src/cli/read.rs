@@ -295,9 +295,8 @@ pub fn stats(log: &Path, json: bool) -> Result<i32> {
     Ok(0)
 }
 
-/// `export`: JSON lines or a Chrome trace, to a file or stdout.
-pub fn export(log: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
-    let (events, damage) = load(log)?;
+/// Writes `events` as `format` to `out` (a file) or stdout.
+pub fn write_export(events: &[Event], format: Format, out: Option<&Path>) -> Result<()> {
     let sink: Box<dyn Write> = match out {
         Some(p) => {
             Box::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)
@@ -306,14 +305,21 @@ pub fn export(log: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
     };
     let mut w = BufWriter::new(sink);
     match format {
-        Format::Jsonl => analysis::export::write_jsonl(&events, &mut w)?,
+        Format::Jsonl => analysis::export::write_jsonl(events, &mut w)?,
         Format::Chrome => analysis::export::write_chrome_trace(
-            &events,
+            events,
             &mut w,
             analysis::ChromeOptions::default(),
         )?,
     };
     w.flush()?;
+    Ok(())
+}
+
+/// `export`: JSON lines or a Chrome trace, to a file or stdout.
+pub fn export(log: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
+    let (events, damage) = load(log)?;
+    write_export(&events, format, out)?;
     if let Some(d) = damage {
         eprintln!("warning: the log is damaged; exported what came before: {d}");
     }

@@ -249,50 +249,18 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
         let _g = server_rt.enter();
         server.spawn()
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = stop.clone();
-    let engine_thread = std::thread::Builder::new()
-        .name("kvbm-sim-engine".into())
-        .spawn(move || {
-            while !stop2.load(Ordering::Relaxed) && sim.step() {}
-            sim.finish()
-        })?;
-    let interrupted = server_rt.block_on(async {
-        let ctrl_c = tokio::signal::ctrl_c();
-        tokio::pin!(ctrl_c);
-        let finished = async {
-            while !engine_thread.is_finished() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        };
-        tokio::select! {
-            _ = &mut ctrl_c => true,
-            _ = finished => {
-                match a.linger_s {
-                    Some(s) => tokio::select! {
-                        _ = &mut ctrl_c => {}
-                        _ = tokio::time::sleep(Duration::from_secs_f64(s)) => {}
-                    },
-                    None => {
-                        eprintln!("workload finished; serving until Ctrl-C");
-                        let _ = (&mut ctrl_c).await;
-                    }
-                }
-                false
-            }
-        }
-    });
-    if interrupted {
-        stop.store(true, Ordering::Relaxed);
-    }
+    let engine = EngineThread::spawn(sim)?;
+    let linger = match a.linger_s {
+        Some(s) => Linger::For(s),
+        None => Linger::UntilCtrlC("workload finished; serving until Ctrl-C"),
+    };
+    server_rt.block_on(engine.wait(linger));
     // No client can set a breakpoint once the server is down; then nothing
     // may stay paused.
     let served = server_rt.block_on(handle.shutdown());
     bps.clear_all();
     bps.resume_all();
-    let report = engine_thread
-        .join()
-        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+    let report = engine.join()?;
     feeder.stop();
     served?;
     Ok(report)
@@ -346,49 +314,86 @@ fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
         "publishing to {url} as engine {engine_id} (run {:016x})",
         publisher.run()
     );
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = stop.clone();
-    let engine_thread = std::thread::Builder::new()
-        .name("kvbm-sim-engine".into())
-        .spawn(move || {
-            while !stop2.load(Ordering::Relaxed) && sim.step() {}
-            sim.finish()
-        })?;
-    let interrupted = rt.block_on(async {
-        let ctrl_c = tokio::signal::ctrl_c();
-        tokio::pin!(ctrl_c);
-        let finished = async {
-            while !engine_thread.is_finished() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        };
-        tokio::select! {
-            _ = &mut ctrl_c => true,
-            _ = finished => {
-                if let Some(s) = a.publish_linger_s {
-                    tokio::select! {
-                        _ = &mut ctrl_c => {}
-                        _ = tokio::time::sleep(Duration::from_secs_f64(s)) => {}
-                    }
-                }
-                false
-            }
-        }
-    });
-    if interrupted {
-        stop.store(true, Ordering::Relaxed);
-    }
+    let engine = EngineThread::spawn(sim)?;
+    rt.block_on(engine.wait(a.publish_linger_s.map_or(Linger::No, Linger::For)));
     // Nothing may stay paused once control is gone.
     control.abort();
     responder.release_all();
     bps.clear_all();
     bps.resume_all();
-    let report = engine_thread
-        .join()
-        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+    let report = engine.join()?;
     let counters = publisher.stop(Duration::from_secs_f64(a.publish_drain_s));
     eprintln!("publisher {}", serde_json::to_string(&counters)?);
     Ok(report)
+}
+
+/// What a served or publishing engine does once its workload is done.
+enum Linger {
+    /// Stays up this many seconds (or until Ctrl-C).
+    For(f64),
+    /// Says this, then stays up until Ctrl-C.
+    UntilCtrlC(&'static str),
+    /// Ends at once.
+    No,
+}
+
+/// The simulator stepping on its own thread, while the caller's runtime
+/// serves or publishes.
+struct EngineThread {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<SimReport>,
+}
+
+impl EngineThread {
+    fn spawn(mut sim: Simulator) -> Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvbm-sim-engine".into())
+            .spawn(move || {
+                while !stop2.load(Ordering::Relaxed) && sim.step() {}
+                sim.finish()
+            })?;
+        Ok(EngineThread { stop, thread })
+    }
+
+    /// Until the workload finishes and then `linger`, or until Ctrl-C,
+    /// which stops the engine.
+    async fn wait(&self, linger: Linger) {
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let finished = async {
+            while !self.thread.is_finished() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        let interrupted = tokio::select! {
+            _ = &mut ctrl_c => true,
+            _ = finished => {
+                match linger {
+                    Linger::For(s) => tokio::select! {
+                        _ = &mut ctrl_c => {}
+                        _ = tokio::time::sleep(Duration::from_secs_f64(s)) => {}
+                    },
+                    Linger::UntilCtrlC(say) => {
+                        eprintln!("{say}");
+                        let _ = (&mut ctrl_c).await;
+                    }
+                    Linger::No => {}
+                }
+                false
+            }
+        };
+        if interrupted {
+            self.stop.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn join(self) -> Result<SimReport> {
+        self.thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("the engine thread panicked"))
+    }
 }
 
 fn print_summary(r: &SimReport) {
