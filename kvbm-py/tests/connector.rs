@@ -95,6 +95,12 @@ fn rig(extra: serde_json::Value) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let mut extra = extra;
     extra["shm_dir"] = json!(dir.path().to_str().unwrap());
+    // These tests check what is moved, not how fast: on a loaded machine
+    // the default 1 s for a step's transfers to reach the worker's queue
+    // can pass, and the connector then (rightly) fails the load.
+    if extra.get("ship_timeout_s").is_none() {
+        extra["ship_timeout_s"] = json!(60.0);
+    }
     if extra.get("disk_path").is_some() {
         extra["disk_path"] = json!(dir.path().join("g3.kvbm").to_str().unwrap());
     }
