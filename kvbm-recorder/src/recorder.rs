@@ -272,10 +272,15 @@ impl RecordingSink {
         Ok(sink)
     }
 
-    /// Writes the sidecar that says the recording is under way, then holds
-    /// space for the final one again (each write uses up the held file).
+    /// Writes the sidecar that says the recording is under way, and holds
+    /// space for the final one if it is not held yet. The under-way
+    /// sidecar is not synced: it speaks for a recorder that dies, and the
+    /// log it describes is only synced by its own policy.
     fn write_under_way(&self) -> Result<(), RecordError> {
-        crate::sidecar::write(&self.dir, &self.rec)?;
+        crate::sidecar::write_checkpoint(&self.dir, &self.rec)?;
+        if self.dir.join(crate::sidecar::SIDECAR_TMP).exists() {
+            return Ok(());
+        }
         // Best effort: without the space held, the final sidecar is written
         // the ordinary way.
         if let Err(e) = crate::sidecar::reserve(&self.dir) {
@@ -325,9 +330,13 @@ impl RecordingSink {
         rec.engine = ev.engine;
         rec.first_seq.get_or_insert(ev.seq);
         rec.last_seq = Some(ev.seq);
+        if self.snapshot_every == 0 {
+            // No snapshots (a fleet log): the state is never read.
+            return Ok(());
+        }
         self.state.apply(ev);
         self.since_snapshot += 1;
-        if self.snapshot_every > 0 && self.since_snapshot >= self.snapshot_every {
+        if self.since_snapshot >= self.snapshot_every {
             self.since_snapshot = 0;
             // A snapshot is an index for seeking, derivable from the log: one
             // that fails to serialise or write is skipped, not fatal.
@@ -482,7 +491,8 @@ impl RecordingSink {
     /// stands, so a recording killed after this keeps its bookkeeping.
     pub fn checkpoint(&mut self) -> Result<(), RecordError> {
         self.flush()?;
-        self.write_under_way()
+        crate::sidecar::write_checkpoint(&self.dir, &self.rec)?;
+        Ok(())
     }
 
     /// Closes the log and writes the sidecar saying how the recording
