@@ -22,6 +22,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use kvbm_attach::server::{FeederConfig, ServedEngine, Server, ServerConfig, spawn_feeder};
 use kvbm_core::hooks::{Breakpoints, HookSet};
+use kvbm_events::Emitter;
 use kvbm_events::ring::{RingBuffer, RingConfig};
 use kvbm_sim::args::SimArgs;
 use kvbm_sim::sim::{SimReport, Simulator};
@@ -210,16 +211,7 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
         .thread_name("kvbm-server")
         .enable_all()
         .build()?;
-    let emitter = sim.emitter().clone();
-    let bps = Arc::new(Breakpoints::new(
-        Some(emitter.clone()),
-        Duration::from_secs(a.bp_deadline_s.max(1)),
-    ));
-    sim.leader_mut().set_hooks(
-        HookSet::none()
-            .with_emitter(emitter.clone())
-            .with_breakpoints(bps.clone()),
-    );
+    let (emitter, bps) = install_breakpoints(&mut sim, a.bp_deadline_s);
     let ring = Arc::new(RingBuffer::new(RingConfig::with_capacity(a.ring)).context("--ring")?);
     let tap = emitter
         .bus()
@@ -289,16 +281,7 @@ fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
         .thread_name("kvbm-publish")
         .enable_all()
         .build()?;
-    let emitter = sim.emitter().clone();
-    let bps = Arc::new(Breakpoints::new(
-        Some(emitter.clone()),
-        Duration::from_secs(a.bp_deadline_s.max(1)),
-    ));
-    sim.leader_mut().set_hooks(
-        HookSet::none()
-            .with_emitter(emitter.clone())
-            .with_breakpoints(bps.clone()),
-    );
+    let (emitter, bps) = install_breakpoints(&mut sim, a.bp_deadline_s);
     let tap = emitter
         .bus()
         .take_tap()
@@ -325,6 +308,23 @@ fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
     let counters = publisher.stop(Duration::from_secs_f64(a.publish_drain_s));
     eprintln!("publisher {}", serde_json::to_string(&counters)?);
     Ok(report)
+}
+
+/// Breakpoints on the simulator's leader (a pause lasting at most
+/// `deadline_s`, at least 1 s), with its emitter: what a served or
+/// publishing engine is controlled through.
+fn install_breakpoints(sim: &mut Simulator, deadline_s: u64) -> (Arc<Emitter>, Arc<Breakpoints>) {
+    let emitter = sim.emitter().clone();
+    let bps = Arc::new(Breakpoints::new(
+        Some(emitter.clone()),
+        Duration::from_secs(deadline_s.max(1)),
+    ));
+    sim.leader_mut().set_hooks(
+        HookSet::none()
+            .with_emitter(emitter.clone())
+            .with_breakpoints(bps.clone()),
+    );
+    (emitter, bps)
 }
 
 /// What a served or publishing engine does once its workload is done.
