@@ -161,11 +161,6 @@ fn run_store(
 ) -> Run {
     let nats = NatsServer::start();
     let url = nats.url();
-    let limits = StreamLimits {
-        file_store,
-        max_bytes: 8 << 30,
-        ..StreamLimits::default()
-    };
     let sets: Vec<(String, Vec<Batch>)> = (0..engines)
         .map(|i| {
             let ev = engine_events(per_engine, i as u32);
@@ -178,6 +173,15 @@ fn run_store(
         .flat_map(|(_, b)| b.iter().map(|x| x.2.len() as u64))
         .sum();
     let messages: u64 = sets.iter().map(|(_, b)| b.len() as u64).sum();
+    // The stream holds the whole run (nothing may be discarded before the
+    // recorder reads it), but no more: JetStream refuses a stream whose
+    // limit exceeds the disk or memory it has, and a CI machine may have
+    // only a few GiB free.
+    let limits = StreamLimits {
+        file_store,
+        max_bytes: (4 * bytes).max(64 << 20) as i64,
+        ..StreamLimits::default()
+    };
 
     // 1. Publish: one task per engine, one batch at a time, with ids.
     let publish_s = rt.block_on(async {

@@ -207,9 +207,21 @@ pub async fn ensure_stream(
     js: &jetstream::Context,
     limits: &StreamLimits,
 ) -> Result<jetstream::stream::Stream, NatsError> {
-    js.get_or_create_stream(limits.config())
-        .await
-        .map_err(|e| NatsError::Nats(format!("stream {STREAM}: {e}")))
+    js.get_or_create_stream(limits.config()).await.map_err(|e| {
+        // The one creation failure an operator meets on a small machine:
+        // say what to do about it, not only what the server said.
+        let hint = if e.to_string().contains("insufficient storage") {
+            format!(
+                " (the server cannot reserve {} bytes: give JetStream more storage, \
+                     or create the stream {STREAM} beforehand with smaller limits; \
+                     an existing stream is used as it is)",
+                limits.max_bytes
+            )
+        } else {
+            String::new()
+        };
+        NatsError::Nats(format!("stream {STREAM}: {e}{hint}"))
+    })
 }
 
 #[cfg(test)]

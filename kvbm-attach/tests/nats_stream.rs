@@ -1,0 +1,35 @@
+//! Creating the fleet's stream on a real `nats-server`: the default limits
+//! are accepted, and limits the server cannot reserve fail with an error
+//! that says what to do (the failure a CI machine with little free disk
+//! met in the fleet benchmark).
+
+use kvbm_attach::nats::{STREAM, StreamLimits, async_nats, connect, ensure_stream};
+use kvbm_testkit::nats::NatsServer;
+
+#[test]
+fn a_stream_the_server_cannot_hold_is_refused_with_a_way_out() {
+    let nats = NatsServer::start();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = connect(&nats.url(), "nats-stream-test").await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        // A petabyte: more than any machine running this test has free.
+        let huge = StreamLimits {
+            max_bytes: 1 << 50,
+            ..StreamLimits::default()
+        };
+        let err = ensure_stream(&js, &huge).await.unwrap_err().to_string();
+        assert!(err.contains("insufficient storage"), "{err}");
+        assert!(
+            err.contains(&format!("create the stream {STREAM} beforehand")),
+            "{err}"
+        );
+        assert!(err.contains(&(1u64 << 50).to_string()), "{err}");
+        // Nothing was left half-made: the defaults then create it.
+        let stream = ensure_stream(&js, &StreamLimits::default()).await.unwrap();
+        assert_eq!(stream.cached_info().config.name, STREAM);
+    });
+}
