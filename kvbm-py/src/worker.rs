@@ -11,7 +11,7 @@ use crate::config::Config;
 use crate::meta::{Batch, Done, Pair, Route, StepPlan, StepReport};
 use crate::tiers::{Geometry, TierSizes, shm_path};
 use kvbm_core::layout::LayoutKind;
-use kvbm_core::storage::{DiskStorage, HostStorage};
+use kvbm_core::storage::{DiskStorage, HostStorage, prefault_in_background};
 use kvbm_core::transfer::{
     BlockPair, DiskDirection, DiskEngine, MemcpyEngine, TransferEngine, TransferError,
 };
@@ -19,6 +19,10 @@ use kvbm_events::Tier;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// Bytes of the host tier faulted in per step of the prefault thread
+/// (small enough that it stops soon after the tier is dropped).
+const PREFAULT_CHUNK: usize = 64 << 20;
 
 /// One of vLLM's per-layer KV tensors, as the Python side reads it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
@@ -199,6 +203,13 @@ impl WorkerSide {
             let g2 = Arc::new(HostStorage::shared(&path, l).map_err(|e| {
                 tier_err(format!("the host tier's shared file {}", path.display()), e)
             })?);
+            // The worker writes the host tier: fault its pages in now, in
+            // the background, rather than one by one inside each offload
+            // (see HostStorage::prefault). Not starting it is no error:
+            // the copies then fault the pages themselves.
+            if let Err(e) = prefault_in_background(&g2, PREFAULT_CHUNK) {
+                tracing::info!(error = %e, "host tier: no prefault thread");
+            }
             engines.insert(
                 Route::DeviceToHost,
                 Arc::new(

@@ -19,7 +19,7 @@ mod host;
 mod device;
 
 pub use disk::DiskStorage;
-pub use host::HostStorage;
+pub use host::{HostStorage, prefault_in_background};
 
 #[cfg(feature = "cuda")]
 pub use device::{DeviceStorage, cuda_available};
