@@ -44,6 +44,10 @@ fn spawn_sim(url: &str, name: &str, extra: &[&str], dir: &Path) -> Child {
 }
 
 fn spawn_recorder(url: &str, out: &Path, idle_s: &str, log: &Path) -> Child {
+    spawn_recorder_with(url, out, idle_s, log, &[])
+}
+
+fn spawn_recorder_with(url: &str, out: &Path, idle_s: &str, log: &Path, extra: &[&str]) -> Child {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -53,6 +57,7 @@ fn spawn_recorder(url: &str, out: &Path, idle_s: &str, log: &Path) -> Child {
         .args(["record", "--from", url, "--out"])
         .arg(out)
         .args(["--idle-exit-s", idle_s])
+        .args(extra)
         .stdout(log.try_clone().unwrap())
         .stderr(log)
         .spawn()
@@ -185,6 +190,56 @@ fn eight_engines_arrive_exactly_once() {
     assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
     assert_exactly_once(&out, &emitted, &rlog);
     fleet_analyses(&out, &emitted);
+}
+
+/// `--engines GLOB` records the engines whose names match and no other;
+/// a glob that cannot name an engine is refused before anything starts.
+#[test]
+fn an_engine_glob_records_only_the_engines_it_names() {
+    let _one = serial();
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("fleet");
+    let rlog = tmp.path().join("recorder.log");
+    let _ = (sim_bin(), recorder_bin());
+    let bad = Command::new(recorder_bin())
+        .args(["record", "--from", &nats.url(), "--out"])
+        .arg(tmp.path().join("never"))
+        .args(["--engines", "keep.*"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("keep.*") && err.contains("glob"), "{err}");
+    assert!(!tmp.path().join("never").exists());
+
+    let mut rec = spawn_recorder_with(&nats.url(), &out, "3", &rlog, &["--engines", "keep-?"]);
+    let names = ["keep-a", "skip-b", "keep-c", "keep-dd"];
+    let mut sims: Vec<Child> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let seed = (i + 1).to_string();
+            spawn_sim(
+                &nats.url(),
+                n,
+                &["--requests", "20", "--rate", "40", "--seed", &seed],
+                tmp.path(),
+            )
+        })
+        .collect();
+    let mut emitted = Vec::new();
+    for (s, n) in sims.iter_mut().zip(names) {
+        assert!(wait(s, n, Duration::from_secs(60)).success(), "{n} failed");
+        let (events, _) = sim_result(tmp.path(), n);
+        if n == "keep-a" || n == "keep-c" {
+            emitted.push((n.to_string(), events));
+        }
+    }
+    assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
+    // Exactly the two matching engines (not skip-b, not keep-dd), each
+    // exactly once.
+    assert_exactly_once(&out, &emitted, &rlog);
 }
 
 /// `stats`, `export` and `capacity` of a fleet recording: per engine and
