@@ -314,8 +314,10 @@ impl WorkerSide {
             self.dump("stored", b.pairs.iter().map(|p| (p.src, p.hash)));
         }
         // SAFETY: the plan's blocks are not touched by vLLM between its
-        // forward passes, and each engine's storages are distinct.
-        let r = unsafe { engine.submit(pairs) }.and_then(|t| t.wait_blocking());
+        // forward passes, and each engine's storages are distinct. Blocking:
+        // vLLM's forward pass waits for these copies anyway, so the memcpy
+        // engine does them on this thread rather than handing them off.
+        let r = unsafe { engine.transfer_blocking(pairs) };
         match r {
             Ok(stats) => {
                 if b.route.is_load() {

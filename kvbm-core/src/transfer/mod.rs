@@ -268,6 +268,24 @@ pub trait TransferEngine: Send + Sync {
         unsafe { self.submit_holding(pairs, None) }.map_err(|r| r.error)
     }
 
+    /// Copies `pairs` and returns once they are copied: [`submit`](Self::submit)
+    /// then [`TransferTicket::wait_blocking`], unless the engine can copy on
+    /// the calling thread (the memcpy engine does). For a caller that waits
+    /// anyway (vLLM's worker, between two forward passes) that saves two
+    /// thread hand-offs, which on a busy machine cost more than copying a
+    /// small batch.
+    ///
+    /// # Safety
+    ///
+    /// As for [`submit`](Self::submit), until this returns.
+    unsafe fn transfer_blocking(
+        &self,
+        pairs: Vec<BlockPair>,
+    ) -> Result<TransferStats, TransferError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.submit(pairs) }?.wait_blocking()
+    }
+
     /// Like [`submit`](Self::submit), and the worker holds `hold` until the
     /// copy has finished: it comes back through
     /// [`TransferTicket::finish`], or is dropped on the worker thread after
@@ -494,6 +512,41 @@ struct Counters {
     failed: AtomicU64,
 }
 
+/// Runs one batch's copy, timed, and counts it: what the worker thread does
+/// with each job, and what [`Worker::run_here`] does on the caller's thread.
+fn timed<F>(
+    name: &'static str,
+    counters: &Counters,
+    pairs: &[BlockPair],
+    copy: &mut F,
+) -> Result<TransferStats, TransferError>
+where
+    F: FnMut(&[BlockPair]) -> Result<u64, TransferError>,
+{
+    let start = Instant::now();
+    let result = copy(pairs);
+    let elapsed = start.elapsed();
+    match result {
+        Ok(bytes) => {
+            counters.batches.fetch_add(1, Ordering::Relaxed);
+            counters
+                .blocks
+                .fetch_add(pairs.len() as u64, Ordering::Relaxed);
+            counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+            Ok(TransferStats {
+                blocks: pairs.len(),
+                bytes,
+                elapsed,
+            })
+        }
+        Err(e) => {
+            counters.failed.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(engine = name, error = %e, "transfer failed");
+            Err(e)
+        }
+    }
+}
+
 /// The worker thread and bounded queue shared by all engines. The engine
 /// supplies the copy as a closure returning the number of bytes moved.
 pub(crate) struct Worker {
@@ -537,28 +590,7 @@ impl Worker {
                             });
                             continue;
                         }
-                        let start = Instant::now();
-                        let result = copy(&job.pairs);
-                        let elapsed = start.elapsed();
-                        let reply = match result {
-                            Ok(bytes) => {
-                                counters.batches.fetch_add(1, Ordering::Relaxed);
-                                counters
-                                    .blocks
-                                    .fetch_add(job.pairs.len() as u64, Ordering::Relaxed);
-                                counters.bytes.fetch_add(bytes, Ordering::Relaxed);
-                                Ok(TransferStats {
-                                    blocks: job.pairs.len(),
-                                    bytes,
-                                    elapsed,
-                                })
-                            }
-                            Err(e) => {
-                                counters.failed.fetch_add(1, Ordering::Relaxed);
-                                tracing::warn!(engine = name, error = %e, "transfer failed");
-                                Err(e)
-                            }
-                        };
+                        let reply = timed(name, &counters, &job.pairs, &mut copy);
                         // The ticket may have been dropped; then the hold
                         // comes back here and is dropped now, after the copy.
                         let _ = job.reply.send(Reply {
@@ -579,6 +611,29 @@ impl Worker {
             stopping,
             counters,
         })
+    }
+
+    /// Runs a validated batch on the calling thread, counted and timed as
+    /// the worker thread would; for callers that would only wait for it.
+    pub(crate) fn run_here<F>(
+        &self,
+        pairs: &[BlockPair],
+        mut copy: F,
+    ) -> Result<TransferStats, TransferError>
+    where
+        F: FnMut(&[BlockPair]) -> Result<u64, TransferError>,
+    {
+        if self.stopping.load(Ordering::Acquire) {
+            return Err(TransferError::EngineStopped { engine: self.name });
+        }
+        if pairs.is_empty() {
+            return Ok(TransferStats {
+                blocks: 0,
+                bytes: 0,
+                elapsed: Duration::ZERO,
+            });
+        }
+        timed(self.name, &self.counters, pairs, &mut copy)
     }
 
     /// Enqueues a validated batch without blocking.
