@@ -4,6 +4,7 @@
 //! exactly once — also while the recorder is killed with SIGKILL and
 //! restarted twice and the server is restarted once. A publisher cut off
 //! from NATS declares its drops and loses nothing sent after the outage.
+//! Breakpoints, step and resume work through NATS request-reply.
 //!
 //! Needs `scripts/setup-nats.sh` (the test says so when the server is
 //! missing). Bounded: a few thousand requests in all, each wait capped.
@@ -494,4 +495,144 @@ fn a_publisher_cut_off_declares_its_drops_and_loses_nothing_later() {
     );
     // And so is everything sent before the outage.
     assert!(read.events.iter().map(|e| e.seq).take(20_000).eq(0..20_000));
+}
+
+/// Breakpoint control through NATS request-reply against a real engine and
+/// server, with the console's own controller (`NatsControl`): a breakpoint
+/// pauses the engine, step resumes it and pauses it again at the very
+/// next call, resume lets it run, and closing the session (the console
+/// going away) releases what it set.
+#[test]
+fn control_through_nats_pauses_steps_and_resumes_an_engine() {
+    use kvbm_attach::nats::control::NatsControl;
+    use kvbm_events::breakpoint::{BreakpointSpec, STEP_BREAKPOINT};
+    use kvbm_events::control::{BreakpointsView, Control, ControlCommand, ControlResult};
+
+    let _one = serial();
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let _ = sim_bin();
+    let mut sim = spawn_sim(
+        &nats.url(),
+        "ctl-0",
+        &[
+            "--real-time",
+            "1",
+            "--requests",
+            "400",
+            "--rate",
+            "4",
+            "--output-len",
+            "200",
+            "--bp-deadline-s",
+            "120",
+            "--publish-linger-s",
+            "60",
+        ],
+        tmp.path(),
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = rt
+        .block_on(kvbm_attach::nats::connect(&nats.url(), "control-test"))
+        .unwrap();
+    let ctl = NatsControl::new(client, "ctl-0", rt.handle()).unwrap();
+    let until = |what: &str, ok: &dyn Fn(&BreakpointsView) -> bool| -> BreakpointsView {
+        let t = Instant::now();
+        loop {
+            let v = ctl.view();
+            if ok(&v) {
+                return v;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "{what}: {v:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // The engine's responder answers once it is up.
+    let t = Instant::now();
+    let id = loop {
+        match ctl.execute(
+            ControlCommand::Add {
+                spec: BreakpointSpec::default().with_state("Decoding"),
+            },
+            None,
+        ) {
+            Ok(ControlResult::Added(id)) => break id,
+            other => {
+                assert!(
+                    t.elapsed() < Duration::from_secs(30),
+                    "no engine: {other:?}"
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
+    let v = until("a call paused by the breakpoint", &|v| {
+        v.paused.iter().any(|p| p.breakpoint == id)
+    });
+    let first = v.paused[0].pause_id;
+    // Step: clear the breakpoint, resume, and pause at the very next call.
+    assert_eq!(
+        ctl.execute(ControlCommand::Clear { id }, None).ok(),
+        Some(ControlResult::Done(true))
+    );
+    assert!(matches!(
+        ctl.execute(ControlCommand::Step, None),
+        Ok(ControlResult::Done(_))
+    ));
+    let v = until("a call paused by the step", &|v| {
+        v.paused
+            .iter()
+            .any(|p| p.breakpoint == STEP_BREAKPOINT && p.pause_id > first)
+    });
+    assert!(v.breakpoints.is_empty(), "{v:?}");
+    // Resume everything: nothing stays paused.
+    assert!(matches!(
+        ctl.execute(ControlCommand::Resume { pause_id: None }, None),
+        Ok(ControlResult::Count(n)) if n >= 1
+    ));
+    until("nothing paused after resume", &|v| v.paused.is_empty());
+    // A breakpoint set, then the controller dropped: its session is closed
+    // and the engine runs on.
+    let again = ctl
+        .execute(
+            ControlCommand::Add {
+                spec: BreakpointSpec::default().with_state("Decoding"),
+            },
+            None,
+        )
+        .unwrap();
+    assert!(matches!(again, ControlResult::Added(_)));
+    until("paused again", &|v| !v.paused.is_empty());
+    drop(ctl);
+    let client = rt
+        .block_on(kvbm_attach::nats::connect(&nats.url(), "control-test-2"))
+        .unwrap();
+    let watcher = NatsControl::new(client, "ctl-0", rt.handle()).unwrap();
+    let t = Instant::now();
+    // A command that changes nothing (no pause has that id) makes the
+    // watcher read the engine's view at once, from the engine itself.
+    loop {
+        let r = watcher.execute(
+            ControlCommand::Resume {
+                pause_id: Some(u64::MAX),
+            },
+            None,
+        );
+        assert_eq!(r.ok(), Some(ControlResult::Done(false)));
+        let v = watcher.view();
+        if v.breakpoints.is_empty() && v.paused.is_empty() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the dropped controller's breakpoint outlived it: {v:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = sim.kill();
+    let _ = sim.wait();
 }
