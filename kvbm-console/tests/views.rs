@@ -778,4 +778,10 @@ fn the_capacity_view_draws_the_curve_the_tiers_and_the_miss_reasons() {
     special(&mut app, KeyCode::Enter);
     let s = screen(&draw(&mut app, 160, 48));
     assert!(s.contains("lookup 1: hit G1"), "{s}");
+    // And each lookup again in its own row of the request's events.
+    assert!(
+        s.lines()
+            .any(|l| l.contains("PrefixLookup") && l.contains("tokens: hit G1")),
+        "{s}"
+    );
 }

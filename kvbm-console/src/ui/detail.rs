@@ -9,6 +9,7 @@ use crate::model::{History, Model};
 use kvbm_events::slot::SlotState;
 use kvbm_events::{Event, EventKind, RequestId};
 use kvbm_recorder::analysis::capacity::Lookup;
+use kvbm_recorder::analysis::capacity::reasons::KEEP_LOOKUPS;
 use ratatui::Frame;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
@@ -25,6 +26,16 @@ const INFO_HEIGHT: u16 = 4 + MAX_LOOKUPS as u16;
 
 /// One lookup, explained: what each tier hit and why it stopped.
 pub fn lookup_line(n: usize, l: &Lookup) -> String {
+    format!(
+        "lookup {n}{}: {}",
+        if l.first { "" } else { " (again)" },
+        explain(l)
+    )
+}
+
+/// What a lookup hit in each tier, why it stopped, and what its missed
+/// tokens were.
+fn explain(l: &Lookup) -> String {
     let hits = format!(
         "hit G1 {} G2 {} G3 {} of {} blocks",
         l.hit_blocks[0], l.hit_blocks[1], l.hit_blocks[2], l.matchable_blocks
@@ -41,14 +52,41 @@ pub fn lookup_line(n: usize, l: &Lookup) -> String {
         .map(|(name, v)| format!("{name} {v}"))
         .collect();
     format!(
-        "lookup {n}{}: {hits}; {why}{}",
-        if l.first { "" } else { " (again)" },
+        "{hits}; {why}{}",
         if misses.is_empty() {
             String::new()
         } else {
             format!(" · missed tokens: {}", misses.join(", "))
         }
     )
+}
+
+/// The explanation of each `PrefixLookup` among `events` (the request's
+/// events, oldest first), matched to `lookups` (oldest first) by time;
+/// `None` for other events. A lookup older than those the analysis keeps
+/// ([`KEEP_LOOKUPS`] a request) says so.
+fn explained_rows(events: &[&Event], lookups: &[Lookup]) -> Vec<Option<String>> {
+    let mut next = 0;
+    events
+        .iter()
+        .map(|e| {
+            let EventKind::PrefixLookup { tokens, .. } = &e.kind else {
+                return None;
+            };
+            while lookups.get(next).is_some_and(|l| l.ts_ns < e.ts_ns) {
+                next += 1;
+            }
+            Some(match lookups.get(next).filter(|l| l.ts_ns == e.ts_ns) {
+                Some(l) => {
+                    next += 1;
+                    format!("{tokens} tokens: {}", explain(l))
+                }
+                None => format!(
+                    "{tokens} tokens (its explanation is no longer kept: the latest {KEEP_LOOKUPS} of a request are)"
+                ),
+            })
+        })
+        .collect()
 }
 
 /// The event list's area inside the view's body.
@@ -229,7 +267,8 @@ impl View for Detail {
                 Style::new().fg(Color::DarkGray),
             ))],
         };
-        // Why its lookups missed: the first, and the latest after it.
+        // Why its lookups missed: the first, and the latest after it, here;
+        // every one in its row of the event list below.
         let lookups = model.capacity().request_lookups(request);
         let shown: Vec<(usize, &Lookup)> = match lookups.len() {
             0 => Vec::new(),
@@ -363,17 +402,19 @@ impl View for Detail {
         let visible = inner.height.saturating_sub(1) as usize;
         let l = &self.list;
         let off = l.offset_for(evs.len(), visible);
+        let explained = explained_rows(&evs, &lookups);
         let rows: Vec<GridRow> = evs
             .iter()
+            .zip(explained)
             .enumerate()
             .skip(off)
             .take(visible)
-            .map(|(i, e)| {
+            .map(|(i, (e, why))| {
                 let r = GridRow::plain([
                     e.seq.to_string(),
                     fmt::clock(e.ts_ns),
                     e.kind.name().to_string(),
-                    super::events::describe(&e.kind),
+                    why.unwrap_or_else(|| super::events::describe(&e.kind)),
                 ]);
                 if i == l.selected {
                     r.style(selected())
@@ -451,4 +492,79 @@ fn col(t: u64, t0: u64, t1: u64, width: usize) -> usize {
     }
     (((t.saturating_sub(t0)) as f64 / (t1 - t0) as f64) * width as f64).min(width as f64 - 1.0)
         as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbm_events::hash::SequenceHash;
+    use kvbm_recorder::analysis::capacity::ReasonTotals;
+
+    fn lookup_event(seq: u64, ts_ns: u64) -> Event {
+        Event {
+            engine: 0,
+            seq,
+            ts_ns,
+            iteration: 0,
+            request: Some("r".into()),
+            kind: EventKind::PrefixLookup {
+                tokens: 100 + seq as u32,
+                block_size: 16,
+                computed_blocks: 0,
+                hashes: vec![SequenceHash(1), SequenceHash(2), SequenceHash(3)],
+            },
+        }
+    }
+
+    fn lookup(ts_ns: u64, g1: u32) -> Lookup {
+        Lookup {
+            ts_ns,
+            first: ts_ns == 10,
+            hit_blocks: [g1, 0, 0],
+            matchable_blocks: 3,
+            stopped: None,
+            totals: ReasonTotals::default(),
+        }
+    }
+
+    /// Every lookup event gets its own explanation, matched by time (not
+    /// the first or the latest for all); other events get none; a lookup
+    /// the analysis no longer keeps says so.
+    #[test]
+    fn each_lookup_row_is_explained_by_its_own_lookup() {
+        let mut events: Vec<Event> = (0..12).map(|i| lookup_event(i, 10 * (i + 1))).collect();
+        events.insert(
+            3,
+            Event {
+                kind: EventKind::TokensScheduled {
+                    prefill: 1,
+                    decode: 0,
+                    computed: 0,
+                },
+                ..lookup_event(99, 35)
+            },
+        );
+        // The analysis kept the latest 8 of the 12, each with its own hits.
+        let kept: Vec<Lookup> = (4..12).map(|i| lookup(10 * (i + 1), i as u32)).collect();
+        let refs: Vec<&Event> = events.iter().collect();
+        let rows = explained_rows(&refs, &kept);
+        assert_eq!(rows.len(), 13);
+        assert_eq!(rows[3], None, "not a lookup");
+        for (row, e) in rows.iter().zip(&events) {
+            let EventKind::PrefixLookup { tokens, .. } = e.kind else {
+                continue;
+            };
+            let row = row.as_deref().unwrap();
+            assert!(row.starts_with(&format!("{tokens} tokens")), "{row}");
+            let i = e.seq;
+            if i < 4 {
+                assert!(row.contains("no longer kept"), "{row}");
+            } else {
+                assert!(
+                    row.contains(&format!("hit G1 {i} G2 0 G3 0 of 3 blocks")),
+                    "{row}"
+                );
+            }
+        }
+    }
 }

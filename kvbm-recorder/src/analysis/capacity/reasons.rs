@@ -35,8 +35,8 @@ use std::sync::Arc;
 
 /// Requests finished whose lookups are kept for the detail view.
 const KEEP_FINISHED: usize = 4096;
-/// Lookups kept per request.
-const KEEP_LOOKUPS: usize = 8;
+/// Lookups kept per request (the latest; older ones are dropped).
+pub const KEEP_LOOKUPS: usize = 8;
 
 /// Why one block missed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
