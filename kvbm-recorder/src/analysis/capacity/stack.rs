@@ -8,7 +8,9 @@
 //! number of live slots at or after `s`. Live slots are bits in a bitset,
 //! and a Fenwick tree counts them per cache line of 512 slots: a count is
 //! a walk over the (small, cache-resident) tree plus popcounts within one
-//! line, and an update touches one bitset word. When the slots run out,
+//! line, and an update touches one bitset word (the newest line's slots
+//! reach the tree together, when the next line starts). When the slots
+//! run out,
 //! the live ones are renumbered in order (linear time, no sort) into a
 //! bitset four times their number, so the cost per reference stays
 //! logarithmic in the number of distinct keys, not in the length of the
@@ -218,11 +220,22 @@ impl SlotMap {
 }
 
 /// Live slots: a bitset, and a Fenwick tree of per-line counts.
+///
+/// Slots are set in increasing order, so the slots set since `flushed`
+/// all lie in one line, the newest: they are counted in `pending` and
+/// enter the tree in one update when the next line is started. A count
+/// never reads the tree entry of its own line (it popcounts within it),
+/// so the newest line's entry may lag; every older line's is exact. That
+/// saves one of the three tree walks a reference costs.
 #[derive(Debug, Clone, Default)]
 struct Slots {
     bits: Vec<u64>,
     /// 1-based Fenwick tree over lines.
     tree: Vec<u32>,
+    /// Slots below this are all counted in the tree.
+    flushed: usize,
+    /// Live slots at or above `flushed` (all in `flushed`'s line).
+    pending: u32,
 }
 
 impl Slots {
@@ -230,18 +243,31 @@ impl Slots {
         self.bits.len() * 64
     }
 
+    /// Sets slot `s`, which must be above every slot set so far.
     #[inline]
     fn set(&mut self, s: u32) {
         let s = s as usize;
+        debug_assert!(s >= self.flushed);
+        if s.is_multiple_of(LINE) && s > self.flushed {
+            // `s` starts a line: the pending slots (all in the line
+            // before) go into the tree.
+            self.add_line(self.flushed / LINE, self.pending);
+            self.flushed = s;
+            self.pending = 0;
+        }
         self.bits[s >> 6] |= 1 << (s & 63);
-        self.add_line(s / LINE, 1);
+        self.pending += 1;
     }
 
     #[inline]
     fn clear(&mut self, s: u32) {
         let s = s as usize;
         self.bits[s >> 6] &= !(1 << (s & 63));
-        self.add_line(s / LINE, u32::MAX);
+        if s >= self.flushed {
+            self.pending -= 1;
+        } else {
+            self.add_line(s / LINE, u32::MAX);
+        }
     }
 
     #[inline]
@@ -264,6 +290,11 @@ impl Slots {
         while i > 0 {
             sum = sum.wrapping_add(self.tree[i]);
             i &= i - 1;
+        }
+        if line > self.flushed / LINE {
+            // The pending slots' line is before `s`'s, and its tree entry
+            // does not hold them yet.
+            sum += self.pending;
         }
         let w = s >> 6;
         for &word in &self.bits[line * WORDS_PER_LINE..w] {
@@ -298,6 +329,9 @@ impl Slots {
                 self.tree[j] += self.tree[i];
             }
         }
+        // Every live slot is in the tree.
+        self.flushed = n;
+        self.pending = 0;
     }
 
     fn bytes(&self) -> usize {
@@ -497,6 +531,23 @@ mod tests {
                 Some(seen.len() as u64 + 1)
             })
             .collect()
+    }
+
+    /// The newest line's slots reach the tree only when the next line
+    /// starts; a count from the first slot of that next line (which
+    /// `distinct_since` asks for when nothing came after `t`) must still
+    /// see them.
+    #[test]
+    fn counts_at_a_line_boundary_see_the_newest_line() {
+        let mut s = StackDistances::with_times();
+        for k in 0..LINE as u64 {
+            assert_eq!(s.reference(k), None);
+        }
+        assert_eq!(s.distinct_since(s.clock()), 0);
+        assert_eq!(s.distinct_since(0), LINE as u64);
+        assert_eq!(s.peek(0), Some(LINE as u64));
+        assert_eq!(s.reference(0), Some(LINE as u64));
+        assert_eq!(s.distinct_since(s.clock() - 1), 1);
     }
 
     #[test]
