@@ -157,10 +157,13 @@ def bench(args):
     engine.generate(llm, ps)  # warm up
     llm.reset_prefix_cache()
     t0 = time.perf_counter()
+    rounds = []
     for _ in range(args["rounds"]):
+        t = time.perf_counter()
         engine.generate(llm, ps, max_tokens=args.get("max_tokens", 32))
         llm.reset_prefix_cache()
-    engine.say(connector=kind, wall_s=round(time.perf_counter() - t0, 4), **kw)
+        rounds.append(round(time.perf_counter() - t, 4))
+    engine.say(connector=kind, wall_s=round(time.perf_counter() - t0, 4), rounds_s=rounds, **kw)
 
 
 def main():
