@@ -7,6 +7,7 @@
 //! and breakpoints are controlled on `kvbm.control.<engine_id>`.
 
 use crate::config::Config;
+use kvbm_attach::nats::publish::PublisherCounters;
 use kvbm_attach::server::{
     Feeder, FeederConfig, ServedEngine, Server, ServerConfig, ServerHandle, spawn_feeder,
 };
@@ -21,6 +22,9 @@ use std::thread::JoinHandle;
 
 /// Events the server's ring keeps.
 const RING_EVENTS: usize = 1 << 20;
+
+/// How long the publisher may take, at shutdown, to send what it holds.
+pub const PUBLISH_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The running observers.
 pub struct Observers {
@@ -151,9 +155,19 @@ impl Observers {
         self.server.as_ref().map(|s| s.local_addr())
     }
 
+    /// The NATS publisher's counters now, when publishing.
+    pub fn publisher_counters(&self) -> Option<PublisherCounters> {
+        self.publisher.as_ref().map(|p| p.counters())
+    }
+
     /// Stops the server, the feeder and the recorder (which writes what is
-    /// left and its sidecar).
-    pub fn stop(mut self, runtime: &tokio::runtime::Runtime) -> Result<(), String> {
+    /// left and its sidecar), or the publisher (which sends what it still
+    /// holds, for at most [`PUBLISH_DRAIN`]); returns the publisher's final
+    /// counters when publishing.
+    pub fn stop(
+        mut self,
+        runtime: &tokio::runtime::Runtime,
+    ) -> Result<Option<PublisherCounters>, String> {
         let mut first_err = None;
         if let Some(s) = self.server.take()
             && let Err(e) = runtime.block_on(s.shutdown())
@@ -168,11 +182,13 @@ impl Observers {
             // Nothing stays paused once control is gone.
             responder.release_all();
         }
+        let mut published = None;
         if let Some(p) = self.publisher.take() {
-            let c = p.stop(std::time::Duration::from_secs(5));
+            let c = p.stop(PUBLISH_DRAIN);
             if c.lost() > 0 {
                 tracing::warn!("kvbm publisher lost {} events: {c:?}", c.lost());
             }
+            published = Some(c);
         }
         self.recorder_stop.store(true, Ordering::Release);
         if let Some(r) = self.recorder.take() {
@@ -187,7 +203,7 @@ impl Observers {
             }
         }
         match first_err {
-            None => Ok(()),
+            None => Ok(published),
             Some(e) => Err(e),
         }
     }

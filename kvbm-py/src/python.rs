@@ -45,6 +45,18 @@ fn worker_err(e: WorkerError) -> PyErr {
     }
 }
 
+/// The scheduler side's counters as JSON text: the connector's, its time
+/// per step, the events it emitted and, with `publish`, its publisher's.
+fn counters_json(s: &SchedulerSide) -> String {
+    serde_json::json!({
+        "counters": s.counters(),
+        "step_timing": s.step_timing(),
+        "events_emitted": s.events_emitted(),
+        "publisher": s.publisher_counters(),
+    })
+    .to_string()
+}
+
 fn gone() -> PyErr {
     PyRuntimeError::new_err("kvbm: the connector was shut down")
 }
@@ -191,25 +203,21 @@ impl PyScheduler {
 
     /// The connector's counters and its own time per step, as JSON text.
     fn counters(&self) -> String {
-        self.lock()
-            .as_ref()
-            .map(|s| {
-                serde_json::json!({
-                    "counters": s.counters(),
-                    "step_timing": s.step_timing(),
-                })
-                .to_string()
-            })
-            .unwrap_or_default()
+        self.lock().as_ref().map(counters_json).unwrap_or_default()
     }
 
-    /// Stops everything (idempotent).
-    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+    /// Stops everything (idempotent). Returns the final counters (JSON
+    /// text, as `counters`: with `publish`, what the publisher sent and
+    /// lost), or "" when already stopped.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<String> {
         py.detach(|| {
             let side = self.lock().take();
             match side {
-                Some(mut s) => s.shutdown().map_err(sched_err),
-                None => Ok(()),
+                Some(mut s) => {
+                    s.shutdown().map_err(sched_err)?;
+                    Ok(counters_json(&s))
+                }
+                None => Ok(String::new()),
             }
         })
     }

@@ -212,6 +212,8 @@ pub struct SchedulerSide {
     step: u64,
     counters: Counters,
     observers: Option<Observers>,
+    /// The NATS publisher's final counters, once stopped.
+    published: Option<kvbm_attach::nats::publish::PublisherCounters>,
     /// Time spent in the connector since the last step was shipped, and
     /// per step before that (the last [`TIMING_SAMPLES`]).
     spent_ns: u64,
@@ -537,6 +539,7 @@ impl SchedulerSide {
             step: 0,
             counters: Counters::default(),
             observers: Some(observers),
+            published: None,
             spent_ns: 0,
             step_ns: std::collections::VecDeque::new(),
         })
@@ -555,6 +558,21 @@ impl SchedulerSide {
     /// What the connector counted.
     pub fn counters(&self) -> Counters {
         self.counters
+    }
+
+    /// Events the connector has emitted (every one gets the next seq,
+    /// watched or not).
+    pub fn events_emitted(&self) -> u64 {
+        self.emitter.emitted()
+    }
+
+    /// With `publish`: the NATS publisher's counters (live; after
+    /// [`SchedulerSide::shutdown`], final: what it sent and lost).
+    pub fn publisher_counters(&self) -> Option<kvbm_attach::nats::publish::PublisherCounters> {
+        self.observers
+            .as_ref()
+            .and_then(Observers::publisher_counters)
+            .or_else(|| self.published.clone())
     }
 
     /// The connector's own time per step (every call vLLM made to it from
@@ -1106,7 +1124,15 @@ impl SchedulerSide {
         }
         let obs = self.observers.take();
         let r = match obs {
-            Some(o) => o.stop(&self.runtime).map_err(SchedulerError::Observe),
+            Some(o) => match o.stop(&self.runtime) {
+                Ok(published) => {
+                    if published.is_some() {
+                        self.published = published;
+                    }
+                    Ok(())
+                }
+                Err(e) => Err(SchedulerError::Observe(e)),
+            },
             None => Ok(()),
         };
         if let Some(p) = self.shm.take() {

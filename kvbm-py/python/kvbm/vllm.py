@@ -227,10 +227,10 @@ class KvbmConnector(KVConnectorBase_V1):
         self._write_stats()
         return KvbmMetadata(plan=plan)
 
-    def _write_stats(self, force: bool = False) -> None:
+    def _write_stats(self, force: bool = False, text: Optional[str] = None) -> None:
         """With ``KVBM_STATS_FILE`` set, keeps the connector's counters and
-        its own time per step there (at most once a second), for
-        benchmarks and diagnostics."""
+        its own time per step there (at most once a second; the final ones,
+        ``text``, at shutdown), for benchmarks and diagnostics."""
         path = os.environ.get("KVBM_STATS_FILE")
         if not path or self._sched is None:
             return
@@ -240,7 +240,7 @@ class KvbmConnector(KVConnectorBase_V1):
         self._stats_at = now
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            f.write(self._sched.counters())
+            f.write(text if text is not None else self._sched.counters())
         os.replace(tmp, path)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -329,7 +329,22 @@ class KvbmConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._sched is not None:
-            self._write_stats(force=True)
-            self._sched.shutdown()
+            # The final counters: with `publish`, what the publisher sent
+            # once it has drained (and what it lost, said here: nothing
+            # else would tell).
+            final = self._sched.shutdown()
+            if final:
+                self._write_stats(force=True, text=final)
+                stats = json.loads(final)
+                pub = stats.get("publisher")
+                if pub is not None:
+                    lost = int(pub.get("tap_dropped", 0)) + int(pub.get("dropped", 0))
+                    if lost:
+                        logger.warning(
+                            "kvbm: the NATS publisher lost %d of %d events (last error: %s)",
+                            lost, stats.get("events_emitted"), pub.get("last_error"),
+                        )
+                    else:
+                        logger.info("kvbm: published %d events to NATS", pub.get("events_sent", 0))
         if self._worker is not None:
             self._worker.shutdown()

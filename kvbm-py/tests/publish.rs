@@ -1,0 +1,82 @@
+//! The connector's `publish`: its counters say what it emitted and what
+//! its NATS publisher had acknowledged by JetStream — live while it runs,
+//! final after shutdown (when the publisher has drained) — so a run can be
+//! compared with the fleet recording, and a loss is seen. Against a real
+//! `nats-server` (`scripts/setup-nats.sh`); the real-vLLM version is
+//! `kvbm-py/tests/vllm/fleet_publish.py`.
+
+use kvbm_py::config::Config;
+use kvbm_py::scheduler::{Scheduled, SchedulerSide, StepInput};
+use kvbm_py::tiers::Geometry;
+use kvbm_testkit::nats::NatsServer;
+use serde_json::json;
+
+const BLOCKS: usize = 16;
+
+fn geometry() -> Geometry {
+    Geometry {
+        num_gpu_blocks: BLOCKS,
+        block_size: 4,
+        num_layers: 2,
+        page_bytes: 64,
+    }
+}
+
+fn start(extra: serde_json::Value, dir: &tempfile::TempDir) -> SchedulerSide {
+    let mut extra = extra;
+    extra["shm_dir"] = json!(dir.path().to_str().unwrap());
+    extra["host_capacity_tokens"] = json!(64);
+    SchedulerSide::start(Config::from_json(&extra).unwrap(), geometry(), "engine-1").unwrap()
+}
+
+/// A request looked up, allocated, scheduled and finished.
+fn one_request(s: &mut SchedulerSide) {
+    let p: Vec<u32> = (100..109).collect();
+    assert_eq!(s.get_num_new_matched_tokens("A", &p, 0).unwrap(), Some(0));
+    s.update_state_after_alloc("A", &[1, 2, 3], 0).unwrap();
+    s.build_meta(&StepInput {
+        scheduled: vec![Scheduled {
+            request: "A".into(),
+            new_tokens: Vec::new(),
+            prompt_len: p.len(),
+            computed_before: 0,
+            scheduled: p.len(),
+            block_ids: vec![1, 2, 3],
+        }],
+        preempted: Vec::new(),
+        g1_free: Some(BLOCKS - 3),
+    })
+    .unwrap();
+    s.request_finished("A", &[1, 2, 3]).unwrap();
+}
+
+#[test]
+fn publishing_counts_every_event_emitted_as_sent() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = start(json!({"publish": nats.url(), "engine_id": "pod-t"}), &dir);
+    assert!(
+        s.publisher_counters().is_some(),
+        "publishing: the counters are there from the start"
+    );
+    one_request(&mut s);
+    assert!(s.events_emitted() > 0);
+    s.shutdown().unwrap();
+    let c = s
+        .publisher_counters()
+        .expect("the publisher's final counters after shutdown");
+    assert_eq!(c.events_in, s.events_emitted(), "{c:?}");
+    assert_eq!(c.events_sent, s.events_emitted(), "{c:?}");
+    assert_eq!(c.lost(), 0, "{c:?}");
+    assert_eq!(c.publish_errors, 0, "{c:?}");
+}
+
+#[test]
+fn without_publish_there_are_no_publisher_counters() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = start(json!({}), &dir);
+    one_request(&mut s);
+    assert!(s.events_emitted() > 0);
+    s.shutdown().unwrap();
+    assert!(s.publisher_counters().is_none());
+}
