@@ -373,6 +373,29 @@ impl Layout {
     }
 }
 
+impl Layout {
+    /// The range of layer `layer` of `block` (its `outer_dim` pages, in
+    /// order), contiguous in both kinds. The caller has checked both
+    /// indices (see `chunk` for why the arithmetic cannot overflow then).
+    fn layer_range(&self, block: BlockId, layer: usize) -> MemRange {
+        debug_assert!((block as usize) < self.config.num_blocks);
+        debug_assert!(layer < self.config.num_layers);
+        let b = block as usize;
+        match self.kind {
+            LayoutKind::FullyContiguous => MemRange {
+                region: 0,
+                offset: b * self.block_bytes + layer * self.layer_block_bytes,
+                len: self.layer_block_bytes,
+            },
+            LayoutKind::LayerSeparate => MemRange {
+                region: layer,
+                offset: b * self.layer_block_bytes,
+                len: self.layer_block_bytes,
+            },
+        }
+    }
+}
+
 /// Iterator over a block's coalesced ranges; see [`Layout::block_ranges`].
 #[derive(Debug, Clone)]
 pub struct BlockRanges {
@@ -413,8 +436,10 @@ impl ExactSizeIterator for BlockRanges {}
 /// lengths and together cover both blocks exactly.
 ///
 /// When both layouts have the same kind the pieces are the coalesced block
-/// ranges (one large copy per range); otherwise they are the chunks, the
-/// largest unit contiguous in both.
+/// ranges (one large copy per range); otherwise they are the block's layers
+/// (all `outer_dim` pages of a layer together), the largest unit contiguous
+/// in both: one copy per layer rather than one per page, half as many for
+/// separate K and V.
 ///
 /// Errors when the shapes differ or a block is out of range; nothing is
 /// passed to `f` in that case.
@@ -440,12 +465,10 @@ pub(crate) fn for_each_copy_piece<E: From<LayoutError>>(
         }
     } else {
         for layer in 0..src.config.num_layers {
-            for outer in 0..src.config.outer_dim {
-                f(
-                    src.chunk(src_block, layer, outer)?,
-                    dst.chunk(dst_block, layer, outer)?,
-                )?;
-            }
+            f(
+                src.layer_range(src_block, layer),
+                dst.layer_range(dst_block, layer),
+            )?;
         }
     }
     Ok(())
@@ -656,17 +679,34 @@ mod tests {
     fn copy_pieces_cover_the_block_in_order() {
         let fc = Layout::new(cfg(5, 3), LayoutKind::FullyContiguous).unwrap();
         let ls = Layout::new(cfg(7, 3), LayoutKind::LayerSeparate).unwrap();
-        for (a, b) in [(&fc, &fc), (&ls, &ls), (&fc, &ls), (&ls, &fc)] {
+        // cfg has outer_dim 2: across kinds, one piece per layer (both
+        // pages together), not one per page.
+        assert_eq!(fc.config().outer_dim, 2);
+        for (a, b, pieces) in [(&fc, &fc, 1), (&ls, &ls, 3), (&fc, &ls, 3), (&ls, &fc, 3)] {
             let mut total = 0;
+            let mut n = 0;
             for_each_copy_piece::<LayoutError>(a, 1, b, 4, |s, d| {
                 assert_eq!(s.len, d.len);
                 a.check_range(&s)?;
                 b.check_range(&d)?;
+                // Each piece is whole pages of the block, in order, at the
+                // same place in both layouts: its page k is the block's next
+                // page (layer, outer) in each, as `chunk` places it.
+                for k in 0..s.len / a.chunk_bytes() {
+                    let page = total / a.chunk_bytes() + k;
+                    let (layer, outer) = (page / 2, page % 2);
+                    let (cs, cd) = (a.chunk(1, layer, outer)?, b.chunk(4, layer, outer)?);
+                    let at = k * a.chunk_bytes();
+                    assert_eq!((cs.region, cs.offset), (s.region, s.offset + at));
+                    assert_eq!((cd.region, cd.offset), (d.region, d.offset + at));
+                }
                 total += s.len;
+                n += 1;
                 Ok(())
             })
             .unwrap();
             assert_eq!(total, a.block_bytes());
+            assert_eq!(n, pieces, "{:?} -> {:?}", a.kind(), b.kind());
         }
     }
 
