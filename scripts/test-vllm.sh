@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # kvbm's vLLM connector against a real vLLM (CPU backend, a tiny
 # random-weight Llama): correct bytes, breakpoints, the recording, bad
-# configuration (kvbm-py/tests/vllm/run.py), and the console attached to the
-# running engine in tmux (kvbm-py/tests/vllm/console.py).
+# configuration (kvbm-py/tests/vllm/run.py), the fleet through a real
+# nats-server (vLLM's own events bridged: fleet_bridge.py; the connector's
+# `publish`: fleet_publish.py), and the console attached to the running
+# engine in tmux (kvbm-py/tests/vllm/console.py).
 #
 # Prepares what it needs: the vLLM environment (scripts/setup-vllm.sh, cached
 # in ~/.cache/kvbm/vllm-venv), kvbm's Python package installed into it the way
@@ -30,5 +32,7 @@ echo "== the connector against vLLM"
 echo "== the fleet bridge: vLLM's own KV events onto NATS, into the fleet recorder"
 NATS_BIN="$(bash scripts/setup-nats.sh)"
 "$PY" kvbm-py/tests/vllm/fleet_bridge.py --recorder target/release/kvbm-recorder --nats-server "$NATS_BIN"
+echo "== the connector's publish: kvbm inside vLLM onto NATS, into the fleet recorder"
+"$PY" kvbm-py/tests/vllm/fleet_publish.py --recorder target/release/kvbm-recorder --nats-server "$NATS_BIN"
 echo "== the console attached to vLLM, in tmux"
 "$PY" kvbm-py/tests/vllm/console.py --console target/release/kvbm-console
