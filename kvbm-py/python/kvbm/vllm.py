@@ -15,8 +15,11 @@ Settings (``kv_connector_extra_config``, all optional): ``host_capacity_tokens``
 (default: 10% of RAM; 0 disables the host tier), ``disk_path`` and
 ``disk_capacity_tokens``, ``offload`` (``eager`` or ``lazy``), ``serve``
 (``host:port`` of an attach server), ``token``, ``record`` (a new directory),
-``breakpoint_deadline_s``, ``ship_timeout_s``, ``shm_dir``. An unknown key is
-an error naming it.
+``breakpoint_deadline_s``, ``ship_timeout_s``, ``shm_dir``, or ``publish``
+(``nats://HOST:PORT``, the fleet's event plane) with ``engine_id``. An
+unknown key is an error naming it. With ``KVBM_STATS_FILE`` set, the
+connector's counters are kept in that file (with ``publish``, what its
+publisher sent and lost, final after shutdown).
 """
 
 from __future__ import annotations
@@ -329,9 +332,12 @@ class KvbmConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._sched is not None:
-            # The final counters: with `publish`, what the publisher sent
+            # The counters now (in case vLLM kills this process before the
+            # shutdown below ends: it gives its engine core 5 s in all),
+            # then the final ones: with `publish`, what the publisher sent
             # once it has drained (and what it lost, said here: nothing
             # else would tell).
+            self._write_stats(force=True)
             final = self._sched.shutdown()
             if final:
                 self._write_stats(force=True, text=final)
