@@ -19,6 +19,10 @@ use std::sync::Arc;
 ///
 /// Source and destination may be the same storage; a batch may then not
 /// read and write the same block ([`TransferError::Aliasing`]).
+///
+/// With [`Stores::Streaming`] (see [`MemcpyEngine::with_stores`]) the
+/// destination is written with non-temporal stores: for an offload into a
+/// lower tier, whose bytes no one reads until a later load.
 pub struct MemcpyEngine {
     // First field: dropped first, so the worker is joined before anything
     // else goes away.
@@ -28,6 +32,28 @@ pub struct MemcpyEngine {
     src_tier: Tier,
     dst_tier: Tier,
     same_storage: bool,
+    stores: Stores,
+}
+
+/// How a [`MemcpyEngine`] writes its destination.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Stores {
+    /// Ordinary stores (`memcpy`): the copied bytes end up in the CPU's
+    /// cache, where the next reader finds them. For loads into G1, which
+    /// the next forward pass reads.
+    #[default]
+    Cached,
+    /// Non-temporal stores on x86-64 (SSE2 `movntdq`, then `sfence`), for
+    /// pieces of 4 KiB or more; ordinary copies elsewhere. A destination
+    /// not recently written (a host-tier block) is not read into the cache
+    /// before it is overwritten, as an ordinary store must, nor does the
+    /// copy evict what the engine works on. On the 2-core test VM (busy),
+    /// stores of 40 KiB on average, in 16 KiB pieces, into such memory
+    /// took 2.9 µs at the median and 4.2 µs at the 90th percentile, one
+    /// `memcpy` of the same bytes 3.3 and 6.7 µs, ordinary stores 3.7 and
+    /// 8.2 µs (`cargo bench -p kvbm-core --bench small_store`). For
+    /// offloads, whose bytes are read only by a later load.
+    Streaming,
 }
 
 impl MemcpyEngine {
@@ -53,12 +79,24 @@ impl MemcpyEngine {
         dst_tier: Tier,
         config: EngineConfig,
     ) -> Result<Self, TransferError> {
+        Self::with_stores(src, src_tier, dst, dst_tier, config, Stores::Cached)
+    }
+
+    /// Builds an engine that writes its destination with `stores`.
+    pub fn with_stores(
+        src: Arc<HostStorage>,
+        src_tier: Tier,
+        dst: Arc<HostStorage>,
+        dst_tier: Tier,
+        config: EngineConfig,
+        stores: Stores,
+    ) -> Result<Self, TransferError> {
         check_shapes(src.layout(), dst.layout())?;
         let same_storage = Arc::ptr_eq(&src, &dst);
         let worker = {
             let (src, dst) = (src.clone(), dst.clone());
             Worker::spawn("memcpy", &config, move |pairs| {
-                copy_batch(&src, &dst, pairs)
+                copy_batch(&src, &dst, pairs, stores)
             })?
         };
         Ok(MemcpyEngine {
@@ -68,7 +106,13 @@ impl MemcpyEngine {
             src_tier,
             dst_tier,
             same_storage,
+            stores,
         })
+    }
+
+    /// How this engine writes its destination.
+    pub fn stores(&self) -> Stores {
+        self.stores
     }
 
     /// A snapshot of the engine's counters.
@@ -82,6 +126,7 @@ fn copy_batch(
     src: &HostStorage,
     dst: &HostStorage,
     pairs: &[BlockPair],
+    stores: Stores,
 ) -> Result<u64, TransferError> {
     let mut bytes = 0u64;
     for p in pairs {
@@ -95,12 +140,68 @@ fn copy_batch(
             // batches that read and write the same block, and ranges of
             // distinct blocks never overlap. No one else accesses these
             // blocks until the ticket resolves (submit's contract).
-            unsafe { std::ptr::copy_nonoverlapping(from, to, s.len) };
+            unsafe {
+                match stores {
+                    Stores::Cached => std::ptr::copy_nonoverlapping(from, to, s.len),
+                    Stores::Streaming => stream_copy(from, to, s.len),
+                }
+            };
             bytes += s.len as u64;
             Ok::<(), TransferError>(())
         })?;
     }
     Ok(bytes)
+}
+
+/// Pieces shorter than this are copied with ordinary stores: the fence
+/// and the unaligned ends would cost more than the cache traffic saved.
+const STREAM_MIN: usize = 4096;
+
+/// `copy_nonoverlapping(src, dst, len)` with non-temporal stores for the
+/// 16-byte-aligned middle of the destination (x86-64; an ordinary copy
+/// elsewhere, or below [`STREAM_MIN`]). Ends with `sfence`, so the bytes
+/// are ordered before any later store of this thread (the release that
+/// tells another thread the copy is done), as ordinary stores are.
+///
+/// # Safety
+///
+/// As for [`std::ptr::copy_nonoverlapping`].
+unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if len >= STREAM_MIN {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        // Bytes up to the first 16-byte boundary of the destination, then
+        // 64 bytes (a cache line) a step, then what is left.
+        let head = dst.align_offset(16).min(len);
+        let body = (len - head) / 64 * 64;
+        // SAFETY: the caller's promise covers `len` bytes; head + body <= len.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src, dst, head);
+            let (s, d) = (src.add(head), dst.add(head));
+            let mut i = 0;
+            while i < body {
+                // Unaligned loads; the stores are aligned (d is on a 16-byte
+                // boundary, i a multiple of 64), as movntdq requires. SSE2
+                // is part of x86-64, so no feature check is needed.
+                let a = _mm_loadu_si128(s.add(i).cast::<__m128i>());
+                let b = _mm_loadu_si128(s.add(i + 16).cast::<__m128i>());
+                let c = _mm_loadu_si128(s.add(i + 32).cast::<__m128i>());
+                let e = _mm_loadu_si128(s.add(i + 48).cast::<__m128i>());
+                _mm_stream_si128(d.add(i).cast::<__m128i>(), a);
+                _mm_stream_si128(d.add(i + 16).cast::<__m128i>(), b);
+                _mm_stream_si128(d.add(i + 32).cast::<__m128i>(), c);
+                _mm_stream_si128(d.add(i + 48).cast::<__m128i>(), e);
+                i += 64;
+            }
+            std::ptr::copy_nonoverlapping(s.add(body), d.add(body), len - head - body);
+            // Non-temporal stores are weakly ordered: fence them before
+            // whatever reports the copy done.
+            _mm_sfence();
+        }
+        return;
+    }
+    // SAFETY: the caller's promise.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
 impl TransferEngine for MemcpyEngine {
@@ -158,8 +259,9 @@ impl TransferEngine for MemcpyEngine {
         let (src, dst) = (&self.src, &self.dst);
         // The same copy as the worker's, on this thread: the caller
         // promised (submit's contract) that no one touches these blocks.
+        let stores = self.stores;
         self.worker
-            .run_here(&pairs, |pairs| copy_batch(src, dst, pairs))
+            .run_here(&pairs, |pairs| copy_batch(src, dst, pairs, stores))
     }
 }
 
@@ -242,6 +344,91 @@ mod tests {
             unsafe { dst.read_block(0, &mut out).unwrap() };
             assert!(out.iter().all(|&b| b == 0));
             assert_eq!(engine.counters().blocks, 3);
+        }
+    }
+
+    #[test]
+    fn streaming_copies_every_byte() {
+        // Every length around the threshold and the 64-byte steps, from
+        // and to every alignment: a copy that dropped the head, the tail
+        // or a step would differ.
+        let src: Vec<u8> = (0..STREAM_MIN * 3)
+            .map(|i| (i * 7 % 251) as u8 + 1)
+            .collect();
+        let mut lens: Vec<usize> = (0..200).collect();
+        lens.extend((STREAM_MIN - 80)..(STREAM_MIN + 200));
+        lens.push(src.len() - 64);
+        for len in lens {
+            for (so, dof) in [(0, 0), (1, 0), (0, 1), (3, 15), (16, 17), (63, 5)] {
+                let mut dst = vec![0u8; len + 128];
+                // SAFETY: so + len <= src.len() and dof + len < dst.len(),
+                // distinct buffers.
+                unsafe { stream_copy(src.as_ptr().add(so), dst.as_mut_ptr().add(dof), len) };
+                assert_eq!(
+                    &dst[dof..dof + len],
+                    &src[so..so + len],
+                    "len {len} at {so}->{dof}"
+                );
+                assert!(
+                    dst[..dof].iter().chain(&dst[dof + len..]).all(|&b| b == 0),
+                    "len {len}: wrote outside"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn streaming_engine_copies_like_the_plain_one() {
+        // Blocks of 2 layers x 2 pages x 2 KiB: 4 KiB per layer, so the
+        // pieces are streamed.
+        let layout = |kind, num_blocks| {
+            Layout::new(
+                LayoutConfig {
+                    num_blocks,
+                    num_layers: 2,
+                    outer_dim: 2,
+                    page_size: 16,
+                    inner_dim: 64,
+                    dtype_bytes: 2,
+                },
+                kind,
+            )
+            .unwrap()
+        };
+        for (sk, dk) in [
+            (LayoutKind::LayerSeparate, LayoutKind::FullyContiguous),
+            (LayoutKind::FullyContiguous, LayoutKind::FullyContiguous),
+        ] {
+            let src = Arc::new(HostStorage::new(layout(sk, 4)).unwrap());
+            let n = src.layout().block_bytes();
+            for b in 0..4 {
+                // SAFETY: no engine exists yet.
+                unsafe { src.write_block(b, &pattern(b, n)).unwrap() };
+            }
+            let dst = Arc::new(HostStorage::new(layout(dk, 6)).unwrap());
+            let engine = MemcpyEngine::with_stores(
+                src.clone(),
+                Tier::Device,
+                dst.clone(),
+                Tier::Host,
+                EngineConfig::default(),
+                Stores::Streaming,
+            )
+            .unwrap();
+            assert_eq!(engine.stores(), Stores::Streaming);
+            let pairs = vec![BlockPair::new(2, 5), BlockPair::new(0, 1)];
+            let stats = unsafe { engine.transfer_blocking(pairs.clone()) }.unwrap();
+            assert_eq!(stats.bytes, 2 * n as u64);
+            // And through the worker thread.
+            unsafe { engine.submit(vec![BlockPair::new(3, 0)]) }
+                .unwrap()
+                .wait_blocking()
+                .unwrap();
+            let mut out = vec![0u8; n];
+            for (s, d) in [(2, 5), (0, 1), (3, 0)] {
+                unsafe { dst.read_block(d, &mut out).unwrap() };
+                assert_eq!(out, pattern(s, n), "{sk:?} -> {dk:?} block {s} -> {d}");
+            }
         }
     }
 

@@ -35,7 +35,7 @@ mod remote;
 mod cuda;
 
 pub use disk::{DiskDirection, DiskEngine};
-pub use memcpy::MemcpyEngine;
+pub use memcpy::{MemcpyEngine, Stores};
 pub use remote::{RemoteBatch, RemoteEngine};
 
 #[cfg(feature = "cuda")]
