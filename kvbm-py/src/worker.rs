@@ -13,7 +13,8 @@ use crate::tiers::{Geometry, TierSizes, shm_path};
 use kvbm_core::layout::LayoutKind;
 use kvbm_core::storage::{DiskStorage, HostStorage, prefault_in_background};
 use kvbm_core::transfer::{
-    BlockPair, DiskDirection, DiskEngine, MemcpyEngine, TransferEngine, TransferError,
+    BlockPair, DiskDirection, DiskEngine, EngineConfig, MemcpyEngine, Stores, TransferEngine,
+    TransferError,
 };
 use kvbm_events::Tier;
 use std::collections::HashMap;
@@ -210,11 +211,23 @@ impl WorkerSide {
             if let Err(e) = prefault_in_background(&g2, PREFAULT_CHUNK) {
                 tracing::info!(error = %e, "host tier: no prefault thread");
             }
+            // Stores write host-tier blocks no one reads until a later
+            // load: streaming stores skip reading each destination line
+            // into the cache first (see Stores::Streaming). Loads into
+            // vLLM's tensors, which the next forward pass reads, keep
+            // ordinary stores.
             engines.insert(
                 Route::DeviceToHost,
                 Arc::new(
-                    MemcpyEngine::new(g1.clone(), Tier::Device, g2.clone(), Tier::Host)
-                        .map_err(|e| tier_err("the G1→G2 engine", e))?,
+                    MemcpyEngine::with_stores(
+                        g1.clone(),
+                        Tier::Device,
+                        g2.clone(),
+                        Tier::Host,
+                        EngineConfig::default(),
+                        Stores::Streaming,
+                    )
+                    .map_err(|e| tier_err("the G1→G2 engine", e))?,
                 ),
             );
             engines.insert(
