@@ -145,6 +145,17 @@ pub enum BlockError {
         /// Request ids in the block.
         count: usize,
     },
+    /// An event's seq is not above the one before it (a block's seqs
+    /// strictly increase).
+    #[error("event {index} of the block: seq {seq} does not follow seq {after}")]
+    SeqOrder {
+        /// The event's index in the block.
+        index: usize,
+        /// Its seq.
+        seq: u64,
+        /// The seq before it.
+        after: u64,
+    },
     /// An event's values do not make an event.
     #[error("event {index} of the block: {error}")]
     Event {
@@ -783,7 +794,22 @@ impl BlockEncoder {
 #[derive(Clone, Copy)]
 pub struct BlockView<'a> {
     block: fb::EventBlock<'a>,
+    bytes: &'a [u8],
     len: usize,
+}
+
+/// Where a block lies in its stream: its first and last sequence numbers
+/// and the range of its timestamps ([`BlockView::span`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSpan {
+    /// The first event's seq.
+    pub first_seq: u64,
+    /// The last event's seq.
+    pub last_seq: u64,
+    /// The smallest timestamp.
+    pub min_ts: u64,
+    /// The largest timestamp.
+    pub max_ts: u64,
 }
 
 impl std::fmt::Debug for BlockView<'_> {
@@ -921,7 +947,11 @@ pub fn verify_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
             });
         }
     }
-    Ok(BlockView { block, len: events })
+    Ok(BlockView {
+        block,
+        bytes,
+        len: events,
+    })
 }
 
 impl<'a> BlockView<'a> {
@@ -958,6 +988,193 @@ impl<'a> BlockView<'a> {
     /// The sequence number and timestamp of each event.
     pub fn seqs_and_timestamps(&self) -> impl Iterator<Item = (u64, u64)> + 'a {
         self.seqs().zip(self.timestamps())
+    }
+
+    /// The engine of the block's last event.
+    pub fn last_engine(&self) -> u32 {
+        let b = &self.block;
+        // verify_block checked the column's length against the count (≥ 1).
+        b.engine()
+            .map_or(b.base_engine(), |v| v.get(self.len.saturating_sub(1)))
+    }
+
+    /// The block's bytes, as verified.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// The block's first and last seq and its timestamp range, after
+    /// checking that its seqs strictly increase (what a log and a batch
+    /// require of a block, and what its own columns cannot promise).
+    pub fn span(&self) -> Result<BlockSpan, BlockError> {
+        let b = &self.block;
+        // Without a seq column the seqs are consecutive from the base: only
+        // their end can go wrong (past u64::MAX, where they would wrap).
+        // The timestamps are summed in one plain loop: this runs for every
+        // block a fleet recorder receives.
+        let consecutive_last = match b.seq_delta() {
+            None => b.base_seq().checked_add(self.len as u64 - 1),
+            Some(_) => None,
+        };
+        let Some(last_seq) = consecutive_last else {
+            return self.span_of_seqs();
+        };
+        let (mut min_ts, mut max_ts) = (u64::MAX, 0);
+        let mut ts = b.base_ts_ns();
+        for z in b.ts_delta().iter() {
+            ts = ts.wrapping_add(unzigzag(u64::from(z)));
+            min_ts = min_ts.min(ts);
+            max_ts = max_ts.max(ts);
+        }
+        Ok(BlockSpan {
+            first_seq: b.base_seq(),
+            last_seq,
+            min_ts,
+            max_ts,
+        })
+    }
+
+    /// [`span`](Self::span) of a block with a seq column, event by event.
+    fn span_of_seqs(&self) -> Result<BlockSpan, BlockError> {
+        let mut it = self.seqs_and_timestamps();
+        // verify_block refused an empty block.
+        let Some((first_seq, ts)) = it.next() else {
+            return Err(BlockError::Empty);
+        };
+        let mut s = BlockSpan {
+            first_seq,
+            last_seq: first_seq,
+            min_ts: ts,
+            max_ts: ts,
+        };
+        for (i, (seq, ts)) in it.enumerate() {
+            if seq <= s.last_seq {
+                return Err(BlockError::SeqOrder {
+                    index: i + 1,
+                    seq,
+                    after: s.last_seq,
+                });
+            }
+            s.last_seq = seq;
+            s.min_ts = s.min_ts.min(ts);
+            s.max_ts = s.max_ts.max(ts);
+        }
+        Ok(s)
+    }
+
+    /// Checks every event's values as [`decode_into`](Self::decode_into)
+    /// does, without building the events: for a consumer that keeps the
+    /// block as it is, such as a recorder writing a received block into
+    /// its log, and must not keep one that a reader would refuse. It checks
+    /// a column at a time, and only the fields that can be wrong (enums,
+    /// token counts, a duplicate without its flag), through the same
+    /// conversions as decoding; a property test holds the two to the same
+    /// verdict. On an error it names one bad event (not always the first).
+    pub fn validate(&self) -> Result<(), BlockError> {
+        let kinds = self.block.kind().bytes();
+        let mut present = [false; 256];
+        for &k in kinds {
+            present[usize::from(k)] = true;
+        }
+        for k in (0..=u8::MAX).filter(|&k| present[usize::from(k)]) {
+            let checked = match kind_from_fb(fb::EventKind(k)) {
+                Some(tag) => self.check_column(tag),
+                None => Err((0, DecodeError::UnknownKind(k))),
+            };
+            if let Err((row, error)) = checked {
+                // The row-th event of kind k.
+                let index = kinds
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &x)| x == k)
+                    .nth(row)
+                    .map_or(0, |(i, _)| i);
+                return Err(BlockError::Event { index, error });
+            }
+        }
+        Ok(())
+    }
+
+    /// The fields of kind `tag`'s column that [`kind_at`](Self::kind_at)
+    /// converts with a check, row by row: the bad row and why.
+    fn check_column(&self, tag: KindTag) -> Result<(), (usize, DecodeError)> {
+        fn column<T>(c: Option<T>) -> Result<T, (usize, DecodeError)> {
+            c.ok_or((0, DecodeError::MissingKind))
+        }
+        fn each<T>(
+            rows: impl Iterator<Item = T>,
+            check: impl Fn(T) -> Result<(), DecodeError>,
+        ) -> Result<(), (usize, DecodeError)> {
+            rows.enumerate()
+                .try_for_each(|(i, r)| check(r).map_err(|e| (i, e)))
+        }
+        let b = &self.block;
+        match tag {
+            // Nothing in these can be out of range.
+            KindTag::SlotCreated | KindTag::TokensScheduled | KindTag::PrefixLookup => Ok(()),
+            KindTag::SlotTransition => each(column(b.slot_transition())?.iter(), |r| {
+                decode_state(r.from(), "SlotTransition.from")?;
+                decode_state(r.to(), "SlotTransition.to").map(drop)
+            }),
+            KindTag::MatchResult => each(column(b.match_result())?.iter(), |r| {
+                tier_from_fb(r.tier(), "MatchResult.tier").map(drop)
+            }),
+            KindTag::BlocksAllocated => each(column(b.blocks_allocated())?.iter(), |t| {
+                tier_from_fb(t.tier(), "BlocksAllocated.tier").map(drop)
+            }),
+            KindTag::BlocksReleased => each(column(b.blocks_released())?.iter(), |r| {
+                tier_from_fb(r.tier(), "BlocksReleased.tier").map(drop)
+            }),
+            KindTag::BlockRegistered => each(column(b.block_registered())?.iter(), |r| {
+                if !r.has_duplicate() && r.duplicate_of() != 0 {
+                    return Err(DecodeError::UnexpectedValue {
+                        field: "BlockRegisteredRow.duplicate_of",
+                        value: u64::from(r.duplicate_of()),
+                    });
+                }
+                tier_from_fb(r.tier(), "BlockRegistered.tier").map(drop)
+            }),
+            KindTag::BlockEvicted => each(column(b.block_evicted())?.iter(), |r| {
+                tier_from_fb(r.tier(), "BlockEvicted.tier").map(drop)
+            }),
+            KindTag::TransferPlanned => each(column(b.transfer_planned())?.iter(), |r| {
+                direction_from_fb(r.direction(), "TransferPlanned.direction").map(drop)
+            }),
+            KindTag::TransferPromoted => each(column(b.transfer_promoted())?.iter(), |r| {
+                direction_from_fb(r.direction(), "TransferPromoted.direction").map(drop)
+            }),
+            KindTag::TransferSkipped => each(column(b.transfer_skipped())?.iter(), |t| {
+                direction_from_fb(t.direction(), "TransferSkipped.direction").map(drop)
+            }),
+            KindTag::TransferCancelled => each(column(b.transfer_cancelled())?.iter(), |r| {
+                direction_from_fb(r.direction(), "TransferCancelled.direction").map(drop)
+            }),
+            KindTag::TransferCompleted => each(column(b.transfer_completed())?.iter(), |r| {
+                direction_from_fb(r.direction(), "TransferCompleted.direction").map(drop)
+            }),
+            KindTag::TransferFailed => each(column(b.transfer_failed())?.iter(), |t| {
+                direction_from_fb(t.direction(), "TransferFailed.direction").map(drop)
+            }),
+            KindTag::BatchDispatched => each(column(b.batch_dispatched())?.iter(), |t| {
+                direction_from_fb(t.direction(), "BatchDispatched.direction").map(drop)
+            }),
+            KindTag::BatchCompleted => each(column(b.batch_completed())?.iter(), |r| {
+                direction_from_fb(r.direction(), "BatchCompleted.direction").map(drop)
+            }),
+            KindTag::PoolGauge => each(column(b.pool_gauge())?.iter(), |r| {
+                tier_from_fb(r.tier(), "PoolGauge.tier").map(drop)
+            }),
+            KindTag::HookCall => each(column(b.hook_call())?.iter(), |r| {
+                entry_from_fb(r.entry(), "HookCall.entry")?;
+                phase_from_fb(r.phase(), "HookCall.phase").map(drop)
+            }),
+            KindTag::BreakpointHit => each(column(b.breakpoint_hit())?.iter(), |r| {
+                entry_from_fb(r.entry(), "BreakpointHit.entry").map(drop)
+            }),
+            KindTag::Resumed => each(column(b.resumed())?.iter(), |r| {
+                cause_from_fb(r.cause(), "Resumed.cause").map(drop)
+            }),
+        }
     }
 
     /// Decodes every event of the block, in order, appending them to `out`.
@@ -1207,10 +1424,14 @@ fn delta(from: u64, to: u64) -> u64 {
 /// `deltas`.
 fn undelta(base: u64, deltas: impl Iterator<Item = u64>) -> impl Iterator<Item = u64> {
     deltas.scan(base, |prev, z| {
-        let d = (z >> 1) ^ (z & 1).wrapping_neg();
-        *prev = prev.wrapping_add(d);
+        *prev = prev.wrapping_add(unzigzag(z));
         Some(*prev)
     })
+}
+
+/// The difference a [`delta`] encodes.
+fn unzigzag(z: u64) -> u64 {
+    (z >> 1) ^ (z & 1).wrapping_neg()
 }
 
 /// Verifies and decodes a whole block.
@@ -1313,6 +1534,33 @@ mod tests {
         let blocks = encode(&fresh);
         assert_eq!(verify_block(&blocks[0]).unwrap().block.requests().len(), 2);
         assert_eq!(decode(&blocks), Ok(fresh));
+    }
+
+    /// `validate` refuses exactly what decoding refuses, on every byte of a
+    /// block holding every kind changed to values no enum has: the check a
+    /// fleet recorder makes instead of decoding keeps nothing a reader
+    /// would refuse, and refuses nothing a reader would take.
+    #[test]
+    fn validate_agrees_with_decoding_on_every_changed_byte() {
+        let good = encode(&sample_events()).remove(0);
+        let mut value_errors = 0;
+        for at in 0..good.len() {
+            for v in [0x05u8, 0x7F, 0xEE] {
+                let mut b = good.clone();
+                b[at] = v;
+                let Ok(view) = verify_block(&b) else { continue };
+                let mut evs = Vec::new();
+                let decoded = view.decode_into(&mut evs);
+                let validated = view.validate();
+                assert_eq!(
+                    decoded.is_ok(),
+                    validated.is_ok(),
+                    "byte {at} = {v:#x}: decode {decoded:?}, validate {validated:?}"
+                );
+                value_errors += usize::from(decoded.is_err());
+            }
+        }
+        assert!(value_errors > 20, "only {value_errors} value errors exercised");
     }
 
     #[test]
@@ -1527,6 +1775,40 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// A block's span is its events' own (first and last seq, least
+        /// and greatest timestamp), and it is refused exactly when the
+        /// seqs do not strictly increase: with a seq column or without
+        /// one (consecutive seqs), up to the end of the u64 range.
+        #[test]
+        fn a_span_is_the_events_own(
+            mut events in vec(event(), 1..40),
+            consecutive_from in proptest::option::of(prop_oneof![
+                Just(0u64), any::<u64>(), (u64::MAX - 50)..=u64::MAX
+            ]),
+        ) {
+            if let Some(base) = consecutive_from {
+                for (i, e) in events.iter_mut().enumerate() {
+                    e.seq = base.wrapping_add(i as u64);
+                }
+            }
+            for block in encode(&events) {
+                let view = verify_block(&block).unwrap();
+                let mut evs = Vec::new();
+                view.decode_into(&mut evs).unwrap();
+                let increasing = evs.windows(2).all(|w| w[0].seq < w[1].seq);
+                match view.span() {
+                    Ok(s) => {
+                        prop_assert!(increasing);
+                        prop_assert_eq!(s.first_seq, evs[0].seq);
+                        prop_assert_eq!(s.last_seq, evs[evs.len() - 1].seq);
+                        prop_assert_eq!(s.min_ts, evs.iter().map(|e| e.ts_ns).min().unwrap());
+                        prop_assert_eq!(s.max_ts, evs.iter().map(|e| e.ts_ns).max().unwrap());
+                    }
+                    Err(e) => prop_assert!(!increasing, "{e}"),
+                }
+            }
+        }
 
         #[test]
         fn any_events_round_trip(events in vec(event(), 1..40)) {

@@ -31,10 +31,6 @@ impl BlockBuilder {
         self.enc.is_empty()
     }
 
-    pub(crate) fn first_seq(&self) -> u64 {
-        self.first_seq
-    }
-
     /// Adds an event of `size` bytes by [`kvbm_schema::columnar::event_bytes`]
     /// if it can join the block and keep it within `limit` bytes (see
     /// [`BlockEncoder::try_push`]); false, and nothing added, otherwise. An
@@ -95,33 +91,23 @@ pub(crate) fn open<'a>(h: &FrameHeader, region: &'a [u8]) -> Result<BlockView<'a
             h.count
         ));
     }
-    let mut prev: Option<u64> = None;
-    for (seq, ts) in view.seqs_and_timestamps() {
-        match prev {
-            None if seq != h.first_seq => {
-                return bad(format!(
-                    "first event has seq {seq}, the header says {}",
-                    h.first_seq
-                ));
-            }
-            Some(p) if seq <= p => {
-                return bad(format!("sequence does not increase after {p}"));
-            }
-            _ => {}
-        }
-        if ts < h.min_ts || ts > h.max_ts {
-            return bad(format!(
-                "event timestamp {ts} outside the block's range {}..={}",
-                h.min_ts, h.max_ts
-            ));
-        }
-        prev = Some(seq);
+    let span = view.span().map_err(|e| OpenError::Header(e.to_string()))?;
+    if span.first_seq != h.first_seq {
+        return bad(format!(
+            "first event has seq {}, the header says {}",
+            span.first_seq, h.first_seq
+        ));
     }
-    if prev != Some(h.last_seq) {
+    if span.last_seq != h.last_seq {
         return bad(format!(
             "last event has seq {}, the header says {}",
-            prev.map_or_else(|| "none".into(), |p| p.to_string()),
-            h.last_seq
+            span.last_seq, h.last_seq
+        ));
+    }
+    if span.min_ts < h.min_ts || span.max_ts > h.max_ts {
+        return bad(format!(
+            "event timestamps {}..={} outside the block's range {}..={}",
+            span.min_ts, span.max_ts, h.min_ts, h.max_ts
         ));
     }
     Ok(view)

@@ -225,6 +225,13 @@ pub enum FsyncPolicy {
     Interval(Duration),
     /// Never fsync (not even on rotation or close) unless `sync` is called.
     Never,
+    /// Fsync when `sync` is called (and on rotation and close, as
+    /// `Interval` does), not on `append` or `flush`; a new segment's
+    /// directory entry is synced by the next `sync` rather than at once.
+    /// For a caller that makes many logs durable at moments of its own
+    /// choosing, such as a fleet recorder syncing every log it wrote
+    /// before it acknowledges what they hold (a group commit).
+    OnSync,
 }
 
 /// Settings of a [`LogWriter`].
@@ -487,6 +494,10 @@ pub enum LogError {
         /// Last in the log.
         last: Option<u64>,
     },
+    /// A block handed to [`LogWriter::append_block`] that no reader would
+    /// take (its seqs do not increase); nothing was written.
+    #[error("block refused: {0}")]
+    BadBlock(#[from] kvbm_schema::columnar::BlockError),
     /// The writer failed earlier (or was closed) and accepts nothing more;
     /// reopen the log with `open_append` to recover it.
     #[error("the log writer is unusable: {0}; reopen the log to recover it")]

@@ -722,3 +722,80 @@ fn an_event_of_the_maximum_size_fits_its_block() {
     let events: Vec<Event> = r.iter().map(|x| x.expect("record").event).collect();
     assert_eq!(events, [ev(1, 1), big]);
 }
+
+/// A block of `events` as an encoder finishes it, and its LZ4 form.
+fn encoded_block(events: &[Event]) -> (Vec<u8>, Vec<u8>) {
+    let mut enc = columnar::BlockEncoder::new();
+    for e in events {
+        assert!(enc.push(e));
+    }
+    let raw = enc.finish().to_vec();
+    let lz4 = lz4_flex::block::compress(&raw);
+    (raw, lz4)
+}
+
+/// Blocks appended whole sit between events appended one by one, each a
+/// frame of its own (compressed as given, or stored), and read back as
+/// the same events in order; a reopened log goes on after them. A block
+/// whose seqs do not follow the log's is refused and nothing is written.
+#[test]
+fn whole_blocks_append_as_frames_of_their_own() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = small(FsyncPolicy::Never);
+    cfg.block_bytes = 1 << 16;
+    cfg.segment_bytes = 1 << 20;
+    let all: Vec<Event> = (0..200).map(|s| ev(s, 1000 + s)).collect();
+    let mut w = LogWriter::create(dir.path(), cfg.clone()).expect("create");
+    for e in &all[..10] {
+        w.append(e).expect("append");
+    }
+    let (raw, lz4) = encoded_block(&all[10..110]);
+    let view = columnar::verify_block(&raw).expect("verify");
+    let span = w.append_block(&view, Some(&lz4)).expect("block");
+    assert_eq!((span.first_seq, span.last_seq), (10, 109));
+    assert_eq!((span.min_ts, span.max_ts), (1010, 1109));
+    // Behind the log's last seq: refused, nothing written.
+    let (old, _) = encoded_block(&all[100..120]);
+    let e = w
+        .append_block(&columnar::verify_block(&old).expect("verify"), None)
+        .expect_err("overlap");
+    assert!(matches!(e, LogError::NonIncreasingSeq { seq: 100, .. }), "{e}");
+    // Stored when no compressed form is given.
+    let (raw2, _) = encoded_block(&all[110..150]);
+    w.append_block(&columnar::verify_block(&raw2).expect("verify"), None)
+        .expect("stored block");
+    for e in &all[150..160] {
+        w.append(e).expect("append");
+    }
+    let stats = w.close().expect("close");
+    assert_eq!(stats.records, 160);
+    // Four frames: the ten single events, the two blocks, the last ten.
+    assert_eq!(stats.blocks, 4);
+    let mut w = LogWriter::open_append(dir.path(), cfg).expect("reopen");
+    let (raw3, lz43) = encoded_block(&all[160..200]);
+    w.append_block(&columnar::verify_block(&raw3).expect("verify"), Some(&lz43))
+        .expect("block after reopen");
+    w.close().expect("close");
+    let r = LogReader::open(dir.path(), ReaderOptions::default()).expect("open");
+    let back: Vec<Event> = r.iter().map(|x| x.expect("record").event).collect();
+    assert_eq!(back, all);
+    let bytes = std::fs::read(dir.path().join(segment_file_name(0))).expect("read");
+    let mut at = SEGMENT_HEADER_LEN as usize;
+    let mut codecs = Vec::new();
+    while at < bytes.len() {
+        let h = FrameHeader::decode(&bytes[at..at + 48].try_into().expect("header"));
+        codecs.push((h.first_seq, h.codec));
+        at += 48 + h.len as usize;
+    }
+    assert_eq!(
+        codecs,
+        [
+            (0, Codec::Lz4 as u8),
+            (10, Codec::Lz4 as u8),
+            (110, Codec::Stored as u8),
+            (150, Codec::Lz4 as u8),
+            // After the reopen, in the same segment.
+            (160, Codec::Lz4 as u8),
+        ]
+    );
+}

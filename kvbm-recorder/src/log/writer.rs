@@ -25,7 +25,7 @@ use super::{
     FsyncPolicy, LogConfig, LogError, LogReader, LogStats, ReaderOptions, RecoveryReport, TornTail,
     buffer_for, io_err, list_segments, snapshot, sync_dir,
 };
-use kvbm_schema::columnar;
+use kvbm_schema::columnar::{self, BlockSpan, BlockView};
 
 /// The segment being appended to.
 #[derive(Debug)]
@@ -58,6 +58,9 @@ pub struct LogWriter {
     last_sync: Instant,
     stats: LogStats,
     recovery: RecoveryReport,
+    /// A segment was created since the last fsync and its directory entry
+    /// is not durable yet ([`FsyncPolicy::OnSync`]).
+    dir_unsynced: bool,
     /// Set by the first failed write: the file may hold part of a frame, so
     /// nothing more is appended until the log is reopened and recovered.
     poisoned: Option<String>,
@@ -238,6 +241,7 @@ impl LogWriter {
             flushed_seq: None,
             durable_seq: None,
             unsynced: false,
+            dir_unsynced: false,
             last_sync: Instant::now(),
             stats: LogStats::default(),
             recovery,
@@ -274,13 +278,77 @@ impl LogWriter {
             // An empty block takes any event.
             self.block.try_push(ev, size, usize::MAX);
         }
-        self.stats.records += 1;
-        self.last_seq = Some(seq);
+        self.appended(1, seq)
+    }
+
+    /// Appends a whole block as it is, as one frame: for a block that
+    /// arrives already encoded (a fleet recorder's batches), so its events
+    /// are neither decoded nor encoded again. The events appended one by
+    /// one before it are sealed into a block of their own first.
+    ///
+    /// `view` must have passed [`BlockView::validate`] as well as
+    /// verification (the writer checks only that its seqs increase and
+    /// follow the log's), since readers refuse a block whose values do
+    /// not decode. `lz4`, when given, is the block's bytes compressed as
+    /// one LZ4 block (what it was decompressed from); it is stored as it
+    /// is when it is smaller. Returns the block's span.
+    pub fn append_block(
+        &mut self,
+        view: &BlockView<'_>,
+        lz4: Option<&[u8]>,
+    ) -> Result<BlockSpan, LogError> {
+        self.usable()?;
+        let span = view.span()?;
+        if let Some(last) = self.last_seq
+            && span.first_seq <= last
+        {
+            return Err(LogError::NonIncreasingSeq {
+                seq: span.first_seq,
+                last,
+            });
+        }
+        let raw = view.bytes();
+        if raw.len() > MAX_BLOCK_BYTES as usize {
+            return Err(LogError::RecordTooLarge {
+                len: raw.len(),
+                max: MAX_BLOCK_BYTES as usize,
+            });
+        }
+        self.seal_block_or_poison()?;
+        let (codec, body) = match lz4 {
+            Some(c) if c.len() < raw.len() => (Codec::Lz4, c),
+            _ => (Codec::Stored, raw),
+        };
+        let header = super::format::FrameHeader {
+            len: 0,
+            crc: 0,
+            first_seq: span.first_seq,
+            last_seq: span.last_seq,
+            min_ts: span.min_ts,
+            max_ts: span.max_ts,
+            // Both bounded above: MAX_BLOCK_BYTES and MAX_BLOCK_EVENTS.
+            raw_len: raw.len() as u32,
+            count: view.len() as u16,
+            codec: codec as u8,
+        };
+        if let Err(e) = self.write_frame(&header, body) {
+            self.poisoned = Some(e.to_string());
+            return Err(e);
+        }
+        self.appended(view.len() as u64, span.last_seq)?;
+        Ok(span)
+    }
+
+    /// Bookkeeping after `records` were appended, the last with `last_seq`;
+    /// fsyncs when the policy says it is time.
+    fn appended(&mut self, records: u64, last_seq: u64) -> Result<(), LogError> {
+        self.stats.records += records;
+        self.last_seq = Some(last_seq);
         self.unsynced = true;
         let due = match self.cfg.fsync {
             FsyncPolicy::EveryRecord => true,
             FsyncPolicy::Interval(d) => self.last_sync.elapsed() >= d,
-            FsyncPolicy::Never => false,
+            FsyncPolicy::Never | FsyncPolicy::OnSync => false,
         };
         if due {
             self.sync_inner()?;
@@ -297,14 +365,26 @@ impl LogWriter {
     }
 
     /// Compresses the open block and writes its frame into the active
-    /// segment (rotating first if the frame would take the segment past its
-    /// size, creating the segment if there is none). Nothing when the block
-    /// is empty.
+    /// segment. Nothing when the block is empty.
     fn seal_block(&mut self) -> Result<(), LogError> {
         if self.block.is_empty() {
             return Ok(());
         }
-        let (_, raw) = self.block.finish(Codec::Stored);
+        // Taken out while their bytes are written by `write_frame`, which
+        // needs the writer; put back whatever happens, for their buffers.
+        let mut b = std::mem::take(&mut self.block);
+        let mut compressed = std::mem::take(&mut self.compressed);
+        let result = self.seal(&mut b, &mut compressed);
+        if result.is_ok() {
+            b.clear();
+        }
+        self.block = b;
+        self.compressed = compressed;
+        result
+    }
+
+    fn seal(&mut self, b: &mut BlockBuilder, compressed: &mut Vec<u8>) -> Result<(), LogError> {
+        let (_, raw) = b.finish(Codec::Stored);
         let raw_len = raw.len();
         if raw_len > MAX_BLOCK_BYTES as usize {
             // Not reached: event_bytes bounds every event's share and the
@@ -315,12 +395,24 @@ impl LogWriter {
                 max: MAX_BLOCK_BYTES as usize,
             });
         }
-        let codec = block::compress(raw, &mut self.compressed, &mut self.table);
-        let body_len = match codec {
-            Codec::Stored => raw_len,
-            Codec::Lz4 => self.compressed.len(),
+        let codec = block::compress(raw, compressed, &mut self.table);
+        let (header, raw) = b.finish(codec);
+        let body: &[u8] = match codec {
+            Codec::Stored => raw,
+            Codec::Lz4 => compressed,
         };
-        let frame_len = FRAME_HEADER_LEN + body_len as u64;
+        self.write_frame(&header, body)
+    }
+
+    /// Writes one frame into the active segment (rotating first if the
+    /// frame would take the segment past its size, creating the segment if
+    /// there is none).
+    fn write_frame(
+        &mut self,
+        header: &super::format::FrameHeader,
+        body: &[u8],
+    ) -> Result<(), LogError> {
+        let frame_len = FRAME_HEADER_LEN + body.len() as u64;
         let rotate = self.active.as_ref().is_some_and(|a| {
             a.index.index().records > 0 && a.len + frame_len > self.cfg.segment_bytes
         });
@@ -328,13 +420,8 @@ impl LogWriter {
             self.seal_active()?;
         }
         if self.active.is_none() {
-            self.start_segment(self.block.first_seq())?;
+            self.start_segment(header.first_seq)?;
         }
-        let (header, raw) = self.block.finish(codec);
-        let body: &[u8] = match codec {
-            Codec::Stored => raw,
-            Codec::Lz4 => &self.compressed,
-        };
         let Some(a) = self.active.as_mut() else {
             return Err(LogError::Poisoned("no active segment".into()));
         };
@@ -347,7 +434,6 @@ impl LogWriter {
         a.len += frame_len;
         self.stats.blocks += 1;
         self.stats.bytes += frame_len;
-        self.block.clear();
         Ok(())
     }
 
@@ -363,11 +449,16 @@ impl LogWriter {
             .open(&path)
             .map_err(io_err(&path))?;
         file.write_all(&header.encode()).map_err(io_err(&path))?;
-        if self.cfg.fsync != FsyncPolicy::Never {
-            // The file's directory entry must be durable for its records to
-            // be; its data is synced with the first record.
-            sync_dir(&self.dir).map_err(io_err(&self.dir))?;
-            self.stats.fsyncs += 1;
+        match self.cfg.fsync {
+            FsyncPolicy::Never => {}
+            // Synced with the records, by the next `sync`.
+            FsyncPolicy::OnSync => self.dir_unsynced = true,
+            _ => {
+                // The file's directory entry must be durable for its
+                // records to be; its data is synced with the first record.
+                sync_dir(&self.dir).map_err(io_err(&self.dir))?;
+                self.stats.fsyncs += 1;
+            }
         }
         self.stats.segments += 1;
         self.stats.bytes += SEGMENT_HEADER_LEN;
@@ -449,6 +540,11 @@ impl LogWriter {
             if let Some(a) = self.active.as_mut() {
                 a.out.get_ref().sync_data().map_err(io_err(&a.path))?;
                 self.stats.fsyncs += 1;
+            }
+            if self.dir_unsynced {
+                sync_dir(&self.dir).map_err(io_err(&self.dir))?;
+                self.stats.fsyncs += 1;
+                self.dir_unsynced = false;
             }
             Ok(())
         })();
