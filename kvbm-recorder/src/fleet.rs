@@ -29,7 +29,9 @@ use kvbm_attach::nats::wire::BatchHeader;
 use kvbm_events::Event;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
+use crate::log::FsyncPolicy;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 /// The manifest's file name.
 pub const MANIFEST: &str = "fleet.json";
@@ -141,6 +143,11 @@ struct OpenLog {
     name: String,
     sink: RecordingSink,
     tracker: Tracker,
+    /// Written since the last checkpoint (only these are checkpointed: a
+    /// fleet of idle engines costs a checkpoint nothing).
+    dirty: bool,
+    /// Written since the last fsync.
+    unsynced: bool,
 }
 
 /// What applying one batch did.
@@ -159,6 +166,11 @@ pub struct FleetWriter {
     dir: PathBuf,
     manifest: FleetManifest,
     cfg: RecorderConfig,
+    /// When the logs are fsynced: the caller's policy, applied by
+    /// [`checkpoint`](FleetWriter::checkpoint) to every log written since
+    /// the last sync at once (the logs themselves sync only when told).
+    sync_policy: FsyncPolicy,
+    last_sync: Instant,
     open: HashMap<(String, u64), OpenLog>,
     /// (engine, run) → directory name, for runs in the manifest.
     known: HashMap<(String, u64), String>,
@@ -185,10 +197,17 @@ impl FleetWriter {
         consumer: Option<&str>,
         cfg: RecorderConfig,
     ) -> Result<Self, FleetError> {
-        let cfg = RecorderConfig {
+        let sync_policy = cfg.log.fsync;
+        let mut cfg = RecorderConfig {
             snapshot_every_events: 0,
             ..cfg
         };
+        // A log per engine, each fsyncing on its own timer, would make a
+        // fleet of N engines N fsyncs an interval, one after the other in
+        // the receiving loop; they sync together at checkpoints instead.
+        if sync_policy != FsyncPolicy::Never {
+            cfg.log.fsync = FsyncPolicy::OnSync;
+        }
         let mpath = dir.join(MANIFEST);
         let manifest = if mpath.is_file() {
             read_manifest(dir)?
@@ -220,6 +239,8 @@ impl FleetWriter {
             dir: dir.to_path_buf(),
             manifest,
             cfg,
+            sync_policy,
+            last_sync: Instant::now(),
             open: HashMap::new(),
             known,
         };
@@ -312,6 +333,8 @@ impl FleetWriter {
                     name,
                     sink,
                     tracker,
+                    dirty: false,
+                    unsynced: false,
                 },
             );
         }
@@ -330,6 +353,8 @@ impl FleetWriter {
         let log = self.log_for(engine, header.run)?;
         log.tracker.declared(header.dropped_before);
         let mut out = Applied::default();
+        log.dirty = true;
+        log.unsynced = true;
         for ev in events {
             match log.tracker.admit(ev.seq) {
                 Admit::Duplicate => out.duplicates += 1,
@@ -357,6 +382,69 @@ impl FleetWriter {
         Ok(out)
     }
 
+    /// Applies one batch of `engine` whose block arrived encoded: when its
+    /// seqs are consecutive and all new (the usual case), the block goes
+    /// into the log as it is ([`RecordingSink::append_block`]), neither
+    /// decoded nor encoded again; otherwise (a redelivery that overlaps
+    /// what was written, holes inside the batch) event by event, as
+    /// [`apply`](Self::apply). `header` is the batch's, checked against
+    /// `block` (`wire::check`), and `block` has passed
+    /// [`BlockView::validate`](kvbm_schema::columnar::BlockView::validate);
+    /// `lz4` is its compressed form as received, if any.
+    pub fn apply_block(
+        &mut self,
+        engine: &str,
+        header: &BatchHeader,
+        block: &kvbm_schema::columnar::BlockView<'_>,
+        lz4: Option<&[u8]>,
+    ) -> Result<Applied, FleetError> {
+        let consecutive = header.last_seq.checked_sub(header.first_seq)
+            == Some(u64::from(header.count).saturating_sub(1));
+        let dir = self.dir.clone();
+        let log = self.log_for(engine, header.run)?;
+        log.tracker.declared(header.dropped_before);
+        let first_of_run = log.tracker.last.is_none();
+        let admitted = if consecutive {
+            log.tracker.admit_range(header.first_seq, header.last_seq)
+        } else {
+            None
+        };
+        let Some(hole_before) = admitted else {
+            let mut events = Vec::with_capacity(block.len());
+            block
+                .decode_into(&mut events)
+                .map_err(|e| FleetError::Log {
+                    dir: dir.join(ENGINES_DIR).join(&log.name),
+                    source: RecordError::Log(e.into()),
+                })?;
+            return self.apply(engine, header, &events);
+        };
+        let mut out = Applied {
+            written: u64::from(header.count),
+            ..Applied::default()
+        };
+        if hole_before > 0 {
+            log.sink.gap(hole_before);
+            out.missing += hole_before;
+        } else if first_of_run && header.first_seq > 0 {
+            log.sink.missed_before_start(header.first_seq);
+            out.missing += header.first_seq;
+        }
+        log.dirty = true;
+        log.unsynced = true;
+        log.sink
+            .append_block(block, lz4)
+            .map_err(|source| FleetError::Log {
+                dir: dir.join(ENGINES_DIR).join(&log.name),
+                source,
+            })?;
+        let (name, declared) = (log.name.clone(), log.tracker.declared_dropped);
+        if let Some(e) = self.manifest.logs.get_mut(&name) {
+            e.declared_dropped = e.declared_dropped.max(declared);
+        }
+        Ok(out)
+    }
+
     /// A message that was not a usable batch: counted on its engine when
     /// the subject named one.
     pub fn refused(&mut self, engine: Option<&str>, why: &str) {
@@ -380,14 +468,40 @@ impl FleetWriter {
 
     /// Every log handed to the OS, every sidecar and the manifest written:
     /// after this returns, what was applied survives the recorder being
-    /// killed.
+    /// killed. When the fsync policy says it is time (always for
+    /// `EveryRecord`, once the interval has passed for `Interval`), every
+    /// log written since the last sync is fsynced first, all at once on a
+    /// few threads (the device merges concurrent flushes), so what is
+    /// acknowledged after a synced checkpoint survives a power loss too.
     pub fn checkpoint(&mut self) -> Result<(), FleetError> {
-        let dir = self.dir.clone();
-        for log in self.open.values_mut() {
-            log.sink.checkpoint().map_err(|source| FleetError::Log {
-                dir: dir.join(ENGINES_DIR).join(&log.name),
+        let sync = match self.sync_policy {
+            FsyncPolicy::Never => false,
+            FsyncPolicy::Interval(d) => self.last_sync.elapsed() >= d,
+            FsyncPolicy::EveryRecord | FsyncPolicy::OnSync => true,
+        };
+        let engines = self.dir.join(ENGINES_DIR);
+        let mut due: Vec<&mut OpenLog> = self
+            .open
+            .values_mut()
+            .filter(|l| l.dirty || (sync && l.unsynced))
+            .collect();
+        in_parallel(&mut due, |log| {
+            let wrap = |source| FleetError::Log {
+                dir: engines.join(&log.name),
                 source,
-            })?;
+            };
+            if sync && log.unsynced {
+                log.sink.sync().map_err(wrap)?;
+                log.unsynced = false;
+            }
+            if log.dirty {
+                log.sink.checkpoint().map_err(wrap)?;
+                log.dirty = false;
+            }
+            Ok(())
+        })?;
+        if sync {
+            self.last_sync = Instant::now();
         }
         self.write_manifest()
     }
@@ -408,22 +522,52 @@ impl FleetWriter {
         self.open.values().map(|l| l.sink.recording().events).sum()
     }
 
-    /// Closes every log (sidecars written) and the manifest.
+    /// Closes every log (each synced unless the policy is `Never`, its
+    /// sidecar written) and the manifest.
     pub fn finish(mut self) -> Result<FleetManifest, FleetError> {
-        let mut first_err = None;
-        for (_, log) in self.open.drain() {
-            let dir = self.dir.join(ENGINES_DIR).join(&log.name);
-            if let Err(source) = log.sink.finish() {
-                first_err.get_or_insert(FleetError::Log { dir, source });
-            }
-        }
+        let engines = self.dir.join(ENGINES_DIR);
+        let mut logs: Vec<Option<OpenLog>> = self.open.drain().map(|(_, l)| Some(l)).collect();
+        let closed = in_parallel(&mut logs, |slot| match slot.take() {
+            Some(log) => log.sink.finish().map(drop).map_err(|source| FleetError::Log {
+                dir: engines.join(&log.name),
+                source,
+            }),
+            None => Ok(()),
+        });
         self.write_manifest()?;
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(self.manifest),
-        }
+        closed.map(|()| self.manifest)
     }
 }
+
+/// Runs `f` on every item, on up to [`SYNC_THREADS`] threads: a fleet's
+/// logs are independent files, and their fsyncs wait on the device, not the
+/// CPU. Every item is visited even after a failure; the first error (in
+/// item order) is returned.
+fn in_parallel<T: Send>(
+    items: &mut [T],
+    f: impl Fn(&mut T) -> Result<(), FleetError> + Sync,
+) -> Result<(), FleetError> {
+    let first = |results: Vec<Result<(), FleetError>>| results.into_iter().find(Result::is_err);
+    if items.len() < 2 {
+        return first(items.iter_mut().map(&f).collect()).unwrap_or(Ok(()));
+    }
+    let per = items.len().div_ceil(SYNC_THREADS);
+    let f = &f;
+    let results: Vec<Result<(), FleetError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = items
+            .chunks_mut(per)
+            .map(|chunk| s.spawn(move || chunk.iter_mut().map(f).collect::<Vec<_>>()))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    first(results).unwrap_or(Ok(()))
+}
+
+/// Threads [`in_parallel`] uses at most.
+const SYNC_THREADS: usize = 8;
 
 /// What `inspect` says of one engine's log.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -604,6 +748,76 @@ mod tests {
         assert_eq!(seqs, want);
         let a2 = summarize(&logs[1].1, &logs[1].2).unwrap();
         assert_eq!(a2.events, 3);
+    }
+
+    /// A batch's block as a publisher encodes it: its bytes and LZ4 form.
+    fn encoded(events: &[Event]) -> (Vec<u8>, Vec<u8>) {
+        let mut enc = kvbm_schema::columnar::BlockEncoder::new();
+        for e in events {
+            assert!(enc.push(e));
+        }
+        let raw = enc.finish().to_vec();
+        let lz4 = lz4_flex::block::compress(&raw);
+        (raw, lz4)
+    }
+
+    fn apply_encoded(
+        w: &mut FleetWriter,
+        engine: &str,
+        run: u64,
+        events: &[Event],
+        dropped_before: u64,
+    ) -> Applied {
+        let (raw, lz4) = encoded(events);
+        let view = kvbm_schema::columnar::verify_block(&raw).unwrap();
+        view.validate().unwrap();
+        w.apply_block(engine, &header(run, events, dropped_before), &view, Some(&lz4))
+            .unwrap()
+    }
+
+    /// Blocks kept as they arrived give the same logs, counts and losses as
+    /// events applied one by one: new consecutive batches go in whole, an
+    /// overlapping redelivery and a batch with a hole inside fall back to
+    /// event by event.
+    #[test]
+    fn blocks_apply_whole_when_new_and_event_by_event_otherwise() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = RecorderConfig::default();
+        let batches: Vec<(&str, Vec<Event>, u64)> = vec![
+            ("a", batch(0..10), 0),
+            ("a", batch(5..12), 0),
+            ("a", batch(15..20), 3),
+            ("b", batch(4..9), 4),
+            ("a", [ev(20), ev(21), ev(23)].to_vec(), 4),
+            ("a", batch(24..30), 4),
+        ];
+        let mut whole = FleetWriter::open(&tmp.path().join("w"), "nats://x:1", None, cfg.clone())
+            .unwrap();
+        let mut single =
+            FleetWriter::open(&tmp.path().join("s"), "nats://x:1", None, cfg).unwrap();
+        for (engine, events, dropped) in &batches {
+            let a = apply_encoded(&mut whole, engine, 1, events, *dropped);
+            let b = single
+                .apply(engine, &header(1, events, *dropped), events)
+                .unwrap();
+            assert_eq!(a, b, "{engine} {:?}", events[0].seq);
+        }
+        assert_eq!(whole.recordings(), single.recordings());
+        let (mw, ms) = (whole.finish().unwrap(), single.finish().unwrap());
+        assert_eq!(mw.logs, ms.logs);
+        for name in ["a", "b"] {
+            let read = |d: &str| {
+                let path = tmp.path().join(d).join(ENGINES_DIR).join(name);
+                crate::recorder::read_events(&path, |_| {}).unwrap().events
+            };
+            assert_eq!(read("w"), read("s"), "engine {name}");
+        }
+        let m = read_manifest(&tmp.path().join("w")).unwrap();
+        let logs = engine_logs(&tmp.path().join("w"), &m);
+        let a = summarize(&logs[0].1, &logs[0].2).unwrap();
+        assert_eq!((a.events, a.losses.holes, a.losses.unexplained), (26, 4, 0));
+        let b = summarize(&logs[1].1, &logs[1].2).unwrap();
+        assert_eq!((b.events, b.losses.before_start), (5, 4));
     }
 
     #[test]

@@ -349,6 +349,43 @@ impl RecordingSink {
         Ok(())
     }
 
+    /// Writes a block of events as it is ([`LogWriter::append_block`]: the
+    /// caller has verified and validated it), or, when this recording
+    /// takes snapshots, event by event, since the snapshots need the
+    /// events themselves. Its seqs must follow the last one written;
+    /// losses before it are the caller's to record ([`gap`](Self::gap)).
+    pub fn append_block(
+        &mut self,
+        view: &kvbm_schema::columnar::BlockView<'_>,
+        lz4: Option<&[u8]>,
+    ) -> Result<(), RecordError> {
+        if self.snapshot_every != 0 {
+            let mut events = Vec::with_capacity(view.len());
+            view.decode_into(&mut events)
+                .map_err(|e| RecordError::Log(e.into()))?;
+            return events.iter().try_for_each(|ev| self.append(ev));
+        }
+        if let Some(first) = &self.failed {
+            return Err(RecordError::EndedByError {
+                first: first.clone(),
+                sidecar: None,
+            });
+        }
+        let span = match self.writer.append_block(view, lz4) {
+            Ok(s) => s,
+            Err(e) => {
+                self.fail(&e);
+                return Err(e.into());
+            }
+        };
+        let rec = &mut self.rec;
+        rec.events += view.len() as u64;
+        rec.engine = view.last_engine();
+        rec.first_seq.get_or_insert(span.first_seq);
+        rec.last_seq = Some(span.last_seq);
+        Ok(())
+    }
+
     /// `dropped` events were lost here (after the last event written).
     /// Past [`MAX_GAPS`] positions, a loss is merged into the last one, so
     /// the total stays exact.
@@ -412,6 +449,21 @@ impl RecordingSink {
             });
         }
         self.writer.flush().map_err(|e| {
+            self.fail(&e);
+            e.into()
+        })
+    }
+
+    /// Hands what was appended to the OS and fsyncs it, whatever the
+    /// policy: everything written so far is on stable storage.
+    pub fn sync(&mut self) -> Result<(), RecordError> {
+        if let Some(first) = &self.failed {
+            return Err(RecordError::EndedByError {
+                first: first.clone(),
+                sidecar: None,
+            });
+        }
+        self.writer.sync().map_err(|e| {
             self.fail(&e);
             e.into()
         })

@@ -124,8 +124,12 @@ pub struct Refused {
     pub stream_seq: u64,
 }
 
-/// Decodes one JetStream message.
-pub fn decode_message(msg: &jetstream::Message) -> Result<Delivery, Refused> {
+/// The message's engine (from its subject) and its stream sequence, or
+/// why it is refused, with `wire`'s verdict on its payload.
+fn read_message<'a, T>(
+    msg: &'a jetstream::Message,
+    payload: impl FnOnce(&'a [u8]) -> Result<T, wire::WireError>,
+) -> Result<(&'a str, T, u64), Refused> {
     let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
     let subject = msg.subject.as_str();
     let refused = |engine: Option<&str>, error: String| Refused {
@@ -137,15 +141,32 @@ pub fn decode_message(msg: &jetstream::Message) -> Result<Delivery, Refused> {
     let Some(engine) = engine_of_subject(subject) else {
         return Err(refused(None, "not an engine's events subject".into()));
     };
-    match wire::decode(&msg.payload) {
-        Ok((header, events)) => Ok(Delivery {
-            engine: engine.to_string(),
-            header,
-            events,
-            stream_seq,
-        }),
+    match payload(&msg.payload) {
+        Ok(t) => Ok((engine, t, stream_seq)),
         Err(e) => Err(refused(Some(engine), e.to_string())),
     }
+}
+
+/// Decodes one JetStream message.
+pub fn decode_message(msg: &jetstream::Message) -> Result<Delivery, Refused> {
+    let (engine, (header, events), stream_seq) = read_message(msg, wire::decode)?;
+    Ok(Delivery {
+        engine: engine.to_string(),
+        header,
+        events,
+        stream_seq,
+    })
+}
+
+/// Checks one JetStream message whole without decoding its events
+/// ([`wire::check`]; the block is decompressed into `scratch`): its engine
+/// and the checked batch, for a consumer that keeps blocks as they are.
+pub fn check_message<'a>(
+    msg: &'a jetstream::Message,
+    scratch: &'a mut Vec<u8>,
+) -> Result<(&'a str, wire::Checked<'a>), Refused> {
+    let (engine, checked, _) = read_message(msg, |p| wire::check(p, scratch))?;
+    Ok((engine, checked))
 }
 
 /// How a recorder's durable consumer is set up.

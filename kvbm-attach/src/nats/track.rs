@@ -92,6 +92,32 @@ impl Tracker {
         }
     }
 
+    /// Admits the consecutive seqs `first..=last` at once when every one
+    /// of them is new: `Some(hole_before)`, with the state as if each had
+    /// been [`admit`](Self::admit)ted in turn. `None` when some were
+    /// applied already (or the range is empty), and nothing is recorded:
+    /// admit them one by one.
+    pub fn admit_range(&mut self, first: u64, last: u64) -> Option<u64> {
+        if last < first || self.last.is_some_and(|l| first <= l) {
+            return None;
+        }
+        let hole = match self.last {
+            Some(l) => {
+                let hole = first - l - 1;
+                self.holes += hole;
+                hole
+            }
+            None => {
+                self.first = Some(first);
+                self.before_start = first;
+                0
+            }
+        };
+        self.last = Some(last);
+        self.applied += last - first + 1;
+        Some(hole)
+    }
+
     /// Events missing, between applied ones and before the first.
     pub fn missing(&self) -> u64 {
         self.holes + self.before_start
@@ -136,6 +162,41 @@ mod tests {
                 // Rebuilt from the log alone, the counts are the same.
                 let r = Tracker::resume(t.first.unwrap(), last, t.applied, 0);
                 prop_assert_eq!((r.holes, r.before_start), (t.holes, t.before_start));
+            }
+        }
+    }
+
+    proptest! {
+        /// A range admitted at once leaves the state that admitting its
+        /// seqs one by one leaves, and is refused exactly when one of them
+        /// would be a duplicate.
+        #[test]
+        fn a_range_admits_like_its_seqs_one_by_one(
+            ranges in proptest::collection::vec((0u64..300, 0u64..20), 0..40),
+        ) {
+            let (mut whole, mut single) = (Tracker::default(), Tracker::default());
+            for (first, len) in ranges {
+                let last = first + len;
+                let before = single;
+                let holes: Vec<Admit> = (first..=last).map(|s| single.admit(s)).collect();
+                match whole.admit_range(first, last) {
+                    Some(hole) => {
+                        prop_assert_eq!(holes[0], Admit::Apply { hole_before: hole });
+                        let rest_follow = holes[1..]
+                            .iter()
+                            .all(|a| *a == Admit::Apply { hole_before: 0 });
+                        prop_assert!(rest_follow, "a hole inside a range: {:?}", holes);
+                    }
+                    None => {
+                        prop_assert!(holes.contains(&Admit::Duplicate));
+                        prop_assert_eq!(whole, before, "a refused range recorded something");
+                        // Refused whole: one by one, as the recorder does.
+                        for s in first..=last {
+                            whole.admit(s);
+                        }
+                    }
+                }
+                prop_assert_eq!(whole, single);
             }
         }
     }

@@ -22,11 +22,13 @@
 //!
 //! The header's seqs and count are checked against the block's own
 //! columns, so a consumer may trust them once [`decode`] (or
-//! [`verify`]) has accepted the message. The message id is
+//! [`check`]) has accepted the message. The message id is
 //! [`message_id`]`(engine, run, first seq)`.
 
 use kvbm_events::Event;
-use kvbm_schema::columnar::{BlockEncoder, BlockError, MAX_BLOCK_EVENTS, verify_block};
+use kvbm_schema::columnar::{
+    BlockEncoder, BlockError, BlockSpan, BlockView, MAX_BLOCK_EVENTS, verify_block,
+};
 
 /// First four bytes of a batch.
 pub const MAGIC: [u8; 4] = *b"KVBN";
@@ -272,25 +274,37 @@ pub fn header(bytes: &[u8]) -> Result<BatchHeader, WireError> {
     })
 }
 
+/// A batch whose block passed every check a reader of the log makes: the
+/// flatbuffers verifier, the columns against each other and against the
+/// header, every event's values ([`check`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Checked<'a> {
+    /// Its header, which agrees with the block.
+    pub header: BatchHeader,
+    /// The block.
+    pub block: BlockView<'a>,
+    /// The block's seqs and timestamps.
+    pub span: BlockSpan,
+    /// The body as received when it is the block compressed with LZ4 (the
+    /// log's own codec): a recorder keeps it without compressing again.
+    pub lz4: Option<&'a [u8]>,
+}
+
 /// The block of a batch, decompressed into `scratch` when needed, checked
-/// by the flatbuffers verifier and against the header. Returns the header
-/// and the block's bytes.
-pub fn verify<'a>(
-    bytes: &'a [u8],
-    scratch: &'a mut Vec<u8>,
-) -> Result<(BatchHeader, &'a [u8]), WireError> {
+/// by the flatbuffers verifier and against the header.
+fn open<'a>(bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Result<Checked<'a>, WireError> {
     let h = header(bytes)?;
     let raw_len = u32_at(bytes, 36);
     if raw_len as usize > MAX_BLOCK_BYTES || raw_len == 0 {
         return Err(WireError::BlockLength(raw_len));
     }
     let body = &bytes[HEADER_BYTES..];
-    let block: &[u8] = match bytes[6] {
+    let (block, lz4): (&[u8], _) = match bytes[6] {
         0 => {
             if body.len() != raw_len as usize {
                 return Err(WireError::BlockLength(raw_len));
             }
-            body
+            (body, None)
         }
         1 => {
             scratch.clear();
@@ -302,7 +316,7 @@ pub fn verify<'a>(
                     "{n} bytes, the header says {raw_len}"
                 )));
             }
-            scratch
+            (scratch, Some(body))
         }
         c => return Err(WireError::Codec(c)),
     };
@@ -316,30 +330,38 @@ pub fn verify<'a>(
     if view.len() != h.count as usize {
         return Err(mismatch(format!("{} events", view.len())));
     }
-    let mut prev: Option<u64> = None;
-    for s in view.seqs() {
-        if prev.is_some_and(|p| s <= p) {
-            return Err(mismatch(format!("seq {s} after {}", prev.unwrap_or(0))));
-        }
-        if prev.is_none() && s != h.first_seq {
-            return Err(mismatch(format!("first seq {s}")));
-        }
-        prev = Some(s);
+    let span = view.span()?;
+    if span.first_seq != h.first_seq || span.last_seq != h.last_seq {
+        return Err(mismatch(format!(
+            "seqs {}..={}",
+            span.first_seq, span.last_seq
+        )));
     }
-    if prev != Some(h.last_seq) {
-        return Err(mismatch(format!("last seq {prev:?}")));
-    }
-    Ok((h, block))
+    Ok(Checked {
+        header: h,
+        block: view,
+        span,
+        lz4,
+    })
+}
+
+/// Checks a batch whole without decoding its events: what [`decode`]
+/// refuses, this refuses, so a consumer that keeps the block as it is
+/// (the fleet recorder) never keeps one a reader of its log would refuse.
+/// The block is decompressed into `scratch` when needed.
+pub fn check<'a>(bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Result<Checked<'a>, WireError> {
+    let c = open(bytes, scratch)?;
+    c.block.validate()?;
+    Ok(c)
 }
 
 /// Checks and decodes a batch into its header and events.
 pub fn decode(bytes: &[u8]) -> Result<(BatchHeader, Vec<Event>), WireError> {
     let mut scratch = Vec::new();
-    let (h, block) = verify(bytes, &mut scratch)?;
-    let view = verify_block(block)?;
-    let mut events = Vec::with_capacity(view.len());
-    view.decode_into(&mut events)?;
-    Ok((h, events))
+    let c = open(bytes, &mut scratch)?;
+    let mut events = Vec::with_capacity(c.block.len());
+    c.block.decode_into(&mut events)?;
+    Ok((c.header, events))
 }
 
 #[cfg(test)]
@@ -414,12 +436,25 @@ mod tests {
                 let at = i.index(b.len());
                 b[at] ^= v | 1;
             }
-            if let Ok((h, evs)) = decode(&b) {
-                prop_assert_eq!(h.count as usize, evs.len());
-                prop_assert_eq!(h.first_seq, evs[0].seq);
+            // What the recorder keeps without decoding (`check`) is
+            // exactly what a reader can decode.
+            let mut scratch = Vec::new();
+            let checked = check(&b, &mut scratch).map(|c| (c.header, c.span));
+            match decode(&b) {
+                Ok((h, evs)) => {
+                    prop_assert_eq!(h.count as usize, evs.len());
+                    prop_assert_eq!(h.first_seq, evs[0].seq);
+                    let (ch, span) = checked.expect("decode accepted what check refused");
+                    prop_assert_eq!(ch, h);
+                    prop_assert_eq!(span.last_seq, evs.last().unwrap().seq);
+                    prop_assert_eq!(span.min_ts, evs.iter().map(|e| e.ts_ns).min().unwrap());
+                    prop_assert_eq!(span.max_ts, evs.iter().map(|e| e.ts_ns).max().unwrap());
+                }
+                Err(e) => prop_assert!(checked.is_err(), "check accepted what decode refused: {e}"),
             }
             let n = cut.index(b.len());
             let _ = decode(&b[..n]);
+            let _ = check(&b[..n], &mut scratch);
         }
 
         #[test]
@@ -432,6 +467,40 @@ mod tests {
             }
             let _ = decode(&b);
         }
+    }
+
+    /// A block the flatbuffers verifier accepts but whose values make no
+    /// event (an out-of-range enum byte) is refused by `check` as by
+    /// `decode`: the recorder never keeps what a reader would refuse.
+    #[test]
+    fn a_value_no_event_can_have_is_refused_without_decoding() {
+        let events: Vec<Event> = (0..4)
+            .map(|i| Event {
+                engine: 0,
+                seq: i,
+                ts_ns: i,
+                iteration: 0,
+                request: None,
+                kind: kvbm_events::EventKind::SlotTransition {
+                    from: kvbm_events::SlotState::Prefilling,
+                    to: kvbm_events::SlotState::Decoding,
+                },
+            })
+            .collect();
+        let good = encode(&events, 1, 0, false).remove(0);
+        let mut value_errors = 0;
+        for at in HEADER_BYTES..good.len() {
+            let mut b = good.clone();
+            b[at] = 0xEE;
+            if let Err(WireError::Block(BlockError::Event { .. })) = decode(&b) {
+                value_errors += 1;
+                let mut scratch = Vec::new();
+                let e = check(&b, &mut scratch).map(|c| c.header).unwrap_err();
+                assert!(matches!(e, WireError::Block(BlockError::Event { .. })), "{e}");
+            }
+        }
+        // The states of four transitions.
+        assert!(value_errors >= 4, "{value_errors}");
     }
 
     #[test]
