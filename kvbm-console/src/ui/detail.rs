@@ -61,30 +61,38 @@ fn explain(l: &Lookup) -> String {
     )
 }
 
-/// The explanation of each `PrefixLookup` among `events` (the request's
-/// events, oldest first), matched to `lookups` (oldest first) by time;
-/// `None` for other events. A lookup older than those the analysis keeps
-/// ([`KEEP_LOOKUPS`] a request) says so.
+/// The explanation of each lookup among `events` (the request's events,
+/// oldest first), matched to `lookups` (oldest first) by time; `None` for
+/// other events. The engine emits `PrefixLookup` once, at a request's
+/// first lookup: a later lookup (after a preemption) starts with a
+/// `MatchResult`, and is explained in that row. A first lookup older than
+/// those the analysis keeps ([`KEEP_LOOKUPS`] a request) says so; a later
+/// one that old is not told apart from the `MatchResult`s around it.
 fn explained_rows(events: &[&Event], lookups: &[Lookup]) -> Vec<Option<String>> {
     let mut next = 0;
     events
         .iter()
         .map(|e| {
-            let EventKind::PrefixLookup { tokens, .. } = &e.kind else {
-                return None;
-            };
             while lookups.get(next).is_some_and(|l| l.ts_ns < e.ts_ns) {
                 next += 1;
             }
-            Some(match lookups.get(next).filter(|l| l.ts_ns == e.ts_ns) {
-                Some(l) => {
+            let here = lookups.get(next).filter(|l| l.ts_ns == e.ts_ns);
+            match &e.kind {
+                EventKind::PrefixLookup { tokens, .. } => Some(match here {
+                    Some(l) => {
+                        next += 1;
+                        format!("{tokens} tokens: {}", explain(l))
+                    }
+                    None => format!(
+                        "{tokens} tokens (its explanation is no longer kept: the latest {KEEP_LOOKUPS} of a request are)"
+                    ),
+                }),
+                EventKind::MatchResult { .. } => here.filter(|l| !l.first).map(|l| {
                     next += 1;
-                    format!("{tokens} tokens: {}", explain(l))
-                }
-                None => format!(
-                    "{tokens} tokens (its explanation is no longer kept: the latest {KEEP_LOOKUPS} of a request are)"
-                ),
-            })
+                    format!("looked up again: {}", explain(l))
+                }),
+                _ => None,
+            }
         })
         .collect()
 }
@@ -525,6 +533,38 @@ mod tests {
             stopped: None,
             totals: ReasonTotals::default(),
         }
+    }
+
+    /// A later lookup (after a preemption) has no `PrefixLookup` of its
+    /// own: it is explained in the `MatchResult` row that starts it, and
+    /// the `MatchResult`s of the first lookup and the rest of the later
+    /// one keep their own description.
+    #[test]
+    fn a_later_lookup_is_explained_in_the_match_result_that_starts_it() {
+        let matched = |seq: u64, ts_ns: u64| Event {
+            kind: EventKind::MatchResult {
+                tier: kvbm_events::Tier::Host,
+                looked_up: 3,
+                hit_blocks: 1,
+                hit_tokens: 16,
+            },
+            ..lookup_event(seq, ts_ns)
+        };
+        let events = [
+            lookup_event(0, 10),
+            matched(1, 10),
+            matched(2, 50),
+            matched(3, 50),
+        ];
+        let mut later = lookup(50, 2);
+        later.first = false;
+        let refs: Vec<&Event> = events.iter().collect();
+        let rows = explained_rows(&refs, &[lookup(10, 0), later]);
+        assert!(rows[0].as_deref().unwrap().contains("hit G1 0 G2 0"), "{rows:?}");
+        assert_eq!(rows[1], None, "{rows:?}");
+        let again = rows[2].as_deref().unwrap();
+        assert!(again.starts_with("looked up again: hit G1 2 G2 0"), "{again}");
+        assert_eq!(rows[3], None, "{rows:?}");
     }
 
     /// Every lookup event gets its own explanation, matched by time (not
