@@ -255,7 +255,6 @@ fn run_store(
         .args(["record", "--from", &url, "--out"])
         .arg(dir.path().join("fleet"))
         .args(["--events", &events.to_string()])
-        .args(std::env::var("XARGS").unwrap_or_default().split_whitespace())
         .output()
         .unwrap();
     let process_s = t.elapsed().as_secs_f64();
