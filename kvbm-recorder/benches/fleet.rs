@@ -14,8 +14,12 @@
 //! columnar blocks, one at a time with message ids, as the publisher
 //! sends them); then the counting consumer drains the stream (a pull
 //! consumer, no acknowledgements, counting each batch's events from its
-//! header); then the recorder drains it into a fleet recording and stops at
-//! the last event. Both read the same messages from the same server. The
+//! header); then a checking consumer drains it again, checking each batch
+//! as the recorder must before it keeps one (`wire::check`: decompressed,
+//! verified, every value validated) and writing nothing, which is the
+//! floor under the recorder's receiving; then the recorder drains it into
+//! a fleet recording and stops at the last event. All read the same
+//! messages from the same server. The
 //! ratio compares like with like: the counting consumer from its first
 //! message to its last, the recorder from its first message to its last
 //! log closed (as it reports it); the recorder process's whole run, from
@@ -154,6 +158,7 @@ struct Run {
     bytes: u64,
     publish_s: f64,
     count_s: f64,
+    check_s: f64,
     record_s: f64,
     process_s: f64,
 }
@@ -217,34 +222,14 @@ fn run_store(
         t.elapsed().as_secs_f64()
     });
 
-    // 2. The counting consumer.
-    let count_s = rt.block_on(async {
-        let client = connect(&url, "bench-count").await.unwrap();
-        let js = async_nats::jetstream::new(client);
-        let stream = ensure_stream(&js, &limits).await.unwrap();
-        let c: async_nats::jetstream::consumer::PullConsumer = stream
-            .create_consumer(async_nats::jetstream::consumer::pull::Config {
-                ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let mut msgs = c
-            .stream()
-            .max_messages_per_batch(256)
-            .messages()
-            .await
-            .unwrap();
-        let (mut n, mut ev) = (0u64, 0u64);
-        let mut t = None;
-        while n < messages {
-            let m = msgs.next().await.unwrap().unwrap();
-            t.get_or_insert_with(Instant::now);
-            ev += u64::from(wire::header(&m.payload).unwrap().count);
-            n += 1;
-        }
-        assert_eq!(ev, events);
-        t.map_or(0.0, |t| t.elapsed().as_secs_f64())
+    // 2. The counting consumer, then one that also checks each batch as
+    // the recorder must before it keeps one (decompressed, verified,
+    // every value validated: `wire::check`), writing nothing.
+    let count_s = drain(rt, &url, &limits, messages, events, |m, _| {
+        u64::from(wire::header(m).unwrap().count)
+    });
+    let check_s = drain(rt, &url, &limits, messages, events, |m, scratch| {
+        u64::from(wire::check(m, scratch).unwrap().header.count)
     });
 
     // 3. The recorder, the real binary, until the last event.
@@ -281,9 +266,52 @@ fn run_store(
         bytes,
         publish_s,
         count_s,
+        check_s,
         record_s,
         process_s,
     }
+}
+
+/// Reads the whole stream with a fresh pull consumer (no
+/// acknowledgements), applying `per_message` to each payload, which returns
+/// its event count; seconds from the first message to the last.
+fn drain(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    limits: &StreamLimits,
+    messages: u64,
+    events: u64,
+    per_message: impl Fn(&[u8], &mut Vec<u8>) -> u64,
+) -> f64 {
+    rt.block_on(async {
+        let client = connect(url, "bench-count").await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let stream = ensure_stream(&js, limits).await.unwrap();
+        let c: async_nats::jetstream::consumer::PullConsumer = stream
+            .create_consumer(async_nats::jetstream::consumer::pull::Config {
+                ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut msgs = c
+            .stream()
+            .max_messages_per_batch(256)
+            .messages()
+            .await
+            .unwrap();
+        let (mut n, mut ev) = (0u64, 0u64);
+        let mut scratch = Vec::new();
+        let mut t = None;
+        while n < messages {
+            let m = msgs.next().await.unwrap().unwrap();
+            t.get_or_insert_with(Instant::now);
+            ev += per_message(&m.payload, &mut scratch);
+            n += 1;
+        }
+        assert_eq!(ev, events);
+        t.map_or(0.0, |t| t.elapsed().as_secs_f64())
+    })
 }
 
 /// The engine's side: `Emitter::emit` with the tap drained by a publisher
@@ -359,21 +387,23 @@ fn main() {
     // that runs for hours.
     let (engines, per) = if quick { (100, 2_000) } else { (100, 100_000) };
     println!(
-        "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | recorder, first message to last log closed (events/s) | recorder / counting | recorder process, start to exit (events/s) |"
+        "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | checking consumer (events/s) | recorder, first message to last log closed (events/s) | recorder / counting | recorder / checking | recorder process, start to exit (events/s) |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for file in [true, false] {
         let r = run_store(file, engines, per, &rt);
         let rate = |s: f64| r.events as f64 / s / 1e6;
         println!(
-            "| {} | {engines} | {} | {:.1} | {:.2} M | {:.2} M | {:.2} M | {:.0}% | {:.2} M |",
+            "| {} | {engines} | {} | {:.1} | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.0}% | {:.0}% | {:.2} M |",
             r.store,
             r.events,
             r.bytes as f64 / 1e6,
             rate(r.publish_s),
             rate(r.count_s),
+            rate(r.check_s),
             rate(r.record_s),
             100.0 * r.count_s / r.record_s,
+            100.0 * r.check_s / r.record_s,
             rate(r.process_s),
         );
     }
