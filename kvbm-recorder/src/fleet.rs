@@ -23,13 +23,13 @@
 //! resumes them) and the redelivered messages it already wrote are skipped
 //! as duplicates: no duplicates, no holes.
 
+use crate::log::FsyncPolicy;
 use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink, read_sidecar};
 use kvbm_attach::nats::track::{Admit, Tracker};
 use kvbm_attach::nats::wire::BatchHeader;
 use kvbm_events::Event;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-use crate::log::FsyncPolicy;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -528,10 +528,14 @@ impl FleetWriter {
         let engines = self.dir.join(ENGINES_DIR);
         let mut logs: Vec<Option<OpenLog>> = self.open.drain().map(|(_, l)| Some(l)).collect();
         let closed = in_parallel(&mut logs, |slot| match slot.take() {
-            Some(log) => log.sink.finish().map(drop).map_err(|source| FleetError::Log {
-                dir: engines.join(&log.name),
-                source,
-            }),
+            Some(log) => log
+                .sink
+                .finish()
+                .map(drop)
+                .map_err(|source| FleetError::Log {
+                    dir: engines.join(&log.name),
+                    source,
+                }),
             None => Ok(()),
         });
         self.write_manifest()?;
@@ -771,8 +775,13 @@ mod tests {
         let (raw, lz4) = encoded(events);
         let view = kvbm_schema::columnar::verify_block(&raw).unwrap();
         view.validate().unwrap();
-        w.apply_block(engine, &header(run, events, dropped_before), &view, Some(&lz4))
-            .unwrap()
+        w.apply_block(
+            engine,
+            &header(run, events, dropped_before),
+            &view,
+            Some(&lz4),
+        )
+        .unwrap()
     }
 
     /// Blocks kept as they arrived give the same logs, counts and losses as
@@ -791,10 +800,9 @@ mod tests {
             ("a", [ev(20), ev(21), ev(23)].to_vec(), 4),
             ("a", batch(24..30), 4),
         ];
-        let mut whole = FleetWriter::open(&tmp.path().join("w"), "nats://x:1", None, cfg.clone())
-            .unwrap();
-        let mut single =
-            FleetWriter::open(&tmp.path().join("s"), "nats://x:1", None, cfg).unwrap();
+        let mut whole =
+            FleetWriter::open(&tmp.path().join("w"), "nats://x:1", None, cfg.clone()).unwrap();
+        let mut single = FleetWriter::open(&tmp.path().join("s"), "nats://x:1", None, cfg).unwrap();
         for (engine, events, dropped) in &batches {
             let a = apply_encoded(&mut whole, engine, 1, events, *dropped);
             let b = single

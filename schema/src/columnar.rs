@@ -1560,7 +1560,10 @@ mod tests {
                 value_errors += usize::from(decoded.is_err());
             }
         }
-        assert!(value_errors > 20, "only {value_errors} value errors exercised");
+        assert!(
+            value_errors > 20,
+            "only {value_errors} value errors exercised"
+        );
     }
 
     #[test]

@@ -496,7 +496,10 @@ mod tests {
                 value_errors += 1;
                 let mut scratch = Vec::new();
                 let e = check(&b, &mut scratch).map(|c| c.header).unwrap_err();
-                assert!(matches!(e, WireError::Block(BlockError::Event { .. })), "{e}");
+                assert!(
+                    matches!(e, WireError::Block(BlockError::Event { .. })),
+                    "{e}"
+                );
             }
         }
         // The states of four transitions.

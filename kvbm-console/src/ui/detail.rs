@@ -560,10 +560,16 @@ mod tests {
         later.first = false;
         let refs: Vec<&Event> = events.iter().collect();
         let rows = explained_rows(&refs, &[lookup(10, 0), later]);
-        assert!(rows[0].as_deref().unwrap().contains("hit G1 0 G2 0"), "{rows:?}");
+        assert!(
+            rows[0].as_deref().unwrap().contains("hit G1 0 G2 0"),
+            "{rows:?}"
+        );
         assert_eq!(rows[1], None, "{rows:?}");
         let again = rows[2].as_deref().unwrap();
-        assert!(again.starts_with("looked up again: hit G1 2 G2 0"), "{again}");
+        assert!(
+            again.starts_with("looked up again: hit G1 2 G2 0"),
+            "{again}"
+        );
         assert_eq!(rows[3], None, "{rows:?}");
     }
 

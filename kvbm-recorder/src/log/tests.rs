@@ -759,7 +759,10 @@ fn whole_blocks_append_as_frames_of_their_own() {
     let e = w
         .append_block(&columnar::verify_block(&old).expect("verify"), None)
         .expect_err("overlap");
-    assert!(matches!(e, LogError::NonIncreasingSeq { seq: 100, .. }), "{e}");
+    assert!(
+        matches!(e, LogError::NonIncreasingSeq { seq: 100, .. }),
+        "{e}"
+    );
     // Stored when no compressed form is given.
     let (raw2, _) = encoded_block(&all[110..150]);
     w.append_block(&columnar::verify_block(&raw2).expect("verify"), None)
