@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,12 +19,6 @@ import time
 import engine  # noqa: E402 (this directory; no vLLM import at load)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tmux(*args, check=True):
@@ -54,7 +47,7 @@ def main():
     a = ap.parse_args()
     if shutil.which("tmux") is None:
         raise SystemExit("FAIL: tmux is not installed (apt-get install tmux)")
-    port = free_port()
+    port = engine.free_port()
     tmp = tempfile.mkdtemp(prefix="kvbm-console-vllm-")
     session = f"kvbm-vllm-{os.getpid()}"
     args = {"port": port, "seconds": 150, "max_tokens": 48}

@@ -9,6 +9,7 @@ Every function that builds an engine must run under
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -56,6 +57,26 @@ def kill_group(p):
     except ProcessLookupError:
         pass
     p.wait()
+
+
+def free_port():
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listens(port, secs=10):
+    """Whether something accepts connections on loopback `port` within
+    `secs`."""
+    t = time.time()
+    while time.time() - t < secs:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
 
 
 def spawn(argv, **kw):

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,28 +26,9 @@ sys.path.insert(0, HERE)
 import engine as E  # noqa: E402
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def fail(msg):
     print(f"FAIL: {msg}", flush=True)
     sys.exit(1)
-
-
-def wait_port(port, secs=10):
-    t = time.time()
-    while time.time() - t < secs:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    fail(f"nothing listens on {port}")
 
 
 def main():
@@ -58,7 +38,7 @@ def main():
     a = ap.parse_args()
     E.bounded(300)
     tmp = tempfile.mkdtemp(prefix="kvbm-fleet-bridge-")
-    nport, zport, rport = free_port(), free_port(), free_port()
+    nport, zport, rport = E.free_port(), E.free_port(), E.free_port()
     nats = subprocess.Popen(
         [a.nats_server, "-js", "-a", "127.0.0.1", "-p", str(nport), "-sd", os.path.join(tmp, "js")],
         stdout=subprocess.DEVNULL,
@@ -66,7 +46,8 @@ def main():
     )
     procs = [nats]
     try:
-        wait_port(nport)
+        if not E.listens(nport):
+            fail(f"nats-server does not listen on {nport}")
         url = f"nats://127.0.0.1:{nport}"
         bridge = subprocess.Popen(
             [a.recorder, "bridge", "--from", f"zmq://127.0.0.1:{zport}",

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,14 +42,6 @@ ENGINE = "vllm-pod-1"
 FAILURES = []
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def check(cond, msg):
     print(("ok: " if cond else "FAIL: ") + msg, flush=True)
     if not cond:
@@ -61,17 +52,6 @@ def check(cond, msg):
 def fatal(msg):
     print(f"FAIL: {msg}", flush=True)
     raise SystemExit(1)
-
-
-def wait_port(port, secs=10):
-    t = time.time()
-    while time.time() - t < secs:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    fatal(f"nats-server does not listen on {port}")
 
 
 def close(llm, grace_s=60):
@@ -97,7 +77,7 @@ def main():
     a = ap.parse_args()
     E.bounded(300)
     tmp = tempfile.mkdtemp(prefix="kvbm-fleet-publish-")
-    nport = free_port()
+    nport = E.free_port()
     nats = E.spawn(
         [a.nats_server, "-js", "-a", "127.0.0.1", "-p", str(nport), "-sd", os.path.join(tmp, "js")],
         stdout=subprocess.DEVNULL,
@@ -105,7 +85,8 @@ def main():
     )
     llm = None
     try:
-        wait_port(nport)
+        if not E.listens(nport):
+            fatal(f"nats-server does not listen on {nport}")
         url = f"nats://127.0.0.1:{nport}"
         stats_file = os.path.join(tmp, "connector-stats.json")
         # Read by the connector in vLLM's engine-core process (spawned

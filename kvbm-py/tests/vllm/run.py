@@ -35,12 +35,6 @@ PY = sys.executable
 FAILURES = []
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def scenario(name, args, env=None, timeout=300, expect_ok=True):
     """Runs one scenario; returns (results, stderr, returncode)."""
     e = dict(os.environ)
@@ -144,7 +138,7 @@ def test_bytes(tmp, baseline, recorder):
 def test_breakpoints(tmp, baseline):
     print("== 2. breakpoints on a real engine", flush=True)
     args = {
-        "port": free_port(),
+        "port": engine.free_port(),
         "deadline_s": 3,
         "held": "4-",
         "late": "12-",
