@@ -150,6 +150,37 @@ struct OpenLog {
     unsynced: bool,
 }
 
+impl OpenLog {
+    /// Records in the log what was lost before an event about to be
+    /// written with `seq`: the hole the tracker found, or, for the run's
+    /// first event, the seqs before it. Returns the events lost.
+    fn record_loss(&mut self, hole_before: u64, first_of_run: bool, seq: u64) -> u64 {
+        if hole_before > 0 {
+            self.sink.gap(hole_before);
+            hole_before
+        } else if first_of_run && seq > 0 {
+            self.sink.missed_before_start(seq);
+            seq
+        } else {
+            0
+        }
+    }
+
+    /// Marks the log as written (for the next checkpoint and sync).
+    fn touched(&mut self) {
+        self.dirty = true;
+        self.unsynced = true;
+    }
+
+    /// A write error, naming the log's directory under `engines`.
+    fn error(&self, engines: &Path, source: RecordError) -> FleetError {
+        FleetError::Log {
+            dir: engines.join(&self.name),
+            source,
+        }
+    }
+}
+
 /// What applying one batch did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Applied {
@@ -349,36 +380,26 @@ impl FleetWriter {
         header: &BatchHeader,
         events: &[Event],
     ) -> Result<Applied, FleetError> {
-        let dir = self.dir.clone();
+        let engines = self.dir.join(ENGINES_DIR);
         let log = self.log_for(engine, header.run)?;
         log.tracker.declared(header.dropped_before);
         let mut out = Applied::default();
-        log.dirty = true;
-        log.unsynced = true;
+        log.touched();
         for ev in events {
             match log.tracker.admit(ev.seq) {
                 Admit::Duplicate => out.duplicates += 1,
                 Admit::Apply { hole_before } => {
-                    if hole_before > 0 {
-                        log.sink.gap(hole_before);
-                        out.missing += hole_before;
-                    } else if log.tracker.applied == 1 && ev.seq > 0 {
-                        log.sink.missed_before_start(ev.seq);
-                        out.missing += ev.seq;
-                    }
-                    log.sink.append(ev).map_err(|source| FleetError::Log {
-                        dir: dir.join(ENGINES_DIR).join(&log.name),
-                        source,
-                    })?;
+                    let first_of_run = log.tracker.applied == 1;
+                    out.missing += log.record_loss(hole_before, first_of_run, ev.seq);
+                    log.sink
+                        .append(ev)
+                        .map_err(|source| log.error(&engines, source))?;
                     out.written += 1;
                 }
             }
         }
         let (name, declared) = (log.name.clone(), log.tracker.declared_dropped);
-        if let Some(e) = self.manifest.logs.get_mut(&name) {
-            e.declared_dropped = e.declared_dropped.max(declared);
-            e.duplicates += out.duplicates;
-        }
+        self.note_in_manifest(&name, declared, out.duplicates);
         Ok(out)
     }
 
@@ -400,7 +421,7 @@ impl FleetWriter {
     ) -> Result<Applied, FleetError> {
         let consecutive = header.last_seq.checked_sub(header.first_seq)
             == Some(u64::from(header.count).saturating_sub(1));
-        let dir = self.dir.clone();
+        let engines = self.dir.join(ENGINES_DIR);
         let log = self.log_for(engine, header.run)?;
         log.tracker.declared(header.dropped_before);
         let first_of_run = log.tracker.last.is_none();
@@ -413,36 +434,30 @@ impl FleetWriter {
             let mut events = Vec::with_capacity(block.len());
             block
                 .decode_into(&mut events)
-                .map_err(|e| FleetError::Log {
-                    dir: dir.join(ENGINES_DIR).join(&log.name),
-                    source: RecordError::Log(e.into()),
-                })?;
+                .map_err(|e| log.error(&engines, RecordError::Log(e.into())))?;
             return self.apply(engine, header, &events);
         };
-        let mut out = Applied {
+        let out = Applied {
             written: u64::from(header.count),
+            missing: log.record_loss(hole_before, first_of_run, header.first_seq),
             ..Applied::default()
         };
-        if hole_before > 0 {
-            log.sink.gap(hole_before);
-            out.missing += hole_before;
-        } else if first_of_run && header.first_seq > 0 {
-            log.sink.missed_before_start(header.first_seq);
-            out.missing += header.first_seq;
-        }
-        log.dirty = true;
-        log.unsynced = true;
+        log.touched();
         log.sink
             .append_block(block, lz4)
-            .map_err(|source| FleetError::Log {
-                dir: dir.join(ENGINES_DIR).join(&log.name),
-                source,
-            })?;
+            .map_err(|source| log.error(&engines, source))?;
         let (name, declared) = (log.name.clone(), log.tracker.declared_dropped);
-        if let Some(e) = self.manifest.logs.get_mut(&name) {
-            e.declared_dropped = e.declared_dropped.max(declared);
-        }
+        self.note_in_manifest(&name, declared, 0);
         Ok(out)
+    }
+
+    /// Keeps in the manifest's entry for log `name` what its publisher
+    /// declared dropped and the duplicates it skipped.
+    fn note_in_manifest(&mut self, name: &str, declared_dropped: u64, duplicates: u64) {
+        if let Some(e) = self.manifest.logs.get_mut(name) {
+            e.declared_dropped = e.declared_dropped.max(declared_dropped);
+            e.duplicates += duplicates;
+        }
     }
 
     /// A message that was not a usable batch: counted on its engine when
@@ -486,16 +501,12 @@ impl FleetWriter {
             .filter(|l| l.dirty || (sync && l.unsynced))
             .collect();
         in_parallel(&mut due, |log| {
-            let wrap = |source| FleetError::Log {
-                dir: engines.join(&log.name),
-                source,
-            };
             if sync && log.unsynced {
-                log.sink.sync().map_err(wrap)?;
+                log.sink.sync().map_err(|e| log.error(&engines, e))?;
                 log.unsynced = false;
             }
             if log.dirty {
-                log.sink.checkpoint().map_err(wrap)?;
+                log.sink.checkpoint().map_err(|e| log.error(&engines, e))?;
                 log.dirty = false;
             }
             Ok(())

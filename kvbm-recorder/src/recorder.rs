@@ -311,20 +311,30 @@ impl RecordingSink {
         }
     }
 
-    /// Writes one event (and, every `snapshot_every_events`, a snapshot).
-    /// After a failure nothing more is written: the first error is
-    /// returned again.
-    pub fn append(&mut self, ev: &Event) -> Result<(), RecordError> {
+    /// Runs `op` on the log writer unless an earlier failure ended the
+    /// recording (its first error is returned again); a failure here ends
+    /// it.
+    fn on_writer<T>(
+        &mut self,
+        op: impl FnOnce(&mut LogWriter) -> Result<T, LogError>,
+    ) -> Result<T, RecordError> {
         if let Some(first) = &self.failed {
             return Err(RecordError::EndedByError {
                 first: first.clone(),
                 sidecar: None,
             });
         }
-        if let Err(e) = self.writer.append(ev) {
+        op(&mut self.writer).map_err(|e| {
             self.fail(&e);
-            return Err(e.into());
-        }
+            e.into()
+        })
+    }
+
+    /// Writes one event (and, every `snapshot_every_events`, a snapshot).
+    /// After a failure nothing more is written: the first error is
+    /// returned again.
+    pub fn append(&mut self, ev: &Event) -> Result<(), RecordError> {
+        self.on_writer(|w| w.append(ev))?;
         let rec = &mut self.rec;
         rec.events += 1;
         rec.engine = ev.engine;
@@ -365,19 +375,7 @@ impl RecordingSink {
                 .map_err(|e| RecordError::Log(e.into()))?;
             return events.iter().try_for_each(|ev| self.append(ev));
         }
-        if let Some(first) = &self.failed {
-            return Err(RecordError::EndedByError {
-                first: first.clone(),
-                sidecar: None,
-            });
-        }
-        let span = match self.writer.append_block(view, lz4) {
-            Ok(s) => s,
-            Err(e) => {
-                self.fail(&e);
-                return Err(e.into());
-            }
-        };
+        let span = self.on_writer(|w| w.append_block(view, lz4))?;
         let rec = &mut self.rec;
         rec.events += view.len() as u64;
         rec.engine = view.last_engine();
@@ -442,31 +440,13 @@ impl RecordingSink {
 
     /// Hands what was appended to the OS (and fsyncs as the policy says).
     pub fn flush(&mut self) -> Result<(), RecordError> {
-        if let Some(first) = &self.failed {
-            return Err(RecordError::EndedByError {
-                first: first.clone(),
-                sidecar: None,
-            });
-        }
-        self.writer.flush().map_err(|e| {
-            self.fail(&e);
-            e.into()
-        })
+        self.on_writer(LogWriter::flush)
     }
 
     /// Hands what was appended to the OS and fsyncs it, whatever the
     /// policy: everything written so far is on stable storage.
     pub fn sync(&mut self) -> Result<(), RecordError> {
-        if let Some(first) = &self.failed {
-            return Err(RecordError::EndedByError {
-                first: first.clone(),
-                sidecar: None,
-            });
-        }
-        self.writer.sync().map_err(|e| {
-            self.fail(&e);
-            e.into()
-        })
+        self.on_writer(LogWriter::sync)
     }
 
     /// What has been recorded so far.
