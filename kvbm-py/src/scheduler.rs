@@ -1124,15 +1124,11 @@ impl SchedulerSide {
         }
         let obs = self.observers.take();
         let r = match obs {
-            Some(o) => match o.stop(&self.runtime) {
-                Ok(published) => {
-                    if published.is_some() {
-                        self.published = published;
-                    }
-                    Ok(())
-                }
-                Err(e) => Err(SchedulerError::Observe(e)),
-            },
+            // The observers are taken once: nothing was published before.
+            Some(o) => o
+                .stop(&self.runtime)
+                .map(|published| self.published = published)
+                .map_err(SchedulerError::Observe),
             None => Ok(()),
         };
         if let Some(p) = self.shm.take() {

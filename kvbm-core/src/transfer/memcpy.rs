@@ -47,12 +47,11 @@ pub enum Stores {
     /// pieces of 4 KiB or more; ordinary copies elsewhere. A destination
     /// not recently written (a host-tier block) is not read into the cache
     /// before it is overwritten, as an ordinary store must, nor does the
-    /// copy evict what the engine works on. On the 2-core test VM (busy),
-    /// stores of 40 KiB on average, in 16 KiB pieces, into such memory
-    /// took 2.9 µs at the median and 4.2 µs at the 90th percentile, one
-    /// `memcpy` of the same bytes 3.3 and 6.7 µs, ordinary stores 3.7 and
-    /// 8.2 µs (`cargo bench -p kvbm-core --bench small_store`). For
-    /// offloads, whose bytes are read only by a later load.
+    /// copy evict what the engine works on. For offloads, whose bytes are
+    /// read only by a later load. Whether it beats ordinary stores depends
+    /// on the machine and its load: `cargo bench -p kvbm-core --bench
+    /// small_store` compares them (the README has its runs, one where it
+    /// did and one where it did not).
     Streaming,
 }
 
