@@ -117,8 +117,10 @@ pub struct Scheduled {
     pub computed_before: usize,
     /// Tokens this step computes.
     pub scheduled: usize,
-    /// The request's whole block table now (vLLM block ids, group 0).
-    pub block_ids: Vec<u32>,
+    /// The request's whole block table now (vLLM block ids, group 0), or
+    /// `None` when it is the one last given (vLLM's tables only grow, and
+    /// most steps add no block).
+    pub block_ids: Option<Vec<u32>>,
 }
 
 /// vLLM's scheduler output, as the connector needs it.
@@ -149,6 +151,11 @@ pub struct Counters {
     pub delayed_frees: u64,
     /// Reports from the worker that did not parse.
     pub bad_reports: u64,
+    /// Steps whose plan had to wait for the pipelines to ship its
+    /// transfers, and their wait in all (µs).
+    pub ship_waits: u64,
+    /// See `ship_waits`.
+    pub ship_wait_us: u64,
 }
 
 /// One request as the connector follows it.
@@ -220,6 +227,13 @@ pub struct SchedulerSide {
     step_ns: std::collections::VecDeque<u64>,
 }
 
+/// How often each pipeline's sweeper clears cancelled transfers out of its
+/// queues. The stages skip cancelled ones anyway; the sweep only frees
+/// their room sooner, and at the pipelines' 10 ms default the four of them
+/// would wake the scheduler's runtime 400 times a second, on the core vLLM
+/// keeps for its scheduler.
+const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
+
 /// Steps whose connector time is kept for [`SchedulerSide::step_timing`].
 pub const TIMING_SAMPLES: usize = 100_000;
 
@@ -228,6 +242,8 @@ pub const TIMING_SAMPLES: usize = 100_000;
 pub struct StepTiming {
     /// Steps measured.
     pub steps: usize,
+    /// Mean.
+    pub mean_us: f64,
     /// Median.
     pub p50_us: f64,
     /// 99th percentile.
@@ -314,6 +330,7 @@ impl SchedulerSide {
             // A remote batch is out until the next step: let many be.
             max_concurrent_transfers: 256,
             on_deck_capacity: 16,
+            sweep_interval: SWEEP_INTERVAL,
             ..PipelineConfig::default()
         };
         let local_cfg = PipelineConfig {
@@ -322,6 +339,7 @@ impl SchedulerSide {
                 flush_interval: Duration::from_millis(1),
                 ..BatchConfig::default()
             },
+            sweep_interval: SWEEP_INTERVAL,
             ..PipelineConfig::default()
         };
         let mut make = |d: Direction,
@@ -586,6 +604,7 @@ impl SchedulerSide {
         let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] as f64 / 1e3;
         StepTiming {
             steps: v.len(),
+            mean_us: v.iter().sum::<u64>() as f64 / v.len() as f64 / 1e3,
             p50_us: at(0.5),
             p99_us: at(0.99),
             max_us: *v.last().unwrap_or(&0) as f64 / 1e3,
@@ -751,7 +770,9 @@ impl SchedulerSide {
                 reason: e.to_string(),
             })?;
         let r = self.req(&s.request);
-        r.block_ids.clone_from(&s.block_ids);
+        if let Some(ids) = &s.block_ids {
+            r.block_ids.clone_from(ids);
+        }
         let full_after = ((s.computed_before + s.scheduled).min(known) / bs).min(r.block_ids.len());
         let from = r.mirrored;
         if full_after <= from {
@@ -849,7 +870,11 @@ impl SchedulerSide {
             self.triggers.push(t);
         }
         let loads = self.leader.start_loads(&mut md, self.runtime.handle());
-        self.wait_until_shipped(&loads);
+        let waited = self.wait_until_shipped(&loads);
+        if !waited.is_zero() {
+            self.counters.ship_waits += 1;
+            self.counters.ship_wait_us += u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+        }
         let mut plan = StepPlan {
             step: self.step,
             ..StepPlan::default()
@@ -948,8 +973,10 @@ impl SchedulerSide {
     /// Waits until the transfers planned so far (but stores still waiting
     /// for their forward pass) are in the worker-bound queues, at most
     /// `ship_timeout`.
-    fn wait_until_shipped(&self, loads: &[(RequestId, Vec<TransferHandle>)]) {
-        let deadline = Instant::now() + self.cfg.ship_timeout;
+    fn wait_until_shipped(&self, loads: &[(RequestId, Vec<TransferHandle>)]) -> Duration {
+        let start = Instant::now();
+        let deadline = start + self.cfg.ship_timeout;
+        let mut waited = false;
         loop {
             let ready = self.pipelines.iter().all(|(p, remote)| {
                 let s = p.stats();
@@ -965,8 +992,9 @@ impl SchedulerSide {
                     || h.status() == kvbm_core::offload::TransferStatus::Transferring
             });
             if ready || Instant::now() >= deadline {
-                return;
+                return if waited { start.elapsed() } else { Duration::ZERO };
             }
+            waited = true;
             std::thread::sleep(Duration::from_micros(100));
         }
     }
@@ -1051,7 +1079,7 @@ impl SchedulerSide {
                 prompt_len: 0,
                 computed_before: computed,
                 scheduled: 0,
-                block_ids: block_ids.to_vec(),
+                block_ids: Some(block_ids.to_vec()),
             };
             self.mirror_full_blocks(&s)?;
             blocks = self

@@ -176,7 +176,7 @@ fn run_store_then_load(extra: serde_json::Value) {
                 prompt_len: p.len(),
                 computed_before: before,
                 scheduled: n,
-                block_ids: blocks.to_vec(),
+                block_ids: Some(blocks.to_vec()),
             }],
             preempted: Vec::new(),
             g1_free: Some(BLOCKS - blocks.len()),
@@ -282,4 +282,55 @@ fn with_host_and_disk_and_lazy_offload() {
         "disk_capacity_tokens": 64,
         "offload": "lazy",
     }));
+}
+
+/// Most decode steps add no block, and the Python side then passes no
+/// block table (`None`): the one given before still maps the blocks that
+/// fill later. Broken (a missing table read as empty), A's second block
+/// would never be stored.
+#[test]
+fn a_step_without_a_block_table_keeps_the_last_one() {
+    let mut r = rig(json!({"host_capacity_tokens": 64}));
+    let a = prompt(300, 9);
+    assert_eq!(
+        r.sched.get_num_new_matched_tokens("A", &a, 0).unwrap(),
+        Some(0)
+    );
+    r.sched
+        .update_state_after_alloc("A", &[1, 2, 3], 0)
+        .unwrap();
+    let step = |before: usize, n: usize, blocks: Option<Vec<u32>>| StepInput {
+        scheduled: vec![Scheduled {
+            request: "A".into(),
+            new_tokens: Vec::new(),
+            prompt_len: a.len(),
+            computed_before: before,
+            scheduled: n,
+            block_ids: blocks,
+        }],
+        preempted: Vec::new(),
+        g1_free: None,
+    };
+    // A chunked prefill: 5 tokens (block 0 full), then 4 more (block 1
+    // full) in a step that passes no table.
+    let mut stored = Vec::new();
+    let mut plans = vec![r.step_plan(step(0, 5, Some(vec![1, 2, 3])), &[(1, &a, 0)]).0];
+    plans.push(r.step_plan(step(5, 4, None), &[(2, &a, 1)]).0);
+    for _ in 0..50 {
+        plans.push(r.step_plan(StepInput::default(), &[]).0);
+        stored.extend(
+            plans
+                .drain(..)
+                .flat_map(|p| p.stores)
+                .flat_map(|b| b.pairs)
+                .map(|p| p.src),
+        );
+        if stored.len() >= 2 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    stored.sort_unstable();
+    assert_eq!(stored, [1, 2], "vLLM blocks stored");
+    r.sched.shutdown().unwrap();
 }

@@ -41,7 +41,7 @@ fn one_request(s: &mut SchedulerSide) {
             prompt_len: p.len(),
             computed_before: 0,
             scheduled: p.len(),
-            block_ids: vec![1, 2, 3],
+            block_ids: Some(vec![1, 2, 3]),
         }],
         preempted: Vec::new(),
         g1_free: Some(BLOCKS - 3),

@@ -114,6 +114,11 @@ class KvbmConnector(KVConnectorBase_V1):
         self._sent: Dict[str, int] = {}
         self._blocks: Dict[str, List[int]] = {}
         self._stats_at = 0.0
+        self._stats_path = os.environ.get("KVBM_STATS_FILE")
+        # The worker's results of its last plan, until vLLM asks for them.
+        self._reports: List[bytes] = []
+        self._finished_sending: Set[str] = set()
+        self._load_errors: Set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
                 # A load kvbm cannot deliver must be recomputed, never fail
@@ -157,8 +162,7 @@ class KvbmConnector(KVConnectorBase_V1):
         self._blocks[rid] = ids
         self._sched.update_state_after_alloc(rid, ids, int(num_external_tokens))
 
-    def _block_table(self, scheduler_output: Any, rid: str, added: Optional[Any], resumed: bool) -> List[int]:
-        state = getattr(scheduler_output, "kv_connector_block_state", None)
+    def _block_table(self, state: Any, rid: str, added: Optional[Any], resumed: bool) -> List[int]:
         if state is not None:
             full = state.get_block_ids(rid)
             if full is not None:
@@ -182,12 +186,13 @@ class KvbmConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
         n_sched = scheduler_output.num_scheduled_tokens
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
         scheduled = []
         for new in scheduler_output.scheduled_new_reqs:
             rid = new.req_id
             if rid not in self._reqs:
                 continue
-            table = self._block_table(scheduler_output, rid, None, False) or list(new.block_ids[0])
+            table = self._block_table(state, rid, None, False) or list(new.block_ids[0])
             self._blocks[rid] = table
             scheduled.append(
                 (
@@ -202,12 +207,18 @@ class KvbmConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         resumed_ids = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
-            if rid not in self._reqs:
+            req = self._reqs.get(rid)
+            if req is None:
                 continue
             added = cached.new_block_ids[i]
-            table = self._block_table(scheduler_output, rid, added, rid in resumed_ids)
-            self._blocks[rid] = table
-            req = self._reqs[rid]
+            resumed = rid in resumed_ids
+            table: Optional[List[int]] = None  # unchanged (the Rust side keeps it)
+            if resumed or (added is not None and any(added)):
+                # A block table only grows, except when a preempted request
+                # resumes; most decode steps add no block, and then nothing
+                # is rebuilt or passed on.
+                table = self._block_table(state, rid, added, resumed)
+                self._blocks[rid] = table
             scheduled.append(
                 (
                     rid,
@@ -234,7 +245,7 @@ class KvbmConnector(KVConnectorBase_V1):
         """With ``KVBM_STATS_FILE`` set, keeps the connector's counters and
         its own time per step there (at most once a second; the final ones,
         ``text``, at shutdown), for benchmarks and diagnostics."""
-        path = os.environ.get("KVBM_STATS_FILE")
+        path = self._stats_path
         if not path or self._sched is None:
             return
         now = time.monotonic()
@@ -289,8 +300,11 @@ class KvbmConnector(KVConnectorBase_V1):
             return
         if getattr(metadata, "_kvbm_ran", False):
             return
-        self._worker.bind(metadata.plan)
-        self._worker.run()
+        report, sending, errors = self._worker.run(metadata.plan)
+        if report:
+            self._reports.append(report)
+        self._finished_sending.update(sending)
+        self._load_errors.update(errors)
         metadata._kvbm_ran = True  # noqa: SLF001 - our own marker
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
@@ -316,19 +330,20 @@ class KvbmConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         if self._worker is None:
             return None, None
-        sending = set(self._worker.take_finished_sending())
+        sending, self._finished_sending = self._finished_sending, set()
         return (sending or None), None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         if self._worker is None:
             return set()
-        return set(self._worker.take_load_errors())
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         if self._worker is None:
             return None
-        report = self._worker.take_report()
-        return KvbmWorkerMetadata(reports=[report]) if report else None
+        reports, self._reports = self._reports, []
+        return KvbmWorkerMetadata(reports=reports) if reports else None
 
     def shutdown(self) -> None:
         if self._sched is not None:
