@@ -30,6 +30,21 @@ How the wall times are taken, and why:
   taken. In one probe on a busy 2-core machine, two trials of the
   do-nothing connector took 5.5 and 9.0 s for 6 rounds (0.8-1.9 s a
   round); with a core kept, 1.33 and 1.38 s (0.21-0.25 s a round).
+* After the warm-up, every thread of the engine's processes except the
+  worker's is bound to the CPUs the worker is not bound to
+  (`engine.keep_off_worker_cpus`; `--no-pin` leaves them free). vLLM
+  binds only the worker; left free, the engine core (which busy-waits for
+  the worker) sometimes lands on the worker's core and stays there for
+  the whole trial, and every round is then 30-60% slower, with either
+  connector. Where each thread ran was sampled from /proc: in the slow
+  trials the engine core was on the worker's CPU in 97-99% of samples;
+  pinned, six trials in a row ran at 0.134-0.142 s a round.
+
+The connector's own time per step (`timing.py`) is every call vLLM makes
+to the connector class, Python and Rust alike, on the scheduler side and
+on the worker side, measured for both connectors with the same wrappers
+(so the do-nothing connector's figure is the floor: the calls and the
+wrappers themselves).
 """
 
 import argparse
@@ -45,6 +60,7 @@ import tempfile
 import time
 
 import engine  # noqa: E402 (this directory; no vLLM import at load)
+import timing  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHM = tempfile.mkdtemp(prefix="kvbm-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -56,19 +72,18 @@ TARGET_OFFLOAD = 0.80
 CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def run(kind, rounds, tmp, trial, cpu_env):
-    args = {"connector": kind, "rounds": rounds, "max_tokens": 32}
+def run(kind, rounds, tmp, trial, cpu_env, pin):
+    args = {"connector": kind, "rounds": rounds, "max_tokens": 32, "pin": pin}
     env = dict(os.environ)
     env.update(cpu_env)
-    stats = None
     rec = None
+    timed = os.path.join(tmp, f"timing-{kind}-{trial}")
+    env["KVBM_BENCH_TIMING"] = timed
     if kind == "kvbm":
         rec = os.path.join(tmp, f"rec-{trial}")
-        stats = os.path.join(tmp, f"stats-{trial}.json")
         # The host tier where kvbm puts it by default (/dev/shm), in a
         # directory of this run's own.
         args["extra"] = {"host_capacity_tokens": 16384, "shm_dir": SHM, "record": rec}
-        env["KVBM_STATS_FILE"] = stats
     p = engine.run_isolated(
         [sys.executable, os.path.join(HERE, "scenario.py"), "bench", json.dumps(args)],
         600, env=env, cwd=HERE,
@@ -77,7 +92,7 @@ def run(kind, rounds, tmp, trial, cpu_env):
     if p.returncode != 0 or not res:
         print(p.stderr[-3000:])
         raise SystemExit(f"{kind} run failed")
-    return res[0], stats, rec
+    return res[0], timing.read(timed), rec
 
 
 def quartiles(xs):
@@ -168,30 +183,31 @@ def main():
     ap.add_argument("--recorder", required=True)
     ap.add_argument("--trials", type=int, default=8, help="pairs of trials, one of each connector")
     ap.add_argument("--rounds", type=int, default=12, help="timed rounds per trial")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="leave the engine core and front end free to run on the worker's CPUs")
     a = ap.parse_args()
     cpu_env = {k: os.environ.get(k, v) for k, v in CPU_ENV.items()}
-    print(f"both connectors with {cpu_env}; {a.trials} pairs of trials, {a.rounds} timed rounds each", flush=True)
+    print(f"both connectors with {cpu_env}, {'not ' if a.no_pin else ''}kept off the worker's CPUs; "
+          f"{a.trials} pairs of trials, {a.rounds} timed rounds each", flush=True)
     tmp = tempfile.mkdtemp(prefix="kvbm-bench-")
     walls = {"kvbm": [], "noop": []}
     ratios = []
-    step_p50, step_p99, step_max, steps = [], [], [], 0
+    steps = {"kvbm": {}, "noop": {}}  # side -> ns per step, every trial
     recs = []
     for t in range(a.trials):
         pair = {}
         for kind in ("noop", "kvbm") if t % 2 == 0 else ("kvbm", "noop"):
-            res, stats, rec = run(kind, a.rounds, tmp, t, cpu_env)
+            res, timed, rec = run(kind, a.rounds, tmp, t, cpu_env, not a.no_pin)
             wall = res["wall_s"]
             walls[kind].append(wall)
             pair[kind] = wall
             rs = res.get("rounds_s") or [wall]
-            print(f"pair {t} {kind}: {wall:.3f} s (rounds {min(rs):.3f}-{max(rs):.3f} s)", flush=True)
-            if stats:
-                with open(stats) as f:
-                    tm = json.load(f)["step_timing"]
-                step_p50.append(tm["p50_us"])
-                step_p99.append(tm["p99_us"])
-                step_max.append(tm["max_us"])
-                steps += tm["steps"]
+            cpus = res.get("cpus")
+            where = f", worker on CPUs {cpus[0]}, the rest on {cpus[1]}" if cpus else ""
+            print(f"pair {t} {kind}: {wall:.3f} s (rounds {min(rs):.3f}-{max(rs):.3f} s{where})", flush=True)
+            for side, ns in timed.items():
+                steps[kind].setdefault(side, []).extend(ns)
+            if rec:
                 recs.append(rec)
         ratios.append(pair["kvbm"] / pair["noop"] - 1)
         print(f"pair {t}: overhead {pct(ratios[-1])}", flush=True)
@@ -205,9 +221,17 @@ def main():
     print(f"overhead within a pair, over {a.trials} pairs: median {pct(med)}, interquartile range "
           f"{pct(q1)} to {pct(q3)}, range {pct(min(ratios))} to {pct(max(ratios))}; "
           f"target ≤ {100 * TARGET_OVERHEAD:.0f}%: {verdict}")
-    print(f"connector time per scheduler step (median over the kvbm trials of each trial's figure): "
-          f"p50 {statistics.median(step_p50):.0f} µs, p99 {statistics.median(step_p99):.0f} µs, "
-          f"max {max(step_max):.0f} µs (worst trial), {steps} steps in all")
+    print("connector time per step, every call vLLM made to the connector (Python and Rust), "
+          "all steps of all trials, warm-up included:")
+    for kind in ("kvbm", "noop"):
+        for side in ("scheduler", "worker"):
+            ns = sorted(steps[kind].get(side, []))
+            if not ns:
+                print(f"  {kind} {side} side: no steps measured")
+                continue
+            at = lambda q: ns[round((len(ns) - 1) * q)] / 1e3  # noqa: E731
+            print(f"  {kind} {side} side: p50 {at(0.5):.1f} µs, p99 {at(0.99):.1f} µs, "
+                  f"mean {statistics.fmean(ns) / 1e3:.1f} µs over {len(ns)} steps")
 
     got = [b for rec in recs for b in batches(a.recorder, rec)]
     nbytes = sum(b for b, _ in got)

@@ -79,6 +79,46 @@ def listens(port, secs=10):
     return False
 
 
+def keep_off_worker_cpus():
+    """Binds every thread of this process and of the processes it started,
+    except vLLM's workers, to the CPUs the workers are not bound to. Returns
+    (the workers' CPUs, the others'), or None when there is nothing to do.
+
+    Why: `VLLM_CPU_NUM_OF_RESERVED_CPU` binds the worker's OpenMP threads
+    to the CPUs it does not reserve, but nothing keeps the engine core and
+    the front end off them. On a 2-core machine the scheduler sometimes
+    moves the engine core, which busy-waits for the worker, onto the
+    worker's core and leaves it there for the whole run: every round is
+    then 30-60% slower, with either connector (seen with `ps`-style
+    sampling of where each thread ran: the engine core on CPU 0 beside
+    the worker in every slow trial, and in none of the fast ones).
+    """
+    import psutil
+
+    me = psutil.Process()
+    procs = [me] + me.children(recursive=True)
+    workers = [p for p in procs if p.name().startswith("VLLM::Worker")]
+    if not workers:
+        return None
+    busy = set().union(*(os.sched_getaffinity(p.pid) for p in workers))
+    rest = set(range(os.cpu_count() or 1)) - busy
+    if not rest:
+        return None
+    for p in procs:
+        if p in workers:
+            continue
+        try:
+            threads = p.threads()
+        except psutil.Error:
+            continue
+        for t in threads:
+            try:
+                os.sched_setaffinity(t.id, rest)
+            except OSError:
+                pass  # a thread that has just ended
+    return sorted(busy), sorted(rest)
+
+
 def spawn(argv, **kw):
     """Starts `argv` in a process group of its own, for `kill_group`."""
     return subprocess.Popen(argv, start_new_session=True, **kw)

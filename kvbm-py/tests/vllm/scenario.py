@@ -10,6 +10,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine  # noqa: E402
+import timing  # noqa: E402
+
+# vLLM's engine processes import this module again (multiprocessing's
+# spawn): the benchmark's timing wraps the connectors in each of them.
+timing.install()
 
 
 def baseline(args):
@@ -156,6 +161,8 @@ def bench(args):
     ps = engine.prompts(groups=4, per_group=6)
     engine.generate(llm, ps)  # warm up
     llm.reset_prefix_cache()
+    if args.get("pin", True):
+        kw["cpus"] = engine.keep_off_worker_cpus()
     t0 = time.perf_counter()
     rounds = []
     for _ in range(args["rounds"]):
