@@ -79,7 +79,7 @@ impl Observers {
                     },
                     runtime,
                 )
-                    .map_err(|e| format!("kv_connector_extra_config `publish`: {e}"))?,
+                .map_err(|e| format!("kv_connector_extra_config `publish`: {e}"))?,
             );
             let client = runtime
                 .block_on(kvbm_attach::nats::connect(
@@ -151,7 +151,7 @@ impl Observers {
                             ..FeederConfig::default()
                         },
                     )
-                        .map_err(|e| format!("starting the feeder: {e}"))?,
+                    .map_err(|e| format!("starting the feeder: {e}"))?,
                 );
             }
         }

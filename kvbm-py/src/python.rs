@@ -9,10 +9,10 @@ use crate::config::{Config, ConfigError};
 use crate::scheduler::{Scheduled, SchedulerError, SchedulerSide, StepInput};
 use crate::tiers::Geometry;
 use crate::worker::{KvTensor, WorkerError, WorkerSide};
+use kvbm_core::hooks::Breakpoints;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use kvbm_core::hooks::Breakpoints;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 fn config(json: &str) -> PyResult<Config> {
@@ -212,7 +212,9 @@ impl PyScheduler {
         request: &str,
         block_ids: Vec<u32>,
     ) -> PyResult<bool> {
-        self.with_side(py, |s| s.request_finished(request, &block_ids).map_err(sched_err))
+        self.with_side(py, |s| {
+            s.request_finished(request, &block_ids).map_err(sched_err)
+        })
     }
 
     /// The attach server's address (`host:port`), when serving.

@@ -992,7 +992,11 @@ impl SchedulerSide {
                     || h.status() == kvbm_core::offload::TransferStatus::Transferring
             });
             if ready || Instant::now() >= deadline {
-                return if waited { start.elapsed() } else { Duration::ZERO };
+                return if waited {
+                    start.elapsed()
+                } else {
+                    Duration::ZERO
+                };
             }
             waited = true;
             std::thread::sleep(Duration::from_micros(100));

@@ -314,7 +314,10 @@ fn a_step_without_a_block_table_keeps_the_last_one() {
     // A chunked prefill: 5 tokens (block 0 full), then 4 more (block 1
     // full) in a step that passes no table.
     let mut stored = Vec::new();
-    let mut plans = vec![r.step_plan(step(0, 5, Some(vec![1, 2, 3])), &[(1, &a, 0)]).0];
+    let mut plans = vec![
+        r.step_plan(step(0, 5, Some(vec![1, 2, 3])), &[(1, &a, 0)])
+            .0,
+    ];
     plans.push(r.step_plan(step(5, 4, None), &[(2, &a, 1)]).0);
     for _ in 0..50 {
         plans.push(r.step_plan(StepInput::default(), &[]).0);
