@@ -136,6 +136,9 @@ struct Inner {
     awaiting_now: AtomicUsize,
     on_deck_now: AtomicUsize,
     in_flight_now: AtomicUsize,
+    /// Batches the executor has taken from the in-queue and not yet counted
+    /// on deck (see `stats`).
+    committing: AtomicUsize,
     shared: Arc<Shared>,
     next_id: AtomicU64,
     next_batch: AtomicU64,
@@ -188,6 +191,7 @@ impl OffloadPipeline {
             awaiting_now: AtomicUsize::new(0),
             on_deck_now: AtomicUsize::new(0),
             in_flight_now: AtomicUsize::new(0),
+            committing: AtomicUsize::new(0),
             shared: Arc::new(Shared {
                 counters: Default::default(),
                 observer,
@@ -375,9 +379,14 @@ impl OffloadPipeline {
             queued_for_policy: i.eval_q.len(),
             awaiting_precondition: i.awaiting_now.load(Ordering::Relaxed),
             queued_for_batcher: i.batch_q.len(),
-            in_queue: i.in_queue.len(),
-            on_deck: i.on_deck_now.load(Ordering::Relaxed),
-            in_flight: i.in_flight_now.load(Ordering::Relaxed),
+            // Read in the order a batch moves (in-queue, being committed,
+            // on deck, running), each count raised before the one it
+            // leaves is lowered: a batch between two stages is counted in
+            // one of them, never in none (so "nothing before the engine"
+            // means nothing is).
+            in_queue: i.in_queue.len() + i.committing.load(Ordering::SeqCst),
+            on_deck: i.on_deck_now.load(Ordering::SeqCst),
+            in_flight: i.in_flight_now.load(Ordering::SeqCst),
         }
     }
 
@@ -643,16 +652,21 @@ async fn transfer_executor(inner: Arc<Inner>) {
             let Some(c) = on_deck.pop_front() else { break };
             running.push(Box::pin(run_transfer(inner.clone(), c)));
         }
+        let mut taken = 0;
         while on_deck.len() < cap {
-            let Some(b) = inner.in_queue.try_pop() else {
+            let Some(b) = inner.in_queue.try_pop_held(Some(&inner.committing)) else {
                 break;
             };
+            taken += 1;
             if let Some(c) = commit(&inner, b) {
                 on_deck.push_back(c);
             }
         }
-        inner.on_deck_now.store(on_deck.len(), Ordering::Relaxed);
-        inner.in_flight_now.store(running.len(), Ordering::Release);
+        // Raised before lowered (see `stats`): running first, then on
+        // deck, then the batches taken from the in-queue.
+        inner.in_flight_now.store(running.len(), Ordering::SeqCst);
+        inner.on_deck_now.store(on_deck.len(), Ordering::SeqCst);
+        inner.committing.fetch_sub(taken, Ordering::SeqCst);
         if running.len() < max && !on_deck.is_empty() {
             continue;
         }
@@ -662,11 +676,13 @@ async fn transfer_executor(inner: Arc<Inner>) {
         let room = on_deck.len() < cap && !closed;
         tokio::select! {
             _ = std::future::poll_fn(|cx| poll_any(&mut running, cx)), if !running.is_empty() => {}
-            b = inner.in_queue.pop(), if room => match b {
+            b = inner.in_queue.pop_held(Some(&inner.committing)), if room => match b {
                 Some(b) => {
                     if let Some(c) = commit(&inner, b) {
                         on_deck.push_back(c);
                     }
+                    inner.on_deck_now.store(on_deck.len(), Ordering::SeqCst);
+                    inner.committing.fetch_sub(1, Ordering::SeqCst);
                 }
                 None => closed = true,
             },

@@ -10,6 +10,7 @@
 
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use tokio::sync::Notify;
 
@@ -116,7 +117,22 @@ impl<T: Prioritized> CancellableQueue<T> {
 
     /// Takes the first item if there is one.
     pub fn try_pop(&self) -> Option<T> {
-        let item = self.lock().heap.pop().map(|e| e.item);
+        self.try_pop_held(None)
+    }
+
+    /// Like [`try_pop`](Self::try_pop), and counts the item taken in `held`
+    /// while the queue is still locked: a reader of [`len`](Self::len) then
+    /// `held` never sees the item in neither (the taker lowers `held` once
+    /// the item is counted wherever it goes next).
+    pub fn try_pop_held(&self, held: Option<&AtomicUsize>) -> Option<T> {
+        let item = {
+            let mut st = self.lock();
+            let item = st.heap.pop().map(|e| e.item);
+            if let (Some(_), Some(h)) = (&item, held) {
+                h.fetch_add(1, Ordering::SeqCst);
+            }
+            item
+        };
         if item.is_some() {
             self.space.notify_one();
         }
@@ -127,11 +143,17 @@ impl<T: Prioritized> CancellableQueue<T> {
     /// closed and empty. Cancel-safe: an item is either returned or left in
     /// the queue.
     pub async fn pop(&self) -> Option<T> {
+        self.pop_held(None).await
+    }
+
+    /// [`pop`](Self::pop), counting the item in `held` as
+    /// [`try_pop_held`](Self::try_pop_held) does.
+    pub async fn pop_held(&self, held: Option<&AtomicUsize>) -> Option<T> {
         loop {
             let items = self.items.notified();
             tokio::pin!(items);
             items.as_mut().enable();
-            if let Some(item) = self.try_pop() {
+            if let Some(item) = self.try_pop_held(held) {
                 return Some(item);
             }
             if self.is_closed() {
