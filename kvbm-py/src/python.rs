@@ -293,17 +293,26 @@ impl PyWorker {
         py: Python<'py>,
         plan: &[u8],
     ) -> PyResult<(Option<Bound<'py, PyBytes>>, Vec<String>, Vec<u32>)> {
-        let (report, sending, errors) = py.detach(|| {
-            let mut g = self.lock();
-            let w = g.as_mut().ok_or_else(gone)?;
-            w.bind(plan).map_err(worker_err)?;
+        let run = |w: &mut WorkerSide| {
             w.run();
-            Ok::<_, PyErr>((
+            (
                 w.take_report(),
                 w.take_finished_sending(),
                 w.take_load_errors(),
-            ))
-        })?;
+            )
+        };
+        let mut g = self.lock();
+        let w = g.as_mut().ok_or_else(gone)?;
+        w.bind(plan).map_err(worker_err)?;
+        // The GIL is let go only around copies (for another thread that
+        // may want it meanwhile); a plan with none is bookkeeping, cheaper
+        // than handing the GIL over and taking it back.
+        let (report, sending, errors) = if w.bound_copies() {
+            py.detach(|| run(w))
+        } else {
+            run(w)
+        };
+        drop(g);
         Ok((report.map(|b| PyBytes::new(py, &b)), sending, errors))
     }
 

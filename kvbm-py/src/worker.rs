@@ -281,6 +281,13 @@ impl WorkerSide {
         Ok(())
     }
 
+    /// Whether the bound plan copies anything (most steps' plans do not).
+    pub fn bound_copies(&self) -> bool {
+        self.plan
+            .as_ref()
+            .is_some_and(|p| !p.stores.is_empty() || !p.loads.is_empty())
+    }
+
     /// Runs the bound plan: stores, then loads. Called once per step before
     /// the forward pass (vLLM's `handle_preemptions`); a second call in the
     /// same step does nothing.

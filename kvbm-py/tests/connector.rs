@@ -222,7 +222,7 @@ fn run_store_then_load(extra: serde_json::Value) {
         .update_state_after_alloc("B", &[5, 6, 7], 8)
         .unwrap();
     let errors = r.step(step("B", &b_prompt, 8, 3, &[5, 6, 7], Vec::new()), &[]);
-    assert!(errors.is_empty(), "{errors:?}");
+    assert!(errors.is_empty(), "{errors:?} {:?}", r.sched.counters());
     assert_eq!(r.cache.block(5), computed_1, "block 0 loaded byte for byte");
     assert_eq!(r.cache.block(6), computed_2, "block 1 loaded byte for byte");
     // Completions are events of the pipelines' own tasks: give them a

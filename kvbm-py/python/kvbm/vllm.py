@@ -176,7 +176,12 @@ class KvbmConnector(KVConnectorBase_V1):
         req = self._reqs.get(rid)
         if req is None:
             return []
-        toks = req.all_token_ids
+        # vLLM's `all_token_ids` is a read-only view whose `len` and slicing
+        # are Python methods; the list under it (when this vLLM has one)
+        # costs a fraction of that, every request, every step.
+        toks = getattr(req, "_all_token_ids", None)
+        if not isinstance(toks, list):
+            toks = req.all_token_ids
         sent = self._sent.get(rid, 0)
         if len(toks) <= sent:
             return []
