@@ -136,8 +136,11 @@ struct Inner {
     awaiting_now: AtomicUsize,
     on_deck_now: AtomicUsize,
     in_flight_now: AtomicUsize,
-    /// Batches the executor has taken from the in-queue and not yet counted
-    /// on deck (see `stats`).
+    /// Containers (batches, for `committing`) a stage has taken from the
+    /// queue in front of it and not yet handed on or finished (see
+    /// `stats`).
+    evaluating: AtomicUsize,
+    batching: AtomicUsize,
     committing: AtomicUsize,
     shared: Arc<Shared>,
     next_id: AtomicU64,
@@ -191,6 +194,8 @@ impl OffloadPipeline {
             awaiting_now: AtomicUsize::new(0),
             on_deck_now: AtomicUsize::new(0),
             in_flight_now: AtomicUsize::new(0),
+            evaluating: AtomicUsize::new(0),
+            batching: AtomicUsize::new(0),
             committing: AtomicUsize::new(0),
             shared: Arc::new(Shared {
                 counters: Default::default(),
@@ -376,14 +381,14 @@ impl OffloadPipeline {
             batches: l(&c.batches),
             blocks_transferred: l(&c.blocks_transferred),
             bytes_transferred: l(&c.bytes_transferred),
-            queued_for_policy: i.eval_q.len(),
-            awaiting_precondition: i.awaiting_now.load(Ordering::Relaxed),
-            queued_for_batcher: i.batch_q.len(),
-            // Read in the order a batch moves (in-queue, being committed,
-            // on deck, running), each count raised before the one it
-            // leaves is lowered: a batch between two stages is counted in
-            // one of them, never in none (so "nothing before the engine"
-            // means nothing is).
+            // Read in the order work moves (each queue, then what its
+            // stage has taken from it, then the next), and each count is
+            // raised before the one it leaves is lowered: work between two
+            // stages is counted in one of them, never in none (so "nothing
+            // before the engine" means nothing is).
+            queued_for_policy: i.eval_q.len() + i.evaluating.load(Ordering::SeqCst),
+            awaiting_precondition: i.awaiting_now.load(Ordering::SeqCst),
+            queued_for_batcher: i.batch_q.len() + i.batching.load(Ordering::SeqCst),
             in_queue: i.in_queue.len() + i.committing.load(Ordering::SeqCst),
             on_deck: i.on_deck_now.load(Ordering::SeqCst),
             in_flight: i.in_flight_now.load(Ordering::SeqCst),
@@ -425,9 +430,20 @@ impl Drop for OffloadPipeline {
 
 /// Stage 1: runs the policies on each container, bounded by
 /// `policy_timeout`, and filters out the blocks they reject.
+/// Lowers a stage's count of work taken from its queue when that work has
+/// been handed on or finished (see `PipelineStats` in `stats`).
+struct Taken<'a>(&'a AtomicUsize);
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 async fn policy_evaluator(inner: Arc<Inner>) {
     let dst = inner.link.destination().clone();
-    while let Some(mut c) = inner.eval_q.pop().await {
+    while let Some(mut c) = inner.eval_q.pop_held(Some(&inner.evaluating)).await {
+        let _taken = Taken(&inner.evaluating);
         if c.is_cancelled() {
             c.finish(TransferStatus::Cancelled);
             continue;
@@ -531,7 +547,7 @@ async fn precondition_awaiter(inner: &Arc<Inner>, mut c: OffloadContainer) {
     let Ok(permit) = permit else {
         return; // semaphore closed: shutting down; dropping c finishes it
     };
-    inner.awaiting_now.fetch_add(1, Ordering::Relaxed);
+    inner.awaiting_now.fetch_add(1, Ordering::SeqCst);
     let inner = inner.clone();
     tokio::spawn(async move {
         let cancel = c.cancel.clone();
@@ -540,7 +556,8 @@ async fn precondition_awaiter(inner: &Arc<Inner>, mut c: OffloadContainer) {
             _ = cancel.cancelled() => Some(None),
             _ = inner.shutdown.cancelled() => None,
         };
-        inner.awaiting_now.fetch_sub(1, Ordering::Relaxed);
+        // Counted as awaiting until it is in the batcher's queue.
+        let _awaiting = Taken(&inner.awaiting_now);
         drop(permit);
         let Some(res) = res else {
             return; // shut down: dropping `c` sends its final status
@@ -567,10 +584,11 @@ async fn batcher(inner: Arc<Inner>) {
     let mut total = 0usize;
     let mut deadline: Option<Instant> = None;
     loop {
+        let held = Some(&inner.batching);
         let next = match deadline {
-            None => inner.batch_q.pop().await,
+            None => inner.batch_q.pop_held(held).await,
             Some(d) => tokio::select! {
-                c = inner.batch_q.pop() => c,
+                c = inner.batch_q.pop_held(held) => c,
                 _ = tokio::time::sleep_until(d) => {
                     flush(&inner, &mut pending, &mut total).await;
                     deadline = None;
@@ -584,6 +602,7 @@ async fn batcher(inner: Arc<Inner>) {
         };
         if c.is_cancelled() {
             c.finish(TransferStatus::Cancelled);
+            inner.batching.fetch_sub(1, Ordering::SeqCst);
             continue;
         }
         if total + c.len() > cfg.max_batch_size && !pending.is_empty() {
@@ -601,8 +620,11 @@ async fn batcher(inner: Arc<Inner>) {
     }
 }
 
+/// Hands the pending containers to the executor as one batch; they stop
+/// counting as `batching` once they are in its queue (or finished).
 async fn flush(inner: &Inner, pending: &mut Vec<OffloadContainer>, total: &mut usize) {
     *total = 0;
+    let taken = pending.len();
     let mut batch = Batch {
         priority: pending.iter().map(|c| c.priority).max().unwrap_or(0),
         containers: std::mem::take(pending),
@@ -615,6 +637,7 @@ async fn flush(inner: &Inner, pending: &mut Vec<OffloadContainer>, total: &mut u
     if any {
         let _ = inner.in_queue.push(batch).await;
     }
+    inner.batching.fetch_sub(taken, Ordering::SeqCst);
 }
 
 /// A batch past the commitment boundary: strong sources, destinations.
