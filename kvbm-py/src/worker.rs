@@ -387,12 +387,12 @@ impl WorkerSide {
         }
     }
 
-    /// The report of the last run (vLLM's worker metadata), once.
+    /// The report of the last run (vLLM's worker metadata), once; `None`
+    /// when it ran no batch (most steps), since the scheduler side has
+    /// nothing to resolve then and vLLM need not carry it back.
     pub fn take_report(&mut self) -> Option<Vec<u8>> {
-        if self.report.done.is_empty() && self.report.step == 0 {
-            return None;
-        }
-        Some(std::mem::take(&mut self.report).to_bytes())
+        let report = std::mem::take(&mut self.report);
+        (!report.done.is_empty()).then(|| report.to_bytes())
     }
 
     /// G1 blocks whose load failed this step (vLLM recomputes them).
