@@ -112,6 +112,9 @@ def breakpoints(args):
     while time.time() - t2 < 30 and paused_at is None:
         paused = http("GET", base + "/breakpoints")["paused"]
         if any(p["call"]["entry"] == "BuildConnectorMetadata" for p in paused):
+            # Events emitted just before the pause reach the server's ring
+            # up to the feeder's poll (5 ms) later: count from after that.
+            time.sleep(0.2)
             paused_at = http("GET", base + "/snapshot")["stream"]["events"]
         time.sleep(0.1)
     time.sleep(1.5)
