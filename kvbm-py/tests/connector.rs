@@ -119,6 +119,18 @@ fn rig(extra: serde_json::Value) -> Rig {
 }
 
 impl Rig {
+    /// A request kvbm has never seen: its lookup finds nothing, and vLLM
+    /// gives it `blocks`.
+    fn admit_without_hit(&mut self, req: &str, prompt: &[u32], blocks: &[u32]) {
+        assert_eq!(
+            self.sched
+                .get_num_new_matched_tokens(req, prompt, 0)
+                .unwrap(),
+            Some(0)
+        );
+        self.sched.update_state_after_alloc(req, blocks, 0).unwrap();
+    }
+
     /// One vLLM step: build the plan, run it on the worker before the
     /// forward pass, compute what was scheduled, report back.
     fn step(&mut self, input: StepInput, compute: &[(u32, &[u32], usize)]) -> Vec<u32> {
@@ -161,13 +173,7 @@ fn run_store_then_load(extra: serde_json::Value) {
     // Request A: 9 tokens, two full blocks, computed in one step into
     // vLLM blocks 1, 2, 3.
     let a = prompt(100, 9);
-    assert_eq!(
-        r.sched.get_num_new_matched_tokens("A", &a, 0).unwrap(),
-        Some(0)
-    );
-    r.sched
-        .update_state_after_alloc("A", &[1, 2, 3], 0)
-        .unwrap();
+    r.admit_without_hit("A", &a, &[1, 2, 3]);
     let step =
         |req: &str, p: &[u32], before: usize, n: usize, blocks: &[u32], new: Vec<u32>| StepInput {
             scheduled: vec![Scheduled {
@@ -292,13 +298,7 @@ fn with_host_and_disk_and_lazy_offload() {
 fn a_step_without_a_block_table_keeps_the_last_one() {
     let mut r = rig(json!({"host_capacity_tokens": 64}));
     let a = prompt(300, 9);
-    assert_eq!(
-        r.sched.get_num_new_matched_tokens("A", &a, 0).unwrap(),
-        Some(0)
-    );
-    r.sched
-        .update_state_after_alloc("A", &[1, 2, 3], 0)
-        .unwrap();
+    r.admit_without_hit("A", &a, &[1, 2, 3]);
     let step = |before: usize, n: usize, blocks: Option<Vec<u32>>| StepInput {
         scheduled: vec![Scheduled {
             request: "A".into(),
