@@ -174,6 +174,10 @@ def bench(args):
         llm.reset_prefix_cache()
         rounds.append(round(time.perf_counter() - t, 4))
     engine.say(connector=kind, wall_s=round(time.perf_counter() - t0, 4), rounds_s=rounds, **kw)
+    # Shut down and wait: the connectors' shutdown writes the last of the
+    # per-step timings (timing.py), and the bench kills what is left of
+    # this process group once this process exits.
+    engine.close(llm)
 
 
 def main():
