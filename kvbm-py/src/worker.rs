@@ -14,7 +14,7 @@ use kvbm_core::layout::LayoutKind;
 use kvbm_core::storage::{DiskStorage, HostStorage, prefault_in_background};
 use kvbm_core::transfer::{
     BlockPair, DiskDirection, DiskEngine, EngineConfig, MemcpyEngine, Stores, TransferEngine,
-    TransferError,
+    TransferError, TransferStats, plain_copy,
 };
 use kvbm_events::Tier;
 use std::collections::HashMap;
@@ -76,7 +76,7 @@ pub enum WorkerError {
 
 /// Test-only behaviour, from the environment (the real-engine tests use it
 /// to check bytes, and to show that the check catches a corrupt load).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 struct TestHooks {
     /// `KVBM_TEST_DUMP_DIR`: every stored block's bytes go to
     /// `stored/<hash>`, every loaded block's (as it lies in vLLM's tensor
@@ -85,20 +85,96 @@ struct TestHooks {
     /// `KVBM_TEST_CORRUPT_LOADS=1`: flips a byte of the first block of each
     /// load, after the copy.
     corrupt_loads: bool,
+    /// `KVBM_BENCH_MEMCPY_BASELINE=PREFIX`: see [`Baseline`].
+    baseline: Option<Baseline>,
 }
 
 impl TestHooks {
     fn from_env() -> Self {
+        let baseline = std::env::var_os("KVBM_BENCH_MEMCPY_BASELINE").and_then(|prefix| {
+            let mut path = prefix;
+            path.push(format!(".{}.jsonl", std::process::id()));
+            match std::fs::File::create(&path) {
+                Ok(file) => Some(Baseline { file, batches: 0 }),
+                Err(e) => {
+                    tracing::warn!(path = %PathBuf::from(path).display(), error = %e, "no memcpy baseline");
+                    None
+                }
+            }
+        });
         TestHooks {
             dump: std::env::var_os("KVBM_TEST_DUMP_DIR").map(PathBuf::from),
             corrupt_loads: std::env::var("KVBM_TEST_CORRUPT_LOADS").is_ok_and(|v| v == "1"),
+            baseline,
         }
+    }
+}
+
+/// The offload benchmark's baseline, measured where the offload runs: each
+/// G1→G2 batch is also copied with plain `memcpy` ([`plain_copy`]), from
+/// the same vLLM blocks into the same host-tier blocks, just before the
+/// engine's copy on even batches and just after it on odd ones. The copy
+/// that goes first finds the bytes where vLLM's forward pass left them;
+/// the second finds them just read. One JSON line a batch, in
+/// `PREFIX.<pid>.jsonl`: `{"first": "plain"|"engine", "bytes",
+/// "engine_ns"` (the engine's own clock, as the recording holds it)`,
+/// "call_ns"` (the whole call)`, "plain_ns"}`. A trial with it on copies
+/// every offload twice, so the bench times its wall clock in trials of
+/// their own.
+#[derive(Debug)]
+struct Baseline {
+    file: std::fs::File,
+    batches: u64,
+}
+
+impl Baseline {
+    /// Runs `engine_copy` and the plain copy of the same pairs, in this
+    /// batch's order, and writes their times.
+    fn measure(
+        &mut self,
+        g1: &HostStorage,
+        g2: &HostStorage,
+        pairs: &[BlockPair],
+        engine_copy: impl FnOnce() -> Result<TransferStats, TransferError>,
+    ) -> Result<TransferStats, TransferError> {
+        use std::io::Write;
+        use std::time::Instant;
+        let plain = || {
+            let t = Instant::now();
+            // SAFETY: the engine's copy of these pairs is running on this
+            // thread under the same promise (see WorkerSide::copy): vLLM
+            // does not touch them, and G1 and G2 are distinct memory.
+            let r = unsafe { plain_copy(g1, g2, pairs) };
+            (r, t.elapsed())
+        };
+        let plain_first = self.batches.is_multiple_of(2);
+        self.batches += 1;
+        let before = plain_first.then(plain);
+        let t = Instant::now();
+        let r = engine_copy();
+        let call = t.elapsed();
+        let (p, plain_t) = before.unwrap_or_else(plain);
+        if let (Ok(stats), Ok(bytes)) = (&r, p) {
+            let line = serde_json::json!({
+                "first": if plain_first { "plain" } else { "engine" },
+                "bytes": bytes,
+                "engine_bytes": stats.bytes,
+                "engine_ns": stats.elapsed.as_nanos() as u64,
+                "call_ns": call.as_nanos() as u64,
+                "plain_ns": plain_t.as_nanos() as u64,
+            });
+            // Bench only: a line that cannot be written is a shorter sample.
+            let _ = writeln!(self.file, "{line}");
+        }
+        r
     }
 }
 
 /// The worker side. See the module docs.
 pub struct WorkerSide {
     g1: Arc<HostStorage>,
+    /// The host tier, when there is one.
+    g2: Option<Arc<HostStorage>>,
     engines: HashMap<Route, Arc<dyn TransferEngine>>,
     plan: Option<StepPlan>,
     report: StepReport,
@@ -198,6 +274,7 @@ impl WorkerSide {
         );
         let sizes = TierSizes::of(cfg, &geometry)?;
         let mut engines: HashMap<Route, Arc<dyn TransferEngine>> = HashMap::new();
+        let mut host = None;
         if sizes.host_blocks > 0 {
             let path = shm_path(cfg, engine_id);
             let l = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
@@ -233,10 +310,11 @@ impl WorkerSide {
             engines.insert(
                 Route::HostToDevice,
                 Arc::new(
-                    MemcpyEngine::new(g2, Tier::Host, g1.clone(), Tier::Device)
+                    MemcpyEngine::new(g2.clone(), Tier::Host, g1.clone(), Tier::Device)
                         .map_err(|e| tier_err("the G2→G1 engine", e))?,
                 ),
             );
+            host = Some(g2);
         } else if let (true, Some(path)) = (sizes.disk_blocks > 0, &cfg.disk_path) {
             let l = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
             let g3 =
@@ -265,6 +343,7 @@ impl WorkerSide {
         }
         Ok(WorkerSide {
             g1,
+            g2: host,
             engines,
             plan: None,
             report: StepReport::default(),
@@ -314,7 +393,7 @@ impl WorkerSide {
         self.finished_sending.extend(plan.finished_sending);
     }
 
-    fn copy(&self, b: &Batch) -> Done {
+    fn copy(&mut self, b: &Batch) -> Done {
         let fail = |error: String| Done {
             route: b.route,
             id: b.id,
@@ -337,7 +416,15 @@ impl WorkerSide {
         // forward passes, and each engine's storages are distinct. Blocking:
         // vLLM's forward pass waits for these copies anyway, so the memcpy
         // engine does them on this thread rather than handing them off.
-        let r = unsafe { engine.transfer_blocking(pairs) };
+        let r = match (&mut self.hooks.baseline, &self.g2) {
+            (Some(baseline), Some(g2)) if b.route == Route::DeviceToHost => {
+                let same = pairs.clone();
+                baseline.measure(&self.g1, g2, &same, || unsafe {
+                    engine.transfer_blocking(pairs)
+                })
+            }
+            _ => unsafe { engine.transfer_blocking(pairs) },
+        };
         match r {
             Ok(stats) => {
                 if b.route.is_load() {
@@ -408,4 +495,81 @@ impl WorkerSide {
 
 fn describe(e: &TransferError) -> String {
     kvbm_events::text::clip(&e.to_string(), kvbm_events::text::MAX_MESSAGE_CHARS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbm_core::layout::{Layout, LayoutConfig};
+    use std::time::Duration;
+
+    fn storage(kind: LayoutKind) -> HostStorage {
+        let config = LayoutConfig {
+            num_blocks: 4,
+            num_layers: 2,
+            outer_dim: 2,
+            page_size: 4,
+            inner_dim: 8,
+            dtype_bytes: 2,
+        };
+        HostStorage::new(Layout::new(config, kind).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn the_baseline_copies_the_same_blocks_and_alternates_which_goes_first() {
+        let (g1, g2) = (
+            storage(LayoutKind::LayerSeparate),
+            storage(LayoutKind::FullyContiguous),
+        );
+        let n = g1.layout().block_bytes();
+        let block: Vec<u8> = (0..n).map(|i| (i * 7 + 3) as u8).collect();
+        // SAFETY (here and below): single-threaded; nothing else holds them.
+        unsafe { g1.write_block(1, &block).unwrap() };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("baseline.jsonl");
+        let mut baseline = Baseline {
+            file: std::fs::File::create(&path).unwrap(),
+            batches: 0,
+        };
+        let pairs = [BlockPair::new(1, 2)];
+        let read = |s: &HostStorage| {
+            let mut out = vec![0u8; n];
+            unsafe { s.read_block(2, &mut out).unwrap() };
+            out
+        };
+        // A stand-in for the engine that reports whether the plain copy
+        // had already filled the destination when it ran.
+        let mut found = Vec::new();
+        for _ in 0..2 {
+            unsafe { g2.write_block(2, &vec![0u8; n]).unwrap() };
+            let r = baseline.measure(&g1, &g2, &pairs, || {
+                found.push(read(&g2) == block);
+                Ok(TransferStats {
+                    blocks: 1,
+                    bytes: n as u64,
+                    elapsed: Duration::from_nanos(5),
+                })
+            });
+            assert_eq!(r.unwrap().bytes, n as u64);
+            assert_eq!(read(&g2), block, "the plain copy's bytes");
+        }
+        assert_eq!(found, [true, false], "plain first, then the engine first");
+        // A failed engine copy is returned as it is and leaves no line.
+        let failed = baseline.measure(&g1, &g2, &pairs, || {
+            Err(TransferError::EngineStopped { engine: "test" })
+        });
+        assert!(failed.is_err());
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2);
+        for (line, first) in lines.iter().zip(["plain", "engine"]) {
+            assert_eq!(line["first"], first);
+            assert_eq!(line["bytes"], n as u64);
+            assert_eq!(line["engine_ns"], 5);
+            assert!(line["call_ns"].as_u64().is_some() && line["plain_ns"].as_u64().is_some());
+        }
+    }
 }
