@@ -4,7 +4,7 @@ does nothing, alternated, in one run; the connector's own time per
 scheduler step; and the offload throughput its worker reached, from the
 recordings, beside a plain copy of the same bytes measured here.
 
-    python bench.py --recorder PATH/TO/kvbm-recorder [--trials 8] [--rounds 12]
+    python bench.py --recorder PATH/TO/kvbm-recorder [--trials 8] [--rounds 24] [--baseline-trials 4]
 
 How the wall times are taken, and why:
 
@@ -39,6 +39,24 @@ How the wall times are taken, and why:
   connector. Where each thread ran was sampled from /proc: in the slow
   trials the engine core was on the worker's CPU in 97-99% of samples;
   pinned, six trials in a row ran at 0.134-0.142 s a round.
+
+* A trial's start-up (15-40 s) costs far more than its rounds (about
+  0.13 s each), so rounds are cheap: 24 of them average out more of the
+  machine's round-to-round noise than the 12 the last runs used.
+
+The offload's baseline is measured where the offload runs: after the
+pairs, `--baseline-trials` more kvbm trials (not timed) in which vLLM's
+worker copies each G1→G2 batch twice, with the engine and with a plain
+memcpy of the same vLLM blocks into the same host-tier blocks, who goes
+first alternating (`KVBM_BENCH_MEMCPY_BASELINE`, `Baseline` in
+kvbm-py/src/worker.rs). The copies that went first are compared: each
+found the source where the forward pass left it. The verdict is on the
+median batch (a batch is 1-3 blocks, a few µs, so one preemption moves
+an all-bytes-over-all-time figure by a large factor); both are printed,
+and the engine's whole call beside its own clock. A plain memmove of the
+same sizes from a warm buffer on the bench's own thread, the baseline
+the last runs used, is printed too: it reads a source in the cache,
+which the worker's copies do not.
 
 The connector's own time per step (`timing.py`) is every call vLLM makes
 to the connector class, Python and Rust alike, on the scheduler side and
@@ -208,8 +226,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--recorder", required=True)
     ap.add_argument("--trials", type=int, default=8, help="pairs of trials, one of each connector")
-    ap.add_argument("--rounds", type=int, default=12, help="timed rounds per trial")
-    ap.add_argument("--baseline-trials", type=int, default=2,
+    ap.add_argument("--rounds", type=int, default=24, help="timed rounds per trial")
+    ap.add_argument("--baseline-trials", type=int, default=4,
                     help="kvbm trials after the pairs in which the worker also copies each offload "
                          "with a plain memcpy, for the offload's baseline (their wall time is not used)")
     ap.add_argument("--no-pin", action="store_true",
