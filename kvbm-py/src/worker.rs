@@ -74,8 +74,9 @@ pub enum WorkerError {
     Meta(#[from] crate::meta::MetaError),
 }
 
-/// Test-only behaviour, from the environment (the real-engine tests use it
-/// to check bytes, and to show that the check catches a corrupt load).
+/// Test- and bench-only behaviour, from the environment (the real-engine
+/// tests use it to check bytes and to show that the check catches a
+/// corrupt load; the vLLM bench, to measure the offload's baseline).
 #[derive(Debug, Default)]
 struct TestHooks {
     /// `KVBM_TEST_DUMP_DIR`: every stored block's bytes go to
@@ -117,10 +118,10 @@ impl TestHooks {
 /// that goes first finds the bytes where vLLM's forward pass left them;
 /// the second finds them just read. One JSON line a batch, in
 /// `PREFIX.<pid>.jsonl`: `{"first": "plain"|"engine", "bytes",
-/// "engine_ns"` (the engine's own clock, as the recording holds it)`,
-/// "call_ns"` (the whole call)`, "plain_ns"}`. A trial with it on copies
-/// every offload twice, so the bench times its wall clock in trials of
-/// their own.
+/// "engine_bytes", "engine_ns"` (the engine's own clock, as the recording
+/// holds it)`, "call_ns"` (the whole call)`, "plain_ns"}`. A trial with it
+/// on copies every offload twice, so the bench runs it in trials of their
+/// own and does not use their wall time.
 #[derive(Debug)]
 struct Baseline {
     file: std::fs::File,
