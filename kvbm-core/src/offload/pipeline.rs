@@ -431,8 +431,19 @@ impl Drop for OffloadPipeline {
 /// Stage 1: runs the policies on each container, bounded by
 /// `policy_timeout`, and filters out the blocks they reject.
 /// Lowers a stage's count of work taken from its queue when that work has
-/// been handed on or finished (see `PipelineStats` in `stats`).
+/// been handed on or finished (see `PipelineStats` in `stats`). Work that
+/// ends in a stage is uncounted before its final status is sent
+/// ([`Taken::finish`]), so whoever sees that status never sees the work
+/// still counted.
 struct Taken<'a>(&'a AtomicUsize);
+
+impl Taken<'_> {
+    /// Lowers the count, then finishes `c` with `status`.
+    fn finish(self, c: OffloadContainer, status: TransferStatus) {
+        drop(self);
+        c.finish(status);
+    }
+}
 
 impl Drop for Taken<'_> {
     fn drop(&mut self) {
@@ -443,9 +454,9 @@ impl Drop for Taken<'_> {
 async fn policy_evaluator(inner: Arc<Inner>) {
     let dst = inner.link.destination().clone();
     while let Some(mut c) = inner.eval_q.pop_held(Some(&inner.evaluating)).await {
-        let _taken = Taken(&inner.evaluating);
+        let taken = Taken(&inner.evaluating);
         if c.is_cancelled() {
-            c.finish(TransferStatus::Cancelled);
+            taken.finish(c, TransferStatus::Cancelled);
             continue;
         }
         if !inner.policies.is_empty() {
@@ -480,11 +491,11 @@ async fn policy_evaluator(inner: Arc<Inner>) {
             };
             let (keep, last_reason) = match outcome {
                 None => {
-                    c.finish(TransferStatus::Cancelled);
+                    taken.finish(c, TransferStatus::Cancelled);
                     continue;
                 }
                 Some(Err(_elapsed)) => {
-                    c.finish(TransferStatus::Skipped(SkipReason::PolicyTimeout));
+                    taken.finish(c, TransferStatus::Skipped(SkipReason::PolicyTimeout));
                     continue;
                 }
                 Some(Ok(r)) => r,
@@ -500,11 +511,12 @@ async fn policy_evaluator(inner: Arc<Inner>) {
                 .fetch_add(filtered as u64, Ordering::Relaxed);
             if c.blocks.is_empty() {
                 let reason = last_reason.unwrap_or(SkipReason::Empty);
-                c.finish(TransferStatus::Skipped(reason));
+                taken.finish(c, TransferStatus::Skipped(reason));
                 continue;
             }
         }
         precondition_awaiter(&inner, c).await;
+        drop(taken);
     }
 }
 
@@ -557,15 +569,25 @@ async fn precondition_awaiter(inner: &Arc<Inner>, mut c: OffloadContainer) {
             _ = inner.shutdown.cancelled() => None,
         };
         // Counted as awaiting until it is in the batcher's queue.
-        let _awaiting = Taken(&inner.awaiting_now);
+        let awaiting = Taken(&inner.awaiting_now);
         drop(permit);
         let Some(res) = res else {
-            return; // shut down: dropping `c` sends its final status
+            // Shut down: `awaiting` goes first, then dropping `c` (moved
+            // into this task) sends its final status.
+            return;
         };
         match res {
-            None => c.finish(TransferStatus::Cancelled),
-            Some(Err(_)) => c.finish(TransferStatus::Skipped(SkipReason::PreconditionAbandoned)),
-            Some(Ok(())) => forward_to_batcher(&inner, c).await,
+            None => awaiting.finish(c, TransferStatus::Cancelled),
+            Some(Err(_)) => {
+                awaiting.finish(
+                    c,
+                    TransferStatus::Skipped(SkipReason::PreconditionAbandoned),
+                );
+            }
+            Some(Ok(())) => {
+                forward_to_batcher(&inner, c).await;
+                drop(awaiting);
+            }
         }
     });
 }
@@ -601,8 +623,7 @@ async fn batcher(inner: Arc<Inner>) {
             return;
         };
         if c.is_cancelled() {
-            c.finish(TransferStatus::Cancelled);
-            inner.batching.fetch_sub(1, Ordering::SeqCst);
+            Taken(&inner.batching).finish(c, TransferStatus::Cancelled);
             continue;
         }
         if total + c.len() > cfg.max_batch_size && !pending.is_empty() {
@@ -631,13 +652,14 @@ async fn flush(inner: &Inner, pending: &mut Vec<OffloadContainer>, total: &mut u
     };
     let mut cancelled = Vec::new();
     let any = batch.sweep_cancelled(&mut cancelled);
+    let ended = cancelled.len();
     for c in cancelled {
-        c.finish(TransferStatus::Cancelled);
+        Taken(&inner.batching).finish(c, TransferStatus::Cancelled);
     }
     if any {
         let _ = inner.in_queue.push(batch).await;
     }
-    inner.batching.fetch_sub(taken, Ordering::SeqCst);
+    inner.batching.fetch_sub(taken - ended, Ordering::SeqCst);
 }
 
 /// A batch past the commitment boundary: strong sources, destinations.
@@ -926,7 +948,12 @@ async fn run_transfer(inner: Arc<Inner>, c: Committed) {
 /// Every `sweep_interval`, pulls cancelled containers out of the queues so
 /// they release their blocks even while a stage is stalled.
 async fn cancel_sweeper(inner: Arc<Inner>) {
-    let mut tick = tokio::time::interval(inner.config.sweep_interval);
+    // The first sweep one interval from now, not at once (an `interval`'s
+    // first tick): at start the queues are empty, and a sweeper task that
+    // first runs late would sweep work that a stage should have found
+    // cancelled (with a long interval, none should).
+    let every = inner.config.sweep_interval;
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
