@@ -118,8 +118,8 @@ impl TestHooks {
 /// that goes first finds the bytes where vLLM's forward pass left them;
 /// the second finds them just read. One JSON line a batch, in
 /// `PREFIX.<pid>.jsonl`: `{"first": "plain"|"engine", "bytes",
-/// "engine_bytes", "engine_ns"` (the engine's own clock, as the recording
-/// holds it)`, "call_ns"` (the whole call)`, "plain_ns"}`. A trial with it
+/// "engine_ns"` (the engine's own clock, as the recording holds it)`,
+/// "call_ns"` (the whole call)`, "plain_ns"}`. A trial with it
 /// on copies every offload twice, so the bench runs it in trials of their
 /// own and does not use their wall time.
 #[derive(Debug)]
@@ -159,7 +159,6 @@ impl Baseline {
             let line = serde_json::json!({
                 "first": if plain_first { "plain" } else { "engine" },
                 "bytes": bytes,
-                "engine_bytes": stats.bytes,
                 "engine_ns": stats.elapsed.as_nanos() as u64,
                 "call_ns": call.as_nanos() as u64,
                 "plain_ns": plain_t.as_nanos() as u64,

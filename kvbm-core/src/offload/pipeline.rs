@@ -428,8 +428,6 @@ impl Drop for OffloadPipeline {
     }
 }
 
-/// Stage 1: runs the policies on each container, bounded by
-/// `policy_timeout`, and filters out the blocks they reject.
 /// Lowers a stage's count of work taken from its queue when that work has
 /// been handed on or finished (see `PipelineStats` in `stats`). Work that
 /// ends in a stage is uncounted before its final status is sent
@@ -451,6 +449,8 @@ impl Drop for Taken<'_> {
     }
 }
 
+/// Stage 1: runs the policies on each container, bounded by
+/// `policy_timeout`, and filters out the blocks they reject.
 async fn policy_evaluator(inner: Arc<Inner>) {
     let dst = inner.link.destination().clone();
     while let Some(mut c) = inner.eval_q.pop_held(Some(&inner.evaluating)).await {
