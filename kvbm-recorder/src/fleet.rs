@@ -21,13 +21,16 @@
 //! recorder acknowledges JetStream only after a checkpoint, so a recorder
 //! killed at any moment restarts from its logs ([`FleetWriter::open`]
 //! resumes them) and the redelivered messages it already wrote are skipped
-//! as duplicates: no duplicates, no holes.
+//! as duplicates: no duplicates, no holes. [`FleetWriter::into_shards`]
+//! splits a writer into several, each owning some engines' logs, to write
+//! on threads of their own ([`crate::shards`]).
 
 use crate::log::FsyncPolicy;
 use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink, read_sidecar};
 use kvbm_attach::nats::track::{Admit, Tracker};
 use kvbm_attach::nats::wire::BatchHeader;
 use kvbm_events::Event;
+use kvbm_schema::columnar::CheckedBlock;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -131,6 +134,41 @@ pub fn engine_logs(dir: &Path, m: &FleetManifest) -> Vec<(String, PathBuf, LogEn
         .collect()
 }
 
+/// The shard of `n` that writes `engine`'s logs (FNV-1a of its name): the
+/// same for every run of an engine.
+pub fn shard_of(engine: &str, n: usize) -> usize {
+    let h = engine.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    (h % n.max(1) as u64) as usize
+}
+
+/// The manifest of a recording written by shards: `base` (what
+/// [`FleetWriter::into_shards`] returned, with the refusals counted
+/// outside the shards) with every shard's logs and refusals.
+pub fn merge_manifests(base: &FleetManifest, shards: &[FleetManifest]) -> FleetManifest {
+    let mut m = base.clone();
+    for s in shards {
+        m.logs
+            .extend(s.logs.iter().map(|(k, v)| (k.clone(), v.clone())));
+        m.refused_unattributed += s.refused_unattributed;
+        if s.last_refusal.is_some() {
+            m.last_refusal.clone_from(&s.last_refusal);
+        }
+    }
+    m
+}
+
+/// Writes `m` as the manifest of the recording in `dir` (atomically).
+pub fn write_manifest(dir: &Path, m: &FleetManifest) -> Result<(), FleetError> {
+    let path = dir.join(MANIFEST);
+    let json = serde_json::to_vec_pretty(m).unwrap_or_default();
+    write_atomic(&path, &json).map_err(|e| FleetError::Manifest {
+        path,
+        message: e.to_string(),
+    })
+}
+
 /// Writes `bytes` to `path` through a temporary file and a rename, so a
 /// reader (or a restart after a kill) sees the old or the new, never half.
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
@@ -205,6 +243,9 @@ pub struct FleetWriter {
     open: HashMap<(String, u64), OpenLog>,
     /// (engine, run) → directory name, for runs in the manifest.
     known: HashMap<(String, u64), String>,
+    /// One of several ([`into_shards`](Self::into_shards)): writes no
+    /// manifest.
+    shard: bool,
 }
 
 impl std::fmt::Debug for FleetWriter {
@@ -274,6 +315,7 @@ impl FleetWriter {
             last_sync: Instant::now(),
             open: HashMap::new(),
             known,
+            shard: false,
         };
         std::fs::create_dir_all(dir.join(ENGINES_DIR)).map_err(|e| FleetError::Manifest {
             path: dir.to_path_buf(),
@@ -294,12 +336,54 @@ impl FleetWriter {
     }
 
     fn write_manifest(&self) -> Result<(), FleetError> {
-        let path = self.dir.join(MANIFEST);
-        let json = serde_json::to_vec_pretty(&self.manifest).unwrap_or_default();
-        write_atomic(&path, &json).map_err(|e| FleetError::Manifest {
-            path,
-            message: e.to_string(),
-        })
+        if self.shard {
+            // The shards' owner writes the manifest of them all.
+            return Ok(());
+        }
+        write_manifest(&self.dir, &self.manifest)
+    }
+
+    /// Splits a writer that has not written yet into `n` (at least one)
+    /// that together write the same recording, each on a thread of its
+    /// own: shard `i` takes the engines [`shard_of`] gives `i`, with their
+    /// entries in the manifest. A shard writes no manifest; the caller
+    /// writes the one of them all ([`merge_manifests`] of the base this
+    /// returns and each shard's [`manifest`](Self::manifest)) after their
+    /// checkpoints. An engine's runs all go to one shard, so its logs are
+    /// named as by one writer.
+    pub fn into_shards(self, n: usize) -> (FleetManifest, Vec<FleetWriter>) {
+        let n = n.max(1);
+        let base = FleetManifest {
+            logs: BTreeMap::new(),
+            ..self.manifest.clone()
+        };
+        let shards = (0..n)
+            .map(|i| {
+                let mut manifest = FleetManifest {
+                    refused_unattributed: 0,
+                    last_refusal: None,
+                    ..self.manifest.clone()
+                };
+                manifest.logs.retain(|_, e| shard_of(&e.engine, n) == i);
+                let known = self
+                    .known
+                    .iter()
+                    .filter(|((engine, _), _)| shard_of(engine, n) == i)
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                FleetWriter {
+                    dir: self.dir.clone(),
+                    manifest,
+                    cfg: self.cfg.clone(),
+                    sync_policy: self.sync_policy,
+                    last_sync: self.last_sync,
+                    open: HashMap::new(),
+                    known,
+                    shard: true,
+                }
+            })
+            .collect();
+        (base, shards)
     }
 
     fn log_for(&mut self, engine: &str, run: u64) -> Result<&mut OpenLog, FleetError> {
@@ -409,14 +493,13 @@ impl FleetWriter {
     /// decoded nor encoded again; otherwise (a redelivery that overlaps
     /// what was written, holes inside the batch) event by event, as
     /// [`apply`](Self::apply). `header` is the batch's, checked against
-    /// `block` (`wire::check`), and `block` has passed
-    /// [`BlockView::validate`](kvbm_schema::columnar::BlockView::validate);
-    /// `lz4` is its compressed form as received, if any.
+    /// `block` (`wire::check`); `lz4` is its compressed form as received,
+    /// if any.
     pub fn apply_block(
         &mut self,
         engine: &str,
         header: &BatchHeader,
-        block: &kvbm_schema::columnar::BlockView<'_>,
+        block: CheckedBlock<'_>,
         lz4: Option<&[u8]>,
     ) -> Result<Applied, FleetError> {
         let consecutive = header.last_seq.checked_sub(header.first_seq)
@@ -433,7 +516,8 @@ impl FleetWriter {
         let Some(hole_before) = admitted else {
             let mut events = Vec::with_capacity(block.len());
             block
-                .decode_into(&mut events)
+                .view()
+                .and_then(|v| v.decode_into(&mut events))
                 .map_err(|e| log.error(&engines, RecordError::Log(e.into())))?;
             return self.apply(engine, header, &events);
         };
@@ -668,11 +752,12 @@ pub fn summarize(path: &Path, entry: &LogEntry) -> Result<EngineSummary, FleetEr
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use kvbm_events::{EventKind, Tier};
 
-    fn ev(seq: u64) -> Event {
+    /// A gauge event with `seq` (also the shard writer's tests').
+    pub(crate) fn ev(seq: u64) -> Event {
         Event {
             engine: 3,
             seq,
@@ -784,12 +869,11 @@ mod tests {
         dropped_before: u64,
     ) -> Applied {
         let (raw, lz4) = encoded(events);
-        let view = kvbm_schema::columnar::verify_block(&raw).unwrap();
-        view.validate().unwrap();
+        let block = CheckedBlock::check(&raw[..]).unwrap();
         w.apply_block(
             engine,
             &header(run, events, dropped_before),
-            &view,
+            block,
             Some(&lz4),
         )
         .unwrap()

@@ -359,26 +359,28 @@ impl RecordingSink {
         Ok(())
     }
 
-    /// Writes a block of events as it is ([`LogWriter::append_block`]: the
-    /// caller has verified and validated it), or, when this recording
-    /// takes snapshots, event by event, since the snapshots need the
-    /// events themselves. Its seqs must follow the last one written;
+    /// Writes a checked block of events as it is
+    /// ([`LogWriter::append_block`]), or, when this recording takes
+    /// snapshots, event by event, since the snapshots need the events
+    /// themselves. Its seqs must follow the last one written;
     /// losses before it are the caller's to record ([`gap`](Self::gap)).
     pub fn append_block(
         &mut self,
-        view: &kvbm_schema::columnar::BlockView<'_>,
+        block: kvbm_schema::columnar::CheckedBlock<'_>,
         lz4: Option<&[u8]>,
     ) -> Result<(), RecordError> {
         if self.snapshot_every != 0 {
-            let mut events = Vec::with_capacity(view.len());
-            view.decode_into(&mut events)
+            let mut events = Vec::with_capacity(block.len());
+            block
+                .view()
+                .and_then(|v| v.decode_into(&mut events))
                 .map_err(|e| RecordError::Log(e.into()))?;
             return events.iter().try_for_each(|ev| self.append(ev));
         }
-        let span = self.on_writer(|w| w.append_block(view, lz4))?;
+        let span = self.on_writer(|w| w.append_block(block, lz4))?;
         let rec = &mut self.rec;
-        rec.events += view.len() as u64;
-        rec.engine = view.last_engine();
+        rec.events += block.len() as u64;
+        rec.engine = block.last_engine();
         rec.first_seq.get_or_insert(span.first_seq);
         rec.last_seq = Some(span.last_seq);
         Ok(())

@@ -339,7 +339,18 @@ fn exactly_once_through_recorder_kills_and_a_server_restart() {
             )
         })
         .collect();
-    let mut rec = spawn_recorder(&nats.url(), &out, "6", &rlog);
+    // Each recorder with its own number of writer threads, so the engines'
+    // logs move between threads across the restarts.
+    let recorder = |threads: &str| {
+        spawn_recorder_with(
+            &nats.url(),
+            &out,
+            "6",
+            &rlog,
+            &["--writer-threads", threads],
+        )
+    };
+    let mut rec = recorder("3");
     let start = Instant::now();
     let at = |s: f64| {
         let t = Duration::from_secs_f64(s);
@@ -347,7 +358,7 @@ fn exactly_once_through_recorder_kills_and_a_server_restart() {
             std::thread::sleep(d);
         }
     };
-    for (i, when) in [1.5, 3.0].into_iter().enumerate() {
+    for (i, (when, threads)) in [(1.5, "1"), (3.0, "5")].into_iter().enumerate() {
         at(when);
         rec.kill().unwrap(); // SIGKILL
         rec.wait().unwrap();
@@ -355,7 +366,7 @@ fn exactly_once_through_recorder_kills_and_a_server_restart() {
             sims.iter_mut().all(|s| s.try_wait().unwrap().is_none()),
             "the engines finished before kill {i}: the test would prove nothing"
         );
-        rec = spawn_recorder(&nats.url(), &out, "6", &rlog);
+        rec = recorder(threads);
     }
     at(4.5);
     nats.restart();

@@ -812,6 +812,67 @@ pub struct BlockSpan {
     pub max_ts: u64,
 }
 
+/// A block that passed every check a reader of it makes (the verifier,
+/// the columns against each other, every event's values) with what a
+/// writer needs to know of it: its span, its events, its last engine. Only
+/// [`CheckedBlock::check`] makes one, so a value of this type is a block a
+/// reader takes, and a writer can keep it as it is without reading it
+/// again.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckedBlock<'a> {
+    bytes: &'a [u8],
+    span: BlockSpan,
+    len: usize,
+    last_engine: u32,
+}
+
+impl<'a> CheckedBlock<'a> {
+    /// Checks `bytes` as a block: [`verify_block`], then
+    /// [`BlockView::validate`] and [`BlockView::span`].
+    pub fn check(bytes: &'a [u8]) -> Result<Self, BlockError> {
+        let view = verify_block(bytes)?;
+        view.validate()?;
+        Ok(CheckedBlock {
+            bytes,
+            span: view.span()?,
+            len: view.len(),
+            last_engine: view.last_engine(),
+        })
+    }
+
+    /// The block's bytes.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// Its seqs and timestamps.
+    pub fn span(&self) -> BlockSpan {
+        self.span
+    }
+
+    /// Events in it (at least one).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a checked block holds at least one event.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The engine of its last event.
+    pub fn last_engine(&self) -> u32 {
+        self.last_engine
+    }
+
+    /// The block, to read its events. The verifier runs again (the cheap
+    /// part of the check), so reading needs no trust in where this value
+    /// came from; it cannot fail on bytes that passed the check.
+    pub fn view(&self) -> Result<BlockView<'a>, BlockError> {
+        verify_block(self.bytes)
+    }
+}
+
 impl std::fmt::Debug for BlockView<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlockView")

@@ -124,14 +124,13 @@ pub struct Refused {
     pub stream_seq: u64,
 }
 
-/// The message's engine (from its subject) and its stream sequence, or
-/// why it is refused, with `wire`'s verdict on its payload.
-fn read_message<'a, T>(
-    msg: &'a jetstream::Message,
-    payload: impl FnOnce(&'a [u8]) -> Result<T, wire::WireError>,
-) -> Result<(&'a str, T, u64), Refused> {
-    let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
-    let subject = msg.subject.as_str();
+/// The engine of a message on `subject` with sequence `stream_seq` in the
+/// stream, and `wire`'s verdict on its payload; or why it is refused.
+fn read_payload<T>(
+    subject: &str,
+    stream_seq: u64,
+    verdict: impl FnOnce() -> Result<T, wire::WireError>,
+) -> Result<(&str, T), Refused> {
     let refused = |engine: Option<&str>, error: String| Refused {
         engine: engine.map(str::to_string),
         subject: kvbm_events::text::clip(subject, kvbm_events::text::MAX_QUOTED_CHARS),
@@ -141,15 +140,18 @@ fn read_message<'a, T>(
     let Some(engine) = engine_of_subject(subject) else {
         return Err(refused(None, "not an engine's events subject".into()));
     };
-    match payload(&msg.payload) {
-        Ok(t) => Ok((engine, t, stream_seq)),
+    match verdict() {
+        Ok(t) => Ok((engine, t)),
         Err(e) => Err(refused(Some(engine), e.to_string())),
     }
 }
 
 /// Decodes one JetStream message.
 pub fn decode_message(msg: &jetstream::Message) -> Result<Delivery, Refused> {
-    let (engine, (header, events), stream_seq) = read_message(msg, wire::decode)?;
+    let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
+    let (engine, (header, events)) = read_payload(msg.subject.as_str(), stream_seq, || {
+        wire::decode(&msg.payload)
+    })?;
     Ok(Delivery {
         engine: engine.to_string(),
         header,
@@ -158,15 +160,17 @@ pub fn decode_message(msg: &jetstream::Message) -> Result<Delivery, Refused> {
     })
 }
 
-/// Checks one JetStream message whole without decoding its events
-/// ([`wire::check`]; the block is decompressed into `scratch`): its engine
-/// and the checked batch, for a consumer that keeps blocks as they are.
-pub fn check_message<'a>(
-    msg: &'a jetstream::Message,
+/// Checks one message of the stream (`subject`, `payload`, its sequence
+/// in the stream) whole without decoding its events ([`wire::check`]; the
+/// block is decompressed into `scratch`): its engine and the checked
+/// batch, for a consumer that keeps blocks as they are.
+pub fn check_payload<'a>(
+    subject: &'a str,
+    payload: &'a [u8],
+    stream_seq: u64,
     scratch: &'a mut Vec<u8>,
 ) -> Result<(&'a str, wire::Checked<'a>), Refused> {
-    let (engine, checked, _) = read_message(msg, |p| wire::check(p, scratch))?;
-    Ok((engine, checked))
+    read_payload(subject, stream_seq, || wire::check(payload, scratch))
 }
 
 /// How a recorder's durable consumer is set up.

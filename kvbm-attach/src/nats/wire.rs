@@ -27,7 +27,7 @@
 
 use kvbm_events::Event;
 use kvbm_schema::columnar::{
-    BlockEncoder, BlockError, BlockSpan, BlockView, MAX_BLOCK_EVENTS, verify_block,
+    BlockEncoder, BlockError, BlockSpan, CheckedBlock, MAX_BLOCK_EVENTS, verify_block,
 };
 
 /// First four bytes of a batch.
@@ -281,68 +281,82 @@ pub fn header(bytes: &[u8]) -> Result<BatchHeader, WireError> {
 pub struct Checked<'a> {
     /// Its header, which agrees with the block.
     pub header: BatchHeader,
-    /// The block.
-    pub block: BlockView<'a>,
-    /// The block's seqs and timestamps.
-    pub span: BlockSpan,
+    /// The block, with its span.
+    pub block: CheckedBlock<'a>,
     /// The body as received when it is the block compressed with LZ4 (the
     /// log's own codec): a recorder keeps it without compressing again.
     pub lz4: Option<&'a [u8]>,
 }
 
-/// The block of a batch, decompressed into `scratch` when needed, checked
-/// by the flatbuffers verifier and against the header.
-fn open<'a>(bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Result<Checked<'a>, WireError> {
+/// The header, and the block's length once decompressed (in range).
+fn framing(bytes: &[u8]) -> Result<(BatchHeader, usize), WireError> {
     let h = header(bytes)?;
     let raw_len = u32_at(bytes, 36);
     if raw_len as usize > MAX_BLOCK_BYTES || raw_len == 0 {
         return Err(WireError::BlockLength(raw_len));
     }
+    Ok((h, raw_len as usize))
+}
+
+/// Decompresses `body` into `out` (resized to `raw_len`; only growth is
+/// zeroed, since a successful decompression of that length overwrites
+/// every byte).
+fn decompress(body: &[u8], raw_len: usize, out: &mut Vec<u8>) -> Result<(), WireError> {
+    out.resize(raw_len, 0);
+    let n = lz4_flex::block::decompress_into(body, out)
+        .map_err(|e| WireError::Decompress(e.to_string()))?;
+    if n != raw_len {
+        return Err(WireError::Decompress(format!(
+            "{n} bytes, the header says {raw_len}"
+        )));
+    }
+    Ok(())
+}
+
+/// A batch's header, its block, and its body when that is the block
+/// compressed.
+struct Opened<'a> {
+    header: BatchHeader,
+    block: &'a [u8],
+    lz4: Option<&'a [u8]>,
+}
+
+/// The block of a batch: `bytes`' body, or what it decompresses to in
+/// `scratch`.
+fn open<'a>(bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Result<Opened<'a>, WireError> {
+    let (header, raw_len) = framing(bytes)?;
     let body = &bytes[HEADER_BYTES..];
-    let (block, lz4): (&[u8], _) = match bytes[6] {
-        0 => {
-            if body.len() != raw_len as usize {
-                return Err(WireError::BlockLength(raw_len));
-            }
-            (body, None)
-        }
+    let (block, lz4) = match bytes[6] {
+        0 if body.len() == raw_len => (body, None),
+        0 => return Err(WireError::BlockLength(raw_len as u32)),
         1 => {
-            scratch.clear();
-            scratch.resize(raw_len as usize, 0);
-            let n = lz4_flex::block::decompress_into(body, scratch)
-                .map_err(|e| WireError::Decompress(e.to_string()))?;
-            if n != raw_len as usize {
-                return Err(WireError::Decompress(format!(
-                    "{n} bytes, the header says {raw_len}"
-                )));
-            }
-            (scratch, Some(body))
+            decompress(body, raw_len, scratch)?;
+            (&scratch[..], Some(body))
         }
         c => return Err(WireError::Codec(c)),
     };
-    let view = verify_block(block)?;
+    Ok(Opened { header, block, lz4 })
+}
+
+/// Holds the header to the block: the same count, the same first and last
+/// seq.
+fn against_header(h: &BatchHeader, count: usize, span: &BlockSpan) -> Result<(), WireError> {
     let mismatch = |found: String| WireError::Mismatch {
         first: h.first_seq,
         last: h.last_seq,
         count: h.count,
         found,
     };
-    if view.len() != h.count as usize {
-        return Err(mismatch(format!("{} events", view.len())));
+    if count != h.count as usize {
+        return Err(mismatch(format!("{count} events")));
     }
-    let span = view.span()?;
     if span.first_seq != h.first_seq || span.last_seq != h.last_seq {
         return Err(mismatch(format!(
             "seqs {}..={}",
             span.first_seq, span.last_seq
         )));
     }
-    Ok(Checked {
-        header: h,
-        block: view,
-        span,
-        lz4,
-    })
+    Ok(())
 }
 
 /// Checks a batch whole without decoding its events: what [`decode`]
@@ -350,18 +364,21 @@ fn open<'a>(bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Result<Checked<'a>, Wi
 /// (the fleet recorder) never keeps one a reader of its log would refuse.
 /// The block is decompressed into `scratch` when needed.
 pub fn check<'a>(bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Result<Checked<'a>, WireError> {
-    let c = open(bytes, scratch)?;
-    c.block.validate()?;
-    Ok(c)
+    let Opened { header, block, lz4 } = open(bytes, scratch)?;
+    let block = CheckedBlock::check(block)?;
+    against_header(&header, block.len(), &block.span())?;
+    Ok(Checked { header, block, lz4 })
 }
 
 /// Checks and decodes a batch into its header and events.
 pub fn decode(bytes: &[u8]) -> Result<(BatchHeader, Vec<Event>), WireError> {
     let mut scratch = Vec::new();
-    let c = open(bytes, &mut scratch)?;
-    let mut events = Vec::with_capacity(c.block.len());
-    c.block.decode_into(&mut events)?;
-    Ok((c.header, events))
+    let Opened { header, block, .. } = open(bytes, &mut scratch)?;
+    let view = verify_block(block)?;
+    against_header(&header, view.len(), &view.span()?)?;
+    let mut events = Vec::with_capacity(view.len());
+    view.decode_into(&mut events)?;
+    Ok((header, events))
 }
 
 #[cfg(test)]
@@ -439,7 +456,7 @@ mod tests {
             // What the recorder keeps without decoding (`check`) is
             // exactly what a reader can decode.
             let mut scratch = Vec::new();
-            let checked = check(&b, &mut scratch).map(|c| (c.header, c.span));
+            let checked = check(&b, &mut scratch).map(|c| (c.header, c.block.span()));
             match decode(&b) {
                 Ok((h, evs)) => {
                     prop_assert_eq!(h.count as usize, evs.len());

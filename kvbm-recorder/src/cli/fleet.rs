@@ -8,6 +8,7 @@ use super::{Format, RemoteArgs};
 use anyhow::{Context, Result, bail};
 use futures_util::StreamExt;
 use kvbm_attach::nats::async_nats;
+use kvbm_attach::nats::async_nats::jetstream::AckKind;
 use kvbm_attach::nats::consume::{self, DurableConfig, EngineFilter};
 use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
 use kvbm_attach::nats::{StreamLimits, connect};
@@ -16,14 +17,19 @@ use kvbm_recorder::analysis;
 use kvbm_recorder::fleet::{self, FleetWriter};
 use kvbm_recorder::log::LogConfig;
 use kvbm_recorder::recorder::{self, RecorderConfig};
+use kvbm_recorder::shards::{Reply, Shards};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Hand-offs each writer thread queues at most.
+const SHARD_QUEUE: usize = 4;
+/// Messages taken from the consumer at a time, at most.
+const ROUTE_CHUNK: usize = 256;
 /// How often the recorder checkpoints and acknowledges.
 const COMMIT_EVERY: Duration = Duration::from_millis(200);
 /// … or after this many messages.
-const COMMIT_MESSAGES: u64 = 2_000;
+const COMMIT_MESSAGES: u64 = 10_000;
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
@@ -66,7 +72,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         .clone()
         .unwrap_or_else(|| "kvbm-recorder".into());
     let resuming = fleet::is_fleet(out);
-    let mut writer = FleetWriter::open(
+    let writer = FleetWriter::open(
         out,
         url,
         Some(&consumer),
@@ -83,72 +89,90 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             writer.manifest().logs.len()
         );
     }
+    // The receiving thread only routes, so a writer thread per CPU.
+    let threads = remote.writer_threads.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 8)),
+        usize::from,
+    );
+    let (base, shards) = writer.into_shards(threads);
+    let mut shards = Shards::start(shards, SHARD_QUEUE)?;
+    let counters = shards.counters();
     let rt = runtime()?;
     let deadline = remote
         .duration_s
         .map(|d| Instant::now() + Duration::from_secs_f64(d));
     let idle = remote.idle_exit_s.map(Duration::from_secs_f64);
     let mut stats = Session::default();
+    let mut commits = Commits::new(out, base, shards.len());
     let outcome: Result<&str> = rt.block_on(async {
         let client = connect(url, "kvbm-recorder").await?;
         let js = async_nats::jetstream::new(client.clone());
         let mut cfg = DurableConfig::new(&consumer);
         cfg.filter = filter.clone();
         cfg.limits = StreamLimits::default();
-        let mut messages = consume::durable_messages(&js, &cfg).await?;
-        eprintln!("recording {} from {url} (consumer {consumer})", cfg.filter.subject());
+        let mut messages = consume::durable_messages(&js, &cfg)
+            .await?
+            .ready_chunks(ROUTE_CHUNK);
+        eprintln!(
+            "recording {} from {url} (consumer {consumer}, {threads} writer threads)",
+            cfg.filter.subject()
+        );
         let stop = interrupted();
         tokio::pin!(stop);
         let mut tick = tokio::time::interval(COMMIT_EVERY);
-        let mut last: Option<async_nats::jetstream::Message> = None;
-        // Where each compressed block is checked (reused: a batch's block
-        // is kept as it arrived, never decoded).
-        let mut scratch = Vec::new();
-        let mut pending = 0u64;
         let mut last_delivery = Instant::now();
         let why = loop {
             tokio::select! {
-                m = messages.next() => match m {
-                    None => break "the consumer ended",
-                    Some(Err(e)) => {
-                        // Heartbeats missed while the server restarts, and
-                        // the like: the stream goes on.
-                        stats.consumer_errors += 1;
-                        tracing::warn!("consumer: {e}");
-                        continue;
-                    }
-                    Some(Ok(msg)) => {
+                // Every message delivered and not yet taken, at most
+                // ROUTE_CHUNK: each writer thread gets its share of them in
+                // one hand-off.
+                chunk = messages.next() => {
+                    let Some(chunk) = chunk else { break "the consumer ended" };
+                    let mut by_thread: Vec<Vec<_>> = vec![Vec::new(); shards.len()];
+                    for m in chunk {
+                        let msg = match m {
+                            Ok(msg) => msg,
+                            Err(e) => {
+                                // Heartbeats missed while the server
+                                // restarts, and the like: the stream goes on.
+                                stats.consumer_errors += 1;
+                                tracing::warn!("consumer: {e}");
+                                continue;
+                            }
+                        };
                         last_delivery = Instant::now();
                         stats.first_delivery.get_or_insert(last_delivery);
                         stats.messages += 1;
-                        match consume::check_message(&msg, &mut scratch) {
-                            Ok((engine, c)) if filter.matches(engine) => {
-                                let a = writer.apply_block(engine, &c.header, &c.block, c.lz4)?;
-                                stats.written += a.written;
-                                stats.duplicates += a.duplicates;
-                            }
-                            Ok(_) => stats.filtered += 1,
-                            Err(r) => {
-                                stats.refused += 1;
-                                eprintln!("refused message {} on {}: {}", r.stream_seq, r.subject, r.error);
-                                writer.refused(r.engine.as_deref(), &r.error);
-                            }
+                        let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
+                        let (msg, acker) = msg.split();
+                        let engine = kvbm_attach::nats::engine_of_subject(msg.subject.as_str());
+                        if engine.is_some_and(|e| !filter.matches(e)) {
+                            stats.filtered += 1;
+                        } else {
+                            by_thread[shards.thread_of(engine)].push((msg, stream_seq));
                         }
-                        last = Some(msg);
-                        pending += 1;
-                        if pending >= COMMIT_MESSAGES {
-                            commit(&mut writer, &mut last, &mut stats).await?;
-                            pending = 0;
-                        }
-                        if remote.events.is_some_and(|n| stats.written >= n) {
-                            break "--events reached";
+                        commits.delivered(acker, stream_seq);
+                    }
+                    for (thread, batch) in by_thread.into_iter().enumerate() {
+                        if !batch.is_empty() {
+                            shards.route(thread, batch).await?;
                         }
                     }
+                    if commits.pending >= COMMIT_MESSAGES {
+                        commits.begin(&shards).await?;
+                    }
                 },
+                Some(reply) = shards.reply(), if commits.in_flight() => {
+                    commits.reply(reply, &mut stats).await?;
+                }
+                () = counters.written_batch(), if remote.events.is_some() => {
+                    if remote.events.is_some_and(|n| counters.written() >= n) {
+                        break "--events reached";
+                    }
+                }
                 _ = tick.tick() => {
-                    if pending > 0 {
-                        commit(&mut writer, &mut last, &mut stats).await?;
-                        pending = 0;
+                    if commits.pending > 0 {
+                        commits.begin(&shards).await?;
                     }
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         break "--duration-s reached";
@@ -160,18 +184,28 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 _ = &mut stop => break "interrupted",
             }
         };
-        commit(&mut writer, &mut last, &mut stats).await?;
+        // Everything routed is written, checkpointed and acknowledged.
+        commits.finish(&mut shards, &mut stats).await?;
         let _ = client.flush().await;
         Ok(why)
     });
-    let recs = writer.recordings();
-    let manifest = writer.finish()?;
+    let closing = Instant::now();
+    let ends = shards.finish()?;
+    let parts: Vec<_> = ends.iter().map(|e| e.manifest.clone()).collect();
+    let manifest = fleet::merge_manifests(&commits.base, &parts);
+    let mut recs: Vec<_> = ends.into_iter().flat_map(|e| e.recordings).collect();
+    recs.sort_by(|a, b| a.0.cmp(&b.0));
+    fleet::write_manifest(out, &manifest)?;
+    let closing_s = closing.elapsed().as_secs_f64();
     let why = outcome?;
+    let (written, duplicates, refused, last_written) = (
+        counters.written(),
+        counters.duplicates(),
+        counters.refused(),
+        counters.last_written(),
+    );
     println!(
-        "recorded {} events in this session ({} duplicates skipped, {} messages refused, {} acknowledged) from {url} into {} ({} logs; {why})",
-        stats.written,
-        stats.duplicates,
-        stats.refused,
+        "recorded {written} events in this session ({duplicates} duplicates skipped, {refused} messages refused, {} acknowledged) from {url} into {} ({} logs; {why})",
         stats.acked,
         out.display(),
         manifest.logs.len()
@@ -183,8 +217,22 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         println!(
             "  {:.3} s from the first message to the last log closed: {:.0} events/s",
             s,
-            stats.written as f64 / s.max(1e-9)
+            written as f64 / s.max(1e-9)
         );
+        if let Some(l) = last_written {
+            // The same without the last checkpoint and the closing (every
+            // log synced and closed): the rate a recorder that runs for
+            // hours keeps up with, whose closing comes once.
+            let a = l.saturating_duration_since(t).as_secs_f64();
+            println!(
+                "  {:.3} s from the first message to the last batch written: {:.0} events/s; {} checkpoints (the last {:.3} s), closing {:.3} s",
+                a,
+                written as f64 / a.max(1e-9),
+                stats.commits,
+                stats.last_commit.as_secs_f64(),
+                closing_s,
+            );
+        }
     }
     for (name, rec) in recs {
         println!(
@@ -201,33 +249,139 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
 #[derive(Debug, Default)]
 struct Session {
     messages: u64,
-    written: u64,
-    duplicates: u64,
-    refused: u64,
     filtered: u64,
     acked: u64,
     consumer_errors: u64,
     first_delivery: Option<Instant>,
+    commits: u64,
+    /// How long the last checkpoint took, from its barrier to its
+    /// acknowledgement.
+    last_commit: Duration,
 }
 
-/// Checkpoints the recording, then acknowledges everything delivered so
-/// far (the consumer's acknowledgements are cumulative). Never the other
-/// way round: an acknowledged message is on disk.
-async fn commit(
-    writer: &mut FleetWriter,
-    last: &mut Option<async_nats::jetstream::Message>,
-    stats: &mut Session,
-) -> Result<()> {
-    writer.checkpoint()?;
-    if let Some(msg) = last.take() {
-        // A lost acknowledgement only means a redelivery, which the
-        // recording skips as duplicates.
-        match msg.double_ack().await {
-            Ok(()) => stats.acked = msg.info().map_or(stats.acked, |i| i.stream_sequence),
-            Err(e) => tracing::warn!("acknowledging: {e}"),
+/// The recorder's commits: a barrier through the writer threads
+/// ([`Shards::begin_checkpoint`]), then, once every thread has
+/// checkpointed, the merged manifest written and the last message before
+/// the barrier acknowledged (the consumer's acknowledgements are
+/// cumulative). Never the other way round: an acknowledged message is on
+/// disk. One barrier is in flight at a time; messages go on being routed
+/// while it is.
+struct Commits {
+    /// The recording's directory.
+    dir: std::path::PathBuf,
+    /// The manifest without the threads' logs.
+    base: fleet::FleetManifest,
+    threads: usize,
+    /// The last message delivered, to acknowledge, and its stream seq.
+    last: Option<(async_nats::jetstream::message::Acker, u64)>,
+    /// Messages delivered since the last barrier.
+    pending: u64,
+    token: u64,
+    /// The barrier in flight: what it acknowledges once every thread has
+    /// replied, the replies so far, when it began.
+    barrier: Option<Barrier>,
+}
+
+struct Barrier {
+    ack: Option<(async_nats::jetstream::message::Acker, u64)>,
+    parts: Vec<fleet::FleetManifest>,
+    began: Instant,
+}
+
+impl Commits {
+    fn new(dir: &Path, base: fleet::FleetManifest, threads: usize) -> Self {
+        Commits {
+            dir: dir.to_path_buf(),
+            base,
+            threads,
+            last: None,
+            pending: 0,
+            token: 0,
+            barrier: None,
         }
     }
-    Ok(())
+
+    fn in_flight(&self) -> bool {
+        self.barrier.is_some()
+    }
+
+    fn delivered(&mut self, acker: async_nats::jetstream::message::Acker, stream_seq: u64) {
+        self.last = Some((acker, stream_seq));
+        self.pending += 1;
+    }
+
+    /// Puts a barrier behind what was delivered, unless one is in flight
+    /// (the next tick tries again).
+    async fn begin(&mut self, shards: &Shards) -> Result<()> {
+        if self.barrier.is_some() {
+            return Ok(());
+        }
+        self.token += 1;
+        shards.begin_checkpoint(self.token).await?;
+        self.barrier = Some(Barrier {
+            ack: self.last.take(),
+            parts: Vec::with_capacity(self.threads),
+            began: Instant::now(),
+        });
+        self.pending = 0;
+        Ok(())
+    }
+
+    /// A thread's reply to the barrier in flight.
+    async fn reply(&mut self, reply: Reply, stats: &mut Session) -> Result<()> {
+        let manifest = match reply {
+            Reply::Failed { shard, error } => bail!("fleet writer thread {shard}: {error}"),
+            Reply::Checkpointed {
+                token, manifest, ..
+            } if token == self.token => manifest,
+            Reply::Checkpointed { token, .. } => {
+                bail!(
+                    "a checkpoint reply for barrier {token}, expected {}",
+                    self.token
+                )
+            }
+        };
+        let Some(b) = self.barrier.as_mut() else {
+            bail!("a checkpoint reply with no barrier in flight");
+        };
+        b.parts.push(manifest);
+        if b.parts.len() < self.threads {
+            return Ok(());
+        }
+        let b = self.barrier.take().expect("checked above");
+        fleet::write_manifest(&self.dir, &fleet::merge_manifests(&self.base, &b.parts))?;
+        if let Some((acker, stream_seq)) = b.ack {
+            // A lost acknowledgement only means a redelivery, which the
+            // recording skips as duplicates.
+            match acker.double_ack_with(AckKind::Ack).await {
+                Ok(()) => stats.acked = stream_seq,
+                Err(e) => tracing::warn!("acknowledging: {e}"),
+            }
+        }
+        stats.commits += 1;
+        stats.last_commit = b.began.elapsed();
+        Ok(())
+    }
+
+    /// Waits for the barrier in flight, then commits everything delivered
+    /// since.
+    async fn finish(&mut self, shards: &mut Shards, stats: &mut Session) -> Result<()> {
+        for round in 0..2 {
+            if round == 1 {
+                if self.last.is_none() {
+                    break;
+                }
+                self.begin(shards).await?;
+            }
+            while self.in_flight() {
+                let Some(reply) = shards.reply().await else {
+                    bail!("the fleet writer threads stopped");
+                };
+                self.reply(reply, stats).await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What `bridge` is given.

@@ -86,6 +86,11 @@ struct RemoteArgs {
     /// seconds.
     #[arg(long, requires = "from")]
     idle_exit_s: Option<f64>,
+    /// `--from nats://`: threads that check and write the engines'
+    /// batches, each taking a share of the engines (default: one per CPU,
+    /// at most 8).
+    #[arg(long, requires = "from", value_parser = clap::value_parser!(u16).range(1..=256))]
+    writer_threads: Option<u16>,
 }
 
 /// How the log is written.

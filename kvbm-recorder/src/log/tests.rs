@@ -14,7 +14,7 @@ use super::block::BlockBuilder;
 use super::format::{Codec, FrameHeader, SegmentHeader, frame_crc};
 use super::scan::{ScanParams, SegmentEnd, scan_segment};
 use super::*;
-use kvbm_schema::columnar;
+use kvbm_schema::columnar::{self, CheckedBlock};
 
 /// An event of a kind that varies with `seq`, so that blocks are not all
 /// alike.
@@ -750,14 +750,14 @@ fn whole_blocks_append_as_frames_of_their_own() {
         w.append(e).expect("append");
     }
     let (raw, lz4) = encoded_block(&all[10..110]);
-    let view = columnar::verify_block(&raw).expect("verify");
-    let span = w.append_block(&view, Some(&lz4)).expect("block");
+    let block = CheckedBlock::check(&raw[..]).expect("check");
+    let span = w.append_block(block, Some(&lz4)).expect("block");
     assert_eq!((span.first_seq, span.last_seq), (10, 109));
     assert_eq!((span.min_ts, span.max_ts), (1010, 1109));
     // Behind the log's last seq: refused, nothing written.
     let (old, _) = encoded_block(&all[100..120]);
     let e = w
-        .append_block(&columnar::verify_block(&old).expect("verify"), None)
+        .append_block(CheckedBlock::check(&old[..]).expect("check"), None)
         .expect_err("overlap");
     assert!(
         matches!(e, LogError::NonIncreasingSeq { seq: 100, .. }),
@@ -765,7 +765,7 @@ fn whole_blocks_append_as_frames_of_their_own() {
     );
     // Stored when no compressed form is given.
     let (raw2, _) = encoded_block(&all[110..150]);
-    w.append_block(&columnar::verify_block(&raw2).expect("verify"), None)
+    w.append_block(CheckedBlock::check(&raw2[..]).expect("check"), None)
         .expect("stored block");
     for e in &all[150..160] {
         w.append(e).expect("append");
@@ -776,7 +776,7 @@ fn whole_blocks_append_as_frames_of_their_own() {
     assert_eq!(stats.blocks, 4);
     let mut w = LogWriter::open_append(dir.path(), cfg).expect("reopen");
     let (raw3, lz43) = encoded_block(&all[160..200]);
-    w.append_block(&columnar::verify_block(&raw3).expect("verify"), Some(&lz43))
+    w.append_block(CheckedBlock::check(&raw3[..]).expect("check"), Some(&lz43))
         .expect("block after reopen");
     w.close().expect("close");
     let r = LogReader::open(dir.path(), ReaderOptions::default()).expect("open");

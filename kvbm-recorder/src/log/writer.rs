@@ -25,7 +25,7 @@ use super::{
     FsyncPolicy, LogConfig, LogError, LogReader, LogStats, ReaderOptions, RecoveryReport, TornTail,
     buffer_for, io_err, list_segments, snapshot, sync_dir,
 };
-use kvbm_schema::columnar::{self, BlockSpan, BlockView};
+use kvbm_schema::columnar::{self, BlockSpan, CheckedBlock};
 
 /// The segment being appended to.
 #[derive(Debug)]
@@ -286,19 +286,18 @@ impl LogWriter {
     /// are neither decoded nor encoded again. The events appended one by
     /// one before it are sealed into a block of their own first.
     ///
-    /// `view` must have passed [`BlockView::validate`] as well as
-    /// verification (the writer checks only that its seqs increase and
-    /// follow the log's), since readers refuse a block whose values do
-    /// not decode. `lz4`, when given, is the block's bytes compressed as
+    /// The block was checked whole ([`CheckedBlock`]: what a reader
+    /// refuses, it refuses); the writer checks only that its seqs follow
+    /// the log's. `lz4`, when given, is the block's bytes compressed as
     /// one LZ4 block (what it was decompressed from); it is stored as it
     /// is when it is smaller. Returns the block's span.
     pub fn append_block(
         &mut self,
-        view: &BlockView<'_>,
+        block: CheckedBlock<'_>,
         lz4: Option<&[u8]>,
     ) -> Result<BlockSpan, LogError> {
         self.usable()?;
-        let span = view.span()?;
+        let span = block.span();
         if let Some(last) = self.last_seq
             && span.first_seq <= last
         {
@@ -307,7 +306,7 @@ impl LogWriter {
                 last,
             });
         }
-        let raw = view.bytes();
+        let raw = block.bytes();
         if raw.len() > MAX_BLOCK_BYTES as usize {
             return Err(LogError::RecordTooLarge {
                 len: raw.len(),
@@ -328,14 +327,14 @@ impl LogWriter {
             max_ts: span.max_ts,
             // Both bounded above: MAX_BLOCK_BYTES and MAX_BLOCK_EVENTS.
             raw_len: raw.len() as u32,
-            count: view.len() as u16,
+            count: block.len() as u16,
             codec: codec as u8,
         };
         if let Err(e) = self.write_frame(&header, body) {
             self.poisoned = Some(e.to_string());
             return Err(e);
         }
-        self.appended(view.len() as u64, span.last_seq)?;
+        self.appended(block.len() as u64, span.last_seq)?;
         Ok(span)
     }
 
