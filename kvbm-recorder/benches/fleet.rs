@@ -16,14 +16,21 @@
 //! consumer, no acknowledgements, counting each batch's events from its
 //! header); then a checking consumer drains it again, checking each batch
 //! as the recorder must before it keeps one (`wire::check`: decompressed,
-//! verified, every value validated) and writing nothing, which is the
-//! floor under the recorder's receiving; then the recorder drains it into
-//! a fleet recording and stops at the last event. All read the same
-//! messages from the same server. The
-//! ratio compares like with like: the counting consumer from its first
-//! message to its last, the recorder from its first message to its last
-//! log closed (as it reports it); the recorder process's whole run, from
-//! its start, is shown beside it.
+//! verified, every value validated) on one thread and writing nothing;
+//! then the recorder drains it into a fleet recording (its writer threads
+//! checking and writing the engines' batches) and stops at the last
+//! event. All read the same messages from the same server. The ratio
+//! compares like with like: the counting consumer from its first message
+//! to its last, the recorder from its first message to its last log
+//! closed (as it reports it). Beside it: the recorder to its last batch
+//! written (without the last checkpoint and the closing, which come once
+//! in a recorder that runs for hours), and the recorder process's whole
+//! run, from its start.
+//!
+//! `KVBM_FLEET_PER_ENGINE` sets the events per engine (300,000: 30 M in
+//! all); `KVBM_FLEET_RECORDER_ARGS` adds arguments to the recorder's
+//! command line (`--writer-threads 1`); `KVBM_FLEET_PHASES=1` instead
+//! times each part of the check on one thread, without NATS.
 
 use futures_util::StreamExt;
 use kvbm_attach::nats::async_nats;
@@ -160,6 +167,7 @@ struct Run {
     count_s: f64,
     check_s: f64,
     record_s: f64,
+    written_s: f64,
     process_s: f64,
 }
 
@@ -240,6 +248,11 @@ fn run_store(
         .args(["record", "--from", &url, "--out"])
         .arg(dir.path().join("fleet"))
         .args(["--events", &events.to_string()])
+        .args(
+            std::env::var("KVBM_FLEET_RECORDER_ARGS")
+                .unwrap_or_default()
+                .split_whitespace(),
+        )
         .output()
         .unwrap();
     let process_s = t.elapsed().as_secs_f64();
@@ -250,15 +263,19 @@ fn run_store(
     // closed (every log flushed, its sidecar written, JetStream
     // acknowledged) — the span the counting consumer is timed over, from
     // its first message to its last, plus the recorder's closing.
-    let record_s = out
-        .lines()
-        .find_map(|l| {
-            l.trim()
-                .strip_suffix(" events/s")
-                .and_then(|l| l.split(" s from the first message").next())
-                .and_then(|v| v.parse::<f64>().ok())
-        })
-        .unwrap_or_else(|| panic!("no timing in the recorder's output: {out}"));
+    let seconds = |to: &str| {
+        out.lines()
+            .find_map(|l| {
+                l.trim()
+                    .split_once(&format!(" s from the first message to {to}"))
+                    .and_then(|(v, _)| v.parse::<f64>().ok())
+            })
+            .unwrap_or_else(|| panic!("no timing to {to} in the recorder's output: {out}"))
+    };
+    let record_s = seconds("the last log closed");
+    // Without the last checkpoint and the closing, which come once in a
+    // recorder that runs for hours.
+    let written_s = seconds("the last batch written");
     drop(nats);
     Run {
         store: if file_store { "file" } else { "memory" },
@@ -268,6 +285,7 @@ fn run_store(
         count_s,
         check_s,
         record_s,
+        written_s,
         process_s,
     }
 }
@@ -375,7 +393,86 @@ fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> (f64, f64
     (med(with_pub), med(with_drain), lost)
 }
 
+/// `KVBM_FLEET_PHASES=1`: what each part of the check a recorder makes of
+/// a batch (`wire::check`) costs per event, on one thread, without NATS:
+/// the same engines' batches, best of 7 passes.
+fn phases() {
+    let sets: Vec<Vec<Batch>> = (0..10)
+        .map(|i| batches(&engine_events(100_000, i)))
+        .collect();
+    let all: Vec<&Vec<u8>> = sets.iter().flatten().map(|b| &b.2).collect();
+    let events: u64 = sets.iter().flatten().map(|b| b.1).sum();
+    let raw: usize = all
+        .iter()
+        .map(|m| u32::from_le_bytes(m[36..40].try_into().unwrap()) as usize)
+        .sum();
+    let wire: usize = all.iter().map(|m| m.len()).sum();
+    println!(
+        "{} messages, {events} events, {:.1} events/msg, raw {:.1} B/event, wire {:.1} B/event",
+        all.len(),
+        events as f64 / all.len() as f64,
+        raw as f64 / events as f64,
+        wire as f64 / events as f64
+    );
+    let mut scratch = vec![0u8; 4 << 20];
+    let time = |name: &str, f: &mut dyn FnMut()| {
+        let mut best = f64::MAX;
+        for _ in 0..7 {
+            let t = Instant::now();
+            f();
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        println!("{name:>12}: {:.2} ns/event", best * 1e9 / events as f64);
+    };
+    time("header", &mut || {
+        for m in &all {
+            std::hint::black_box(wire::header(m).unwrap());
+        }
+    });
+    time("lz4", &mut || {
+        for m in &all {
+            let n = u32::from_le_bytes(m[36..40].try_into().unwrap()) as usize;
+            lz4_flex::block::decompress_into(&m[48..], &mut scratch[..n]).unwrap();
+        }
+    });
+    let blocks: Vec<Vec<u8>> = all
+        .iter()
+        .map(|m| {
+            let n = u32::from_le_bytes(m[36..40].try_into().unwrap()) as usize;
+            lz4_flex::block::decompress(&m[48..], n).unwrap()
+        })
+        .collect();
+    time("verify", &mut || {
+        for b in &blocks {
+            std::hint::black_box(kvbm_schema::columnar::verify_block(b).unwrap());
+        }
+    });
+    let views: Vec<_> = blocks
+        .iter()
+        .map(|b| kvbm_schema::columnar::verify_block(b).unwrap())
+        .collect();
+    time("span", &mut || {
+        for v in &views {
+            std::hint::black_box(v.span().unwrap());
+        }
+    });
+    time("validate", &mut || {
+        for v in &views {
+            v.validate().unwrap();
+        }
+    });
+    let mut sc = Vec::new();
+    time("check", &mut || {
+        for m in &all {
+            std::hint::black_box(wire::check(m, &mut sc).unwrap().header);
+        }
+    });
+}
+
 fn main() {
+    if std::env::var("KVBM_FLEET_PHASES").is_ok() {
+        return phases();
+    }
     let quick = kvbm_testkit::bench::quick();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -385,22 +482,36 @@ fn main() {
     // Long enough that the recorder's fixed costs (a log per engine,
     // created and closed) are a small part of the run, as in a recorder
     // that runs for hours.
-    let (engines, per) = if quick { (100, 2_000) } else { (100, 100_000) };
+    let (engines, per) = if quick {
+        (100, 2_000)
+    } else {
+        let per = std::env::var("KVBM_FLEET_PER_ENGINE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(300_000);
+        (100, per)
+    };
     println!(
-        "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | checking consumer (events/s) | recorder, first message to last log closed (events/s) | recorder / counting | recorder / checking | recorder process, start to exit (events/s) |"
+        "{} CPUs; recorder arguments: {:?}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        std::env::var("KVBM_FLEET_RECORDER_ARGS").unwrap_or_default()
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | checking consumer (events/s) | recorder, first message to last batch written (events/s) | recorder, first message to last log closed (events/s) | recorder / counting | recorder / checking | recorder process, start to exit (events/s) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for file in [true, false] {
         let r = run_store(file, engines, per, &rt);
         let rate = |s: f64| r.events as f64 / s / 1e6;
         println!(
-            "| {} | {engines} | {} | {:.1} | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.0}% | {:.0}% | {:.2} M |",
+            "| {} | {engines} | {} | {:.1} | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.0}% | {:.0}% | {:.2} M |",
             r.store,
             r.events,
             r.bytes as f64 / 1e6,
             rate(r.publish_s),
             rate(r.count_s),
             rate(r.check_s),
+            rate(r.written_s),
             rate(r.record_s),
             100.0 * r.count_s / r.record_s,
             100.0 * r.check_s / r.record_s,
