@@ -210,6 +210,10 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         out.display(),
         manifest.logs.len()
     );
+    println!(
+        "  {} messages delivered ({} of engines not taken), {} consumer errors, {} writer threads",
+        stats.messages, stats.filtered, stats.consumer_errors, threads
+    );
     if let Some(t) = stats.first_delivery {
         // From the first message to every log closed: what the recorder's
         // own work costs, without its start (connecting, the consumer).
