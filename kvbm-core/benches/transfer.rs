@@ -58,6 +58,37 @@ fn mapping() -> Vec<(usize, usize)> {
     (0..BLOCKS).map(|i| (i, (i * 37 + 11) % BLOCKS)).collect()
 }
 
+/// What every row copies: the layout, a block's and the batch's bytes,
+/// the block mapping, and the pairs both ways.
+struct Plan {
+    layout: Layout,
+    bb: usize,
+    total: usize,
+    map: Vec<(usize, usize)>,
+    pairs: Vec<BlockPair>,
+    inverse: Vec<BlockPair>,
+}
+
+impl Plan {
+    fn new() -> Plan {
+        let layout = layout();
+        let map = mapping();
+        let pairs: Vec<BlockPair> = map
+            .iter()
+            .map(|&(s, d)| BlockPair::new(s as u32, d as u32))
+            .collect();
+        let inverse = pairs.iter().map(|p| BlockPair::new(p.dst, p.src)).collect();
+        Plan {
+            layout,
+            bb: layout.block_bytes(),
+            total: layout.block_bytes() * BLOCKS,
+            map,
+            pairs,
+            inverse,
+        }
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -100,15 +131,15 @@ fn run(engine: &dyn TransferEngine, pairs: &[BlockPair]) {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let quick = std::env::var("KVBM_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
     let (warmup, iters) = if quick { (1, 3) } else { (3, 25) };
-    let layout = layout();
-    let bb = layout.block_bytes();
-    let total = bb * BLOCKS;
-    let map = mapping();
-    let pairs: Vec<BlockPair> = map
-        .iter()
-        .map(|&(s, d)| BlockPair::new(s as u32, d as u32))
-        .collect();
-    let inverse: Vec<BlockPair> = pairs.iter().map(|p| BlockPair::new(p.dst, p.src)).collect();
+    let plan = Plan::new();
+    let Plan {
+        layout,
+        bb,
+        total,
+        ref map,
+        ref pairs,
+        ref inverse,
+    } = plan;
 
     let fill: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
     let src = Arc::new(HostStorage::new(layout)?);
@@ -133,9 +164,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         warmup,
         iters,
         total,
-        || run(&memcpy, &pairs),
+        || run(&memcpy, pairs),
         || {
-            for &(s, d) in &map {
+            for &(s, d) in map.iter() {
                 dst_vec[d * bb..(d + 1) * bb].copy_from_slice(&src_vec[s * bb..(s + 1) * bb]);
             }
         },
@@ -171,10 +202,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         warmup,
         iters,
         total,
-        || run(&offload, &pairs),
+        || run(&offload, pairs),
         || {
             base.seek(SeekFrom::Start(0)).expect("seek");
-            for &(s, _) in &map {
+            for &(s, _) in map.iter() {
                 base.write_all(&src_vec[s * bb..(s + 1) * bb])
                     .expect("write");
             }
@@ -184,10 +215,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         warmup,
         iters,
         total,
-        || run(&onboard, &inverse),
+        || run(&onboard, inverse),
         || {
             base.seek(SeekFrom::Start(0)).expect("seek");
-            for &(_, d) in &map {
+            for &(_, d) in map.iter() {
                 base.read_exact(&mut dst_vec[d * bb..(d + 1) * bb])
                     .expect("read");
             }
@@ -229,7 +260,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     #[cfg(feature = "cuda")]
-    match cuda_rows(warmup, iters, &fill)? {
+    match cuda_rows(&plan, warmup, iters, &fill)? {
         Ok(rows) => {
             for (name, e, base_name, b) in rows {
                 println!(
@@ -255,6 +286,7 @@ type Row = (&'static str, f64, &'static str, f64);
 /// The CUDA rows, or (inner `Err`) why there are none on this machine.
 #[cfg(feature = "cuda")]
 fn cuda_rows(
+    plan: &Plan,
     warmup: usize,
     iters: usize,
     fill: &[u8],
@@ -266,15 +298,14 @@ fn cuda_rows(
     if let Err(why) = cuda_available() {
         return Ok(Err(why));
     }
-    let layout = layout();
-    let bb = layout.block_bytes();
-    let total = bb * BLOCKS;
-    let map = mapping();
-    let pairs: Vec<BlockPair> = map
-        .iter()
-        .map(|&(s, d)| BlockPair::new(s as u32, d as u32))
-        .collect();
-    let inverse: Vec<BlockPair> = pairs.iter().map(|p| BlockPair::new(p.dst, p.src)).collect();
+    let Plan {
+        layout,
+        bb,
+        total,
+        ref map,
+        ref pairs,
+        ref inverse,
+    } = *plan;
 
     let dev = Arc::new(DeviceStorage::new(0, layout)?);
     let host = Arc::new(HostStorage::new(layout)?);
@@ -296,7 +327,7 @@ fn cuda_rows(
     let hbuf = unsafe { result::malloc_host(total, 0) }?.cast::<u8>();
     let copy_blocks = |to_host: bool| {
         ctx.bind_to_thread().expect("bind");
-        for &(s, d) in &map {
+        for &(s, d) in map.iter() {
             let (s, d) = ((s * bb) as u64, d * bb);
             // SAFETY: both ranges lie inside the buffers allocated above,
             // and the stream is synchronised before anything reads them.
@@ -315,7 +346,7 @@ fn cuda_rows(
         warmup,
         iters,
         total,
-        || run(&d2h, &pairs),
+        || run(&d2h, pairs),
         || copy_blocks(true),
     );
     // What went to the host is device block s at host block map(s).
@@ -329,7 +360,7 @@ fn cuda_rows(
         warmup,
         iters,
         total,
-        || run(&h2d, &inverse),
+        || run(&h2d, inverse),
         || copy_blocks(false),
     );
     for b in [0u32, 31, 63] {
@@ -370,7 +401,7 @@ fn cuda_rows(
             .expect("bulk copy");
         stream.synchronize().expect("synchronize");
     };
-    let (sep_e, sep_b) = measure(warmup, iters, total, || run(&sep_d2h, &pairs), bulk);
+    let (sep_e, sep_b) = measure(warmup, iters, total, || run(&sep_d2h, pairs), bulk);
 
     drop((d2h, h2d, sep_d2h));
     ctx.bind_to_thread()?;

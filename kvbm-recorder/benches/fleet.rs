@@ -402,10 +402,9 @@ fn phases() {
         .collect();
     let all: Vec<&Vec<u8>> = sets.iter().flatten().map(|b| &b.2).collect();
     let events: u64 = sets.iter().flatten().map(|b| b.1).sum();
-    let raw: usize = all
-        .iter()
-        .map(|m| u32::from_le_bytes(m[36..40].try_into().unwrap()) as usize)
-        .sum();
+    // The block's length once decompressed, from the header.
+    let raw_len = |m: &[u8]| u32::from_le_bytes(m[36..40].try_into().unwrap()) as usize;
+    let raw: usize = all.iter().map(|m| raw_len(m)).sum();
     let wire: usize = all.iter().map(|m| m.len()).sum();
     println!(
         "{} messages, {events} events, {:.1} events/msg, raw {:.1} B/event, wire {:.1} B/event",
@@ -431,16 +430,13 @@ fn phases() {
     });
     time("lz4", &mut || {
         for m in &all {
-            let n = u32::from_le_bytes(m[36..40].try_into().unwrap()) as usize;
-            lz4_flex::block::decompress_into(&m[48..], &mut scratch[..n]).unwrap();
+            let n = raw_len(m);
+            lz4_flex::block::decompress_into(&m[wire::HEADER_BYTES..], &mut scratch[..n]).unwrap();
         }
     });
     let blocks: Vec<Vec<u8>> = all
         .iter()
-        .map(|m| {
-            let n = u32::from_le_bytes(m[36..40].try_into().unwrap()) as usize;
-            lz4_flex::block::decompress(&m[48..], n).unwrap()
-        })
+        .map(|m| lz4_flex::block::decompress(&m[wire::HEADER_BYTES..], raw_len(m)).unwrap())
         .collect();
     time("verify", &mut || {
         for b in &blocks {

@@ -288,31 +288,6 @@ pub struct Checked<'a> {
     pub lz4: Option<&'a [u8]>,
 }
 
-/// The header, and the block's length once decompressed (in range).
-fn framing(bytes: &[u8]) -> Result<(BatchHeader, usize), WireError> {
-    let h = header(bytes)?;
-    let raw_len = u32_at(bytes, 36);
-    if raw_len as usize > MAX_BLOCK_BYTES || raw_len == 0 {
-        return Err(WireError::BlockLength(raw_len));
-    }
-    Ok((h, raw_len as usize))
-}
-
-/// Decompresses `body` into `out` (resized to `raw_len`; only growth is
-/// zeroed, since a successful decompression of that length overwrites
-/// every byte).
-fn decompress(body: &[u8], raw_len: usize, out: &mut Vec<u8>) -> Result<(), WireError> {
-    out.resize(raw_len, 0);
-    let n = lz4_flex::block::decompress_into(body, out)
-        .map_err(|e| WireError::Decompress(e.to_string()))?;
-    if n != raw_len {
-        return Err(WireError::Decompress(format!(
-            "{n} bytes, the header says {raw_len}"
-        )));
-    }
-    Ok(())
-}
-
 /// A batch's header, its block, and its body when that is the block
 /// compressed.
 struct Opened<'a> {
@@ -324,13 +299,27 @@ struct Opened<'a> {
 /// The block of a batch: `bytes`' body, or what it decompresses to in
 /// `scratch`.
 fn open<'a>(bytes: &'a [u8], scratch: &'a mut Vec<u8>) -> Result<Opened<'a>, WireError> {
-    let (header, raw_len) = framing(bytes)?;
+    let header = header(bytes)?;
+    let raw_len = u32_at(bytes, 36);
+    if raw_len as usize > MAX_BLOCK_BYTES || raw_len == 0 {
+        return Err(WireError::BlockLength(raw_len));
+    }
+    let n = raw_len as usize;
     let body = &bytes[HEADER_BYTES..];
     let (block, lz4) = match bytes[6] {
-        0 if body.len() == raw_len => (body, None),
-        0 => return Err(WireError::BlockLength(raw_len as u32)),
+        0 if body.len() == n => (body, None),
+        0 => return Err(WireError::BlockLength(raw_len)),
         1 => {
-            decompress(body, raw_len, scratch)?;
+            // Only growth is zeroed: a decompression of the stated length
+            // (checked below) overwrites every byte.
+            scratch.resize(n, 0);
+            let got = lz4_flex::block::decompress_into(body, scratch)
+                .map_err(|e| WireError::Decompress(e.to_string()))?;
+            if got != n {
+                return Err(WireError::Decompress(format!(
+                    "{got} bytes, the header says {raw_len}"
+                )));
+            }
             (&scratch[..], Some(body))
         }
         c => return Err(WireError::Codec(c)),

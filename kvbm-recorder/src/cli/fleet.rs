@@ -190,10 +190,13 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         Ok(why)
     });
     let closing = Instant::now();
-    let ends = shards.finish()?;
-    let parts: Vec<_> = ends.iter().map(|e| e.manifest.clone()).collect();
+    let (parts, recs): (Vec<_>, Vec<_>) = shards
+        .finish()?
+        .into_iter()
+        .map(|e| (e.manifest, e.recordings))
+        .unzip();
     let manifest = fleet::merge_manifests(&commits.base, &parts);
-    let mut recs: Vec<_> = ends.into_iter().flat_map(|e| e.recordings).collect();
+    let mut recs: Vec<_> = recs.into_iter().flatten().collect();
     recs.sort_by(|a, b| a.0.cmp(&b.0));
     fleet::write_manifest(out, &manifest)?;
     let closing_s = closing.elapsed().as_secs_f64();
