@@ -25,7 +25,7 @@
 //! splits a writer into several, each owning some engines' logs, to write
 //! on threads of their own ([`crate::shards`]).
 
-use crate::log::FsyncPolicy;
+use crate::log::{FsyncPolicy, PendingSync};
 use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink, read_sidecar};
 use kvbm_attach::nats::track::{Admit, Tracker};
 use kvbm_attach::nats::wire::BatchHeader;
@@ -573,32 +573,41 @@ impl FleetWriter {
     /// few threads (the device merges concurrent flushes), so what is
     /// acknowledged after a synced checkpoint survives a power loss too.
     pub fn checkpoint(&mut self) -> Result<(), FleetError> {
+        self.checkpoint_detached()?.run()?;
+        self.write_manifest()
+    }
+
+    /// [`checkpoint`](Self::checkpoint) without its fsyncs and its
+    /// manifest: every log handed to the OS and every sidecar written, and
+    /// the fsyncs the policy calls for returned, to run on other threads
+    /// while this writer goes on ([`Syncs::run`]). What was applied before
+    /// this call is durable once they have run; a caller that acknowledges
+    /// only then keeps the guarantee of `checkpoint` without holding its
+    /// writes back while the device flushes.
+    pub fn checkpoint_detached(&mut self) -> Result<Syncs, FleetError> {
         let sync = match self.sync_policy {
             FsyncPolicy::Never => false,
             FsyncPolicy::Interval(d) => self.last_sync.elapsed() >= d,
             FsyncPolicy::EveryRecord | FsyncPolicy::OnSync => true,
         };
         let engines = self.dir.join(ENGINES_DIR);
-        let mut due: Vec<&mut OpenLog> = self
-            .open
-            .values_mut()
-            .filter(|l| l.dirty || (sync && l.unsynced))
-            .collect();
-        in_parallel(&mut due, |log| {
+        let mut syncs = Syncs::default();
+        for log in self.open.values_mut() {
             if sync && log.unsynced {
-                log.sink.sync().map_err(|e| log.error(&engines, e))?;
+                if let Some(p) = log.sink.detach_sync().map_err(|e| log.error(&engines, e))? {
+                    syncs.0.push((engines.join(&log.name), p));
+                }
                 log.unsynced = false;
             }
             if log.dirty {
                 log.sink.checkpoint().map_err(|e| log.error(&engines, e))?;
                 log.dirty = false;
             }
-            Ok(())
-        })?;
+        }
         if sync {
             self.last_sync = Instant::now();
         }
-        self.write_manifest()
+        Ok(syncs)
     }
 
     /// Per log: its directory name and what it holds so far.
@@ -635,6 +644,41 @@ impl FleetWriter {
         });
         self.write_manifest()?;
         closed.map(|()| self.manifest)
+    }
+}
+
+/// The fsyncs a checkpoint leaves to run
+/// ([`FleetWriter::checkpoint_detached`]), each with its log's directory.
+#[derive(Debug, Default)]
+pub struct Syncs(Vec<(PathBuf, PendingSync)>);
+
+impl Syncs {
+    /// Logs to fsync.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// True when there is nothing to fsync.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Adds `other`'s fsyncs to these.
+    pub fn append(&mut self, other: Syncs) {
+        self.0.extend(other.0);
+    }
+
+    /// Runs every fsync, on up to [`SYNC_THREADS`] threads (the device
+    /// merges concurrent flushes); the first error, naming its log.
+    pub fn run(self) -> Result<(), FleetError> {
+        let mut items: Vec<_> = self.0.into_iter().map(Some).collect();
+        in_parallel(&mut items, |slot| match slot.take() {
+            Some((dir, p)) => p.run().map_err(|e| FleetError::Log {
+                dir,
+                source: e.into(),
+            }),
+            None => Ok(()),
+        })
     }
 }
 
@@ -883,6 +927,42 @@ pub(crate) mod tests {
     /// events applied one by one: new consecutive batches go in whole, an
     /// overlapping redelivery and a batch with a hole inside fall back to
     /// event by event.
+    /// A detached checkpoint leaves one fsync per log written since the
+    /// last (none with `Never`); run after more writes, they succeed, and
+    /// the logs hold everything.
+    #[test]
+    fn a_detached_checkpoint_leaves_one_fsync_per_log_written() {
+        let tmp = tempfile::tempdir().unwrap();
+        let open = |name: &str, fsync| {
+            let mut cfg = RecorderConfig::default();
+            cfg.log.fsync = fsync;
+            FleetWriter::open(&tmp.path().join(name), "nats://x:1", Some("c"), cfg).unwrap()
+        };
+        let mut w = open("f", FsyncPolicy::OnSync);
+        let apply = |w: &mut FleetWriter, engine: &str, seqs| {
+            let b = batch(seqs);
+            w.apply(engine, &header(1, &b, 0), &b).unwrap();
+        };
+        apply(&mut w, "a", 0..10);
+        apply(&mut w, "b", 0..5);
+        let first = w.checkpoint_detached().unwrap();
+        assert_eq!(first.len(), 2);
+        assert!(w.checkpoint_detached().unwrap().is_empty(), "nothing since");
+        apply(&mut w, "a", 10..20);
+        let second = w.checkpoint_detached().unwrap();
+        assert_eq!(second.len(), 1);
+        apply(&mut w, "a", 20..30);
+        first.run().unwrap();
+        second.run().unwrap();
+        let events: Vec<u64> = w.recordings().iter().map(|(_, r)| r.events).collect();
+        assert_eq!(events, [30, 5]);
+        w.finish().unwrap();
+
+        let mut w = open("g", FsyncPolicy::Never);
+        apply(&mut w, "a", 0..10);
+        assert!(w.checkpoint_detached().unwrap().is_empty());
+    }
+
     #[test]
     fn blocks_apply_whole_when_new_and_event_by_event_otherwise() {
         let tmp = tempfile::tempdir().unwrap();

@@ -451,6 +451,12 @@ impl RecordingSink {
         self.on_writer(LogWriter::sync)
     }
 
+    /// Hands what was appended to the OS and returns the fsync that makes
+    /// it durable, to run elsewhere ([`LogWriter::detach_sync`]).
+    pub fn detach_sync(&mut self) -> Result<Option<crate::log::PendingSync>, RecordError> {
+        self.on_writer(LogWriter::detach_sync)
+    }
+
     /// What has been recorded so far.
     pub fn recording(&self) -> &Recording {
         &self.rec

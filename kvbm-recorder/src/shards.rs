@@ -12,16 +12,18 @@
 //!
 //! A checkpoint is a barrier: [`Shards::begin_checkpoint`] puts one behind
 //! everything already routed to every thread; each thread, on reaching it,
-//! checkpoints its logs and replies with its part of the manifest
-//! ([`Shards::reply`]). Once every thread has replied, everything routed
-//! before the barrier is in the logs, and the caller writes the merged
-//! manifest and acknowledges the last message before the barrier, while
-//! the threads go on with what came after it.
+//! checkpoints its logs and replies with its part of the manifest and the
+//! fsyncs its logs need ([`Shards::reply`]). Once every thread has
+//! replied, everything routed before the barrier is in the logs; the
+//! caller runs the fsyncs, writes the merged manifest and acknowledges the
+//! last message before the barrier, while the threads go on with what came
+//! after it (group commit: the device's flush holds back acknowledgements,
+//! never writes).
 //!
 //! Each thread's queue is bounded; routing waits when it is full, which
 //! holds back the pull consumer (JetStream keeps the rest).
 
-use crate::fleet::{FleetError, FleetManifest, FleetWriter, shard_of};
+use crate::fleet::{FleetError, FleetManifest, FleetWriter, Syncs, shard_of};
 use crate::recorder::Recording;
 use kvbm_attach::nats::async_nats;
 use kvbm_attach::nats::consume;
@@ -42,8 +44,11 @@ enum Job {
 /// What a writer thread says back.
 #[derive(Debug)]
 pub enum Reply {
-    /// Shard `shard` reached barrier `token` and checkpointed its logs;
-    /// `manifest` is its part of the recording's manifest.
+    /// Shard `shard` reached barrier `token` and checkpointed its logs
+    /// ([`FleetWriter::checkpoint_detached`]); `manifest` is its part of
+    /// the recording's manifest, `syncs` the fsyncs that make what it
+    /// wrote before the barrier durable, left for the caller to run while
+    /// the thread goes on writing.
     Checkpointed {
         /// Which thread.
         shard: usize,
@@ -51,6 +56,8 @@ pub enum Reply {
         token: u64,
         /// Its logs' entries and refusals.
         manifest: FleetManifest,
+        /// Its logs' fsyncs.
+        syncs: Syncs,
     },
     /// Shard `shard` failed (a log could not be written) and stopped.
     Failed {
@@ -292,7 +299,7 @@ fn run(
                 counters.written_batch.notify_one();
             }
             Job::Checkpoint(token) => {
-                writer.checkpoint().map_err(failed)?;
+                let syncs = writer.checkpoint_detached().map_err(failed)?;
                 let manifest = writer.manifest().clone();
                 // The owner waits for every reply; if it is gone, so is
                 // the recording's session.
@@ -300,6 +307,7 @@ fn run(
                     shard,
                     token,
                     manifest,
+                    syncs,
                 });
             }
         }
@@ -385,8 +393,14 @@ mod tests {
             while parts.len() < shards.len() {
                 match shards.reply().await.unwrap() {
                     Reply::Checkpointed {
-                        token: 1, manifest, ..
-                    } => parts.push(manifest),
+                        token: 1,
+                        manifest,
+                        syncs,
+                        ..
+                    } => {
+                        syncs.run().unwrap();
+                        parts.push(manifest)
+                    }
                     r => panic!("{r:?}"),
                 }
             }

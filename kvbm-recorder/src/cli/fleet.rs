@@ -162,8 +162,12 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                         commits.begin(&shards).await?;
                     }
                 },
-                Some(reply) = shards.reply(), if commits.in_flight() => {
-                    commits.reply(reply, &mut stats).await?;
+                Some(reply) = shards.reply(), if commits.awaiting_replies() => {
+                    commits.reply(reply)?;
+                }
+                done = commits.wait_durable(), if commits.syncing() => {
+                    done?;
+                    commits.acknowledge(&mut stats).await?;
                 }
                 () = counters.written_batch(), if remote.events.is_some() => {
                     if remote.events.is_some_and(|n| counters.written() >= n) {
@@ -267,12 +271,13 @@ struct Session {
 }
 
 /// The recorder's commits: a barrier through the writer threads
-/// ([`Shards::begin_checkpoint`]), then, once every thread has
-/// checkpointed, the merged manifest written and the last message before
-/// the barrier acknowledged (the consumer's acknowledgements are
-/// cumulative). Never the other way round: an acknowledged message is on
-/// disk. One barrier is in flight at a time; messages go on being routed
-/// while it is.
+/// ([`Shards::begin_checkpoint`]); once every thread has checkpointed, the
+/// fsyncs they left and the merged manifest on a blocking thread; then the
+/// last message before the barrier acknowledged (the consumer's
+/// acknowledgements are cumulative). Never the other way round: an
+/// acknowledged message is on disk. One barrier is in flight at a time;
+/// messages go on being routed and written while it is, its fsyncs
+/// included (group commit).
 struct Commits {
     /// The recording's directory.
     dir: std::path::PathBuf,
@@ -284,14 +289,18 @@ struct Commits {
     /// Messages delivered since the last barrier.
     pending: u64,
     token: u64,
-    /// The barrier in flight: what it acknowledges once every thread has
-    /// replied, the replies so far, when it began.
+    /// The barrier in flight.
     barrier: Option<Barrier>,
 }
 
+/// A barrier in flight: what it acknowledges once durable, the threads'
+/// replies so far, and, once they are all in, its fsyncs and manifest
+/// running.
 struct Barrier {
     ack: Option<(async_nats::jetstream::message::Acker, u64)>,
     parts: Vec<fleet::FleetManifest>,
+    syncs: fleet::Syncs,
+    durable: Option<tokio::task::JoinHandle<Result<(), fleet::FleetError>>>,
     began: Instant,
 }
 
@@ -308,8 +317,16 @@ impl Commits {
         }
     }
 
-    fn in_flight(&self) -> bool {
-        self.barrier.is_some()
+    /// A barrier is waiting for the threads' replies.
+    fn awaiting_replies(&self) -> bool {
+        self.barrier
+            .as_ref()
+            .is_some_and(|b| b.parts.len() < self.threads)
+    }
+
+    /// A barrier's fsyncs and manifest are running.
+    fn syncing(&self) -> bool {
+        self.barrier.as_ref().is_some_and(|b| b.durable.is_some())
     }
 
     fn delivered(&mut self, acker: async_nats::jetstream::message::Acker, stream_seq: u64) {
@@ -328,19 +345,25 @@ impl Commits {
         self.barrier = Some(Barrier {
             ack: self.last.take(),
             parts: Vec::with_capacity(self.threads),
+            syncs: fleet::Syncs::default(),
+            durable: None,
             began: Instant::now(),
         });
         self.pending = 0;
         Ok(())
     }
 
-    /// A thread's reply to the barrier in flight.
-    async fn reply(&mut self, reply: Reply, stats: &mut Session) -> Result<()> {
-        let manifest = match reply {
+    /// A thread's reply to the barrier in flight; after the last, starts
+    /// its fsyncs and manifest.
+    fn reply(&mut self, reply: Reply) -> Result<()> {
+        let (manifest, syncs) = match reply {
             Reply::Failed { shard, error } => bail!("fleet writer thread {shard}: {error}"),
             Reply::Checkpointed {
-                token, manifest, ..
-            } if token == self.token => manifest,
+                token,
+                manifest,
+                syncs,
+                ..
+            } if token == self.token => (manifest, syncs),
             Reply::Checkpointed { token, .. } => {
                 bail!(
                     "a checkpoint reply for barrier {token}, expected {}",
@@ -348,15 +371,47 @@ impl Commits {
                 )
             }
         };
-        let Some(b) = self.barrier.as_mut() else {
-            bail!("a checkpoint reply with no barrier in flight");
+        let threads = self.threads;
+        let Some(b) = self.barrier.as_mut().filter(|b| b.parts.len() < threads) else {
+            bail!("a checkpoint reply with no barrier waiting for one");
         };
         b.parts.push(manifest);
-        if b.parts.len() < self.threads {
-            return Ok(());
+        b.syncs.append(syncs);
+        if b.parts.len() == self.threads {
+            let syncs = std::mem::take(&mut b.syncs);
+            let manifest = fleet::merge_manifests(&self.base, &b.parts);
+            let dir = self.dir.clone();
+            // The device's flush, off the loop that routes: the threads
+            // write what came after the barrier meanwhile.
+            b.durable = Some(tokio::task::spawn_blocking(move || {
+                syncs.run()?;
+                fleet::write_manifest(&dir, &manifest)
+            }));
         }
-        let b = self.barrier.take().expect("checked above");
-        fleet::write_manifest(&self.dir, &fleet::merge_manifests(&self.base, &b.parts))?;
+        Ok(())
+    }
+
+    /// Waits for the barrier's fsyncs and manifest; cancel-safe (the task
+    /// runs on and is waited for again).
+    async fn wait_durable(&mut self) -> Result<()> {
+        let Some(handle) = self.barrier.as_mut().and_then(|b| b.durable.as_mut()) else {
+            bail!("no checkpoint is being made durable");
+        };
+        let done = handle.await;
+        // Finished: the barrier is not waited for again, whatever came of it.
+        if let Some(b) = self.barrier.as_mut() {
+            b.durable = None;
+        }
+        done.context("the checkpoint's fsync task")?
+            .context("making a checkpoint durable")
+    }
+
+    /// After [`wait_durable`](Self::wait_durable): acknowledges what the
+    /// barrier covers.
+    async fn acknowledge(&mut self, stats: &mut Session) -> Result<()> {
+        let Some(b) = self.barrier.take() else {
+            bail!("no checkpoint to acknowledge");
+        };
         if let Some((acker, stream_seq)) = b.ack {
             // A lost acknowledgement only means a redelivery, which the
             // recording skips as duplicates.
@@ -380,11 +435,15 @@ impl Commits {
                 }
                 self.begin(shards).await?;
             }
-            while self.in_flight() {
+            while self.awaiting_replies() {
                 let Some(reply) = shards.reply().await else {
                     bail!("the fleet writer threads stopped");
                 };
-                self.reply(reply, stats).await?;
+                self.reply(reply)?;
+            }
+            if self.syncing() {
+                self.wait_durable().await?;
+                self.acknowledge(stats).await?;
             }
         }
         Ok(())

@@ -213,7 +213,7 @@ pub use reader::{
     SegmentStatus,
 };
 pub use snapshot::{SNAPSHOT_HEADER_LEN, Snapshot};
-pub use writer::LogWriter;
+pub use writer::{LogWriter, PendingSync};
 
 /// When the writer fsyncs. See the module docs for what each guarantees.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

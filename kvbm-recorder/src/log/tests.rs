@@ -450,6 +450,44 @@ fn fsync_counts_follow_the_policy() {
     assert_eq!(always.fsyncs, every.fsyncs);
 }
 
+/// A detached sync hands the records to the OS at once and leaves their
+/// fsyncs (and the directory's, for a segment created since the last) to
+/// whoever runs it, while the writer goes on appending.
+#[test]
+fn a_detached_sync_leaves_its_fsyncs_and_the_writer_goes_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut w = LogWriter::create(dir.path(), small(FsyncPolicy::OnSync)).expect("create");
+    assert!(
+        w.detach_sync().expect("detach").is_none(),
+        "nothing appended"
+    );
+    w.append(&ev(1, 1)).expect("append");
+    let before = w.stats().fsyncs;
+    let first = w.detach_sync().expect("detach").expect("a record to sync");
+    // The record's data and the new segment's directory entry.
+    assert_eq!(w.stats().fsyncs, before + 2);
+    assert_eq!(w.flushed_seq(), Some(1));
+    assert_eq!(w.durable_seq(), None, "not durable before it runs");
+    assert!(w.detach_sync().expect("detach").is_none(), "nothing since");
+    w.append(&ev(2, 2)).expect("append");
+    let second = w.detach_sync().expect("detach").expect("a record to sync");
+    assert_eq!(
+        w.stats().fsyncs,
+        before + 3,
+        "the same segment: its data only"
+    );
+    // Run on another thread, after more appends.
+    w.append(&ev(3, 3)).expect("append");
+    std::thread::spawn(move || first.run().and_then(|()| second.run()))
+        .join()
+        .expect("thread")
+        .expect("fsyncs");
+    w.close().expect("close");
+    let r = LogReader::open(dir.path(), ReaderOptions::default()).expect("open");
+    let seqs: Vec<u64> = r.iter().map(|x| x.expect("record").event.seq).collect();
+    assert_eq!(seqs, [1, 2, 3]);
+}
+
 #[test]
 fn interval_sync_is_checked_on_flush() {
     let dir = tempfile::tempdir().expect("tempdir");

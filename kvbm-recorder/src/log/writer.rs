@@ -557,6 +557,50 @@ impl LogWriter {
         Ok(())
     }
 
+    /// Hands buffered records to the OS and returns the fsync that makes
+    /// them durable, to run on another thread while this writer goes on
+    /// appending ([`PendingSync::run`]); `None` when nothing was written
+    /// since the last sync. A caller that waits for the returned sync
+    /// before it acknowledges has what [`sync`](Self::sync) gives, without
+    /// holding appends back for the device's flush (group commit). The
+    /// writer counts its records as synced from here: a sync that then
+    /// fails is the caller's to report, and [`durable_seq`](Self::durable_seq)
+    /// does not move for it.
+    pub fn detach_sync(&mut self) -> Result<Option<PendingSync>, LogError> {
+        self.usable()?;
+        if !self.unsynced && !self.dir_unsynced {
+            return Ok(None);
+        }
+        let result = (|| -> Result<PendingSync, LogError> {
+            self.flush_inner()?;
+            let file = match &self.active {
+                // A second descriptor of the same open file: its fsync
+                // covers every write made through the first.
+                Some(a) => Some((
+                    a.out.get_ref().try_clone().map_err(io_err(&a.path))?,
+                    a.path.clone(),
+                )),
+                None => None,
+            };
+            Ok(PendingSync {
+                file,
+                dir: self.dir_unsynced.then(|| self.dir.clone()),
+            })
+        })();
+        let pending = match result {
+            Ok(p) => p,
+            Err(e) => {
+                self.poisoned = Some(e.to_string());
+                return Err(e);
+            }
+        };
+        self.stats.fsyncs += u64::from(pending.file.is_some()) + u64::from(pending.dir.is_some());
+        self.unsynced = false;
+        self.dir_unsynced = false;
+        self.last_sync = Instant::now();
+        Ok(Some(pending))
+    }
+
     /// Flushes, fsyncs (unless the policy is `Never`), stores the active
     /// segment's index and returns the counters. Dropping a writer does the
     /// same on a best-effort basis, logging failures.
@@ -679,6 +723,29 @@ impl LogWriter {
     /// The configuration in use.
     pub fn config(&self) -> &LogConfig {
         &self.cfg
+    }
+}
+
+/// An fsync taken off a writer ([`LogWriter::detach_sync`]): its active
+/// segment's data, and its directory when a segment was created since the
+/// last sync.
+#[derive(Debug)]
+pub struct PendingSync {
+    file: Option<(File, PathBuf)>,
+    dir: Option<PathBuf>,
+}
+
+impl PendingSync {
+    /// Runs the fsyncs: once this returns `Ok`, every record the writer had
+    /// appended when it detached this is on stable storage.
+    pub fn run(self) -> Result<(), LogError> {
+        if let Some((file, path)) = &self.file {
+            file.sync_data().map_err(io_err(path))?;
+        }
+        if let Some(dir) = &self.dir {
+            sync_dir(dir).map_err(io_err(dir))?;
+        }
+        Ok(())
     }
 }
 
