@@ -1,8 +1,10 @@
 //! The fleet through JetStream: events per second from 100 engines into
 //! the fleet recorder (`kvbm-recorder record --from nats://`), beside a
 //! plain async-nats consumer that only counts the same messages in the same
-//! run; the publisher's cost per event on the engine's thread; file store
-//! against memory store.
+//! run; the publisher's cost per event on the engine's thread (its wall
+//! time and the thread's own CPU time); file store against memory store.
+//! `scripts/bench-fleet-slow-disk.sh` runs it with the recorder's writes
+//! throttled.
 //!
 //! ```sh
 //! bash scripts/setup-nats.sh
@@ -335,7 +337,46 @@ fn drain(
 /// The engine's side: `Emitter::emit` with the tap drained by a publisher
 /// connected to NATS, beside the tap drained by a thread that only
 /// receives, in the same run (ns per event, median of rounds).
-fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> (f64, f64, u64) {
+/// CPU time this thread has run, in ns (`CLOCK_THREAD_CPUTIME_ID`): what
+/// the engine's thread itself spends, without the time it waits for a core.
+#[cfg(unix)]
+fn thread_cpu_ns() -> Option<u64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the call's duration.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
+
+#[cfg(not(unix))]
+fn thread_cpu_ns() -> Option<u64> {
+    None
+}
+
+/// Runs `emit` `n` times; (wall ns, this thread's CPU ns) per call.
+fn per_emit(n: u64, mut emit: impl FnMut()) -> (f64, Option<f64>) {
+    let (t, cpu) = (Instant::now(), thread_cpu_ns());
+    for _ in 0..n {
+        emit();
+    }
+    let wall = t.elapsed().as_nanos() as f64 / n as f64;
+    let cpu = cpu
+        .zip(thread_cpu_ns())
+        .map(|(a, b)| b.saturating_sub(a) as f64 / n as f64);
+    (wall, cpu)
+}
+
+/// The engine's side, per event: (wall, CPU) with the publisher, the same
+/// with the plain drain, and the publisher's losses.
+struct EngineCost {
+    with_pub: (f64, Option<f64>),
+    with_drain: (f64, Option<f64>),
+    lost: u64,
+}
+
+fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> EngineCost {
     let nats = NatsServer::start();
     let kind = EventKind::SlotTransition {
         from: SlotState::Prefilling,
@@ -351,11 +392,7 @@ fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> (f64, f64
         let tap = e.bus().take_tap().unwrap();
         let p =
             Publisher::spawn(tap, PublisherConfig::new(nats.url(), "cost"), rt.handle()).unwrap();
-        let t = Instant::now();
-        for _ in 0..n {
-            e.emit(Some(&req), kind.clone());
-        }
-        with_pub.push(t.elapsed().as_nanos() as f64 / n as f64);
+        with_pub.push(per_emit(n, || e.emit(Some(&req), kind.clone())));
         let c = std::thread::scope(|s| s.spawn(|| p.stop(Duration::from_secs(30))).join().unwrap());
         lost += c.lost();
         // Plain drain.
@@ -378,19 +415,24 @@ fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> (f64, f64
                 }
             }
         });
-        let t = Instant::now();
-        for _ in 0..n {
-            e.emit(Some(&req), kind.clone());
-        }
-        with_drain.push(t.elapsed().as_nanos() as f64 / n as f64);
+        with_drain.push(per_emit(n, || e.emit(Some(&req), kind.clone())));
         stop.store(true, std::sync::atomic::Ordering::Release);
         h.join().unwrap();
     }
-    let med = |mut v: Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
+    // Medians of wall and CPU times, each on its own.
+    let med = |v: &[(f64, Option<f64>)]| {
+        let mid = |mut x: Vec<f64>| {
+            x.sort_by(|a, b| a.total_cmp(b));
+            x[x.len() / 2]
+        };
+        let cpu: Option<Vec<f64>> = v.iter().map(|p| p.1).collect();
+        (mid(v.iter().map(|p| p.0).collect()), cpu.map(mid))
     };
-    (med(with_pub), med(with_drain), lost)
+    EngineCost {
+        with_pub: med(&with_pub),
+        with_drain: med(&with_drain),
+        lost,
+    }
 }
 
 /// `KVBM_FLEET_PHASES=1`: what each part of the check a recorder makes of
@@ -515,13 +557,22 @@ fn main() {
         );
     }
     let (n, rounds) = if quick { (200_000, 3) } else { (2_000_000, 5) };
-    let (p, d, lost) = engine_cost(&rt, n, rounds);
+    let c = engine_cost(&rt, n, rounds);
     println!();
     println!(
-        "| on the engine's thread (Emitter::emit, {n} events, median of {rounds}) | ns/event |"
+        "| on the engine's thread (Emitter::emit, {n} events, median of {rounds}) | wall ns/event | the thread's CPU ns/event |"
     );
-    println!("|---|---:|");
-    println!("| tap drained by the NATS publisher | {p:.1} |");
-    println!("| tap drained by a thread that only receives (baseline) | {d:.1} |");
-    println!("(publisher losses over all rounds: {lost})");
+    println!("|---|---:|---:|");
+    let cpu = |c: Option<f64>| c.map_or_else(|| "n/a".to_string(), |c| format!("{c:.1}"));
+    println!(
+        "| tap drained by the NATS publisher | {:.1} | {} |",
+        c.with_pub.0,
+        cpu(c.with_pub.1)
+    );
+    println!(
+        "| tap drained by a thread that only receives (baseline) | {:.1} | {} |",
+        c.with_drain.0,
+        cpu(c.with_drain.1)
+    );
+    println!("(publisher losses over all rounds: {})", c.lost);
 }
