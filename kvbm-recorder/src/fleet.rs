@@ -17,8 +17,10 @@
 //!
 //! [`FleetWriter`] applies each (engine, seq) once ([`Tracker`]), writes a
 //! gap where seqs jump, and [`checkpoint`](FleetWriter::checkpoint)s: every
-//! log handed to the OS, every sidecar and the manifest written. The
-//! recorder acknowledges JetStream only after a checkpoint, so a recorder
+//! log handed to the OS (and fsynced, as the policy says), every sidecar
+//! and the manifest written; [`checkpoint_detached`](FleetWriter::checkpoint_detached)
+//! leaves the fsyncs to run elsewhere ([`Syncs`]) while writing goes on.
+//! The recorder acknowledges JetStream only after a checkpoint, so a recorder
 //! killed at any moment restarts from its logs ([`FleetWriter::open`]
 //! resumes them) and the redelivered messages it already wrote are skipped
 //! as duplicates: no duplicates, no holes. [`FleetWriter::into_shards`]
@@ -668,7 +670,7 @@ impl Syncs {
         self.0.extend(other.0);
     }
 
-    /// Runs every fsync, on up to [`SYNC_THREADS`] threads (the device
+    /// Runs every fsync, on up to eight threads (the device
     /// merges concurrent flushes); the first error, naming its log.
     pub fn run(self) -> Result<(), FleetError> {
         let mut items: Vec<_> = self.0.into_iter().map(Some).collect();
