@@ -925,10 +925,6 @@ pub(crate) mod tests {
         .unwrap()
     }
 
-    /// Blocks kept as they arrived give the same logs, counts and losses as
-    /// events applied one by one: new consecutive batches go in whole, an
-    /// overlapping redelivery and a batch with a hole inside fall back to
-    /// event by event.
     /// A detached checkpoint leaves one fsync per log written since the
     /// last (none with `Never`); run after more writes, they succeed, and
     /// the logs hold everything.
@@ -965,6 +961,10 @@ pub(crate) mod tests {
         assert!(w.checkpoint_detached().unwrap().is_empty());
     }
 
+    /// Blocks kept as they arrived give the same logs, counts and losses as
+    /// events applied one by one: new consecutive batches go in whole, an
+    /// overlapping redelivery and a batch with a hole inside fall back to
+    /// event by event.
     #[test]
     fn blocks_apply_whole_when_new_and_event_by_event_otherwise() {
         let tmp = tempfile::tempdir().unwrap();
