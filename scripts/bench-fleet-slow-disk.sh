@@ -48,7 +48,8 @@ elif [[ -f /sys/fs/cgroup/cgroup.controllers ]] && grep -qw io /sys/fs/cgroup/cg
 else
   die "no block-I/O cgroup controller (blkio or io) on this machine"
 fi
-trap 'rmdir "$CG" 2>/dev/null || true; rm -f "$WRAP"' EXIT
+WRAP=""
+trap 'rmdir "$CG" 2>/dev/null || true; [[ -z "$WRAP" ]] || rm -f "$WRAP"' EXIT
 
 export KVBM_NATS_SERVER="${KVBM_NATS_SERVER:-$(bash scripts/setup-nats.sh)}"
 cargo build --release -p kvbm-recorder --bin kvbm-recorder >&2
