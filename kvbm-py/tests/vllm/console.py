@@ -29,7 +29,23 @@ def capture(session):
     return tmux("capture-pane", "-p", "-t", session).stdout
 
 
-def wait_for(session, pred, what, timeout=60):
+def diagnose(err_path):
+    """What a failure needs beside the screen: the console's stderr, the
+    processes and the load (a blank pane says nothing of why)."""
+    try:
+        with open(err_path, encoding="utf-8", errors="replace") as f:
+            err = f.read()[-4000:]
+    except OSError as e:
+        err = f"(unreadable: {e})"
+    print(f"-- the console's stderr:\n{err or '(empty)'}")
+    ps = subprocess.run(["ps", "-eo", "pid,stat,etime,pcpu,rss,args", "--sort=-pcpu"],
+                        capture_output=True, text=True, check=False).stdout
+    print("-- processes (busiest first):\n" + "\n".join(line[:200] for line in ps.splitlines()[:15]))
+    with open("/proc/loadavg", encoding="utf-8") as f:
+        print(f"-- load: {f.read().strip()}", flush=True)
+
+
+def wait_for(session, pred, what, timeout=60, err_path=None):
     t0 = time.time()
     screen = ""
     while time.time() - t0 < timeout:
@@ -38,6 +54,8 @@ def wait_for(session, pred, what, timeout=60):
             return screen
         time.sleep(0.5)
     print(screen)
+    if err_path:
+        diagnose(err_path)
     raise SystemExit(f"FAIL: {what} (not seen within {timeout} s)")
 
 
@@ -67,13 +85,14 @@ def main():
             if time.time() - t0 > 180:
                 raise SystemExit("FAIL: the engine did not come up")
         print(f"ok: vLLM with kvbm serving on 127.0.0.1:{port} after {time.time() - t0:.0f} s", flush=True)
+        err_path = os.path.join(tmp, "console.err")
         tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "48",
-             f"{a.console} attach http://127.0.0.1:{port}; sleep 30")
+             f"{a.console} attach http://127.0.0.1:{port} 2>{err_path}; sleep 30")
         # vLLM's request ids are `<n>-<8 hex>`; states are the slot states.
         req = re.compile(r"\b\d+-[0-9a-f]{8}\b")
         states = ("Prefilling", "Decoding", "Finished", "Initialized", "Onboarding", "OnboardStaged")
         first = wait_for(session, lambda s: "ATTACHED" in s and req.search(s) and any(x in s for x in states),
-                         "requests with slot states on the slots view")
+                         "requests with slot states on the slots view", err_path=err_path)
         print("ok: the slots view lists vLLM's requests with their states", flush=True)
         seen_states = {x for x in states if x in first}
         ids_first = set(req.findall(first))
@@ -87,6 +106,7 @@ def main():
         check = moved and {"Decoding", "Finished"} & seen_states
         if not check:
             print(capture(session))
+            diagnose(err_path)
             raise SystemExit(f"FAIL: requests did not move through states (seen {sorted(seen_states)})")
         print(f"ok: requests move through their states (seen {sorted(seen_states)})", flush=True)
         tmux("send-keys", "-t", session, "2")
@@ -94,7 +114,8 @@ def main():
         def transfers(s):
             return "G1→G2" in s and "G2→G1" in s and re.search(r"G2→G1\s+\d+\s+[1-9]\d*", s) is not None
 
-        wait_for(session, transfers, "G1→G2 and G2→G1 traffic on the transfers view", timeout=90)
+        wait_for(session, transfers, "G1→G2 and G2→G1 traffic on the transfers view", timeout=90,
+                 err_path=err_path)
         print("ok: the transfers view shows G1→G2 and G2→G1 traffic", flush=True)
         tmux("send-keys", "-t", session, "q")
         print("all console checks passed", flush=True)
