@@ -534,19 +534,7 @@ impl LogWriter {
     }
 
     fn sync_inner(&mut self) -> Result<(), LogError> {
-        let result = (|| -> Result<(), LogError> {
-            self.flush_inner()?;
-            if let Some(a) = self.active.as_mut() {
-                a.out.get_ref().sync_data().map_err(io_err(&a.path))?;
-                self.stats.fsyncs += 1;
-            }
-            if self.dir_unsynced {
-                sync_dir(&self.dir).map_err(io_err(&self.dir))?;
-                self.stats.fsyncs += 1;
-                self.dir_unsynced = false;
-            }
-            Ok(())
-        })();
+        let result = self.take_sync().and_then(PendingSync::run);
         if let Err(e) = &result {
             self.poisoned = Some(e.to_string());
         }
@@ -555,6 +543,30 @@ impl LogWriter {
         self.unsynced = false;
         self.last_sync = Instant::now();
         Ok(())
+    }
+
+    /// Hands buffered records to the OS and returns what fsyncing them
+    /// takes: the active segment's data, and its directory when a segment
+    /// was created since the last sync ([`sync`](Self::sync) runs it at
+    /// once, [`detach_sync`](Self::detach_sync) hands it out).
+    fn take_sync(&mut self) -> Result<PendingSync, LogError> {
+        self.flush_inner()?;
+        let file = match &self.active {
+            // A second descriptor of the same open file: its fsync covers
+            // every write made through the first.
+            Some(a) => Some((
+                a.out.get_ref().try_clone().map_err(io_err(&a.path))?,
+                a.path.clone(),
+            )),
+            None => None,
+        };
+        let pending = PendingSync {
+            file,
+            dir: self.dir_unsynced.then(|| self.dir.clone()),
+        };
+        self.stats.fsyncs += u64::from(pending.file.is_some()) + u64::from(pending.dir.is_some());
+        self.dir_unsynced = false;
+        Ok(pending)
     }
 
     /// Hands buffered records to the OS and returns the fsync that makes
@@ -571,32 +583,14 @@ impl LogWriter {
         if !self.unsynced && !self.dir_unsynced {
             return Ok(None);
         }
-        let result = (|| -> Result<PendingSync, LogError> {
-            self.flush_inner()?;
-            let file = match &self.active {
-                // A second descriptor of the same open file: its fsync
-                // covers every write made through the first.
-                Some(a) => Some((
-                    a.out.get_ref().try_clone().map_err(io_err(&a.path))?,
-                    a.path.clone(),
-                )),
-                None => None,
-            };
-            Ok(PendingSync {
-                file,
-                dir: self.dir_unsynced.then(|| self.dir.clone()),
-            })
-        })();
-        let pending = match result {
+        let pending = match self.take_sync() {
             Ok(p) => p,
             Err(e) => {
                 self.poisoned = Some(e.to_string());
                 return Err(e);
             }
         };
-        self.stats.fsyncs += u64::from(pending.file.is_some()) + u64::from(pending.dir.is_some());
         self.unsynced = false;
-        self.dir_unsynced = false;
         self.last_sync = Instant::now();
         Ok(Some(pending))
     }
