@@ -184,11 +184,13 @@ fn expire_leases(state: &AppState, now: Instant) {
         ids
     };
     for id in expired {
-        let r = control.release_owner(id);
+        // Counted before the release: whoever sees the paused call resume
+        // must also see the lease counted as expired.
         state
             .counters
             .leases_expired
             .fetch_add(1, Ordering::Relaxed);
+        let r = control.release_owner(id);
         if r.breakpoints > 0 || r.resumed > 0 {
             tracing::info!(
                 lease = id,
