@@ -2,7 +2,12 @@
 //! the fleet recorder (`kvbm-recorder record --from nats://`), beside a
 //! plain async-nats consumer that only counts the same messages in the same
 //! run; the publisher's cost per event on the engine's thread (its wall
-//! time and the thread's own CPU time); file store against memory store.
+//! time and the thread's own CPU time), in the bus benchmark's two
+//! regimes: keeping up (timed bursts of 1,000 emits, the publisher given
+//! time between them to take everything: the normal case, an engine emits
+//! far fewer events than a publisher can take) and flat out (emitting
+//! without pause, so the tap overflows and the drop path is mixed in);
+//! file store against memory store.
 //! `scripts/bench-fleet-slow-disk.sh` runs it with the recorder's writes
 //! throttled.
 //!
@@ -171,6 +176,75 @@ struct Run {
     record_s: f64,
     written_s: f64,
     process_s: f64,
+    /// CPU time per phase: counting, checking, recording.
+    cpu: [PhaseCpu; 3],
+}
+
+/// The CPU time a phase took, in ns: `nats-server`'s, and the consumer's
+/// (the bench process's for the in-process consumers, the recorder
+/// process's for the recorder).
+#[derive(Default, Clone, Copy)]
+struct PhaseCpu {
+    server_ns: Option<u64>,
+    consumer_ns: Option<u64>,
+}
+
+/// CPU time a process's threads have run so far, in ns: the scheduler's
+/// own account (`/proc/PID/task/*/schedstat`; a thread that has exited is
+/// no longer counted, which `nats-server`'s long-lived threads make
+/// rare). `None` where there is no such file.
+fn process_cpu_ns(pid: u32) -> Option<u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut sum = 0;
+    for t in tasks.flatten() {
+        // A thread may exit between listing and reading: skip it.
+        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+            sum += s.split_whitespace().next()?.parse::<u64>().ok()?;
+        }
+    }
+    Some(sum)
+}
+
+/// CPU time (user and system) of this process, or of its waited-for
+/// children, in ns (`getrusage`).
+#[cfg(unix)]
+fn rusage_ns(who: libc::c_int) -> Option<u64> {
+    // SAFETY: an all-zero rusage is a valid value of the plain C struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is valid and writable for the call's duration.
+    let rc = unsafe { libc::getrusage(who, &mut ru) };
+    let ns = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+    (rc == 0).then(|| ns(ru.ru_utime) + ns(ru.ru_stime))
+}
+
+#[cfg(not(unix))]
+fn rusage_ns(_who: i32) -> Option<u64> {
+    None
+}
+
+#[cfg(unix)]
+const SELF: libc::c_int = libc::RUSAGE_SELF;
+#[cfg(unix)]
+const CHILDREN: libc::c_int = libc::RUSAGE_CHILDREN;
+#[cfg(not(unix))]
+const SELF: i32 = 0;
+#[cfg(not(unix))]
+const CHILDREN: i32 = -1;
+
+/// Runs `phase`, and returns its result with the CPU time `nats-server`
+/// (`server`) and the consumer (`who`: this process or its children)
+/// spent meanwhile.
+fn with_cpu<T>(server: Option<u32>, who: i32, phase: impl FnOnce() -> T) -> (T, PhaseCpu) {
+    let s0 = server.and_then(process_cpu_ns);
+    let c0 = rusage_ns(who);
+    let out = phase();
+    let cpu = PhaseCpu {
+        server_ns: s0
+            .zip(server.and_then(process_cpu_ns))
+            .map(|(a, b)| b.saturating_sub(a)),
+        consumer_ns: c0.zip(rusage_ns(who)).map(|(a, b)| b.saturating_sub(a)),
+    };
+    (out, cpu)
 }
 
 fn run_store(
@@ -235,28 +309,35 @@ fn run_store(
     // 2. The counting consumer, then one that also checks each batch as
     // the recorder must before it keeps one (decompressed, verified,
     // every value validated: `wire::check`), writing nothing.
-    let count_s = drain(rt, &url, &limits, messages, events, |m, _| {
-        u64::from(wire::header(m).unwrap().count)
+    let server = nats.pid();
+    let (count_s, count_cpu) = with_cpu(server, SELF, || {
+        drain(rt, &url, &limits, messages, events, |m, _| {
+            u64::from(wire::header(m).unwrap().count)
+        })
     });
-    let check_s = drain(rt, &url, &limits, messages, events, |m, scratch| {
-        u64::from(wire::check(m, scratch).unwrap().header.count)
+    let (check_s, check_cpu) = with_cpu(server, SELF, || {
+        drain(rt, &url, &limits, messages, events, |m, scratch| {
+            u64::from(wire::check(m, scratch).unwrap().header.count)
+        })
     });
 
     // 3. The recorder, the real binary, until the last event.
     let dir = tempfile::tempdir().unwrap();
     let bin = kvbm_testkit::bin::workspace_bin("kvbm-recorder", "kvbm-recorder");
     let t = Instant::now();
-    let o = Command::new(bin)
-        .args(["record", "--from", &url, "--out"])
-        .arg(dir.path().join("fleet"))
-        .args(["--events", &events.to_string()])
-        .args(
-            std::env::var("KVBM_FLEET_RECORDER_ARGS")
-                .unwrap_or_default()
-                .split_whitespace(),
-        )
-        .output()
-        .unwrap();
+    let (o, record_cpu) = with_cpu(server, CHILDREN, || {
+        Command::new(bin)
+            .args(["record", "--from", &url, "--out"])
+            .arg(dir.path().join("fleet"))
+            .args(["--events", &events.to_string()])
+            .args(
+                std::env::var("KVBM_FLEET_RECORDER_ARGS")
+                    .unwrap_or_default()
+                    .split_whitespace(),
+            )
+            .output()
+            .unwrap()
+    });
     let process_s = t.elapsed().as_secs_f64();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = String::from_utf8_lossy(&o.stdout);
@@ -289,6 +370,7 @@ fn run_store(
         record_s,
         written_s,
         process_s,
+        cpu: [count_cpu, check_cpu, record_cpu],
     }
 }
 
@@ -334,9 +416,6 @@ fn drain(
     })
 }
 
-/// The engine's side: `Emitter::emit` with the tap drained by a publisher
-/// connected to NATS, beside the tap drained by a thread that only
-/// receives, in the same run (ns per event, median of rounds).
 /// CPU time this thread has run, in ns (`CLOCK_THREAD_CPUTIME_ID`): what
 /// the engine's thread itself spends, without the time it waits for a core.
 #[cfg(unix)]
@@ -355,7 +434,8 @@ fn thread_cpu_ns() -> Option<u64> {
     None
 }
 
-/// Runs `emit` `n` times; (wall ns, this thread's CPU ns) per call.
+/// Runs `emit` `n` times without pause; (wall ns, this thread's CPU ns)
+/// per call.
 fn per_emit(n: u64, mut emit: impl FnMut()) -> (f64, Option<f64>) {
     let (t, cpu) = (Instant::now(), thread_cpu_ns());
     for _ in 0..n {
@@ -368,14 +448,86 @@ fn per_emit(n: u64, mut emit: impl FnMut()) -> (f64, Option<f64>) {
     (wall, cpu)
 }
 
-/// The engine's side, per event: (wall, CPU) with the publisher, the same
-/// with the plain drain, and the publisher's losses.
-struct EngineCost {
-    with_pub: (f64, Option<f64>),
-    with_drain: (f64, Option<f64>),
-    lost: u64,
+/// Emits per timed burst when keeping up, as in the bus benchmark.
+const BURST: u64 = 1000;
+
+/// Runs `emit` `n` times in bursts of [`BURST`], only the bursts timed;
+/// before each burst waits (untimed, sleeping, so the tap's consumer has
+/// the core) until the tap's consumer has taken everything emitted so
+/// far. (wall ns, this thread's CPU ns) per call.
+fn per_emit_keeping_up(
+    n: u64,
+    bus: &kvbm_events::bus::EventBus<Event>,
+    mut emit: impl FnMut(),
+) -> (f64, Option<f64>) {
+    let (mut wall, mut cpu) = (Duration::ZERO, Some(0u64));
+    for _ in 0..n.div_ceil(BURST) {
+        while bus.counters().tap_queued > 0 {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        let (t, c0) = (Instant::now(), thread_cpu_ns());
+        for _ in 0..BURST {
+            emit();
+        }
+        wall += t.elapsed();
+        cpu = cpu
+            .zip(c0.zip(thread_cpu_ns()))
+            .map(|(sum, (a, b))| sum + b.saturating_sub(a));
+    }
+    let calls = (n.div_ceil(BURST) * BURST) as f64;
+    (
+        wall.as_nanos() as f64 / calls,
+        cpu.map(|c| c as f64 / calls),
+    )
 }
 
+/// (wall ns, CPU ns) per event.
+type Cost = (f64, Option<f64>);
+
+/// The engine's side, per event, in both regimes: with the publisher and
+/// with the plain drain, flat out and keeping up; the publisher's losses
+/// in each regime.
+struct EngineCost {
+    pub_flat: Cost,
+    drain_flat: Cost,
+    pub_kept: Cost,
+    drain_kept: Cost,
+    lost_flat: u64,
+    lost_kept: u64,
+}
+
+/// The tap drained by a thread that only receives, as a baseline: the
+/// drain thread and a flag that stops it.
+fn plain_drain(
+    mut tap: kvbm_events::bus::TapReceiver<Event>,
+) -> (
+    Arc<std::sync::atomic::AtomicBool>,
+    std::thread::JoinHandle<u64>,
+) {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = stop.clone();
+    let h = std::thread::spawn(move || {
+        let mut k = 0u64;
+        loop {
+            match tap.try_recv() {
+                Ok(TapItem::Event(_)) => k += 1,
+                Ok(TapItem::Gap { .. }) => {}
+                Err(_) => {
+                    if s2.load(std::sync::atomic::Ordering::Acquire) {
+                        break k;
+                    }
+                    std::thread::sleep(Duration::from_micros(500));
+                }
+            }
+        }
+    });
+    (stop, h)
+}
+
+/// The engine's side: `Emitter::emit` with the tap drained by a publisher
+/// connected to NATS, beside the tap drained by a thread that only
+/// receives, in the same run, keeping up and flat out (ns per event,
+/// median of rounds).
 fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> EngineCost {
     let nats = NatsServer::start();
     let kind = EventKind::SlotTransition {
@@ -383,44 +535,47 @@ fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> EngineCos
         to: SlotState::Decoding,
     };
     let req: kvbm_events::RequestId = Arc::from("req-1");
-    let mut with_pub = Vec::new();
-    let mut with_drain = Vec::new();
-    let mut lost = 0;
+    let (mut pub_flat, mut drain_flat, mut pub_kept, mut drain_kept) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut lost_flat, mut lost_kept) = (0, 0);
+    // Each round takes one sample of every case, so the cases are
+    // compared under the same conditions (this VM drifts from minute to
+    // minute).
     for _ in 0..rounds {
-        // Publisher.
-        let e = Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).unwrap();
-        let tap = e.bus().take_tap().unwrap();
-        let p =
-            Publisher::spawn(tap, PublisherConfig::new(nats.url(), "cost"), rt.handle()).unwrap();
-        with_pub.push(per_emit(n, || e.emit(Some(&req), kind.clone())));
-        let c = std::thread::scope(|s| s.spawn(|| p.stop(Duration::from_secs(30))).join().unwrap());
-        lost += c.lost();
-        // Plain drain.
-        let e = Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).unwrap();
-        let mut tap = e.bus().take_tap().unwrap();
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let s2 = stop.clone();
-        let h = std::thread::spawn(move || {
-            let mut k = 0u64;
-            loop {
-                match tap.try_recv() {
-                    Ok(TapItem::Event(_)) => k += 1,
-                    Ok(TapItem::Gap { .. }) => {}
-                    Err(_) => {
-                        if s2.load(std::sync::atomic::Ordering::Acquire) {
-                            break k;
-                        }
-                        std::thread::sleep(Duration::from_micros(500));
-                    }
-                }
+        for keep_up in [false, true] {
+            // Publisher.
+            let e = Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).unwrap();
+            let tap = e.bus().take_tap().unwrap();
+            let p = Publisher::spawn(tap, PublisherConfig::new(nats.url(), "cost"), rt.handle())
+                .unwrap();
+            let emit = || e.emit(Some(&req), kind.clone());
+            if keep_up {
+                pub_kept.push(per_emit_keeping_up(n, e.bus(), emit));
+            } else {
+                pub_flat.push(per_emit(n, emit));
             }
-        });
-        with_drain.push(per_emit(n, || e.emit(Some(&req), kind.clone())));
-        stop.store(true, std::sync::atomic::Ordering::Release);
-        h.join().unwrap();
+            let c =
+                std::thread::scope(|s| s.spawn(|| p.stop(Duration::from_secs(30))).join().unwrap());
+            *if keep_up {
+                &mut lost_kept
+            } else {
+                &mut lost_flat
+            } += c.lost();
+            // Plain drain.
+            let e = Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).unwrap();
+            let (stop, h) = plain_drain(e.bus().take_tap().unwrap());
+            let emit = || e.emit(Some(&req), kind.clone());
+            if keep_up {
+                drain_kept.push(per_emit_keeping_up(n, e.bus(), emit));
+            } else {
+                drain_flat.push(per_emit(n, emit));
+            }
+            stop.store(true, std::sync::atomic::Ordering::Release);
+            h.join().unwrap();
+        }
     }
     // Medians of wall and CPU times, each on its own.
-    let med = |v: &[(f64, Option<f64>)]| {
+    let med = |v: &[Cost]| {
         let mid = |mut x: Vec<f64>| {
             x.sort_by(|a, b| a.total_cmp(b));
             x[x.len() / 2]
@@ -429,9 +584,12 @@ fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> EngineCos
         (mid(v.iter().map(|p| p.0).collect()), cpu.map(mid))
     };
     EngineCost {
-        with_pub: med(&with_pub),
-        with_drain: med(&with_drain),
-        lost,
+        pub_flat: med(&pub_flat),
+        drain_flat: med(&drain_flat),
+        pub_kept: med(&pub_kept),
+        drain_kept: med(&drain_kept),
+        lost_flat,
+        lost_kept,
     }
 }
 
@@ -538,6 +696,7 @@ fn main() {
         "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | checking consumer (events/s) | recorder, first message to last batch written (events/s) | recorder, first message to last log closed (events/s) | recorder / counting | recorder / checking | recorder process, start to exit (events/s) |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut runs = Vec::new();
     for file in [true, false] {
         let r = run_store(file, engines, per, &rt);
         let rate = |s: f64| r.events as f64 / s / 1e6;
@@ -555,24 +714,77 @@ fn main() {
             100.0 * r.check_s / r.record_s,
             rate(r.process_s),
         );
+        runs.push(r);
     }
+    // Where the CPU goes: on a machine whose cores are all busy, a
+    // consumer's rate is bound by the CPU time it and the server spend
+    // per event.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!();
+    println!(
+        "| store | phase | nats-server CPU ns/event | consumer CPU ns/event | in all | events/s {cpus} CPUs allow at that cost | measured events/s |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    for r in &runs {
+        let phases = [
+            ("counting consumer", r.count_s),
+            ("checking consumer", r.check_s),
+            ("recorder process, start to exit", r.process_s),
+        ];
+        for ((name, secs), cpu) in phases.into_iter().zip(r.cpu) {
+            let per = |ns: Option<u64>| ns.map(|ns| ns as f64 / r.events as f64);
+            let (server, consumer) = (per(cpu.server_ns), per(cpu.consumer_ns));
+            let all = server.zip(consumer).map(|(a, b)| a + b);
+            let f = |v: Option<f64>| v.map_or_else(|| "n/a".to_string(), |v| format!("{v:.1}"));
+            println!(
+                "| {} | {name} | {} | {} | {} | {} | {:.2} M |",
+                r.store,
+                f(server),
+                f(consumer),
+                f(all),
+                all.map_or_else(
+                    || "n/a".to_string(),
+                    |a| format!("{:.2} M", cpus as f64 * 1e3 / a)
+                ),
+                r.events as f64 / secs / 1e6,
+            );
+        }
+    }
+
     let (n, rounds) = if quick { (200_000, 3) } else { (2_000_000, 5) };
     let c = engine_cost(&rt, n, rounds);
     println!();
     println!(
-        "| on the engine's thread (Emitter::emit, {n} events, median of {rounds}) | wall ns/event | the thread's CPU ns/event |"
+        "| on the engine's thread (Emitter::emit, {n} events a case, median of {rounds} interleaved rounds) | wall ns/event | the thread's CPU ns/event | publisher's losses (all rounds) |"
     );
-    println!("|---|---:|---:|");
+    println!("|---|---:|---:|---:|");
     let cpu = |c: Option<f64>| c.map_or_else(|| "n/a".to_string(), |c| format!("{c:.1}"));
-    println!(
-        "| tap drained by the NATS publisher | {:.1} | {} |",
-        c.with_pub.0,
-        cpu(c.with_pub.1)
+    let row = |name: &str, c: Cost, lost: Option<u64>| {
+        println!(
+            "| {name} | {:.1} | {} | {} |",
+            c.0,
+            cpu(c.1),
+            lost.map_or_else(|| "-".to_string(), |l| l.to_string())
+        );
+    };
+    row(
+        "keeping up: tap drained by the NATS publisher",
+        c.pub_kept,
+        Some(c.lost_kept),
     );
-    println!(
-        "| tap drained by a thread that only receives (baseline) | {:.1} | {} |",
-        c.with_drain.0,
-        cpu(c.with_drain.1)
+    row(
+        "keeping up: tap drained by a thread that only receives (baseline)",
+        c.drain_kept,
+        None,
     );
-    println!("(publisher losses over all rounds: {})", c.lost);
+    row(
+        "flat out: tap drained by the NATS publisher",
+        c.pub_flat,
+        Some(c.lost_flat),
+    );
+    row(
+        "flat out: tap drained by a thread that only receives (baseline)",
+        c.drain_flat,
+        None,
+    );
 }

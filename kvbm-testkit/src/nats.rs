@@ -151,6 +151,11 @@ impl NatsServer {
         self.port
     }
 
+    /// Its process id while it runs (a benchmark reads its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Its store directory.
     pub fn store(&self) -> &Path {
         &self.store
