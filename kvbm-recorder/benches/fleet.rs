@@ -178,6 +178,9 @@ struct Run {
     process_s: f64,
     /// CPU time per phase: counting, checking, recording.
     cpu: [PhaseCpu; 3],
+    /// The recorder's own account of its checkpoints and of the time the
+    /// server held messages back for want of acknowledgements.
+    recorder_notes: Vec<String>,
 }
 
 /// The CPU time a phase took, in ns: `nats-server`'s, and the consumer's
@@ -371,6 +374,11 @@ fn run_store(
         written_s,
         process_s,
         cpu: [count_cpu, check_cpu, record_cpu],
+        recorder_notes: out
+            .lines()
+            .filter(|l| l.contains("checkpoints") || l.contains("unacknowledged messages"))
+            .map(|l| l.trim().to_string())
+            .collect(),
     }
 }
 
@@ -715,6 +723,11 @@ fn main() {
             rate(r.process_s),
         );
         runs.push(r);
+    }
+    for r in &runs {
+        for note in &r.recorder_notes {
+            println!("({} store, the recorder: {note})", r.store);
+        }
     }
     // Where the CPU goes: on a machine whose cores are all busy, a
     // consumer's rate is bound by the CPU time it and the server spend

@@ -103,13 +103,18 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         .map(|d| Instant::now() + Duration::from_secs_f64(d));
     let idle = remote.idle_exit_s.map(Duration::from_secs_f64);
     let mut stats = Session::default();
-    let mut commits = Commits::new(out, base, shards.len());
+    let mut cfg = DurableConfig::new(&consumer);
+    cfg.filter = filter.clone();
+    cfg.limits = StreamLimits::default();
+    let mut commits = Commits::new(
+        out,
+        base,
+        shards.len(),
+        u64::try_from(cfg.max_ack_pending).unwrap_or(0),
+    );
     let outcome: Result<&str> = rt.block_on(async {
         let client = connect(url, "kvbm-recorder").await?;
         let js = async_nats::jetstream::new(client.clone());
-        let mut cfg = DurableConfig::new(&consumer);
-        cfg.filter = filter.clone();
-        cfg.limits = StreamLimits::default();
         let mut messages = consume::durable_messages(&js, &cfg)
             .await?
             .ready_chunks(ROUTE_CHUNK);
@@ -221,6 +226,16 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         "  {} messages delivered ({} of engines not taken), {} consumer errors, {} writer threads",
         stats.messages, stats.filtered, stats.consumer_errors, threads
     );
+    // Time the server held messages back for want of acknowledgements:
+    // checkpoints, not the writers, were then the bound.
+    let limit = &commits.ack_limit;
+    let held = limit.held + limit.since.map_or(Duration::ZERO, |t| t.elapsed());
+    println!(
+        "  at the consumer's limit of {} unacknowledged messages {} times, {:.3} s in all",
+        limit.limit,
+        limit.times,
+        held.as_secs_f64()
+    );
     if let Some(t) = stats.first_delivery {
         // From the first message to every log closed: what the recorder's
         // own work costs, without its start (connecting, the consumer).
@@ -236,11 +251,12 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             // hours keeps up with, whose closing comes once.
             let a = l.saturating_duration_since(t).as_secs_f64();
             println!(
-                "  {:.3} s from the first message to the last batch written: {:.0} events/s; {} checkpoints (the last {:.3} s), closing {:.3} s",
+                "  {:.3} s from the first message to the last batch written: {:.0} events/s; {} checkpoints (the last {:.3} s, the longest {:.3} s), closing {:.3} s",
                 a,
                 written as f64 / a.max(1e-9),
                 stats.commits,
                 stats.last_commit.as_secs_f64(),
+                stats.longest_commit.as_secs_f64(),
                 closing_s,
             );
         }
@@ -268,6 +284,8 @@ struct Session {
     /// How long the last checkpoint took, from its barrier to its
     /// acknowledgement.
     last_commit: Duration,
+    /// The longest checkpoint.
+    longest_commit: Duration,
 }
 
 /// The recorder's commits: a barrier through the writer threads
@@ -291,6 +309,8 @@ struct Commits {
     token: u64,
     /// The barrier in flight.
     barrier: Option<Barrier>,
+    /// The server's limit of messages unacknowledged, and time spent at it.
+    ack_limit: AckLimit,
 }
 
 /// A barrier in flight: what it acknowledges once durable, the threads'
@@ -302,10 +322,49 @@ struct Barrier {
     syncs: fleet::Syncs,
     durable: Option<tokio::task::JoinHandle<Result<(), fleet::FleetError>>>,
     began: Instant,
+    /// Messages it acknowledges.
+    messages: u64,
+}
+
+/// When the server held messages back because the consumer's limit of
+/// unacknowledged messages was reached: the recorder then waits for a
+/// checkpoint to be durable before it receives more. Reported, so that a
+/// run says whether its checkpoints bounded it.
+#[derive(Debug, Default)]
+struct AckLimit {
+    /// The consumer's `max_ack_pending`.
+    limit: u64,
+    /// Messages delivered and not yet acknowledged.
+    unacked: u64,
+    /// Since when the limit has been reached, while it is.
+    since: Option<Instant>,
+    /// Times it was reached.
+    times: u64,
+    /// Time spent at it.
+    held: Duration,
+}
+
+impl AckLimit {
+    fn delivered(&mut self) {
+        self.unacked += 1;
+        if self.limit > 0 && self.unacked >= self.limit && self.since.is_none() {
+            self.since = Some(Instant::now());
+            self.times += 1;
+        }
+    }
+
+    fn acknowledged(&mut self, messages: u64) {
+        self.unacked = self.unacked.saturating_sub(messages);
+        if self.unacked < self.limit
+            && let Some(t) = self.since.take()
+        {
+            self.held += t.elapsed();
+        }
+    }
 }
 
 impl Commits {
-    fn new(dir: &Path, base: fleet::FleetManifest, threads: usize) -> Self {
+    fn new(dir: &Path, base: fleet::FleetManifest, threads: usize, ack_limit: u64) -> Self {
         Commits {
             dir: dir.to_path_buf(),
             base,
@@ -314,6 +373,10 @@ impl Commits {
             pending: 0,
             token: 0,
             barrier: None,
+            ack_limit: AckLimit {
+                limit: ack_limit,
+                ..AckLimit::default()
+            },
         }
     }
 
@@ -332,6 +395,7 @@ impl Commits {
     fn delivered(&mut self, acker: async_nats::jetstream::message::Acker, stream_seq: u64) {
         self.last = Some((acker, stream_seq));
         self.pending += 1;
+        self.ack_limit.delivered();
     }
 
     /// Puts a barrier behind what was delivered, unless one is in flight
@@ -348,6 +412,7 @@ impl Commits {
             syncs: fleet::Syncs::default(),
             durable: None,
             began: Instant::now(),
+            messages: self.pending,
         });
         self.pending = 0;
         Ok(())
@@ -420,8 +485,11 @@ impl Commits {
                 Err(e) => tracing::warn!("acknowledging: {e}"),
             }
         }
+        self.ack_limit.acknowledged(b.messages);
         stats.commits += 1;
-        stats.last_commit = b.began.elapsed();
+        let took = b.began.elapsed();
+        stats.last_commit = took;
+        stats.longest_commit = stats.longest_commit.max(took);
         Ok(())
     }
 
@@ -727,4 +795,37 @@ pub fn stats(dir: &Path, json: bool) -> Result<i32> {
 pub fn export(dir: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
     super::read::write_export(&fleet_events(dir)?, format, out)?;
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ack_limit_is_timed_from_reaching_it_to_an_acknowledgement_below_it() {
+        let mut l = AckLimit {
+            limit: 3,
+            ..AckLimit::default()
+        };
+        l.delivered();
+        l.delivered();
+        assert_eq!((l.times, l.since.is_some()), (0, false));
+        l.delivered();
+        assert_eq!((l.times, l.since.is_some()), (1, true));
+        // The server delivers nothing more at the limit; an acknowledgement
+        // that leaves it there does not end the wait.
+        l.acknowledged(0);
+        assert!(l.since.is_some());
+        std::thread::sleep(Duration::from_millis(5));
+        l.acknowledged(2);
+        assert_eq!((l.unacked, l.since.is_some()), (1, false));
+        assert!(l.held >= Duration::from_millis(5), "{:?}", l.held);
+        l.delivered();
+        l.delivered();
+        assert_eq!(l.times, 2);
+        // No limit known: never counted.
+        let mut none = AckLimit::default();
+        none.delivered();
+        assert_eq!((none.times, none.since.is_some()), (0, false));
+    }
 }
