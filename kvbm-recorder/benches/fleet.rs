@@ -176,16 +176,16 @@ struct Run {
     record_s: f64,
     written_s: f64,
     process_s: f64,
-    /// CPU time per phase: counting, checking, recording.
-    cpu: [PhaseCpu; 3],
+    /// CPU time per phase: publishing, counting, checking, recording.
+    cpu: [PhaseCpu; 4],
     /// The recorder's own account of its checkpoints and of the time the
     /// server held messages back for want of acknowledgements.
     recorder_notes: Vec<String>,
 }
 
-/// The CPU time a phase took, in ns: `nats-server`'s, and the consumer's
-/// (the bench process's for the in-process consumers, the recorder
-/// process's for the recorder).
+/// The CPU time a phase took, in ns: `nats-server`'s, and the client's
+/// (the bench process's for publishing and the in-process consumers, the
+/// recorder process's for the recorder).
 #[derive(Default, Clone, Copy)]
 struct PhaseCpu {
     server_ns: Option<u64>,
@@ -281,38 +281,40 @@ fn run_store(
     };
 
     // 1. Publish: one task per engine, one batch at a time, with ids.
-    let publish_s = rt.block_on(async {
-        let client = connect(&url, "bench").await.unwrap();
-        let js = async_nats::jetstream::new(client.clone());
-        ensure_stream(&js, &limits).await.unwrap();
-        let t = Instant::now();
-        let mut tasks = Vec::new();
-        for (name, bs) in sets {
-            let js = js.clone();
-            tasks.push(tokio::spawn(async move {
-                let subject = events_subject(&name);
-                for (first, _, body) in bs {
-                    let p = async_nats::jetstream::message::PublishMessage::build()
-                        .payload(body.into())
-                        .message_id(wire::message_id(&name, 7, first));
-                    js.send_publish(subject.clone(), p)
-                        .await
-                        .unwrap()
-                        .await
-                        .unwrap();
-                }
-            }));
-        }
-        for t in tasks {
-            t.await.unwrap();
-        }
-        t.elapsed().as_secs_f64()
+    let server = nats.pid();
+    let (publish_s, publish_cpu) = with_cpu(server, SELF, || {
+        rt.block_on(async {
+            let client = connect(&url, "bench").await.unwrap();
+            let js = async_nats::jetstream::new(client.clone());
+            ensure_stream(&js, &limits).await.unwrap();
+            let t = Instant::now();
+            let mut tasks = Vec::new();
+            for (name, bs) in sets {
+                let js = js.clone();
+                tasks.push(tokio::spawn(async move {
+                    let subject = events_subject(&name);
+                    for (first, _, body) in bs {
+                        let p = async_nats::jetstream::message::PublishMessage::build()
+                            .payload(body.into())
+                            .message_id(wire::message_id(&name, 7, first));
+                        js.send_publish(subject.clone(), p)
+                            .await
+                            .unwrap()
+                            .await
+                            .unwrap();
+                    }
+                }));
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+            t.elapsed().as_secs_f64()
+        })
     });
 
     // 2. The counting consumer, then one that also checks each batch as
     // the recorder must before it keeps one (decompressed, verified,
     // every value validated: `wire::check`), writing nothing.
-    let server = nats.pid();
     let (count_s, count_cpu) = with_cpu(server, SELF, || {
         drain(rt, &url, &limits, messages, events, |m, _| {
             u64::from(wire::header(m).unwrap().count)
@@ -373,7 +375,7 @@ fn run_store(
         record_s,
         written_s,
         process_s,
-        cpu: [count_cpu, check_cpu, record_cpu],
+        cpu: [publish_cpu, count_cpu, check_cpu, record_cpu],
         recorder_notes: out
             .lines()
             .filter(|l| l.contains("checkpoints") || l.contains("unacknowledged messages"))
@@ -735,11 +737,12 @@ fn main() {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!();
     println!(
-        "| store | phase | nats-server CPU ns/event | consumer CPU ns/event | in all | events/s {cpus} CPUs allow at that cost | measured events/s |"
+        "| store | phase | nats-server CPU ns/event | client CPU ns/event (publisher or consumer) | in all | events/s {cpus} CPUs allow at that cost | measured events/s |"
     );
     println!("|---|---|---:|---:|---:|---:|---:|");
     for r in &runs {
         let phases = [
+            ("publishing (the bench's 100 tasks)", r.publish_s),
             ("counting consumer", r.count_s),
             ("checking consumer", r.check_s),
             ("recorder process, start to exit", r.process_s),
