@@ -32,7 +32,9 @@
 //! closed (as it reports it). Beside it: the recorder to its last batch
 //! written (without the last checkpoint and the closing, which come once
 //! in a recorder that runs for hours), and the recorder process's whole
-//! run, from its start.
+//! run, from its start. Beside the rates, each phase's CPU time per
+//! event, `nats-server`'s and its client's: on a machine whose cores are
+//! all busy, that is what bounds each rate.
 //!
 //! `KVBM_FLEET_PER_ENGINE` sets the events per engine (300,000: 30 M in
 //! all); `KVBM_FLEET_RECORDER_ARGS` adds arguments to the recorder's
