@@ -259,7 +259,12 @@ pub fn write(dir: &Path, rec: &Recording) -> Result<(), SidecarError> {
 /// a short fleet recording there, creating files fell from 38% of the
 /// recorder's samples to 16% (the logs' own files, created once).
 /// Where the exchange is not supported, or there is no sidecar yet, the
-/// file is renamed over it.
+/// file is renamed over it. The price: the old sidecar's file is written
+/// over at the next checkpoint, where a renamed-over one stayed intact
+/// for whoever had it open, so a reader that opened the sidecar and
+/// stalled past the next checkpoint (200 ms or more in a fleet recorder)
+/// could read a mixture, which then fails to parse; readers here read it
+/// whole at once.
 pub fn write_checkpoint(dir: &Path, rec: &Recording) -> Result<(), SidecarError> {
     let path = dir.join(SIDECAR);
     let tmp = dir.join(SIDECAR_CHECKPOINT_TMP);
