@@ -191,7 +191,12 @@ struct Run {
 #[derive(Default, Clone, Copy)]
 struct PhaseCpu {
     server_ns: Option<u64>,
-    consumer_ns: Option<u64>,
+    client_ns: Option<u64>,
+}
+
+/// A figure with one decimal, or "n/a" where it could not be measured.
+fn or_na(v: Option<f64>) -> String {
+    v.map_or_else(|| "n/a".to_string(), |v| format!("{v:.1}"))
 }
 
 /// CPU time a process's threads have run so far, in ns: the scheduler's
@@ -237,7 +242,7 @@ const SELF: i32 = 0;
 const CHILDREN: i32 = -1;
 
 /// Runs `phase`, and returns its result with the CPU time `nats-server`
-/// (`server`) and the consumer (`who`: this process or its children)
+/// (`server`) and the client (`who`: this process or its children)
 /// spent meanwhile.
 fn with_cpu<T>(server: Option<u32>, who: i32, phase: impl FnOnce() -> T) -> (T, PhaseCpu) {
     let s0 = server.and_then(process_cpu_ns);
@@ -247,7 +252,7 @@ fn with_cpu<T>(server: Option<u32>, who: i32, phase: impl FnOnce() -> T) -> (T, 
         server_ns: s0
             .zip(server.and_then(process_cpu_ns))
             .map(|(a, b)| b.saturating_sub(a)),
-        consumer_ns: c0.zip(rusage_ns(who)).map(|(a, b)| b.saturating_sub(a)),
+        client_ns: c0.zip(rusage_ns(who)).map(|(a, b)| b.saturating_sub(a)),
     };
     (out, cpu)
 }
@@ -472,24 +477,20 @@ fn per_emit_keeping_up(
     bus: &kvbm_events::bus::EventBus<Event>,
     mut emit: impl FnMut(),
 ) -> (f64, Option<f64>) {
-    let (mut wall, mut cpu) = (Duration::ZERO, Some(0u64));
-    for _ in 0..n.div_ceil(BURST) {
-        while bus.counters().tap_queued > 0 {
-            std::thread::sleep(Duration::from_micros(20));
-        }
-        let (t, c0) = (Instant::now(), thread_cpu_ns());
-        for _ in 0..BURST {
-            emit();
-        }
-        wall += t.elapsed();
-        cpu = cpu
-            .zip(c0.zip(thread_cpu_ns()))
-            .map(|(sum, (a, b))| sum + b.saturating_sub(a));
-    }
-    let calls = (n.div_ceil(BURST) * BURST) as f64;
+    let bursts = n.div_ceil(BURST);
+    let samples: Vec<Cost> = (0..bursts)
+        .map(|_| {
+            while bus.counters().tap_queued > 0 {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            per_emit(BURST, &mut emit)
+        })
+        .collect();
+    // Bursts are all the same size: the mean of their per-call figures.
+    let mean = |v: f64| v / bursts as f64;
     (
-        wall.as_nanos() as f64 / calls,
-        cpu.map(|c| c as f64 / calls),
+        mean(samples.iter().map(|s| s.0).sum()),
+        samples.iter().map(|s| s.1).sum::<Option<f64>>().map(mean),
     )
 }
 
@@ -555,17 +556,25 @@ fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> EngineCos
     // minute).
     for _ in 0..rounds {
         for keep_up in [false, true] {
+            let measure = |e: &Emitter| {
+                let emit = || e.emit(Some(&req), kind.clone());
+                if keep_up {
+                    per_emit_keeping_up(n, e.bus(), emit)
+                } else {
+                    per_emit(n, emit)
+                }
+            };
+            let (with_pub, with_drain) = if keep_up {
+                (&mut pub_kept, &mut drain_kept)
+            } else {
+                (&mut pub_flat, &mut drain_flat)
+            };
             // Publisher.
             let e = Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).unwrap();
             let tap = e.bus().take_tap().unwrap();
             let p = Publisher::spawn(tap, PublisherConfig::new(nats.url(), "cost"), rt.handle())
                 .unwrap();
-            let emit = || e.emit(Some(&req), kind.clone());
-            if keep_up {
-                pub_kept.push(per_emit_keeping_up(n, e.bus(), emit));
-            } else {
-                pub_flat.push(per_emit(n, emit));
-            }
+            with_pub.push(measure(&e));
             let c =
                 std::thread::scope(|s| s.spawn(|| p.stop(Duration::from_secs(30))).join().unwrap());
             *if keep_up {
@@ -576,12 +585,7 @@ fn engine_cost(rt: &tokio::runtime::Runtime, n: u64, rounds: usize) -> EngineCos
             // Plain drain.
             let e = Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new())).unwrap();
             let (stop, h) = plain_drain(e.bus().take_tap().unwrap());
-            let emit = || e.emit(Some(&req), kind.clone());
-            if keep_up {
-                drain_kept.push(per_emit_keeping_up(n, e.bus(), emit));
-            } else {
-                drain_flat.push(per_emit(n, emit));
-            }
+            with_drain.push(measure(&e));
             stop.store(true, std::sync::atomic::Ordering::Release);
             h.join().unwrap();
         }
@@ -751,15 +755,14 @@ fn main() {
         ];
         for ((name, secs), cpu) in phases.into_iter().zip(r.cpu) {
             let per = |ns: Option<u64>| ns.map(|ns| ns as f64 / r.events as f64);
-            let (server, consumer) = (per(cpu.server_ns), per(cpu.consumer_ns));
-            let all = server.zip(consumer).map(|(a, b)| a + b);
-            let f = |v: Option<f64>| v.map_or_else(|| "n/a".to_string(), |v| format!("{v:.1}"));
+            let (server, client) = (per(cpu.server_ns), per(cpu.client_ns));
+            let all = server.zip(client).map(|(a, b)| a + b);
             println!(
                 "| {} | {name} | {} | {} | {} | {} | {:.2} M |",
                 r.store,
-                f(server),
-                f(consumer),
-                f(all),
+                or_na(server),
+                or_na(client),
+                or_na(all),
                 all.map_or_else(
                     || "n/a".to_string(),
                     |a| format!("{:.2} M", cpus as f64 * 1e3 / a)
@@ -776,12 +779,11 @@ fn main() {
         "| on the engine's thread (Emitter::emit, {n} events a case, median of {rounds} interleaved rounds) | wall ns/event | the thread's CPU ns/event | publisher's losses (all rounds) |"
     );
     println!("|---|---:|---:|---:|");
-    let cpu = |c: Option<f64>| c.map_or_else(|| "n/a".to_string(), |c| format!("{c:.1}"));
     let row = |name: &str, c: Cost, lost: Option<u64>| {
         println!(
             "| {name} | {:.1} | {} | {} |",
             c.0,
-            cpu(c.1),
+            or_na(c.1),
             lost.map_or_else(|| "-".to_string(), |l| l.to_string())
         );
     };
