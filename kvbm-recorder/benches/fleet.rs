@@ -34,11 +34,16 @@
 //! in a recorder that runs for hours), and the recorder process's whole
 //! run, from its start. Beside the rates, each phase's CPU time per
 //! event, `nats-server`'s and its client's: on a machine whose cores are
-//! all busy, that is what bounds each rate.
+//! all busy, that is what bounds each rate. Then the recorder's CPU time
+//! by thread, as it reports it, beside the counting consumer's: with
+//! cores to spare for its writer threads, its receiving (what one thread
+//! does alone) is what bounds it.
 //!
 //! `KVBM_FLEET_PER_ENGINE` sets the events per engine (300,000: 30 M in
 //! all); `KVBM_FLEET_RECORDER_ARGS` adds arguments to the recorder's
-//! command line (`--writer-threads 1`); `KVBM_FLEET_PHASES=1` instead
+//! command line (`--writer-threads 1`); `KVBM_FLEET_OUT` is the directory
+//! the recording is made in (a temporary directory by default; a tmpfs
+//! separates what the file system costs); `KVBM_FLEET_PHASES=1` instead
 //! times each part of the check on one thread, without NATS.
 
 use futures_util::StreamExt;
@@ -180,6 +185,8 @@ struct Run {
     process_s: f64,
     /// CPU time per phase: publishing, counting, checking, recording.
     cpu: [PhaseCpu; 4],
+    /// The recorder's CPU time by thread, as it reports it.
+    split: Option<RecorderCpu>,
     /// The recorder's own account of its checkpoints and of the time the
     /// server held messages back for want of acknowledgements.
     recorder_notes: Vec<String>,
@@ -192,6 +199,31 @@ struct Run {
 struct PhaseCpu {
     server_ns: Option<u64>,
     client_ns: Option<u64>,
+}
+
+/// The recorder's CPU time by thread, in seconds, from its `CPU:` line:
+/// receiving and routing (its loop and its runtime's threads), checking
+/// and writing (its writer threads), making checkpoints durable,
+/// elsewhere (starting and ending), and the process in all.
+#[derive(Clone, Copy)]
+struct RecorderCpu([f64; 5]);
+
+impl RecorderCpu {
+    /// "CPU: 0.0710 s receiving …, 0.6800 s checking …, 0.0012 s making
+    /// …, 0.0200 s elsewhere (starting, ending); 0.7830 s in all …": each
+    /// figure in seconds, in that order (the figures in ns are not).
+    fn parse(line: &str) -> Option<RecorderCpu> {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let mut secs = words
+            .windows(2)
+            .filter(|w| w[1] == "s")
+            .filter_map(|w| w[0].parse::<f64>().ok());
+        let mut v = [0.0; 5];
+        for slot in &mut v {
+            *slot = secs.next()?;
+        }
+        Some(RecorderCpu(v))
+    }
 }
 
 /// A figure with one decimal, or "n/a" where it could not be measured.
@@ -334,7 +366,13 @@ fn run_store(
     });
 
     // 3. The recorder, the real binary, until the last event.
-    let dir = tempfile::tempdir().unwrap();
+    // KVBM_FLEET_OUT: where the recording goes (a tmpfs separates what
+    // the file system costs).
+    let dir = match std::env::var_os("KVBM_FLEET_OUT").filter(|d| !d.is_empty()) {
+        Some(d) => tempfile::tempdir_in(d),
+        None => tempfile::tempdir(),
+    }
+    .unwrap();
     let bin = kvbm_testkit::bin::workspace_bin("kvbm-recorder", "kvbm-recorder");
     let t = Instant::now();
     let (o, record_cpu) = with_cpu(server, CHILDREN, || {
@@ -371,6 +409,10 @@ fn run_store(
     // Without the last checkpoint and the closing, which come once in a
     // recorder that runs for hours.
     let written_s = seconds("the last batch written");
+    let split = out
+        .lines()
+        .find(|l| l.trim().starts_with("CPU: "))
+        .and_then(RecorderCpu::parse);
     drop(nats);
     Run {
         store: if file_store { "file" } else { "memory" },
@@ -383,9 +425,14 @@ fn run_store(
         written_s,
         process_s,
         cpu: [publish_cpu, count_cpu, check_cpu, record_cpu],
+        split,
         recorder_notes: out
             .lines()
-            .filter(|l| l.contains("checkpoints") || l.contains("unacknowledged messages"))
+            .filter(|l| {
+                l.contains("checkpoints")
+                    || l.contains("unacknowledged messages")
+                    || l.trim().starts_with("CPU: ")
+            })
             .map(|l| l.trim().to_string())
             .collect(),
     }
@@ -435,20 +482,8 @@ fn drain(
 
 /// CPU time this thread has run, in ns (`CLOCK_THREAD_CPUTIME_ID`): what
 /// the engine's thread itself spends, without the time it waits for a core.
-#[cfg(unix)]
 fn thread_cpu_ns() -> Option<u64> {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec for the call's duration.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
-}
-
-#[cfg(not(unix))]
-fn thread_cpu_ns() -> Option<u64> {
-    None
+    kvbm_recorder::cpu::thread_time().map(|d| d.as_nanos() as u64)
 }
 
 /// Runs `emit` `n` times without pause; (wall ns, this thread's CPU ns)
@@ -770,6 +805,38 @@ fn main() {
                 r.events as f64 / secs / 1e6,
             );
         }
+    }
+
+    // With cores to spare for its writer threads, what bounds the
+    // recorder is what one thread does alone: receiving and routing,
+    // beside the counting consumer's whole client.
+    println!();
+    println!(
+        "| store | counting consumer, client CPU ns/event (all its threads) | recorder: receiving and routing (its loop, its runtime's threads) | recorder: checking and writing (writer threads) | recorder: making checkpoints durable | recorder: elsewhere (starting, ending) | recorder process in all | receiving / counting consumer |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &runs {
+        let count = r.cpu[1].client_ns.map(|ns| ns as f64 / r.events as f64);
+        let Some(RecorderCpu(s)) = r.split else {
+            println!(
+                "| {} | {} | n/a | n/a | n/a | n/a | n/a | n/a |",
+                r.store,
+                or_na(count)
+            );
+            continue;
+        };
+        let per = s.map(|secs| secs * 1e9 / r.events as f64);
+        println!(
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
+            r.store,
+            or_na(count),
+            per[0],
+            per[1],
+            per[2],
+            per[3],
+            per[4],
+            count.map_or_else(|| "n/a".to_string(), |c| format!("{:.2}", per[0] / c)),
+        );
     }
 
     let (n, rounds) = if quick { (200_000, 3) } else { (2_000_000, 5) };

@@ -10,6 +10,7 @@
 //! kvbm engine) and `kvbm-ingest` (vLLM / SGLang).
 
 pub mod analysis;
+pub mod cpu;
 pub mod fleet;
 pub mod log;
 pub mod progress;

@@ -23,6 +23,7 @@
 //! Each thread's queue is bounded; routing waits when it is full, which
 //! holds back the pull consumer (JetStream keeps the rest).
 
+use crate::cpu::CpuSum;
 use crate::fleet::{FleetError, FleetManifest, FleetWriter, Syncs, shard_of};
 use crate::recorder::Recording;
 use kvbm_attach::nats::async_nats;
@@ -79,6 +80,8 @@ pub struct Counters {
     start: Instant,
     /// Woken after each batch written.
     written_batch: Notify,
+    /// The writer threads' CPU time, each thread's added as it ends.
+    cpu: CpuSum,
 }
 
 impl Counters {
@@ -101,6 +104,12 @@ impl Counters {
     /// before the first). Cancel-safe.
     pub async fn written_batch(&self) {
         self.written_batch.notified().await;
+    }
+
+    /// The CPU time of the writer threads that have ended: all of it
+    /// once [`Shards::finish`] has returned.
+    pub fn writer_cpu(&self) -> std::time::Duration {
+        self.cpu.get()
     }
 
     /// When the last batch was written, if any was.
@@ -155,6 +164,7 @@ impl Shards {
             last_written_ns: AtomicU64::new(0),
             start: Instant::now(),
             written_batch: Notify::new(),
+            cpu: CpuSum::default(),
         });
         // Room for one reply per thread per barrier, and one barrier is in
         // flight at a time.
@@ -167,7 +177,11 @@ impl Shards {
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("kvbm-fleet-{i}"))
-                    .spawn(move || run(i, writer, rx, &reply_tx, &counters))?,
+                    .spawn(move || {
+                        let end = run(i, writer, rx, &reply_tx, &counters);
+                        counters.cpu.add_this_thread();
+                        end
+                    })?,
             );
             senders.push(tx);
         }

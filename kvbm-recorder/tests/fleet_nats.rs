@@ -191,6 +191,29 @@ fn eight_engines_arrive_exactly_once() {
     assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
     assert_exactly_once(&out, &emitted, &rlog);
     fleet_analyses(&out, &emitted);
+    assert_cpu_split(&std::fs::read_to_string(&rlog).unwrap());
+}
+
+/// The recorder's `CPU:` line: every part it names was measured (the
+/// receiving loop and the writer threads did work, so neither is zero)
+/// and the parts fit in the process's own clock.
+fn assert_cpu_split(log: &str) {
+    let line = log
+        .lines()
+        .find(|l| l.trim_start().starts_with("CPU: "))
+        .unwrap_or_else(|| panic!("no CPU line in the recorder's summary:\n{log}"));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let secs: Vec<f64> = (1..words.len())
+        .filter(|&i| words[i] == "s")
+        .filter_map(|i| words[i - 1].parse().ok())
+        .collect();
+    let [receiving, writing, syncing, elsewhere, all] = secs[..] else {
+        panic!("five figures in seconds expected: {line}");
+    };
+    assert!(receiving > 0.0 && writing > 0.0, "{line}");
+    // Each figure is rounded to 0.1 ms.
+    let parts = receiving + writing + syncing + elsewhere;
+    assert!((parts - all).abs() < 0.001, "{line}");
 }
 
 /// `--engines GLOB` records the engines whose names match and no other;

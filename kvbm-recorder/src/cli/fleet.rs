@@ -14,6 +14,7 @@ use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
 use kvbm_attach::nats::{StreamLimits, connect};
 use kvbm_events::Event;
 use kvbm_recorder::analysis;
+use kvbm_recorder::cpu::{self, CpuSum};
 use kvbm_recorder::fleet::{self, FleetWriter};
 use kvbm_recorder::log::LogConfig;
 use kvbm_recorder::recorder::{self, RecorderConfig};
@@ -31,11 +32,15 @@ const COMMIT_EVERY: Duration = Duration::from_millis(200);
 /// … or after this many messages.
 const COMMIT_MESSAGES: u64 = 10_000;
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?)
+/// The fleet commands' runtime; `cpu`, if given, gets each of its
+/// threads' CPU time as the thread ends (the runtime's drop ends them).
+fn runtime(cpu: Option<Arc<CpuSum>>) -> Result<tokio::runtime::Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    b.worker_threads(2).enable_all();
+    if let Some(sum) = cpu {
+        b.on_thread_stop(move || sum.add_this_thread());
+    }
+    Ok(b.build()?)
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -97,7 +102,12 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     let (base, shards) = writer.into_shards(threads);
     let mut shards = Shards::start(shards, SHARD_QUEUE)?;
     let counters = shards.counters();
-    let rt = runtime()?;
+    // Where the CPU goes, by thread: the runtime's threads and this one
+    // (in block_on) receive and route, the runtime's also run the
+    // checkpoints' fsyncs (timed apart); the writer threads check and
+    // write.
+    let runtime_cpu = Arc::new(CpuSum::default());
+    let rt = runtime(Some(runtime_cpu.clone()))?;
     let deadline = remote
         .duration_s
         .map(|d| Instant::now() + Duration::from_secs_f64(d));
@@ -112,92 +122,99 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         shards.len(),
         u64::try_from(cfg.max_ack_pending).unwrap_or(0),
     );
-    let outcome: Result<&str> = rt.block_on(async {
-        let client = connect(url, "kvbm-recorder").await?;
-        let js = async_nats::jetstream::new(client.clone());
-        let mut messages = consume::durable_messages(&js, &cfg)
-            .await?
-            .ready_chunks(ROUTE_CHUNK);
-        eprintln!(
-            "recording {} from {url} (consumer {consumer}, {threads} writer threads)",
-            cfg.filter.subject()
-        );
-        let stop = interrupted();
-        tokio::pin!(stop);
-        let mut tick = tokio::time::interval(COMMIT_EVERY);
-        let mut last_delivery = Instant::now();
-        let why = loop {
-            tokio::select! {
-                // Every message delivered and not yet taken, at most
-                // ROUTE_CHUNK: each writer thread gets its share of them in
-                // one hand-off.
-                chunk = messages.next() => {
-                    let Some(chunk) = chunk else { break "the consumer ended" };
-                    let mut by_thread: Vec<Vec<_>> = vec![Vec::new(); shards.len()];
-                    for m in chunk {
-                        let msg = match m {
-                            Ok(msg) => msg,
-                            Err(e) => {
-                                // Heartbeats missed while the server
-                                // restarts, and the like: the stream goes on.
-                                stats.consumer_errors += 1;
-                                tracing::warn!("consumer: {e}");
-                                continue;
+    // The loop that receives and routes runs on this thread (block_on),
+    // the client's connection on the runtime's.
+    let loop_cpu = CpuSum::default();
+    let outcome: Result<&str> = loop_cpu.timed(|| {
+        rt.block_on(async {
+            let client = connect(url, "kvbm-recorder").await?;
+            let js = async_nats::jetstream::new(client.clone());
+            let mut messages = consume::durable_messages(&js, &cfg)
+                .await?
+                .ready_chunks(ROUTE_CHUNK);
+            eprintln!(
+                "recording {} from {url} (consumer {consumer}, {threads} writer threads)",
+                cfg.filter.subject()
+            );
+            let stop = interrupted();
+            tokio::pin!(stop);
+            let mut tick = tokio::time::interval(COMMIT_EVERY);
+            let mut last_delivery = Instant::now();
+            let why = loop {
+                tokio::select! {
+                    // Every message delivered and not yet taken, at most
+                    // ROUTE_CHUNK: each writer thread gets its share of them in
+                    // one hand-off.
+                    chunk = messages.next() => {
+                        let Some(chunk) = chunk else { break "the consumer ended" };
+                        let mut by_thread: Vec<Vec<_>> = vec![Vec::new(); shards.len()];
+                        for m in chunk {
+                            let msg = match m {
+                                Ok(msg) => msg,
+                                Err(e) => {
+                                    // Heartbeats missed while the server
+                                    // restarts, and the like: the stream goes on.
+                                    stats.consumer_errors += 1;
+                                    tracing::warn!("consumer: {e}");
+                                    continue;
+                                }
+                            };
+                            last_delivery = Instant::now();
+                            stats.first_delivery.get_or_insert(last_delivery);
+                            stats.messages += 1;
+                            let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
+                            let (msg, acker) = msg.split();
+                            let engine = kvbm_attach::nats::engine_of_subject(msg.subject.as_str());
+                            if engine.is_some_and(|e| !filter.matches(e)) {
+                                stats.filtered += 1;
+                            } else {
+                                by_thread[shards.thread_of(engine)].push((msg, stream_seq));
                             }
-                        };
-                        last_delivery = Instant::now();
-                        stats.first_delivery.get_or_insert(last_delivery);
-                        stats.messages += 1;
-                        let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
-                        let (msg, acker) = msg.split();
-                        let engine = kvbm_attach::nats::engine_of_subject(msg.subject.as_str());
-                        if engine.is_some_and(|e| !filter.matches(e)) {
-                            stats.filtered += 1;
-                        } else {
-                            by_thread[shards.thread_of(engine)].push((msg, stream_seq));
+                            commits.delivered(acker, stream_seq);
                         }
-                        commits.delivered(acker, stream_seq);
+                        for (thread, batch) in by_thread.into_iter().enumerate() {
+                            if !batch.is_empty() {
+                                shards.route(thread, batch).await?;
+                            }
+                        }
+                        if commits.pending >= COMMIT_MESSAGES {
+                            commits.begin(&shards).await?;
+                        }
+                    },
+                    Some(reply) = shards.reply(), if commits.awaiting_replies() => {
+                        commits.reply(reply)?;
                     }
-                    for (thread, batch) in by_thread.into_iter().enumerate() {
-                        if !batch.is_empty() {
-                            shards.route(thread, batch).await?;
+                    done = commits.wait_durable(), if commits.syncing() => {
+                        done?;
+                        commits.acknowledge(&mut stats).await?;
+                    }
+                    () = counters.written_batch(), if remote.events.is_some() => {
+                        if remote.events.is_some_and(|n| counters.written() >= n) {
+                            break "--events reached";
                         }
                     }
-                    if commits.pending >= COMMIT_MESSAGES {
-                        commits.begin(&shards).await?;
+                    _ = tick.tick() => {
+                        if commits.pending > 0 {
+                            commits.begin(&shards).await?;
+                        }
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            break "--duration-s reached";
+                        }
+                        if idle.is_some_and(|i| last_delivery.elapsed() >= i) {
+                            break "--idle-exit-s reached";
+                        }
                     }
-                },
-                Some(reply) = shards.reply(), if commits.awaiting_replies() => {
-                    commits.reply(reply)?;
+                    _ = &mut stop => break "interrupted",
                 }
-                done = commits.wait_durable(), if commits.syncing() => {
-                    done?;
-                    commits.acknowledge(&mut stats).await?;
-                }
-                () = counters.written_batch(), if remote.events.is_some() => {
-                    if remote.events.is_some_and(|n| counters.written() >= n) {
-                        break "--events reached";
-                    }
-                }
-                _ = tick.tick() => {
-                    if commits.pending > 0 {
-                        commits.begin(&shards).await?;
-                    }
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        break "--duration-s reached";
-                    }
-                    if idle.is_some_and(|i| last_delivery.elapsed() >= i) {
-                        break "--idle-exit-s reached";
-                    }
-                }
-                _ = &mut stop => break "interrupted",
-            }
-        };
-        // Everything routed is written, checkpointed and acknowledged.
-        commits.finish(&mut shards, &mut stats).await?;
-        let _ = client.flush().await;
-        Ok(why)
+            };
+            // Everything routed is written, checkpointed and acknowledged.
+            commits.finish(&mut shards, &mut stats).await?;
+            let _ = client.flush().await;
+            Ok(why)
+        })
     });
+    // Every thread of the runtime ends here, adding its CPU time.
+    drop(rt);
     let closing = Instant::now();
     let (parts, recs): (Vec<_>, Vec<_>) = shards
         .finish()?
@@ -236,6 +253,27 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         limit.times,
         held.as_secs_f64()
     );
+    if let Some(all) = cpu::process_time() {
+        let syncing = commits.sync_cpu.get();
+        let runtime_all = runtime_cpu.get();
+        let receiving = (runtime_all + loop_cpu.get()).saturating_sub(syncing);
+        let writing = counters.writer_cpu();
+        let per = |d: Duration| d.as_nanos() as f64 / written.max(1) as f64;
+        // With every core busy, the recorder's rate is bound by all of it;
+        // with cores to spare, by receiving, which one thread does alone.
+        println!(
+            "  CPU: {:.4} s receiving and routing ({:.1} ns an event), {:.4} s checking and writing in the writer threads ({:.1} ns an event), {:.4} s making checkpoints durable, {:.4} s elsewhere (starting, ending); {:.4} s in all ({:.1} ns an event)",
+            receiving.as_secs_f64(),
+            per(receiving),
+            writing.as_secs_f64(),
+            per(writing),
+            syncing.as_secs_f64(),
+            all.saturating_sub(receiving + syncing + writing)
+                .as_secs_f64(),
+            all.as_secs_f64(),
+            per(all),
+        );
+    }
     if let Some(t) = stats.first_delivery {
         // From the first message to every log closed: what the recorder's
         // own work costs, without its start (connecting, the consumer).
@@ -311,6 +349,8 @@ struct Commits {
     barrier: Option<Barrier>,
     /// The server's limit of messages unacknowledged, and time spent at it.
     ack_limit: AckLimit,
+    /// CPU time spent making checkpoints durable.
+    sync_cpu: Arc<CpuSum>,
 }
 
 /// A barrier in flight: what it acknowledges once durable, the threads'
@@ -377,6 +417,7 @@ impl Commits {
                 limit: ack_limit,
                 ..AckLimit::default()
             },
+            sync_cpu: Arc::default(),
         }
     }
 
@@ -448,9 +489,12 @@ impl Commits {
             let dir = self.dir.clone();
             // The device's flush, off the loop that routes: the threads
             // write what came after the barrier meanwhile.
+            let cpu = self.sync_cpu.clone();
             b.durable = Some(tokio::task::spawn_blocking(move || {
-                syncs.run()?;
-                fleet::write_manifest(&dir, &manifest)
+                cpu.timed(|| {
+                    syncs.run()?;
+                    fleet::write_manifest(&dir, &manifest)
+                })
             }));
         }
         Ok(())
@@ -562,7 +606,7 @@ pub fn bridge(a: &BridgeArgs) -> Result<i32> {
         .map(ZmqEndpoint::parse)
         .transpose()
         .map_err(anyhow::Error::msg)?;
-    let rt = runtime()?;
+    let rt = runtime(None)?;
     let bus = Arc::new(kvbm_events::bus::EventBus::<Event>::new(Default::default())?);
     let tap = bus.take_tap().context("the bridge's tap")?;
     let publisher = Publisher::spawn(tap, PublisherConfig::new(&a.to, &a.engine_id), rt.handle())?;
