@@ -240,8 +240,8 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         manifest.logs.len()
     );
     println!(
-        "  {} messages delivered ({} of engines not taken), {} consumer errors, {} writer threads",
-        stats.messages, stats.filtered, stats.consumer_errors, threads
+        "  {} messages delivered ({} of engines not taken), {} consumer errors, {} acknowledgements lost (redelivered, skipped as duplicates), {} writer threads",
+        stats.messages, stats.filtered, stats.consumer_errors, stats.acks_lost, threads
     );
     // Time the server held messages back for want of acknowledgements:
     // checkpoints, not the writers, were then the bound.
@@ -317,6 +317,8 @@ struct Session {
     filtered: u64,
     acked: u64,
     consumer_errors: u64,
+    /// Checkpoints whose acknowledgement did not land.
+    acks_lost: u64,
     first_delivery: Option<Instant>,
     commits: u64,
     /// How long the last checkpoint took, from its barrier to its
@@ -382,6 +384,9 @@ struct AckLimit {
     times: u64,
     /// Time spent at it.
     held: Duration,
+    /// Messages of checkpoints whose acknowledgement was lost: still
+    /// unacknowledged for the server until a later (cumulative) one lands.
+    unconfirmed: u64,
 }
 
 impl AckLimit {
@@ -393,8 +398,17 @@ impl AckLimit {
         }
     }
 
-    fn acknowledged(&mut self, messages: u64) {
-        self.unacked = self.unacked.saturating_sub(messages);
+    /// A checkpoint of `messages` was acknowledged, or its acknowledgement
+    /// was lost (`landed` false): those stay unacknowledged until the next
+    /// one lands, which covers them (the acknowledgements are cumulative).
+    fn acknowledged(&mut self, messages: u64, landed: bool) {
+        self.unconfirmed += messages;
+        if !landed {
+            return;
+        }
+        self.unacked = self
+            .unacked
+            .saturating_sub(std::mem::take(&mut self.unconfirmed));
         if self.unacked < self.limit
             && let Some(t) = self.since.take()
         {
@@ -521,15 +535,24 @@ impl Commits {
         let Some(b) = self.barrier.take() else {
             bail!("no checkpoint to acknowledge");
         };
-        if let Some((acker, stream_seq)) = b.ack {
+        let landed = match b.ack {
             // A lost acknowledgement only means a redelivery, which the
-            // recording skips as duplicates.
-            match acker.double_ack_with(AckKind::Ack).await {
-                Ok(()) => stats.acked = stream_seq,
-                Err(e) => tracing::warn!("acknowledging: {e}"),
-            }
-        }
-        self.ack_limit.acknowledged(b.messages);
+            // recording skips as duplicates; counted, and the next one
+            // covers it.
+            Some((acker, stream_seq)) => match acker.double_ack_with(AckKind::Ack).await {
+                Ok(()) => {
+                    stats.acked = stream_seq;
+                    true
+                }
+                Err(e) => {
+                    stats.acks_lost += 1;
+                    tracing::warn!("acknowledging: {e}");
+                    false
+                }
+            },
+            None => true,
+        };
+        self.ack_limit.acknowledged(b.messages, landed);
         stats.commits += 1;
         let took = b.began.elapsed();
         stats.last_commit = took;
@@ -858,10 +881,14 @@ mod tests {
         assert_eq!((l.times, l.since.is_some()), (1, true));
         // The server delivers nothing more at the limit; an acknowledgement
         // that leaves it there does not end the wait.
-        l.acknowledged(0);
+        l.acknowledged(0, true);
         assert!(l.since.is_some());
+        // A lost acknowledgement leaves its messages unacknowledged …
+        l.acknowledged(1, false);
+        assert_eq!((l.unacked, l.since.is_some()), (3, true));
         std::thread::sleep(Duration::from_millis(5));
-        l.acknowledged(2);
+        // … until the next lands, which covers them too.
+        l.acknowledged(1, true);
         assert_eq!((l.unacked, l.since.is_some()), (1, false));
         assert!(l.held >= Duration::from_millis(5), "{:?}", l.held);
         l.delivered();
