@@ -124,95 +124,96 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     );
     // The loop that receives and routes runs on this thread (block_on),
     // the client's connection on the runtime's.
-    let loop_cpu = CpuSum::default();
-    let outcome: Result<&str> = loop_cpu.timed(|| {
-        rt.block_on(async {
-            let client = connect(url, "kvbm-recorder").await?;
-            let js = async_nats::jetstream::new(client.clone());
-            let mut messages = consume::durable_messages(&js, &cfg)
-                .await?
-                .ready_chunks(ROUTE_CHUNK);
-            eprintln!(
-                "recording {} from {url} (consumer {consumer}, {threads} writer threads)",
-                cfg.filter.subject()
-            );
-            let stop = interrupted();
-            tokio::pin!(stop);
-            let mut tick = tokio::time::interval(COMMIT_EVERY);
-            let mut last_delivery = Instant::now();
-            let why = loop {
-                tokio::select! {
-                    // Every message delivered and not yet taken, at most
-                    // ROUTE_CHUNK: each writer thread gets its share of them in
-                    // one hand-off.
-                    chunk = messages.next() => {
-                        let Some(chunk) = chunk else { break "the consumer ended" };
-                        let mut by_thread: Vec<Vec<_>> = vec![Vec::new(); shards.len()];
-                        for m in chunk {
-                            let msg = match m {
-                                Ok(msg) => msg,
-                                Err(e) => {
-                                    // Heartbeats missed while the server
-                                    // restarts, and the like: the stream goes on.
-                                    stats.consumer_errors += 1;
-                                    tracing::warn!("consumer: {e}");
-                                    continue;
-                                }
-                            };
-                            last_delivery = Instant::now();
-                            stats.first_delivery.get_or_insert(last_delivery);
-                            stats.messages += 1;
-                            let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
-                            let (msg, acker) = msg.split();
-                            let engine = kvbm_attach::nats::engine_of_subject(msg.subject.as_str());
-                            if engine.is_some_and(|e| !filter.matches(e)) {
-                                stats.filtered += 1;
-                            } else {
-                                by_thread[shards.thread_of(engine)].push((msg, stream_seq));
+    let loop_started = cpu::thread_time();
+    let outcome: Result<&str> = rt.block_on(async {
+        let client = connect(url, "kvbm-recorder").await?;
+        let js = async_nats::jetstream::new(client.clone());
+        let mut messages = consume::durable_messages(&js, &cfg)
+            .await?
+            .ready_chunks(ROUTE_CHUNK);
+        eprintln!(
+            "recording {} from {url} (consumer {consumer}, {threads} writer threads)",
+            cfg.filter.subject()
+        );
+        let stop = interrupted();
+        tokio::pin!(stop);
+        let mut tick = tokio::time::interval(COMMIT_EVERY);
+        let mut last_delivery = Instant::now();
+        let why = loop {
+            tokio::select! {
+                // Every message delivered and not yet taken, at most
+                // ROUTE_CHUNK: each writer thread gets its share of them in
+                // one hand-off.
+                chunk = messages.next() => {
+                    let Some(chunk) = chunk else { break "the consumer ended" };
+                    let mut by_thread: Vec<Vec<_>> = vec![Vec::new(); shards.len()];
+                    for m in chunk {
+                        let msg = match m {
+                            Ok(msg) => msg,
+                            Err(e) => {
+                                // Heartbeats missed while the server
+                                // restarts, and the like: the stream goes on.
+                                stats.consumer_errors += 1;
+                                tracing::warn!("consumer: {e}");
+                                continue;
                             }
-                            commits.delivered(acker, stream_seq);
+                        };
+                        last_delivery = Instant::now();
+                        stats.first_delivery.get_or_insert(last_delivery);
+                        stats.messages += 1;
+                        let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
+                        let (msg, acker) = msg.split();
+                        let engine = kvbm_attach::nats::engine_of_subject(msg.subject.as_str());
+                        if engine.is_some_and(|e| !filter.matches(e)) {
+                            stats.filtered += 1;
+                        } else {
+                            by_thread[shards.thread_of(engine)].push((msg, stream_seq));
                         }
-                        for (thread, batch) in by_thread.into_iter().enumerate() {
-                            if !batch.is_empty() {
-                                shards.route(thread, batch).await?;
-                            }
-                        }
-                        if commits.pending >= COMMIT_MESSAGES {
-                            commits.begin(&shards).await?;
-                        }
-                    },
-                    Some(reply) = shards.reply(), if commits.awaiting_replies() => {
-                        commits.reply(reply)?;
+                        commits.delivered(acker, stream_seq);
                     }
-                    done = commits.wait_durable(), if commits.syncing() => {
-                        done?;
-                        commits.acknowledge(&mut stats).await?;
-                    }
-                    () = counters.written_batch(), if remote.events.is_some() => {
-                        if remote.events.is_some_and(|n| counters.written() >= n) {
-                            break "--events reached";
+                    for (thread, batch) in by_thread.into_iter().enumerate() {
+                        if !batch.is_empty() {
+                            shards.route(thread, batch).await?;
                         }
                     }
-                    _ = tick.tick() => {
-                        if commits.pending > 0 {
-                            commits.begin(&shards).await?;
-                        }
-                        if deadline.is_some_and(|d| Instant::now() >= d) {
-                            break "--duration-s reached";
-                        }
-                        if idle.is_some_and(|i| last_delivery.elapsed() >= i) {
-                            break "--idle-exit-s reached";
-                        }
+                    if commits.pending >= COMMIT_MESSAGES {
+                        commits.begin(&shards).await?;
                     }
-                    _ = &mut stop => break "interrupted",
+                },
+                Some(reply) = shards.reply(), if commits.awaiting_replies() => {
+                    commits.reply(reply)?;
                 }
-            };
-            // Everything routed is written, checkpointed and acknowledged.
-            commits.finish(&mut shards, &mut stats).await?;
-            let _ = client.flush().await;
-            Ok(why)
-        })
+                done = commits.wait_durable(), if commits.syncing() => {
+                    done?;
+                    commits.acknowledge(&mut stats).await?;
+                }
+                () = counters.written_batch(), if remote.events.is_some() => {
+                    if remote.events.is_some_and(|n| counters.written() >= n) {
+                        break "--events reached";
+                    }
+                }
+                _ = tick.tick() => {
+                    if commits.pending > 0 {
+                        commits.begin(&shards).await?;
+                    }
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        break "--duration-s reached";
+                    }
+                    if idle.is_some_and(|i| last_delivery.elapsed() >= i) {
+                        break "--idle-exit-s reached";
+                    }
+                }
+                _ = &mut stop => break "interrupted",
+            }
+        };
+        // Everything routed is written, checkpointed and acknowledged.
+        commits.finish(&mut shards, &mut stats).await?;
+        let _ = client.flush().await;
+        Ok(why)
     });
+    let loop_cpu = loop_started
+        .zip(cpu::thread_time())
+        .map_or(Duration::ZERO, |(a, b)| b.saturating_sub(a));
     // Every thread of the runtime ends here, adding its CPU time.
     drop(rt);
     let closing = Instant::now();
@@ -256,7 +257,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     if let Some(all) = cpu::process_time() {
         let syncing = commits.sync_cpu.get();
         let runtime_all = runtime_cpu.get();
-        let receiving = (runtime_all + loop_cpu.get()).saturating_sub(syncing);
+        let receiving = (runtime_all + loop_cpu).saturating_sub(syncing);
         let writing = counters.writer_cpu();
         let per = |d: Duration| d.as_nanos() as f64 / written.max(1) as f64;
         // With every core busy, the recorder's rate is bound by all of it;
