@@ -36,8 +36,9 @@
 //! event, `nats-server`'s and its client's: on a machine whose cores are
 //! all busy, that is what bounds each rate. Then the recorder's CPU time
 //! by thread, as it reports it, beside the counting consumer's: with
-//! cores to spare for its writer threads, its receiving (what one thread
-//! does alone) is what bounds it.
+//! cores to spare for its writer threads, what they do not do (receiving
+//! and routing, on its loop and the NATS client's connection) is what can
+//! bound it.
 //!
 //! `KVBM_FLEET_PER_ENGINE` sets the events per engine (300,000: 30 M in
 //! all); `KVBM_FLEET_RECORDER_ARGS` adds arguments to the recorder's
@@ -807,9 +808,9 @@ fn main() {
         }
     }
 
-    // With cores to spare for its writer threads, what bounds the
-    // recorder is what one thread does alone: receiving and routing,
-    // beside the counting consumer's whole client.
+    // With cores to spare for its writer threads, what can bound the
+    // recorder is what they do not do: receiving and routing, beside the
+    // counting consumer's whole client.
     println!();
     println!(
         "| store | counting consumer, client CPU ns/event (all its threads) | recorder: receiving and routing (its loop, its runtime's threads) | recorder: checking and writing (writer threads) | recorder: making checkpoints durable | recorder: elsewhere (starting, ending) | recorder process in all | receiving / counting consumer |"

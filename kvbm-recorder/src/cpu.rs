@@ -1,8 +1,9 @@
 //! CPU time by thread: what the fleet recorder reports of where its CPU
 //! went (receiving, checking and writing, making checkpoints durable).
 //! With every core busy, a recorder's rate is bound by its CPU time per
-//! event in all; with cores to spare, by the part that one thread must do
-//! alone (receiving). The split says which.
+//! event in all; with cores to spare for its writer threads, the part
+//! they do not share (receiving) is what can bound it. The split says
+//! which.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

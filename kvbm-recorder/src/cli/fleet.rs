@@ -261,7 +261,8 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         let writing = counters.writer_cpu();
         let per = |d: Duration| d.as_nanos() as f64 / written.max(1) as f64;
         // With every core busy, the recorder's rate is bound by all of it;
-        // with cores to spare, by receiving, which one thread does alone.
+        // with cores to spare for the writer threads, receiving (which
+        // they do not share) is what can bound it.
         println!(
             "  CPU: {:.4} s receiving and routing ({:.1} ns an event), {:.4} s checking and writing in the writer threads ({:.1} ns an event), {:.4} s making checkpoints durable, {:.4} s elsewhere (starting, ending); {:.4} s in all ({:.1} ns an event)",
             receiving.as_secs_f64(),
