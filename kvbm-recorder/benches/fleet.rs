@@ -56,6 +56,7 @@ use kvbm_events::bus::{BusConfig, TapItem};
 use kvbm_events::{
     Direction, Emitter, Event, EventKind, MonotonicClock, SequenceHash, SlotState, Tier,
 };
+use kvbm_recorder::cpu::ThreadTimer;
 use kvbm_testkit::nats::NatsServer;
 use std::process::Command;
 use std::sync::Arc;
@@ -481,24 +482,17 @@ fn drain(
     })
 }
 
-/// CPU time this thread has run, in ns (`CLOCK_THREAD_CPUTIME_ID`): what
-/// the engine's thread itself spends, without the time it waits for a core.
-fn thread_cpu_ns() -> Option<u64> {
-    kvbm_recorder::cpu::thread_time().map(|d| d.as_nanos() as u64)
-}
-
 /// Runs `emit` `n` times without pause; (wall ns, this thread's CPU ns)
 /// per call.
 fn per_emit(n: u64, mut emit: impl FnMut()) -> (f64, Option<f64>) {
-    let (t, cpu) = (Instant::now(), thread_cpu_ns());
+    // The thread's own CPU time: what the engine's thread itself spends,
+    // without the time it waits for a core.
+    let (t, cpu) = (Instant::now(), ThreadTimer::start());
     for _ in 0..n {
         emit();
     }
-    let wall = t.elapsed().as_nanos() as f64 / n as f64;
-    let cpu = cpu
-        .zip(thread_cpu_ns())
-        .map(|(a, b)| b.saturating_sub(a) as f64 / n as f64);
-    (wall, cpu)
+    let per_call = |d: Duration| d.as_nanos() as f64 / n as f64;
+    (per_call(t.elapsed()), cpu.elapsed().map(per_call))
 }
 
 /// Emits per timed burst when keeping up, as in the bus benchmark.

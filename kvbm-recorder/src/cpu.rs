@@ -41,6 +41,24 @@ fn from_timespec(t: rustix::time::Timespec) -> Duration {
     )
 }
 
+/// The calling thread's CPU time from a start: [`ThreadTimer::start`],
+/// then [`ThreadTimer::elapsed`] on the same thread.
+#[derive(Debug, Clone, Copy)]
+pub struct ThreadTimer(Option<Duration>);
+
+impl ThreadTimer {
+    /// Starts timing the calling thread.
+    pub fn start() -> Self {
+        ThreadTimer(thread_time())
+    }
+
+    /// The CPU time the calling thread has run since the start; `None`
+    /// where there is no thread clock here.
+    pub fn elapsed(&self) -> Option<Duration> {
+        self.0.zip(thread_time()).map(|(a, b)| b.saturating_sub(a))
+    }
+}
+
 /// CPU time summed over several threads, each adding its own.
 #[derive(Debug, Default)]
 pub struct CpuSum {
@@ -64,9 +82,9 @@ impl CpuSum {
 
     /// Runs `f`, adding the CPU time the calling thread spent in it.
     pub fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
-        let before = thread_time();
+        let timer = ThreadTimer::start();
         let out = f();
-        if let Some(d) = before.zip(thread_time()).map(|(a, b)| b.saturating_sub(a)) {
+        if let Some(d) = timer.elapsed() {
             self.add(d);
         }
         out

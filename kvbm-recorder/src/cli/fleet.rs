@@ -124,7 +124,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     );
     // The loop that receives and routes runs on this thread (block_on),
     // the client's connection on the runtime's.
-    let loop_started = cpu::thread_time();
+    let loop_timer = cpu::ThreadTimer::start();
     let outcome: Result<&str> = rt.block_on(async {
         let client = connect(url, "kvbm-recorder").await?;
         let js = async_nats::jetstream::new(client.clone());
@@ -211,9 +211,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         let _ = client.flush().await;
         Ok(why)
     });
-    let loop_cpu = loop_started
-        .zip(cpu::thread_time())
-        .map_or(Duration::ZERO, |(a, b)| b.saturating_sub(a));
+    let loop_cpu = loop_timer.elapsed().unwrap_or_default();
     // Every thread of the runtime ends here, adding its CPU time.
     drop(rt);
     let closing = Instant::now();
