@@ -1044,6 +1044,8 @@ impl SchedulerSide {
                 };
                 let result = match &d.error {
                     None => Ok(TransferStats {
+                        // The worker reports bytes and time; the engine
+                        // fills in the batch's blocks.
                         blocks: 0,
                         bytes: d.bytes,
                         elapsed: Duration::from_nanos(d.elapsed_ns),

@@ -124,8 +124,10 @@ impl RemoteEngine {
 
     /// The other side finished batch `id`: resolves its ticket with
     /// `result` (the bytes it moved and how long it took, or why it
-    /// failed). False for an id that is not out (already completed, or
-    /// never issued): a late or duplicate report changes nothing.
+    /// failed). The blocks are the batch's own, whatever the report says:
+    /// a batch is copied whole or fails, and the other side need not count
+    /// them. False for an id that is not out (already completed, or never
+    /// issued): a late or duplicate report changes nothing.
     pub fn complete(&self, id: u64, result: Result<TransferStats, String>) -> bool {
         let out = {
             let mut g = self.lock();
@@ -137,7 +139,8 @@ impl RemoteEngine {
             out
         };
         let result = match result {
-            Ok(stats) => {
+            Ok(mut stats) => {
+                stats.blocks = out.blocks;
                 self.batches.fetch_add(1, Ordering::Relaxed);
                 self.blocks.fetch_add(out.blocks as u64, Ordering::Relaxed);
                 self.bytes.fetch_add(stats.bytes, Ordering::Relaxed);
@@ -316,7 +319,8 @@ mod tests {
         );
         assert!(e.take_batches().is_empty());
         assert!(e.complete(out[1].id, Err("short read".into())));
-        assert!(e.complete(out[0].id, Ok(stats(2))));
+        // The other side reports bytes and time; the blocks are the batch's.
+        assert!(e.complete(out[0].id, Ok(stats(0))));
         assert!(
             !e.complete(out[0].id, Ok(stats(2))),
             "a second report changes nothing"

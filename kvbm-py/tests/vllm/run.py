@@ -106,12 +106,21 @@ def test_bytes(tmp, baseline, recorder):
           f"stats has transfer latency both ways ({sorted(lat)})")
     ev = subprocess.run([recorder, "export", rec, "--format", "jsonl"], capture_output=True, text=True)
     kinds = {}
+    blocks = {"BatchCompleted": 0, "TransferCompleted": 0}
     for line in ev.stdout.splitlines():
-        k = json.loads(line)["kind"]["kind"] if isinstance(json.loads(line).get("kind"), dict) else None
+        kind = json.loads(line).get("kind")
+        k = kind.get("kind") if isinstance(kind, dict) else None
         if k:
             kinds[k] = kinds.get(k, 0) + 1
+        if k in blocks and kind.get("ok", True):
+            blocks[k] += kind["blocks"]
     check(kinds.get("TransferCompleted", 0) > 0 and kinds.get("SlotTransition", 0) > 0,
           f"the recording holds slot transitions and completed transfers ({kinds})")
+    # The worker reports a batch's bytes and time, not its blocks: the
+    # batches' block counts come from what was dispatched, and must add up
+    # to the completed transfers' (the transfers view's Blocks column).
+    check(blocks["BatchCompleted"] == blocks["TransferCompleted"] > 0,
+          f"completed batches carry the blocks of the transfers they completed ({blocks})")
 
     print("== 1b. a corrupted load is caught", flush=True)
     dump2 = os.path.join(tmp, "dump-corrupt")
