@@ -1,12 +1,13 @@
 """The console on a real engine, in a real terminal (tmux): vLLM with kvbm's
 connector serving the attach protocol, `kvbm-console attach` to it. The
 slots view must show vLLM's requests moving through their states, and the
-transfers view G1→G2 and G2→G1 traffic.
+transfers view G1→G2 and G2→G1 transfers done, with their blocks.
 
     python console.py --console PATH/TO/kvbm-console
 """
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import engine  # noqa: E402 (this directory; no vLLM import at load)
@@ -29,15 +31,19 @@ def capture(session):
     return tmux("capture-pane", "-p", "-t", session).stdout
 
 
-def diagnose(err_path):
+def diagnose(err_path, engine_tail=()):
     """What a failure needs beside the screen: the console's stderr, the
-    processes and the load (a blank pane says nothing of why)."""
+    engine's last lines (its rounds: how long, whether the prefix-cache
+    reset took), the processes and the load (a blank pane says nothing of
+    why)."""
     try:
         with open(err_path, encoding="utf-8", errors="replace") as f:
             err = f.read()[-4000:]
     except OSError as e:
         err = f"(unreadable: {e})"
     print(f"-- the console's stderr:\n{err or '(empty)'}")
+    lines = [line.rstrip()[:200] for line in list(engine_tail)]
+    print("-- the engine's last lines:\n" + ("\n".join(lines) or "(none)"))
     ps = subprocess.run(["ps", "-eo", "pid,stat,etime,pcpu,rss,args", "--sort=-pcpu"],
                         capture_output=True, text=True, check=False).stdout
     print("-- processes (busiest first):\n" + "\n".join(line[:200] for line in ps.splitlines()[:15]))
@@ -45,7 +51,7 @@ def diagnose(err_path):
         print(f"-- load: {f.read().strip()}", flush=True)
 
 
-def wait_for(session, pred, what, timeout=60, err_path=None):
+def wait_for(session, pred, what, timeout=60, err_path=None, engine_tail=()):
     t0 = time.time()
     screen = ""
     while time.time() - t0 < timeout:
@@ -55,7 +61,7 @@ def wait_for(session, pred, what, timeout=60, err_path=None):
         time.sleep(0.5)
     print(screen)
     if err_path:
-        diagnose(err_path)
+        diagnose(err_path, engine_tail)
     raise SystemExit(f"FAIL: {what} (not seen within {timeout} s)")
 
 
@@ -68,14 +74,16 @@ def main():
     port = engine.free_port()
     tmp = tempfile.mkdtemp(prefix="kvbm-console-vllm-")
     session = f"kvbm-vllm-{os.getpid()}"
-    args = {"port": port, "seconds": 150, "max_tokens": 48}
+    # The engine serves longer than the checks below can wait in all
+    # (60 + 60 + 90 s); they end it as soon as they pass.
+    args = {"port": port, "seconds": 270, "max_tokens": 48}
     eng = engine.spawn(
         [sys.executable, os.path.join(HERE, "scenario.py"), "serve_workload", json.dumps(args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=HERE,
-        env=dict(os.environ, KVBM_SCENARIO_TIMEOUT_S="240"),
+        env=dict(os.environ, KVBM_SCENARIO_TIMEOUT_S="480"),
     )
     try:
         t0 = time.time()
@@ -85,6 +93,11 @@ def main():
             if time.time() - t0 > 180:
                 raise SystemExit("FAIL: the engine did not come up")
         print(f"ok: vLLM with kvbm serving on 127.0.0.1:{port} after {time.time() - t0:.0f} s", flush=True)
+        # Keep reading what the engine prints (vLLM logs to stdout): a pipe
+        # nobody drains fills and stops the engine mid-write. The last lines
+        # and the rounds it reports go into a failure's diagnosis.
+        engine_tail = collections.deque(maxlen=40)
+        threading.Thread(target=engine_tail.extend, args=(eng.stdout,), daemon=True).start()
         err_path = os.path.join(tmp, "console.err")
         tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "48",
              f"{a.console} attach http://127.0.0.1:{port} 2>{err_path}; sleep 30")
@@ -92,7 +105,7 @@ def main():
         req = re.compile(r"\b\d+-[0-9a-f]{8}\b")
         states = ("Prefilling", "Decoding", "Finished", "Initialized", "Onboarding", "OnboardStaged")
         first = wait_for(session, lambda s: "ATTACHED" in s and req.search(s) and any(x in s for x in states),
-                         "requests with slot states on the slots view", err_path=err_path)
+                         "requests with slot states on the slots view", err_path=err_path, engine_tail=engine_tail)
         print("ok: the slots view lists vLLM's requests with their states", flush=True)
         seen_states = {x for x in states if x in first}
         ids_first = set(req.findall(first))
@@ -106,19 +119,29 @@ def main():
         check = moved and {"Decoding", "Finished"} & seen_states
         if not check:
             print(capture(session))
-            diagnose(err_path)
+            diagnose(err_path, engine_tail)
             raise SystemExit(f"FAIL: requests did not move through states (seen {sorted(seen_states)})")
         print(f"ok: requests move through their states (seen {sorted(seen_states)})", flush=True)
         tmux("send-keys", "-t", session, "2")
 
-        def transfers(s):
-            return "G1→G2" in s and "G2→G1" in s and re.search(r"G2→G1\s+\d+\s+[1-9]\d*", s) is not None
+        def done_and_blocks(s, direction):
+            """The totals row's Done and Blocks for one direction (counts
+            have thousands separators: `1,120`)."""
+            m = re.search(direction + r"((?:\s+[\d,]+){6})", s)
+            if m is None:
+                return 0, 0
+            cols = [int(c.replace(",", "")) for c in m.group(1).split()]
+            return cols[1], cols[5]
 
-        wait_for(session, transfers, "G1→G2 and G2→G1 traffic on the transfers view", timeout=90,
-                 err_path=err_path)
-        print("ok: the transfers view shows G1→G2 and G2→G1 traffic", flush=True)
+        def transfers(s):
+            return all(min(done_and_blocks(s, d)) > 0 for d in ("G1→G2", "G2→G1"))
+
+        wait_for(session, transfers, "G1→G2 and G2→G1 transfers done, with their blocks, on the transfers view", timeout=90,
+                 err_path=err_path, engine_tail=engine_tail)
+        print("ok: the transfers view shows G1→G2 and G2→G1 transfers done, with their blocks", flush=True)
         tmux("send-keys", "-t", session, "q")
-        print("all console checks passed", flush=True)
+        done = [line.strip() for line in list(engine_tail) if '"round"' in line]
+        print(f"all console checks passed (the engine's last round: {done[-1] if done else 'none yet'})", flush=True)
     finally:
         tmux("kill-session", "-t", session, check=False)
         engine.kill_group(eng)

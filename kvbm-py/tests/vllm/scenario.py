@@ -142,9 +142,14 @@ def serve_workload(args):
     deadline = time.time() + args["seconds"]
     rounds = 0
     while time.time() < deadline:
-        engine.generate(llm, engine.prompts(), max_tokens=args.get("max_tokens", 48))
-        llm.reset_prefix_cache()
+        t = time.time()
+        _, cached = engine.generate(llm, engine.prompts(), max_tokens=args.get("max_tokens", 48))
+        # vLLM refuses the reset while blocks are still held; the round's
+        # line says so (the next round would then hit the device cache, and
+        # nothing would come back from G2).
+        reset = llm.reset_prefix_cache()
         rounds += 1
+        engine.say(round=rounds, round_s=round(time.time() - t, 2), cached_tokens=sum(cached), reset=reset)
     engine.say(rounds=rounds)
 
 
