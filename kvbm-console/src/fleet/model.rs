@@ -71,8 +71,8 @@ pub struct EngineEntry {
     window: (Instant, u64),
     /// (tier, block) → its sequence hash, while registered.
     block_hash: HashMap<(Tier, BlockId), SequenceHash>,
-    /// A request's device blocks, from its last allocation.
-    request_blocks: HashMap<RequestId, Vec<BlockId>>,
+    /// A request's device blocks, over all its allocations.
+    request_blocks: HashMap<RequestId, RequestBlocks>,
     request_order: VecDeque<RequestId>,
     /// Bytes per block, as its transfers measured them (0 until one).
     bytes_per_block: u64,
@@ -142,15 +142,22 @@ impl EngineEntry {
         self.bytes_per_block
     }
 
-    /// The sequence hashes of `request`'s device blocks, as registered now.
+    /// The sequence hashes of `request`'s device blocks: as they were
+    /// when it let go of them, or as registered now while it holds them.
     pub fn request_hashes(&self, request: &str) -> Option<Vec<SequenceHash>> {
-        let blocks = self.request_blocks.get(request)?;
+        let r = self.request_blocks.get(request)?;
         Some(
-            blocks
-                .iter()
-                .filter_map(|b| self.block_hash.get(&(Tier::Device, *b)).copied())
-                .collect(),
+            r.hashes
+                .clone()
+                .unwrap_or_else(|| self.hashes_of(&r.blocks)),
         )
+    }
+
+    fn hashes_of(&self, blocks: &[BlockId]) -> Vec<SequenceHash> {
+        blocks
+            .iter()
+            .filter_map(|b| self.block_hash.get(&(Tier::Device, *b)).copied())
+            .collect()
     }
 
     /// Whether it holds `hash`, per tier.
@@ -175,20 +182,41 @@ impl EngineEntry {
                 tier: Tier::Device,
                 blocks,
             } => {
-                if let Some(r) = &ev.request {
-                    if self
-                        .request_blocks
-                        .insert(r.clone(), blocks.clone())
-                        .is_none()
-                    {
+                let Some(r) = &ev.request else { return };
+                match self.request_blocks.get_mut(r) {
+                    Some(held) => held.allocated(blocks),
+                    None => {
+                        let mut held = RequestBlocks::default();
+                        held.allocated(blocks);
+                        self.request_blocks.insert(r.clone(), held);
                         self.request_order.push_back(r.clone());
                     }
-                    while self.request_order.len() > MAX_REQUESTS_REMEMBERED {
-                        if let Some(old) = self.request_order.pop_front() {
-                            self.request_blocks.remove(&old);
-                            self.requests_forgotten += 1;
-                        }
+                }
+                while self.request_order.len() > MAX_REQUESTS_REMEMBERED {
+                    if let Some(old) = self.request_order.pop_front() {
+                        self.request_blocks.remove(&old);
+                        self.requests_forgotten += 1;
                     }
+                }
+            }
+            EventKind::BlocksReleased {
+                tier: Tier::Device,
+                count,
+            } => {
+                let Some(r) = &ev.request else { return };
+                let Some(held) = self.request_blocks.get(r) else {
+                    return;
+                };
+                if held.held <= u64::from(*count) {
+                    // All let go: keep what they held, before the blocks
+                    // are reused for other prefixes.
+                    let hashes = self.hashes_of(&held.blocks);
+                    if let Some(held) = self.request_blocks.get_mut(r) {
+                        held.held = 0;
+                        held.hashes = Some(hashes);
+                    }
+                } else if let Some(held) = self.request_blocks.get_mut(r) {
+                    held.held -= u64::from(*count);
                 }
             }
             EventKind::BatchCompleted {
@@ -201,6 +229,29 @@ impl EngineEntry {
             }
             _ => {}
         }
+    }
+}
+
+/// The device blocks one request holds or held: every allocation since it
+/// last let go of all of them (an engine grows a decoding request a block
+/// at a time, and a preempted one starts over).
+#[derive(Debug, Default)]
+struct RequestBlocks {
+    blocks: Vec<BlockId>,
+    /// Blocks held now (allocated less released).
+    held: u64,
+    /// Their hashes when it let go of all of them; `None` while it holds
+    /// some.
+    hashes: Option<Vec<SequenceHash>>,
+}
+
+impl RequestBlocks {
+    fn allocated(&mut self, blocks: &[BlockId]) {
+        if self.hashes.take().is_some() {
+            self.blocks.clear(); // a new admission (after preemption)
+        }
+        self.blocks.extend_from_slice(blocks);
+        self.held += blocks.len() as u64;
     }
 }
 
@@ -550,6 +601,69 @@ mod tests {
         assert_eq!(l.rows.len(), 1);
         assert_eq!(l.rows[0].engine, "b");
         assert!(m.locate("nobody").rows.is_empty());
+    }
+
+    #[test]
+    fn a_request_prefix_spans_its_allocations_and_outlives_its_blocks() {
+        let mut m = FleetModel::new();
+        let now = Instant::now();
+        let alloc = |seq, blocks: Vec<u32>| {
+            ev(
+                seq,
+                Some("r1"),
+                EventKind::BlocksAllocated {
+                    tier: Tier::Device,
+                    blocks,
+                },
+            )
+        };
+        let release = |seq, count| {
+            ev(
+                seq,
+                Some("r1"),
+                EventKind::BlocksReleased {
+                    tier: Tier::Device,
+                    count,
+                },
+            )
+        };
+        // Admitted with two blocks, grown by one as it decodes; the
+        // prefix is all three, not the last allocation.
+        let a = vec![
+            alloc(0, vec![1, 2]),
+            reg(1, Tier::Device, 1, 100),
+            reg(2, Tier::Device, 2, 200),
+            alloc(3, vec![3]),
+            reg(4, Tier::Device, 3, 300),
+        ];
+        m.apply("a", &header(1, &a), &a, now, Duration::ZERO);
+        assert_eq!(m.locate("r1").prefix_blocks, 3);
+        // It finishes; block 1 is evicted and reused for another prefix:
+        // r1's prefix is still what it held.
+        let b = vec![
+            release(5, 3),
+            ev(
+                6,
+                None,
+                EventKind::BlockEvicted {
+                    tier: Tier::Device,
+                    block: 1,
+                    sequence_hash: SequenceHash(100),
+                },
+            ),
+            reg(7, Tier::Device, 1, 900),
+        ];
+        m.apply("a", &header(1, &b), &b, now, Duration::ZERO);
+        let l = m.locate("r1");
+        assert_eq!(l.prefix_blocks, 3);
+        assert_eq!(
+            l.rows[0].blocks, 2,
+            "hash 100 was evicted: 200 and 300 remain"
+        );
+        // Preempted and admitted again: a new allocation starts over.
+        let c = vec![alloc(8, vec![7]), reg(9, Tier::Device, 7, 700)];
+        m.apply("a", &header(1, &c), &c, now, Duration::ZERO);
+        assert_eq!(m.locate("r1").prefix_blocks, 1);
     }
 
     #[test]
