@@ -178,6 +178,9 @@ struct Req {
     mapped: Vec<BlockId>,
     /// Loads started this step: mirror destinations, for the late check.
     load_dests: Vec<(BlockId, u32)>,
+    /// G1 blocks announced as this request's (`BlocksAllocated`) and not
+    /// yet released.
+    g1_announced: u32,
 }
 
 impl Req {
@@ -192,6 +195,7 @@ impl Req {
             shared: Vec::new(),
             mapped: Vec::new(),
             load_dests: Vec::new(),
+            g1_announced: 0,
         }
     }
 }
@@ -719,6 +723,8 @@ impl SchedulerSide {
                 self.req(request).load_dests.push((d.id(), *v));
             }
             self.req(request).loaded = first..first + targets.len();
+            let ids = dests.iter().map(|d| d.id()).collect();
+            self.announce_g1(request, ids);
         }
         self.leader
             .update_state_after_alloc(&id, dests, num_external_tokens)
@@ -747,6 +753,16 @@ impl SchedulerSide {
             return;
         };
         let mapped = std::mem::take(&mut r.mapped);
+        let announced = std::mem::take(&mut r.g1_announced);
+        if announced > 0 {
+            self.emitter.emit(
+                Some(&r.id),
+                EventKind::BlocksReleased {
+                    tier: Tier::Device,
+                    count: announced,
+                },
+            );
+        }
         r.own.clear();
         r.shared.clear();
         r.load_dests.clear();
@@ -792,6 +808,7 @@ impl SchedulerSide {
                 reason: e.to_string(),
             })?;
         let mut fresh = Vec::new();
+        let mut held = Vec::new();
         for (k, (tb, vllm)) in blocks.iter().zip(ids).enumerate() {
             let j = from + k;
             if loaded.contains(&j) {
@@ -803,6 +820,7 @@ impl SchedulerSide {
             let mid = b.id();
             let Ok(c) = b.fill_from(tb) else { continue };
             let reg = c.register();
+            held.push(reg.id());
             if reg.id() != mid {
                 // vLLM's prefix cache shares a block kvbm mirrors already:
                 // it was stored (or planned) by the request that made it.
@@ -814,7 +832,29 @@ impl SchedulerSide {
             fresh.push(reg);
         }
         self.req(&s.request).mirrored = full_after;
+        self.announce_g1(&s.request, held);
         Ok(fresh)
+    }
+
+    /// Tells the stream which G1 blocks `request` now holds, by kvbm's
+    /// mirror ids (the ids its `BlockRegistered` events name, so a
+    /// consumer can map a request to its prefix): its full blocks as they
+    /// are mirrored, and its loads' destinations. vLLM's own block ids are
+    /// another numbering, and its partial last block has no mirror.
+    fn announce_g1(&mut self, request: &str, blocks: Vec<BlockId>) {
+        if blocks.is_empty() {
+            return;
+        }
+        let r = self.req(request);
+        r.g1_announced = r.g1_announced.saturating_add(blocks.len() as u32);
+        let id = r.id.clone();
+        self.emitter.emit(
+            Some(&id),
+            EventKind::BlocksAllocated {
+                tier: Tier::Device,
+                blocks,
+            },
+        );
     }
 
     /// vLLM's `build_connector_meta`: follows what vLLM scheduled (slot

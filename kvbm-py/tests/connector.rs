@@ -7,7 +7,7 @@
 //! fast layer.
 
 use kvbm_events::bus::TapItem;
-use kvbm_events::{Event, EventKind};
+use kvbm_events::{Event, EventKind, Tier};
 use kvbm_py::config::Config;
 use kvbm_py::scheduler::{Scheduled, SchedulerSide, StepInput};
 use kvbm_py::tiers::Geometry;
@@ -233,21 +233,25 @@ fn run_store_then_load(extra: serde_json::Value) {
     assert_eq!(r.cache.block(6), computed_2, "block 1 loaded byte for byte");
     // Completions are events of the pipelines' own tasks: give them a
     // moment.
-    let mut completed = Vec::new();
+    let mut seen = Vec::new();
+    let completed = |seen: &[Event]| -> Vec<(String, u32)> {
+        seen.iter()
+            .filter_map(|e| match &e.kind {
+                EventKind::TransferCompleted {
+                    direction, blocks, ..
+                } => Some((direction.to_string(), *blocks)),
+                _ => None,
+            })
+            .collect()
+    };
     let t = std::time::Instant::now();
     while t.elapsed() < std::time::Duration::from_secs(5)
-        && !completed
-            .iter()
-            .any(|(d, _): &(String, u32)| d.ends_with("→G1"))
+        && !completed(&seen).iter().any(|(d, _)| d.ends_with("→G1"))
     {
-        completed.extend(events(&mut tap).into_iter().filter_map(|e| match e.kind {
-            EventKind::TransferCompleted {
-                direction, blocks, ..
-            } => Some((direction.to_string(), blocks)),
-            _ => None,
-        }));
+        seen.extend(events(&mut tap));
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+    let completed = completed(&seen);
     assert!(
         completed
             .iter()
@@ -257,6 +261,65 @@ fn run_store_then_load(extra: serde_json::Value) {
     assert!(
         completed.iter().any(|(d, n)| d.ends_with("→G1") && *n == 2),
         "{completed:?}"
+    );
+    // The worker reports a batch's bytes and time; its blocks are the
+    // batch's own.
+    let batch_blocks: Vec<(String, u32)> = seen
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::BatchCompleted {
+                direction,
+                ok: true,
+                blocks,
+                ..
+            } => Some((direction.to_string(), *blocks)),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        batch_blocks.iter().all(|(_, n)| *n > 0)
+            && batch_blocks.iter().any(|(d, _)| d.ends_with("→G1")),
+        "{batch_blocks:?}"
+    );
+    // Each request's G1 blocks, by mirror id: A's two full blocks, given
+    // and released when it finished; B's two loaded blocks, still held.
+    let g1 = |req: &str| {
+        let (mut given, mut released) = (Vec::new(), 0);
+        for e in seen.iter().filter(|e| e.request.as_deref() == Some(req)) {
+            match &e.kind {
+                EventKind::BlocksAllocated {
+                    tier: Tier::Device,
+                    blocks,
+                } => given.extend_from_slice(blocks),
+                EventKind::BlocksReleased {
+                    tier: Tier::Device,
+                    count,
+                } => released += count,
+                _ => {}
+            }
+        }
+        (given, released)
+    };
+    let (a_given, a_released) = g1("A");
+    assert_eq!((a_given.len(), a_released), (2, 2), "{a_given:?}");
+    let (b_given, b_released) = g1("B");
+    assert_eq!((b_given.len(), b_released), (2, 0), "{b_given:?}");
+    // The allocations name the ids the registrations do (kvbm's mirror
+    // ids), so a consumer maps a request to its prefix.
+    let registered: std::collections::HashSet<u32> = seen
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::BlockRegistered {
+                tier: Tier::Device,
+                block,
+                ..
+            } => Some(*block),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        a_given.iter().all(|b| registered.contains(b)),
+        "{a_given:?} {registered:?}"
     );
     let c = r.sched.counters();
     assert_eq!(

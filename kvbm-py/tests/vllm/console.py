@@ -109,19 +109,30 @@ def main():
         print("ok: the slots view lists vLLM's requests with their states", flush=True)
         seen_states = {x for x in states if x in first}
         ids_first = set(req.findall(first))
+        # A row: request, state, age, prompt, generated, then G1 G2 G3.
+        row = re.compile(r"\b(\d+-[0-9a-f]{8})\s+(\w+)\s+\S+\s+\d+\s+\d+\s+(\d+)\s+\d+\s+\d+")
+
+        def g1_held(s):
+            """The most G1 blocks a running request holds on the screen."""
+            return max((int(m[2]) for m in row.findall(s) if m[1] in ("Prefilling", "Decoding")), default=0)
+
         t1 = time.time()
         moved = False
-        while time.time() - t1 < 60 and not moved:
+        g1 = g1_held(first)
+        while time.time() - t1 < 60 and not (moved and g1 > 0):
             time.sleep(1)
             s = capture(session)
             seen_states |= {x for x in states if x in s}
             moved = set(req.findall(s)) != ids_first and len(seen_states) >= 2
-        check = moved and {"Decoding", "Finished"} & seen_states
+            g1 = max(g1, g1_held(s))
+        check = moved and {"Decoding", "Finished"} & seen_states and g1 > 0
         if not check:
             print(capture(session))
             diagnose(err_path, engine_tail)
-            raise SystemExit(f"FAIL: requests did not move through states (seen {sorted(seen_states)})")
-        print(f"ok: requests move through their states (seen {sorted(seen_states)})", flush=True)
+            raise SystemExit(f"FAIL: requests did not move through states holding G1 blocks "
+                             f"(seen {sorted(seen_states)}, at most {g1} G1 blocks)")
+        print(f"ok: requests move through their states (seen {sorted(seen_states)}), "
+              f"holding G1 blocks (up to {g1})", flush=True)
         tmux("send-keys", "-t", session, "2")
 
         def done_and_blocks(s, direction):

@@ -116,6 +116,10 @@ def test_bytes(tmp, baseline, recorder):
             blocks[k] += kind["blocks"]
     check(kinds.get("TransferCompleted", 0) > 0 and kinds.get("SlotTransition", 0) > 0,
           f"the recording holds slot transitions and completed transfers ({kinds})")
+    check(kinds.get("BlocksAllocated", 0) > 0 and kinds.get("BlocksReleased", 0) > 0,
+          "the recording holds the requests' G1 blocks, given and released "
+          f"({kinds.get('BlocksAllocated', 0)} and {kinds.get('BlocksReleased', 0)} events; "
+          "check's no-leak invariant above covers their counts)")
     # The worker reports a batch's bytes and time, not its blocks: the
     # batches' block counts come from what was dispatched, and must add up
     # to the completed transfers' (the transfers view's Blocks column).
