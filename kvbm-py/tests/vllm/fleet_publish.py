@@ -158,6 +158,7 @@ def main():
             fatal(f"export exited {x.returncode}: {x.stderr[-2000:]}")
         kinds, created, finished = {}, set(), set()
         registered, completed = {}, {}
+        device_ids, given = set(), {}
         for line in x.stdout.splitlines():
             ev = json.loads(line)
             k = ev["kind"]
@@ -169,6 +170,10 @@ def main():
                 finished.add(ev.get("request"))
             elif kind == "BlockRegistered":
                 registered[k["tier"]] = registered.get(k["tier"], 0) + 1
+                if k["tier"] == "Device":
+                    device_ids.add(k["block"])
+            elif kind == "BlocksAllocated" and k["tier"] == "Device":
+                given.setdefault(ev.get("request"), []).extend(k["blocks"])
             elif kind == "TransferCompleted":
                 d = k["direction"]
                 d = f"{d['src']}→{d['dst']}" if isinstance(d, dict) else str(d)
@@ -185,6 +190,13 @@ def main():
         stores = sum(c for d, c in completed.items() if d.startswith("Device") and d.endswith("Host"))
         loads = sum(c for d, c in completed.items() if d.startswith("Host") and d.endswith("Device"))
         check(stores > 0 and loads > 0, f"transfers completed G1→G2 ({stores}) and G2→G1 ({loads})")
+
+        # What the fleet's Where view needs: each request's G1 blocks, by the
+        # ids the registrations name (a request's prefix, as hashes).
+        unnamed = sorted({b for bs in given.values() for b in bs} - device_ids)
+        check(set(given) == created and not unnamed,
+              f"every request's G1 blocks are announced ({len(given)} of {len(created)}), by registered "
+              f"block ids ({len(unnamed)} never registered: {unnamed[:5]})")
 
         s = run([a.recorder, "stats", "--json", os.path.join(rec, "engines", ENGINE)])
         st = json.loads(s.stdout) if s.returncode == 0 else {}
