@@ -33,6 +33,7 @@ echo "== the fleet bridge: vLLM's own KV events onto NATS, into the fleet record
 NATS_BIN="$(bash scripts/setup-nats.sh)"
 "$PY" kvbm-py/tests/vllm/fleet_bridge.py --recorder target/release/kvbm-recorder --nats-server "$NATS_BIN"
 echo "== the connector's publish: kvbm inside vLLM onto NATS, into the fleet recorder"
-"$PY" kvbm-py/tests/vllm/fleet_publish.py --recorder target/release/kvbm-recorder --nats-server "$NATS_BIN"
+"$PY" kvbm-py/tests/vllm/fleet_publish.py --recorder target/release/kvbm-recorder --nats-server "$NATS_BIN" \
+  --console target/release/kvbm-console
 echo "== the console attached to vLLM, in tmux"
 "$PY" kvbm-py/tests/vllm/console.py --console target/release/kvbm-console

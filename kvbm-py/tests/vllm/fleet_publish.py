@@ -14,12 +14,17 @@ so blocks go G1→G2 and come back G2→G1. Then the real
 - `check` exits 0;
 - `export`: a slot created for each of vLLM's requests and each reaching
   Finished; blocks registered on G1 and G2; transfers completed both ways
-  (G1→G2 stores, G2→G1 loads); `stats --json`: transfer latency both ways;
+  (G1→G2 stores, G2→G1 loads); every request's G1 blocks announced by
+  registered block ids; `stats --json`: transfer latency both ways;
+- `kvbm-console replay` of the fleet recording, in tmux (with
+  `--console`): the Where view finds a vLLM request's prefix on
+  vllm-pod-1, with its bytes;
 - vLLM itself: round 2 got external hits (loaded from G2) and the same
   tokens as round 1.
 
 Run by scripts/test-vllm.sh:
-    python fleet_publish.py --recorder target/release/kvbm-recorder --nats-server PATH
+    python fleet_publish.py --recorder target/release/kvbm-recorder --nats-server PATH \
+        --console target/release/kvbm-console
 Bounded: SIGALRM at 300 s; nats-server, the recorder and vLLM's engine core
 are killed however it ends.
 """
@@ -69,10 +74,47 @@ def run(argv, timeout=60):
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
+def where_in_console(console, rec, request, tmp):
+    """`kvbm-console replay` of the fleet recording in a real terminal
+    (tmux): `f`, the request id, Enter; returns the Where view's title and
+    vllm-pod-1's row (None where not seen within 30 s) and the screen."""
+    import re
+
+    session = f"kvbm-fleet-publish-{os.getpid()}"
+    err = os.path.join(tmp, "console.err")
+    tmux = lambda *args: subprocess.run(["tmux", *args], capture_output=True, text=True)  # noqa: E731
+    tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "40", f"{console} replay {rec} 2>{err}; sleep 30")
+    screen = ""
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and ENGINE not in screen:
+            time.sleep(0.5)
+            screen = tmux("capture-pane", "-p", "-t", session).stdout
+        tmux("send-keys", "-t", session, "f")
+        time.sleep(0.5)
+        tmux("send-keys", "-t", session, "-l", request)
+        tmux("send-keys", "-t", session, "Enter")
+        # "Where is REQ — N block(s), served by vllm-pod-1", then the row:
+        # engine, blocks, % of prefix, G1, G2, G3, bytes.
+        title_re = re.compile(r"Where is " + re.escape(request) + r" — (\d+) block\(s\), served by " + ENGINE)
+        row_re = re.compile(ENGINE + r"\s+(\d+)\s+\S+\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)")
+        title = row = None
+        while time.time() < deadline + 15 and not (title and row):
+            time.sleep(0.5)
+            screen = tmux("capture-pane", "-p", "-t", session).stdout
+            title = title_re.search(screen)
+            row = next((m for m in row_re.finditer(screen) if "Where is" not in m.group(0)), None)
+        tmux("send-keys", "-t", session, "q")
+        return title, row, screen
+    finally:
+        tmux("kill-session", "-t", session)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--recorder", required=True)
     ap.add_argument("--nats-server", required=True)
+    ap.add_argument("--console", help="kvbm-console: replay the recording in tmux and use its Where view")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (printed)")
     a = ap.parse_args()
     E.bounded(300)
@@ -203,6 +245,21 @@ def main():
         lat = st.get("transfer_latency_ns", {})
         check(any(k.startswith("G1→") for k in lat) and any(k.endswith("→G1") for k in lat),
               f"stats has transfer latency both ways ({sorted(lat)})")
+
+        if a.console:
+            # The request with the longest prefix: its blocks are held on G1
+            # (kvbm's mirror) and, stored, on G2.
+            request = max(given, key=lambda r: len(given[r]), default="(none announced)")
+            title, row, screen = where_in_console(a.console, rec, request, tmp)
+            ok = check(title is not None and row is not None and int(title.group(1)) > 0
+                       and int(row.group(1)) > 0 and row.group(5) not in ("0B", "-"),
+                       f"the console's Where view on the fleet recording finds {request}'s prefix on {ENGINE} "
+                       f"({title.group(0) if title else 'no title'}; "
+                       f"row: {' '.join(row.groups()) if row else 'none'}: blocks, G1, G2, G3, bytes)")
+            if not ok:
+                print(screen, flush=True)
+        else:
+            print("(no --console: the Where view on the recording not checked)", flush=True)
     finally:
         if llm is not None:
             close(llm, 10)
