@@ -675,6 +675,19 @@ impl SchedulerSide {
             }
             Some((tokens, _)) => {
                 self.req(request).lookup_computed = num_computed_tokens;
+                // vLLM's own prefix cache answered before kvbm was asked:
+                // `num_computed_tokens` is its G1 hit, over the full blocks
+                // it looks up (it computes at least the prompt's last token).
+                let bs = self.geometry.block_size;
+                self.emitter.emit(
+                    Some(&id),
+                    EventKind::MatchResult {
+                        tier: Tier::Device,
+                        looked_up: (prompt.len().saturating_sub(1) / bs) as u32,
+                        hit_blocks: (num_computed_tokens / bs) as u32,
+                        hit_tokens: num_computed_tokens as u32,
+                    },
+                );
                 Ok(Some(tokens))
             }
         }

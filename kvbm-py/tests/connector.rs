@@ -321,6 +321,32 @@ fn run_store_then_load(extra: serde_json::Value) {
         a_given.iter().all(|b| registered.contains(b)),
         "{a_given:?} {registered:?}"
     );
+    // vLLM's own prefix-cache hit is G1's lookup: none for A and B (B's
+    // came from G2); C arrives with one block found in vLLM's cache.
+    let mut c_prompt = a[..BS].to_vec();
+    c_prompt.extend(prompt(900, BS + 1));
+    r.sched
+        .get_num_new_matched_tokens("C", &c_prompt, BS)
+        .unwrap();
+    seen.extend(events(&mut tap));
+    let g1_lookups = |req: &str| -> Vec<(u32, u32, u32)> {
+        seen.iter()
+            .filter(|e| e.request.as_deref() == Some(req))
+            .filter_map(|e| match &e.kind {
+                EventKind::MatchResult {
+                    tier: Tier::Device,
+                    looked_up,
+                    hit_blocks,
+                    hit_tokens,
+                } => Some((*looked_up, *hit_blocks, *hit_tokens)),
+                _ => None,
+            })
+            .collect()
+    };
+    let full = |p: &[u32]| ((p.len() - 1) / BS) as u32;
+    assert_eq!(g1_lookups("A"), [(full(&a), 0, 0)]);
+    assert_eq!(g1_lookups("B"), [(full(&b_prompt), 0, 0)]);
+    assert_eq!(g1_lookups("C"), [(full(&c_prompt), 1, BS as u32)]);
     let c = r.sched.counters();
     assert_eq!(
         (c.late_loads, c.failed_load_blocks, c.unshippable_stores),

@@ -109,30 +109,35 @@ def main():
         print("ok: the slots view lists vLLM's requests with their states", flush=True)
         seen_states = {x for x in states if x in first}
         ids_first = set(req.findall(first))
-        # A row: request, state, age, prompt, generated, then G1 G2 G3.
-        row = re.compile(r"\b(\d+-[0-9a-f]{8})\s+(\w+)\s+\S+\s+\d+\s+\d+\s+(\d+)\s+\d+\s+\d+")
+        # A row: request, state, age, prompt, generated, G1 G2 G3 (blocks
+        # held), Hit G1 (tokens found in vLLM's own prefix cache).
+        row = re.compile(r"\b(\d+-[0-9a-f]{8})\s+(\w+)\s+\S+\s+\d+\s+\d+\s+(\d+)\s+\d+\s+\d+\s+(\d+)")
 
         def g1_held(s):
             """The most G1 blocks a running request holds on the screen."""
             return max((int(m[2]) for m in row.findall(s) if m[1] in ("Prefilling", "Decoding")), default=0)
 
+        def g1_hit(s):
+            """The most tokens a request on the screen found in G1."""
+            return max((int(m[3]) for m in row.findall(s)), default=0)
+
         t1 = time.time()
         moved = False
-        g1 = g1_held(first)
-        while time.time() - t1 < 60 and not (moved and g1 > 0):
+        g1, hit = g1_held(first), g1_hit(first)
+        while time.time() - t1 < 60 and not (moved and g1 > 0 and hit > 0):
             time.sleep(1)
             s = capture(session)
             seen_states |= {x for x in states if x in s}
             moved = set(req.findall(s)) != ids_first and len(seen_states) >= 2
-            g1 = max(g1, g1_held(s))
-        check = moved and {"Decoding", "Finished"} & seen_states and g1 > 0
+            g1, hit = max(g1, g1_held(s)), max(hit, g1_hit(s))
+        check = moved and {"Decoding", "Finished"} & seen_states and g1 > 0 and hit > 0
         if not check:
             print(capture(session))
             diagnose(err_path, engine_tail)
-            raise SystemExit(f"FAIL: requests did not move through states holding G1 blocks "
-                             f"(seen {sorted(seen_states)}, at most {g1} G1 blocks)")
+            raise SystemExit(f"FAIL: requests did not move through states holding G1 blocks, with G1 hits "
+                             f"(seen {sorted(seen_states)}, at most {g1} G1 blocks, {hit} G1 hit tokens)")
         print(f"ok: requests move through their states (seen {sorted(seen_states)}), "
-              f"holding G1 blocks (up to {g1})", flush=True)
+              f"holding G1 blocks (up to {g1}), some found in vLLM's prefix cache (up to {hit} tokens)", flush=True)
         tmux("send-keys", "-t", session, "2")
 
         def done_and_blocks(s, direction):
