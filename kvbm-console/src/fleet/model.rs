@@ -149,15 +149,8 @@ impl EngineEntry {
         Some(
             r.hashes
                 .clone()
-                .unwrap_or_else(|| self.hashes_of(&r.blocks)),
+                .unwrap_or_else(|| device_hashes(&self.block_hash, &r.blocks)),
         )
-    }
-
-    fn hashes_of(&self, blocks: &[BlockId]) -> Vec<SequenceHash> {
-        blocks
-            .iter()
-            .filter_map(|b| self.block_hash.get(&(Tier::Device, *b)).copied())
-            .collect()
     }
 
     /// Whether it holds `hash`, per tier.
@@ -204,18 +197,15 @@ impl EngineEntry {
                 count,
             } => {
                 let Some(r) = &ev.request else { return };
-                let Some(held) = self.request_blocks.get(r) else {
+                let Some(held) = self.request_blocks.get_mut(r) else {
                     return;
                 };
                 if held.held <= u64::from(*count) {
                     // All let go: keep what they held, before the blocks
                     // are reused for other prefixes.
-                    let hashes = self.hashes_of(&held.blocks);
-                    if let Some(held) = self.request_blocks.get_mut(r) {
-                        held.held = 0;
-                        held.hashes = Some(hashes);
-                    }
-                } else if let Some(held) = self.request_blocks.get_mut(r) {
+                    held.held = 0;
+                    held.hashes = Some(device_hashes(&self.block_hash, &held.blocks));
+                } else {
                     held.held -= u64::from(*count);
                 }
             }
@@ -230,6 +220,17 @@ impl EngineEntry {
             _ => {}
         }
     }
+}
+
+/// The hashes `blocks` (device blocks) are registered under now.
+fn device_hashes(
+    block_hash: &HashMap<(Tier, BlockId), SequenceHash>,
+    blocks: &[BlockId],
+) -> Vec<SequenceHash> {
+    blocks
+        .iter()
+        .filter_map(|b| block_hash.get(&(Tier::Device, *b)).copied())
+        .collect()
 }
 
 /// The device blocks one request holds or held: every allocation since it
