@@ -12,7 +12,8 @@
 # target/fleet-bench-kit (about 37 MB: small enough to carry to another
 # machine). `run` runs the bench from that kit RUNS times (default 2) with
 # the recording on disk, then once with it on a tmpfs (/dev/shm), each run's
-# tables into $OUT (default: the current directory) and onto stdout. The
+# tables, and the recorder's CPU by thread (scripts/thread-cpu.py), into
+# $OUT (default: the current directory) and onto stdout. The
 # recorder's arguments, the events per engine and a smoke run are the
 # bench's own variables (KVBM_FLEET_RECORDER_ARGS, KVBM_FLEET_PER_ENGINE,
 # KVBM_BENCH_QUICK), passed through.
@@ -63,11 +64,25 @@ run() {
   local i
   for ((i = 1; i <= ${RUNS:-2}; i++)); do
     echo "== run $i, the recording on disk ($(df --output=fstype "${TMPDIR:-/tmp}" | tail -1))"
-    "$KIT/fleet" --bench | tee "$out/fleet-disk-$i.txt"
+    bench "$out/fleet-disk-$i.txt"
   done
   [[ -d /dev/shm ]] || die "no /dev/shm for the tmpfs run"
   echo "== the recording on tmpfs (/dev/shm)"
-  KVBM_FLEET_OUT=/dev/shm "$KIT/fleet" --bench | tee "$out/fleet-tmpfs.txt"
+  KVBM_FLEET_OUT=/dev/shm bench "$out/fleet-tmpfs.txt"
+}
+
+# One run of the bench into $1, with the recorder's CPU by thread after its
+# tables (scripts/thread-cpu.py: such a machine has no perf to say which
+# thread bounds the recorder).
+bench() {
+  python3 scripts/thread-cpu.py kvbm-recorder >"$1.threads" &
+  local sampler=$!
+  "$KIT/fleet" --bench | tee "$1"
+  kill -TERM "$sampler"
+  wait "$sampler" || true
+  echo "the recorder's CPU by thread (the file store's run first):" | tee -a "$1"
+  tee -a "$1" <"$1.threads"
+  rm -f "$1.threads"
 }
 
 case "${1:-}" in

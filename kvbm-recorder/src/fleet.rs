@@ -106,6 +106,9 @@ pub enum FleetError {
         /// Why.
         message: String,
     },
+    /// A thread to sync or close logs on could not be started.
+    #[error("starting a thread for the logs: {0}")]
+    Thread(#[source] std::io::Error),
 }
 
 /// Reads the manifest of the fleet recording in `dir`.
@@ -701,11 +704,20 @@ fn in_parallel<T: Send>(
     let results: Vec<Result<(), FleetError>> = std::thread::scope(|s| {
         let handles: Vec<_> = items
             .chunks_mut(per)
-            .map(|chunk| s.spawn(move || chunk.iter_mut().map(f).collect::<Vec<_>>()))
+            .map(|chunk| {
+                // Named, so that a per-thread profile tells them from the
+                // writer threads that start them.
+                std::thread::Builder::new()
+                    .name("kvbm-sync".into())
+                    .spawn_scoped(s, move || chunk.iter_mut().map(f).collect::<Vec<_>>())
+            })
             .collect();
         handles
             .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .flat_map(|h| match h {
+                Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                Err(e) => vec![Err(FleetError::Thread(e))],
+            })
             .collect()
     });
     first(results).unwrap_or(Ok(()))
