@@ -21,7 +21,9 @@
 //! never writes).
 //!
 //! Each thread's queue is bounded; routing waits when it is full, which
-//! holds back the pull consumer (JetStream keeps the rest).
+//! holds back the pull consumer (JetStream keeps the rest), and counts
+//! each wait and its length ([`Counters::route_waits`]): one thread's full
+//! queue stops the routing to all of them.
 
 use crate::cpu::CpuSum;
 use crate::fleet::{FleetError, FleetManifest, FleetWriter, Syncs, shard_of};
@@ -82,6 +84,10 @@ pub struct Counters {
     written_batch: Notify,
     /// The writer threads' CPU time, each thread's added as it ends.
     cpu: CpuSum,
+    /// Hand-offs that found their thread's queue full, and the ns the
+    /// routing waited for them in all.
+    route_waits: AtomicU64,
+    route_wait_ns: AtomicU64,
 }
 
 impl Counters {
@@ -112,12 +118,34 @@ impl Counters {
         self.cpu.get()
     }
 
+    /// How many hand-offs found their writer thread's queue full, and how
+    /// long the routing (all of it, for every thread) waited for them.
+    pub fn route_waits(&self) -> (u64, std::time::Duration) {
+        (
+            self.route_waits.load(Ordering::Relaxed),
+            std::time::Duration::from_nanos(self.route_wait_ns.load(Ordering::Relaxed)),
+        )
+    }
+
     /// When the last batch was written, if any was.
     pub fn last_written(&self) -> Option<Instant> {
         match self.last_written_ns.load(Ordering::Relaxed) {
             0 => None,
             ns => Some(self.start + std::time::Duration::from_nanos(ns)),
         }
+    }
+}
+
+/// Adds the time from `since` to the routing's waits when dropped.
+struct Waiting<'a> {
+    counters: &'a Counters,
+    since: Instant,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let ns = u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.counters.route_wait_ns.fetch_add(ns, Ordering::Relaxed);
     }
 }
 
@@ -165,6 +193,8 @@ impl Shards {
             start: Instant::now(),
             written_batch: Notify::new(),
             cpu: CpuSum::default(),
+            route_waits: AtomicU64::new(0),
+            route_wait_ns: AtomicU64::new(0),
         });
         // Room for one reply per thread per barrier, and one barrier is in
         // flight at a time.
@@ -218,16 +248,26 @@ impl Shards {
     /// [`thread_of`](Self::thread_of) `thread`, in the order delivered) to
     /// that thread; waits while its queue is full. Messages go in batches
     /// of what was delivered together, since waking a thread costs about
-    /// what checking a small message does.
+    /// what checking a small message does. A wait is counted
+    /// ([`Counters::route_waits`]).
     pub async fn route(
         &self,
         thread: usize,
         batch: Vec<(async_nats::Message, u64)>,
     ) -> Result<(), ShardGone> {
-        self.senders[thread]
-            .send(Job::Batch(batch))
-            .await
-            .map_err(|_| ShardGone)
+        let job = match self.senders[thread].try_send(Job::Batch(batch)) {
+            Ok(()) => return Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(ShardGone),
+            Err(mpsc::error::TrySendError::Full(job)) => job,
+        };
+        self.counters.route_waits.fetch_add(1, Ordering::Relaxed);
+        // Timed by a guard, so that a wait cut short (the recorder
+        // stopping) still counts.
+        let _waiting = Waiting {
+            counters: &self.counters,
+            since: Instant::now(),
+        };
+        self.senders[thread].send(job).await.map_err(|_| ShardGone)
     }
 
     /// Puts barrier `token` behind everything routed so far, on every
@@ -436,5 +476,57 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    /// A writer thread held up (here: its replies not read) fills its
+    /// queue; routing to it then waits, and the wait is counted and
+    /// timed (a wait cut short too), where before a full queue stalled the
+    /// routing unseen.
+    #[test]
+    fn routing_that_waits_on_a_full_queue_is_counted() {
+        use std::time::Duration;
+        let tmp = tempfile::tempdir().unwrap();
+        let w = FleetWriter::open(
+            tmp.path(),
+            "nats://test",
+            Some("c"),
+            RecorderConfig::default(),
+        )
+        .unwrap();
+        let (_base, parts) = w.into_shards(1);
+        let mut shards = Shards::start(parts, 1).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            // Room for two replies: the thread stops at the third, and
+            // the queue (one hand-off) fills behind it.
+            for token in 1..=3 {
+                shards.begin_checkpoint(token).await.unwrap();
+            }
+            assert_eq!(shards.counters().route_waits().0, 0);
+            let first = message("a", 0..10);
+            tokio::time::timeout(Duration::from_secs(5), shards.route(0, vec![(first, 1)]))
+                .await
+                .expect("the queue had room for one hand-off")
+                .unwrap();
+            let second = message("a", 10..20);
+            let cut = tokio::time::timeout(
+                Duration::from_millis(60),
+                shards.route(0, vec![(second, 2)]),
+            )
+            .await;
+            assert!(cut.is_err(), "the second hand-off found room");
+            for _ in 0..3 {
+                shards.reply().await.unwrap();
+            }
+        });
+        let (waits, waited) = shards.counters().route_waits();
+        assert!(waits >= 1, "no wait counted");
+        assert!(waited >= Duration::from_millis(50), "{waited:?}");
+        let ends = shards.finish().unwrap();
+        let rec = &ends[0].recordings[0].1;
+        assert_eq!((rec.events, rec.last_seq), (10, Some(9)));
     }
 }

@@ -23,8 +23,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Hand-offs each writer thread queues at most.
-const SHARD_QUEUE: usize = 4;
 /// Messages taken from the consumer at a time, at most.
 const ROUTE_CHUNK: usize = 256;
 /// How often the recorder checkpoints and acknowledges.
@@ -100,7 +98,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         usize::from,
     );
     let (base, shards) = writer.into_shards(threads);
-    let mut shards = Shards::start(shards, SHARD_QUEUE)?;
+    let mut shards = Shards::start(shards, usize::from(remote.writer_queue))?;
     let counters = shards.counters();
     // Where the CPU goes, by thread: the runtime's threads and this one
     // (in block_on) receive and route, the runtime's also run the
@@ -251,6 +249,14 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         limit.limit,
         limit.times,
         held.as_secs_f64()
+    );
+    // Time the routing stood still for a writer thread's full queue: then
+    // a writer thread, not the server, was the bound.
+    let (waits, waited) = counters.route_waits();
+    println!(
+        "  routing waited for a full writer queue ({} hand-offs a thread) {waits} times, {:.3} s in all",
+        remote.writer_queue,
+        waited.as_secs_f64()
     );
     if let Some(all) = cpu::process_time() {
         let syncing = commits.sync_cpu.get();
