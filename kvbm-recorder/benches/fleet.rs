@@ -24,6 +24,11 @@
 //! header); then a checking consumer drains it again, checking each batch
 //! as the recorder must before it keeps one (`wire::check`: decompressed,
 //! verified, every value validated) on one thread and writing nothing;
+//! then an acknowledging consumer drains it: the recorder's own durable
+//! consumer (acknowledge-all, its limit of unacknowledged messages),
+//! counting as the first does and acknowledging as the recorder does
+//! after each checkpoint, which separates what JetStream's acknowledged
+//! delivery costs from what the recorder does;
 //! then the recorder drains it into a fleet recording (its writer threads
 //! checking and writing the engines' batches) and stops at the last
 //! event. All read the same messages from the same server. The ratio
@@ -49,6 +54,7 @@
 
 use futures_util::StreamExt;
 use kvbm_attach::nats::async_nats;
+use kvbm_attach::nats::consume;
 use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
 use kvbm_attach::nats::wire::{self, BatchEncoder};
 use kvbm_attach::nats::{StreamLimits, connect, ensure_stream, events_subject};
@@ -182,11 +188,13 @@ struct Run {
     publish_s: f64,
     count_s: f64,
     check_s: f64,
+    acking_s: f64,
     record_s: f64,
     written_s: f64,
     process_s: f64,
-    /// CPU time per phase: publishing, counting, checking, recording.
-    cpu: [PhaseCpu; 4],
+    /// CPU time per phase: publishing, counting, checking, counting with
+    /// the recorder's consumer, recording.
+    cpu: [PhaseCpu; 5],
     /// The recorder's CPU time by thread, as it reports it.
     split: Option<RecorderCpu>,
     /// The recorder's own account of its checkpoints and of the time the
@@ -366,6 +374,12 @@ fn run_store(
             u64::from(wire::check(m, scratch).unwrap().header.count)
         })
     });
+    // And one that counts as the first does, through the recorder's own
+    // durable consumer, acknowledging as the recorder does: what
+    // JetStream's acknowledged delivery costs, apart from the recorder.
+    let (acking_s, acking_cpu) = with_cpu(server, SELF, || {
+        drain_acking(rt, &url, &limits, messages, events)
+    });
 
     // 3. The recorder, the real binary, until the last event.
     // KVBM_FLEET_OUT: where the recording goes (a tmpfs separates what
@@ -423,16 +437,18 @@ fn run_store(
         publish_s,
         count_s,
         check_s,
+        acking_s,
         record_s,
         written_s,
         process_s,
-        cpu: [publish_cpu, count_cpu, check_cpu, record_cpu],
+        cpu: [publish_cpu, count_cpu, check_cpu, acking_cpu, record_cpu],
         split,
         recorder_notes: out
             .lines()
             .filter(|l| {
                 l.contains("checkpoints")
                     || l.contains("unacknowledged messages")
+                    || l.contains("full writer queue")
                     || l.trim().starts_with("CPU: ")
             })
             .map(|l| l.trim().to_string())
@@ -476,6 +492,44 @@ fn drain(
             t.get_or_insert_with(Instant::now);
             ev += per_message(&m.payload, &mut scratch);
             n += 1;
+        }
+        assert_eq!(ev, events);
+        t.map_or(0.0, |t| t.elapsed().as_secs_f64())
+    })
+}
+
+/// Drains the stream through the recorder's durable consumer
+/// (`consume::durable_messages`: acknowledge-all, the recorder's limit of
+/// unacknowledged messages, its pull batches), counting each batch's
+/// events from its header as the counting consumer does, and
+/// acknowledging the last message (waiting for the server's
+/// confirmation) every 10,000 messages or 200 ms, as the recorder does
+/// after each checkpoint; seconds from the first message to the last.
+fn drain_acking(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    limits: &StreamLimits,
+    messages: u64,
+    events: u64,
+) -> f64 {
+    rt.block_on(async {
+        let client = connect(url, "bench-acking").await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let mut cfg = consume::DurableConfig::new("bench-acking");
+        cfg.limits = *limits;
+        let mut msgs = consume::durable_messages(&js, &cfg).await.unwrap();
+        let (mut n, mut ev, mut unacked) = (0u64, 0u64, 0u64);
+        let (mut t, mut acked) = (None, Instant::now());
+        while n < messages {
+            let m = msgs.next().await.unwrap().unwrap();
+            t.get_or_insert_with(Instant::now);
+            ev += u64::from(wire::header(&m.payload).unwrap().count);
+            n += 1;
+            unacked += 1;
+            if unacked >= 10_000 || n == messages || acked.elapsed() >= Duration::from_millis(200) {
+                m.double_ack().await.unwrap();
+                (unacked, acked) = (0, Instant::now());
+            }
         }
         assert_eq!(ev, events);
         t.map_or(0.0, |t| t.elapsed().as_secs_f64())
@@ -739,25 +793,28 @@ fn main() {
         std::env::var("KVBM_FLEET_RECORDER_ARGS").unwrap_or_default()
     );
     println!(
-        "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | checking consumer (events/s) | recorder, first message to last batch written (events/s) | recorder, first message to last log closed (events/s) | recorder / counting | recorder / checking | recorder process, start to exit (events/s) |"
+        "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | checking consumer (events/s) | acknowledging consumer: the recorder's, counting (events/s) | recorder, first message to last batch written (events/s) | recorder, first message to last log closed (events/s) | recorder / counting | recorder / checking | acknowledging / counting | recorder / acknowledging | recorder process, start to exit (events/s) |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut runs = Vec::new();
     for file in [true, false] {
         let r = run_store(file, engines, per, &rt);
         let rate = |s: f64| r.events as f64 / s / 1e6;
         println!(
-            "| {} | {engines} | {} | {:.1} | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.0}% | {:.0}% | {:.2} M |",
+            "| {} | {engines} | {} | {:.1} | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.0}% | {:.0}% | {:.0}% | {:.0}% | {:.2} M |",
             r.store,
             r.events,
             r.bytes as f64 / 1e6,
             rate(r.publish_s),
             rate(r.count_s),
             rate(r.check_s),
+            rate(r.acking_s),
             rate(r.written_s),
             rate(r.record_s),
             100.0 * r.count_s / r.record_s,
             100.0 * r.check_s / r.record_s,
+            100.0 * r.count_s / r.acking_s,
+            100.0 * r.acking_s / r.record_s,
             rate(r.process_s),
         );
         runs.push(r);
@@ -781,6 +838,10 @@ fn main() {
             ("publishing (the bench's 100 tasks)", r.publish_s),
             ("counting consumer", r.count_s),
             ("checking consumer", r.check_s),
+            (
+                "acknowledging consumer (the recorder's, counting)",
+                r.acking_s,
+            ),
             ("recorder process, start to exit", r.process_s),
         ];
         for ((name, secs), cpu) in phases.into_iter().zip(r.cpu) {
