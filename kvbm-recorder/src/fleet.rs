@@ -689,8 +689,9 @@ impl Syncs {
 
 /// Runs `f` on every item, on up to [`SYNC_THREADS`] threads: a fleet's
 /// logs are independent files, and their fsyncs wait on the device, not the
-/// CPU. Every item is visited even after a failure; the first error (in
-/// item order) is returned.
+/// CPU. Every item is visited even after a failure (but for those of a
+/// thread that could not be started, which give that error); the first
+/// error (in item order) is returned.
 fn in_parallel<T: Send>(
     items: &mut [T],
     f: impl Fn(&mut T) -> Result<(), FleetError> + Sync,
