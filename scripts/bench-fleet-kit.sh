@@ -11,7 +11,8 @@
 # puts them with `nats-server` (scripts/setup-nats.sh) in
 # target/fleet-bench-kit (about 37 MB: small enough to carry to another
 # machine). `run` runs the bench from that kit RUNS times (default 2) with
-# the recording on disk, then once with it on a tmpfs (/dev/shm), each run's
+# the recording on disk, then once with it on a tmpfs (/dev/shm) and once
+# on disk with the writer threads' queues QUEUE deep (default 64), each run's
 # tables, and the recorder's CPU by thread (scripts/thread-cpu.py), into
 # $OUT (default: the current directory) and onto stdout. The
 # recorder's arguments, the events per engine and a smoke run are the
@@ -69,6 +70,14 @@ run() {
   [[ -d /dev/shm ]] || die "no /dev/shm for the tmpfs run"
   echo "== the recording on tmpfs (/dev/shm)"
   KVBM_FLEET_OUT=/dev/shm bench "$out/fleet-tmpfs.txt"
+  # Then on disk with deeper writer queues: whether the routing's waits
+  # for one full queue bound the recorder there (QUEUE= skips it).
+  local queue="${QUEUE-64}"
+  if [[ -n "$queue" ]]; then
+    echo "== the recording on disk, --writer-queue $queue"
+    KVBM_FLEET_RECORDER_ARGS="${KVBM_FLEET_RECORDER_ARGS:-} --writer-queue $queue" \
+      bench "$out/fleet-disk-queue-$queue.txt"
+  fi
 }
 
 # One run of the bench into $1, with the recorder's CPU by thread after its
