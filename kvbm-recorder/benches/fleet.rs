@@ -299,6 +299,11 @@ fn with_cpu<T>(server: Option<u32>, who: i32, phase: impl FnOnce() -> T) -> (T, 
     (out, cpu)
 }
 
+/// A batch's events, from its header: all the counting consumers read.
+fn count(m: &[u8], _: &mut Vec<u8>) -> u64 {
+    u64::from(wire::header(m).unwrap().count)
+}
+
 fn run_store(
     file_store: bool,
     engines: usize,
@@ -364,22 +369,19 @@ fn run_store(
     // 2. The counting consumer, then one that also checks each batch as
     // the recorder must before it keeps one (decompressed, verified,
     // every value validated: `wire::check`), writing nothing.
-    let (count_s, count_cpu) = with_cpu(server, SELF, || {
-        drain(rt, &url, &limits, messages, events, |m, _| {
-            u64::from(wire::header(m).unwrap().count)
+    let drained = |consumer, per_message: fn(&[u8], &mut Vec<u8>) -> u64| {
+        with_cpu(server, SELF, || {
+            drain(rt, &url, &limits, (messages, events), consumer, per_message)
         })
-    });
-    let (check_s, check_cpu) = with_cpu(server, SELF, || {
-        drain(rt, &url, &limits, messages, events, |m, scratch| {
-            u64::from(wire::check(m, scratch).unwrap().header.count)
-        })
+    };
+    let (count_s, count_cpu) = drained(Consumer::Plain, count);
+    let (check_s, check_cpu) = drained(Consumer::Plain, |m, scratch| {
+        u64::from(wire::check(m, scratch).unwrap().header.count)
     });
     // And one that counts as the first does, through the recorder's own
     // durable consumer, acknowledging as the recorder does: what
     // JetStream's acknowledged delivery costs, apart from the recorder.
-    let (acking_s, acking_cpu) = with_cpu(server, SELF, || {
-        drain_acking(rt, &url, &limits, messages, events)
-    });
+    let (acking_s, acking_cpu) = drained(Consumer::Acking, count);
 
     // 3. The recorder, the real binary, until the last event.
     // KVBM_FLEET_OUT: where the recording goes (a tmpfs separates what
@@ -456,77 +458,69 @@ fn run_store(
     }
 }
 
-/// Reads the whole stream with a fresh pull consumer (no
-/// acknowledgements), applying `per_message` to each payload, which returns
-/// its event count; seconds from the first message to the last.
+/// Which consumer drains the stream.
+#[derive(Clone, Copy, PartialEq)]
+enum Consumer {
+    /// A fresh pull consumer that acknowledges nothing.
+    Plain,
+    /// The recorder's durable consumer (`consume::durable_messages`:
+    /// acknowledge-all, its limit of unacknowledged messages, its pull
+    /// batches), acknowledging the last message (waiting for the server's
+    /// confirmation) every 10,000 messages or 200 ms, as the recorder
+    /// does after each checkpoint.
+    Acking,
+}
+
+/// Reads the whole stream with `consumer`, applying `per_message` to
+/// each payload, which returns its event count; seconds from the first
+/// message to the last.
 fn drain(
     rt: &tokio::runtime::Runtime,
     url: &str,
     limits: &StreamLimits,
-    messages: u64,
-    events: u64,
+    (messages, events): (u64, u64),
+    consumer: Consumer,
     per_message: impl Fn(&[u8], &mut Vec<u8>) -> u64,
 ) -> f64 {
     rt.block_on(async {
-        let client = connect(url, "bench-count").await.unwrap();
+        let client = connect(url, "bench-drain").await.unwrap();
         let js = async_nats::jetstream::new(client);
-        let stream = ensure_stream(&js, limits).await.unwrap();
-        let c: async_nats::jetstream::consumer::PullConsumer = stream
-            .create_consumer(async_nats::jetstream::consumer::pull::Config {
-                ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let mut msgs = c
-            .stream()
-            .max_messages_per_batch(256)
-            .messages()
-            .await
-            .unwrap();
-        let (mut n, mut ev) = (0u64, 0u64);
+        let mut msgs = match consumer {
+            Consumer::Plain => {
+                let stream = ensure_stream(&js, limits).await.unwrap();
+                let c: async_nats::jetstream::consumer::PullConsumer = stream
+                    .create_consumer(async_nats::jetstream::consumer::pull::Config {
+                        ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                c.stream()
+                    .max_messages_per_batch(256)
+                    .messages()
+                    .await
+                    .unwrap()
+            }
+            Consumer::Acking => {
+                let mut cfg = consume::DurableConfig::new("bench-acking");
+                cfg.limits = *limits;
+                consume::durable_messages(&js, &cfg).await.unwrap()
+            }
+        };
+        let (mut n, mut ev, mut unacked) = (0u64, 0u64, 0u64);
         let mut scratch = Vec::new();
-        let mut t = None;
+        let (mut t, mut acked) = (None, Instant::now());
         while n < messages {
             let m = msgs.next().await.unwrap().unwrap();
             t.get_or_insert_with(Instant::now);
             ev += per_message(&m.payload, &mut scratch);
             n += 1;
-        }
-        assert_eq!(ev, events);
-        t.map_or(0.0, |t| t.elapsed().as_secs_f64())
-    })
-}
-
-/// Drains the stream through the recorder's durable consumer
-/// (`consume::durable_messages`: acknowledge-all, the recorder's limit of
-/// unacknowledged messages, its pull batches), counting each batch's
-/// events from its header as the counting consumer does, and
-/// acknowledging the last message (waiting for the server's
-/// confirmation) every 10,000 messages or 200 ms, as the recorder does
-/// after each checkpoint; seconds from the first message to the last.
-fn drain_acking(
-    rt: &tokio::runtime::Runtime,
-    url: &str,
-    limits: &StreamLimits,
-    messages: u64,
-    events: u64,
-) -> f64 {
-    rt.block_on(async {
-        let client = connect(url, "bench-acking").await.unwrap();
-        let js = async_nats::jetstream::new(client);
-        let mut cfg = consume::DurableConfig::new("bench-acking");
-        cfg.limits = *limits;
-        let mut msgs = consume::durable_messages(&js, &cfg).await.unwrap();
-        let (mut n, mut ev, mut unacked) = (0u64, 0u64, 0u64);
-        let (mut t, mut acked) = (None, Instant::now());
-        while n < messages {
-            let m = msgs.next().await.unwrap().unwrap();
-            t.get_or_insert_with(Instant::now);
-            ev += u64::from(wire::header(&m.payload).unwrap().count);
-            n += 1;
             unacked += 1;
-            if unacked >= 10_000 || n == messages || acked.elapsed() >= Duration::from_millis(200) {
+            if consumer == Consumer::Acking
+                && (unacked >= 10_000
+                    || n == messages
+                    || acked.elapsed() >= Duration::from_millis(200))
+            {
                 m.double_ack().await.unwrap();
                 (unacked, acked) = (0, Instant::now());
             }

@@ -404,6 +404,16 @@ mod tests {
         }
     }
 
+    /// A fleet recording opened in `dir` and split over `threads` writer
+    /// threads, each queueing `queue` hand-offs: its base manifest and
+    /// the threads.
+    fn started(dir: &std::path::Path, threads: usize, queue: usize) -> (FleetManifest, Shards) {
+        let w =
+            FleetWriter::open(dir, "nats://test", Some("c"), RecorderConfig::default()).unwrap();
+        let (base, parts) = w.into_shards(threads);
+        (base, Shards::start(parts, queue).unwrap())
+    }
+
     /// Engines split over threads are each written whole, in order; a
     /// barrier is answered by every thread with its part of the manifest,
     /// and the parts merge into the manifest of them all; a damaged
@@ -411,15 +421,7 @@ mod tests {
     #[test]
     fn engines_split_over_threads_are_written_whole_and_their_manifests_merge() {
         let tmp = tempfile::tempdir().unwrap();
-        let w = FleetWriter::open(
-            tmp.path(),
-            "nats://test",
-            Some("c"),
-            RecorderConfig::default(),
-        )
-        .unwrap();
-        let (base, parts) = w.into_shards(3);
-        let mut shards = Shards::start(parts, 2).unwrap();
+        let (base, mut shards) = started(tmp.path(), 3, 2);
         let engines = ["a", "b", "c", "d", "e"];
         let threads: std::collections::BTreeSet<usize> =
             engines.iter().map(|e| shards.thread_of(Some(e))).collect();
@@ -486,15 +488,7 @@ mod tests {
     fn routing_that_waits_on_a_full_queue_is_counted() {
         use std::time::Duration;
         let tmp = tempfile::tempdir().unwrap();
-        let w = FleetWriter::open(
-            tmp.path(),
-            "nats://test",
-            Some("c"),
-            RecorderConfig::default(),
-        )
-        .unwrap();
-        let (_base, parts) = w.into_shards(1);
-        let mut shards = Shards::start(parts, 1).unwrap();
+        let (_base, mut shards) = started(tmp.path(), 1, 1);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
