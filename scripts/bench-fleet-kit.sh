@@ -70,8 +70,8 @@ run() {
   [[ -d /dev/shm ]] || die "no /dev/shm for the tmpfs run"
   echo "== the recording on tmpfs (/dev/shm)"
   KVBM_FLEET_OUT=/dev/shm bench "$out/fleet-tmpfs.txt"
-  # Then on disk with deeper writer queues: whether the routing's waits
-  # for one full queue bound the recorder there (QUEUE= skips it).
+  # Then on disk with deeper writer queues: whether a full queue holding
+  # back the receiving bounds the recorder there (QUEUE= skips it).
   local queue="${QUEUE-64}"
   if [[ -n "$queue" ]]; then
     echo "== the recording on disk, --writer-queue $queue"

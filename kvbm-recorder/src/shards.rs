@@ -13,17 +13,23 @@
 //! A checkpoint is a barrier: [`Shards::begin_checkpoint`] puts one behind
 //! everything already routed to every thread; each thread, on reaching it,
 //! checkpoints its logs and replies with its part of the manifest and the
-//! fsyncs its logs need ([`Shards::reply`]). Once every thread has
+//! fsyncs its logs need ([`Replies`]). Once every thread has
 //! replied, everything routed before the barrier is in the logs; the
 //! caller runs the fsyncs, writes the merged manifest and acknowledges the
 //! last message before the barrier, while the threads go on with what came
 //! after it (group commit: the device's flush holds back acknowledgements,
 //! never writes).
 //!
-//! Each thread's queue is bounded; routing waits when it is full, which
-//! holds back the pull consumer (JetStream keeps the rest), and counts
-//! each wait and its length ([`Counters::route_waits`]): one thread's full
-//! queue stops the routing to all of them.
+//! Each thread's queue is bounded. A hand-off that finds its thread's
+//! queue full waits in that thread's backlog (one batch a thread, which
+//! later hand-offs to it join) and the others go ahead: one busy thread
+//! does not hold back the rest. While any thread has a backlog the caller
+//! takes no more messages ([`Shards::backlogged`]), which holds back the
+//! pull consumer (JetStream keeps the rest) and bounds what waits here,
+//! and goes on with its other work (checkpoint replies, acknowledgements)
+//! while [`Shards::unblock`] waits for room. Each hand-off that found its
+//! queue full is counted, and the time the receiving was held back is
+//! timed ([`Counters::route_waits`]).
 
 use crate::cpu::CpuSum;
 use crate::fleet::{FleetError, FleetManifest, FleetWriter, Syncs, shard_of};
@@ -36,10 +42,13 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 use tokio::sync::{Notify, mpsc};
 
+/// Delivered messages and their sequences in the stream.
+pub type Batch = Vec<(async_nats::Message, u64)>;
+
 /// What a writer thread is given.
 enum Job {
-    /// Delivered messages and their sequences in the stream.
-    Batch(Vec<(async_nats::Message, u64)>),
+    /// Delivered messages.
+    Batch(Batch),
     /// A barrier: checkpoint, then reply.
     Checkpoint(u64),
 }
@@ -84,10 +93,12 @@ pub struct Counters {
     written_batch: Notify,
     /// The writer threads' CPU time, each thread's added as it ends.
     cpu: CpuSum,
-    /// Hand-offs that found their thread's queue full, and the ns the
-    /// routing waited for them in all.
+    /// Hand-offs that found their thread's queue full, the ns the
+    /// receiving was held back for them in all, and since when (ns after
+    /// `start`, 0 if not) it is held back now.
     route_waits: AtomicU64,
     route_wait_ns: AtomicU64,
+    held_since_ns: AtomicU64,
 }
 
 impl Counters {
@@ -119,12 +130,42 @@ impl Counters {
     }
 
     /// How many hand-offs found their writer thread's queue full, and how
-    /// long the routing (all of it, for every thread) waited for them.
+    /// long the receiving was held back for them (a thread had a
+    /// backlog), the time it is held back now included.
     pub fn route_waits(&self) -> (u64, std::time::Duration) {
+        let now = match self.held_since_ns.load(Ordering::Relaxed) {
+            0 => 0,
+            since => self.now_ns().saturating_sub(since),
+        };
         (
             self.route_waits.load(Ordering::Relaxed),
-            std::time::Duration::from_nanos(self.route_wait_ns.load(Ordering::Relaxed)),
+            std::time::Duration::from_nanos(
+                self.route_wait_ns
+                    .load(Ordering::Relaxed)
+                    .saturating_add(now),
+            ),
         )
+    }
+
+    /// Ns since `start`, at least 1 (0 stands for "not").
+    fn now_ns(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
+    /// A thread's backlog began (the first while none had one).
+    fn held(&self) {
+        self.held_since_ns.store(self.now_ns(), Ordering::Relaxed);
+    }
+
+    /// No thread has a backlog any more.
+    fn released(&self) {
+        let since = self.held_since_ns.swap(0, Ordering::Relaxed);
+        if since != 0 {
+            let ns = self.now_ns().saturating_sub(since);
+            self.route_wait_ns.fetch_add(ns, Ordering::Relaxed);
+        }
     }
 
     /// When the last batch was written, if any was.
@@ -133,19 +174,6 @@ impl Counters {
             0 => None,
             ns => Some(self.start + std::time::Duration::from_nanos(ns)),
         }
-    }
-}
-
-/// Adds the time from `since` to the routing's waits when dropped.
-struct Waiting<'a> {
-    counters: &'a Counters,
-    since: Instant,
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        let ns = u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.counters.route_wait_ns.fetch_add(ns, Ordering::Relaxed);
     }
 }
 
@@ -162,7 +190,8 @@ pub struct ShardEnd {
 /// The writer threads; see the module docs.
 pub struct Shards {
     senders: Vec<mpsc::Sender<Job>>,
-    replies: mpsc::Receiver<Reply>,
+    /// Per thread, what found its queue full, in the order delivered.
+    backlog: Vec<Option<Batch>>,
     threads: Vec<JoinHandle<Result<ShardEnd, FleetError>>>,
     counters: Arc<Counters>,
 }
@@ -175,6 +204,18 @@ impl std::fmt::Debug for Shards {
     }
 }
 
+/// The writer threads' replies to barriers.
+#[derive(Debug)]
+pub struct Replies(mpsc::Receiver<Reply>);
+
+impl Replies {
+    /// The next reply from a thread; `None` once every thread has
+    /// stopped. Cancel-safe.
+    pub async fn next(&mut self) -> Option<Reply> {
+        self.0.recv().await
+    }
+}
+
 /// A writer thread is gone (it failed; [`Shards::finish`] says why).
 #[derive(Debug, thiserror::Error)]
 #[error("a fleet writer thread stopped")]
@@ -183,8 +224,10 @@ pub struct ShardGone;
 impl Shards {
     /// Starts one thread per writer of `shards` (from
     /// [`FleetWriter::into_shards`]), each queueing at most `queue`
-    /// messages.
-    pub fn start(shards: Vec<FleetWriter>, queue: usize) -> std::io::Result<Shards> {
+    /// hand-offs; and their replies. The replies are apart so that a
+    /// caller can wait for one while it waits for room
+    /// ([`unblock`](Self::unblock)).
+    pub fn start(shards: Vec<FleetWriter>, queue: usize) -> std::io::Result<(Shards, Replies)> {
         let counters = Arc::new(Counters {
             written: AtomicU64::new(0),
             duplicates: AtomicU64::new(0),
@@ -195,6 +238,7 @@ impl Shards {
             cpu: CpuSum::default(),
             route_waits: AtomicU64::new(0),
             route_wait_ns: AtomicU64::new(0),
+            held_since_ns: AtomicU64::new(0),
         });
         // Room for one reply per thread per barrier, and one barrier is in
         // flight at a time.
@@ -215,12 +259,13 @@ impl Shards {
             );
             senders.push(tx);
         }
-        Ok(Shards {
+        let shards = Shards {
+            backlog: (0..senders.len()).map(|_| None).collect(),
             senders,
-            replies,
             threads,
             counters,
-        })
+        };
+        Ok((shards, Replies(replies)))
     }
 
     /// Threads.
@@ -244,52 +289,96 @@ impl Shards {
         engine.map_or(0, |e| shard_of(e, self.senders.len()))
     }
 
-    /// Hands `batch` (messages and their sequences in the stream, all for
-    /// [`thread_of`](Self::thread_of) `thread`, in the order delivered) to
-    /// that thread; waits while its queue is full. Messages go in batches
-    /// of what was delivered together, since waking a thread costs about
-    /// what checking a small message does. A wait is counted
-    /// ([`Counters::route_waits`]).
-    pub async fn route(
-        &self,
-        thread: usize,
-        batch: Vec<(async_nats::Message, u64)>,
-    ) -> Result<(), ShardGone> {
-        let job = match self.senders[thread].try_send(Job::Batch(batch)) {
-            Ok(()) => return Ok(()),
-            Err(mpsc::error::TrySendError::Closed(_)) => return Err(ShardGone),
-            Err(mpsc::error::TrySendError::Full(job)) => job,
-        };
-        self.counters.route_waits.fetch_add(1, Ordering::Relaxed);
-        // Timed by a guard, so that a wait cut short (the recorder
-        // stopping) still counts.
-        let _waiting = Waiting {
-            counters: &self.counters,
-            since: Instant::now(),
-        };
-        self.senders[thread].send(job).await.map_err(|_| ShardGone)
-    }
-
-    /// Puts barrier `token` behind everything routed so far, on every
-    /// thread.
-    pub async fn begin_checkpoint(&self, token: u64) -> Result<(), ShardGone> {
-        for s in &self.senders {
-            s.send(Job::Checkpoint(token))
-                .await
-                .map_err(|_| ShardGone)?;
+    /// Hands each thread its batch of `by_thread` (indexed by
+    /// [`thread_of`](Self::thread_of); messages in the order delivered),
+    /// without waiting: a batch whose thread's queue is full, or that
+    /// has a backlog already, joins that thread's backlog and is counted
+    /// ([`Counters::route_waits`]). Messages go in batches of what was
+    /// delivered together, since waking a thread costs about what
+    /// checking a small message does.
+    pub fn route(&mut self, by_thread: Vec<Batch>) -> Result<(), ShardGone> {
+        for (thread, batch) in by_thread.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            if let Some(waiting) = &mut self.backlog[thread] {
+                waiting.extend(batch);
+                continue;
+            }
+            let batch = match self.senders[thread].try_send(Job::Batch(batch)) {
+                Ok(()) => continue,
+                Err(mpsc::error::TrySendError::Closed(_)) => return Err(ShardGone),
+                Err(mpsc::error::TrySendError::Full(Job::Batch(b))) => b,
+                Err(mpsc::error::TrySendError::Full(Job::Checkpoint(_))) => {
+                    unreachable!("a batch was sent")
+                }
+            };
+            self.counters.route_waits.fetch_add(1, Ordering::Relaxed);
+            if !self.backlogged() {
+                self.counters.held();
+            }
+            self.backlog[thread] = Some(batch);
         }
         Ok(())
     }
 
-    /// The next reply from a thread. Cancel-safe.
-    pub async fn reply(&mut self) -> Option<Reply> {
-        self.replies.recv().await
+    /// Some thread has a backlog: take no more messages until
+    /// [`unblock`](Self::unblock) has handed it over.
+    pub fn backlogged(&self) -> bool {
+        self.backlog.iter().any(Option::is_some)
+    }
+
+    /// Waits until a thread with a backlog has room and hands it its
+    /// backlog; returns at once if none has one. Cancel-safe: a backlog
+    /// not handed over stays.
+    pub async fn unblock(&mut self) -> Result<(), ShardGone> {
+        let waiting: Vec<usize> = (0..self.backlog.len())
+            .filter(|&t| self.backlog[t].is_some())
+            .collect();
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        let senders = &self.senders;
+        let room = waiting.iter().map(|&t| Box::pin(senders[t].reserve()));
+        let (permit, i, _) = futures_util::future::select_all(room).await;
+        let permit = permit.map_err(|_| ShardGone)?;
+        if let Some(batch) = self.backlog[waiting[i]].take() {
+            permit.send(Job::Batch(batch));
+        }
+        if !self.backlogged() {
+            self.counters.released();
+        }
+        Ok(())
+    }
+
+    /// Puts barrier `token` behind everything routed so far, on every
+    /// thread (its backlog handed over first).
+    pub async fn begin_checkpoint(&mut self, token: u64) -> Result<(), ShardGone> {
+        for (s, waiting) in self.senders.iter().zip(&mut self.backlog) {
+            if let Some(batch) = waiting.take() {
+                s.send(Job::Batch(batch)).await.map_err(|_| ShardGone)?;
+            }
+            s.send(Job::Checkpoint(token))
+                .await
+                .map_err(|_| ShardGone)?;
+        }
+        self.counters.released();
+        Ok(())
     }
 
     /// Stops the threads once they have written what they were given,
     /// closing every log: what each thread leaves, or the first error of
     /// a thread that failed.
     pub fn finish(self) -> Result<Vec<ShardEnd>, FleetError> {
+        // A backlog left (the caller stopped on an error) is written
+        // too, though never acknowledged: redelivered, it is skipped as
+        // duplicates.
+        for (s, waiting) in self.senders.iter().zip(self.backlog) {
+            if let Some(batch) = waiting {
+                let _ = s.blocking_send(Job::Batch(batch));
+            }
+        }
+        self.counters.released();
         drop(self.senders);
         let mut ends = Vec::with_capacity(self.threads.len());
         let mut first_error = None;
@@ -405,13 +494,25 @@ mod tests {
     }
 
     /// A fleet recording opened in `dir` and split over `threads` writer
-    /// threads, each queueing `queue` hand-offs: its base manifest and
-    /// the threads.
-    fn started(dir: &std::path::Path, threads: usize, queue: usize) -> (FleetManifest, Shards) {
+    /// threads, each queueing `queue` hand-offs: its base manifest, the
+    /// threads and their replies.
+    fn started(
+        dir: &std::path::Path,
+        threads: usize,
+        queue: usize,
+    ) -> (FleetManifest, Shards, Replies) {
         let w =
             FleetWriter::open(dir, "nats://test", Some("c"), RecorderConfig::default()).unwrap();
         let (base, parts) = w.into_shards(threads);
-        (base, Shards::start(parts, queue).unwrap())
+        let (shards, replies) = Shards::start(parts, queue).unwrap();
+        (base, shards, replies)
+    }
+
+    /// `msg`, and its stream seq, for its engine's thread alone.
+    fn only_to(shards: &Shards, engine: &str, msg: async_nats::Message, seq: u64) -> Vec<Batch> {
+        let mut by_thread: Vec<Batch> = vec![Vec::new(); shards.len()];
+        by_thread[shards.thread_of(Some(engine))].push((msg, seq));
+        by_thread
     }
 
     /// Engines split over threads are each written whole, in order; a
@@ -421,7 +522,7 @@ mod tests {
     #[test]
     fn engines_split_over_threads_are_written_whole_and_their_manifests_merge() {
         let tmp = tempfile::tempdir().unwrap();
-        let (base, mut shards) = started(tmp.path(), 3, 2);
+        let (base, mut shards, mut replies) = started(tmp.path(), 3, 2);
         let engines = ["a", "b", "c", "d", "e"];
         let threads: std::collections::BTreeSet<usize> =
             engines.iter().map(|e| shards.thread_of(Some(e))).collect();
@@ -433,21 +534,18 @@ mod tests {
             for round in 0..4u64 {
                 for e in engines {
                     let m = message(e, round * 10..round * 10 + 10);
-                    shards
-                        .route(shards.thread_of(Some(e)), vec![(m, round)])
-                        .await
-                        .unwrap();
+                    shards.route(only_to(&shards, e, m, round)).unwrap();
+                    while shards.backlogged() {
+                        shards.unblock().await.unwrap();
+                    }
                 }
             }
             let bad = raw("c", b"KVBN not a batch".to_vec());
-            shards
-                .route(shards.thread_of(Some("c")), vec![(bad, 99)])
-                .await
-                .unwrap();
+            shards.route(only_to(&shards, "c", bad, 99)).unwrap();
             shards.begin_checkpoint(1).await.unwrap();
             let mut parts = Vec::new();
             while parts.len() < shards.len() {
-                match shards.reply().await.unwrap() {
+                match replies.next().await.unwrap() {
                     Reply::Checkpointed {
                         token: 1,
                         manifest,
@@ -481,46 +579,137 @@ mod tests {
     }
 
     /// A writer thread held up (here: its replies not read) fills its
-    /// queue; routing to it then waits, and the wait is counted and
-    /// timed (a wait cut short too), where before a full queue stalled the
-    /// routing unseen.
+    /// queue; what is routed to it then waits in its backlog, counted,
+    /// and timed for as long as it waits, while the other thread is
+    /// handed its messages at once and writes them; a wait cut short
+    /// keeps the backlog, room hands it over, and a barrier goes behind
+    /// it.
     #[test]
-    fn routing_that_waits_on_a_full_queue_is_counted() {
+    fn a_full_queue_holds_back_its_thread_alone_and_is_counted() {
         use std::time::Duration;
         let tmp = tempfile::tempdir().unwrap();
-        let (_base, mut shards) = started(tmp.path(), 1, 1);
+        let (_base, mut shards, mut replies) = started(tmp.path(), 2, 1);
+        let first = shards.thread_of(Some("a"));
+        let other = ["b", "c", "d", "e", "f", "g", "h"]
+            .into_iter()
+            .find(|e| shards.thread_of(Some(e)) != first)
+            .expect("an engine on the other thread");
+        let counters = shards.counters();
+        let written = |n: u64| {
+            let counters = counters.clone();
+            async move {
+                tokio::time::timeout(Duration::from_secs(5), async {
+                    while counters.written() < n {
+                        counters.written_batch().await;
+                    }
+                })
+                .await
+                .is_ok()
+            }
+        };
+        // One message for each engine, seqs `seqs`.
+        let both = |shards: &Shards, seqs: std::ops::Range<u64>| {
+            let mut by_thread = only_to(shards, "a", message("a", seqs.clone()), 1);
+            by_thread[shards.thread_of(Some(other))].push((message(other, seqs), 2));
+            by_thread
+        };
+        // Until every thread has taken everything queued for it.
+        let taken = |shards: &Shards| {
+            let t = Instant::now();
+            while shards
+                .senders
+                .iter()
+                .any(|s| s.capacity() < s.max_capacity())
+            {
+                assert!(t.elapsed() < Duration::from_secs(5), "a queue not taken");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
             .unwrap();
         rt.block_on(async {
-            // Room for two replies: the thread stops at the third, and
-            // the queue (one hand-off) fills behind it.
+            // The replies have room for four, two a thread: the threads'
+            // six replies to three barriers fill it, and with one read,
+            // one thread (whichever) has sent its three and goes on, the
+            // other is held at its third, its queue empty.
             for token in 1..=3 {
                 shards.begin_checkpoint(token).await.unwrap();
             }
-            assert_eq!(shards.counters().route_waits().0, 0);
-            let first = message("a", 0..10);
-            tokio::time::timeout(Duration::from_secs(5), shards.route(0, vec![(first, 1)]))
+            replies.next().await.unwrap();
+            taken(&shards);
+            assert_eq!(counters.route_waits().0, 0);
+            // Each thread's queue has room for one hand-off: the free
+            // thread writes its message, the held one's waits queued.
+            shards.route(both(&shards, 0..5)).unwrap();
+            assert!(!shards.backlogged(), "the queues had room for one hand-off");
+            assert!(written(5).await, "neither thread wrote");
+            // Now the held thread's queue is full: its hand-off waits in
+            // its backlog, and the free thread is given its own at once.
+            shards.route(both(&shards, 5..10)).unwrap();
+            assert!(shards.backlogged(), "the held thread's hand-off found room");
+            assert_eq!(
+                counters.route_waits().0,
+                1,
+                "one hand-off found its queue full"
+            );
+            assert!(written(10).await, "a full queue held back the other thread");
+            assert_eq!(counters.written(), 10, "the held thread wrote");
+            let cut = tokio::time::timeout(Duration::from_millis(60), shards.unblock()).await;
+            assert!(cut.is_err(), "room while the thread is held");
+            assert!(shards.backlogged(), "a wait cut short lost its backlog");
+            assert!(
+                counters.route_waits().1 >= Duration::from_millis(50),
+                "the wait so far is not counted"
+            );
+            // One more reply read: the held thread sends its third, writes
+            // what it had queued, and has room for its backlog.
+            replies.next().await.unwrap();
+            tokio::time::timeout(Duration::from_secs(5), shards.unblock())
                 .await
-                .expect("the queue had room for one hand-off")
+                .expect("no room once the thread went on")
                 .unwrap();
-            let second = message("a", 10..20);
-            let cut = tokio::time::timeout(
-                Duration::from_millis(60),
-                shards.route(0, vec![(second, 2)]),
-            )
-            .await;
-            assert!(cut.is_err(), "the second hand-off found room");
-            for _ in 0..3 {
-                shards.reply().await.unwrap();
-            }
+            assert!(!shards.backlogged());
+            assert!(written(20).await, "the backlog was not written");
+            // The replies are full again: a fourth barrier holds both
+            // threads, and with their queues full both hand-offs wait.
+            shards.begin_checkpoint(4).await.unwrap();
+            taken(&shards);
+            shards.route(both(&shards, 10..15)).unwrap();
+            shards.route(both(&shards, 15..20)).unwrap();
+            assert_eq!(counters.route_waits().0, 3);
+            // A barrier goes behind the backlogs: by the threads' replies
+            // to it, the backlogs are written.
+            let barrier = async {
+                shards.begin_checkpoint(5).await.unwrap();
+                assert!(!shards.backlogged());
+            };
+            let replies = async {
+                let mut after = 0;
+                while after < 2 {
+                    if let Reply::Checkpointed { token: 5, .. } = replies.next().await.unwrap() {
+                        after += 1;
+                    }
+                }
+                counters.written()
+            };
+            let (_, at_barrier) = tokio::join!(barrier, replies);
+            assert_eq!(at_barrier, 40, "the barrier overtook a backlog");
         });
-        let (waits, waited) = shards.counters().route_waits();
-        assert!(waits >= 1, "no wait counted");
+        let (waits, waited) = counters.route_waits();
+        assert_eq!(waits, 3);
         assert!(waited >= Duration::from_millis(50), "{waited:?}");
         let ends = shards.finish().unwrap();
-        let rec = &ends[0].recordings[0].1;
-        assert_eq!((rec.events, rec.last_seq), (10, Some(9)));
+        let got: Vec<_> = ends
+            .into_iter()
+            .flat_map(|e| e.recordings)
+            .map(|(_, r)| (r.events, r.first_seq, r.last_seq))
+            .collect();
+        assert_eq!(
+            got,
+            [(20, Some(0), Some(19)); 2],
+            "each engine whole, in order"
+        );
     }
 }

@@ -18,7 +18,7 @@ use kvbm_recorder::cpu::{self, CpuSum};
 use kvbm_recorder::fleet::{self, FleetWriter};
 use kvbm_recorder::log::LogConfig;
 use kvbm_recorder::recorder::{self, RecorderConfig};
-use kvbm_recorder::shards::{Reply, Shards};
+use kvbm_recorder::shards::{Replies, Reply, Shards};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -98,7 +98,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         usize::from,
     );
     let (base, shards) = writer.into_shards(threads);
-    let mut shards = Shards::start(shards, usize::from(remote.writer_queue))?;
+    let (mut shards, mut replies) = Shards::start(shards, usize::from(remote.writer_queue))?;
     let counters = shards.counters();
     // Where the CPU goes, by thread: the runtime's threads and this one
     // (in block_on) receive and route, the runtime's also run the
@@ -141,8 +141,9 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             tokio::select! {
                 // Every message delivered and not yet taken, at most
                 // ROUTE_CHUNK: each writer thread gets its share of them in
-                // one hand-off.
-                chunk = messages.next() => {
+                // one hand-off. None while a thread's full queue holds a
+                // backlog: JetStream keeps the rest meanwhile.
+                chunk = messages.next(), if !shards.backlogged() => {
                     let Some(chunk) = chunk else { break "the consumer ended" };
                     let mut by_thread: Vec<Vec<_>> = vec![Vec::new(); shards.len()];
                     for m in chunk {
@@ -169,16 +170,15 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                         }
                         commits.delivered(acker, stream_seq);
                     }
-                    for (thread, batch) in by_thread.into_iter().enumerate() {
-                        if !batch.is_empty() {
-                            shards.route(thread, batch).await?;
-                        }
-                    }
+                    shards.route(by_thread)?;
                     if commits.pending >= COMMIT_MESSAGES {
-                        commits.begin(&shards).await?;
+                        commits.begin(&mut shards).await?;
                     }
                 },
-                Some(reply) = shards.reply(), if commits.awaiting_replies() => {
+                // Room for a backlog; the replies and acknowledgements
+                // go on meanwhile.
+                room = shards.unblock(), if shards.backlogged() => room?,
+                Some(reply) = replies.next(), if commits.awaiting_replies() => {
                     commits.reply(reply)?;
                 }
                 done = commits.wait_durable(), if commits.syncing() => {
@@ -192,7 +192,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 }
                 _ = tick.tick() => {
                     if commits.pending > 0 {
-                        commits.begin(&shards).await?;
+                        commits.begin(&mut shards).await?;
                     }
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         break "--duration-s reached";
@@ -205,7 +205,9 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             }
         };
         // Everything routed is written, checkpointed and acknowledged.
-        commits.finish(&mut shards, &mut stats).await?;
+        commits
+            .finish(&mut shards, &mut replies, &mut stats)
+            .await?;
         let _ = client.flush().await;
         Ok(why)
     });
@@ -250,11 +252,11 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         limit.times,
         held.as_secs_f64()
     );
-    // Time the routing stood still for a writer thread's full queue: then
-    // a writer thread, not the server, was the bound.
+    // Time the receiving was held back by a writer thread's full queue:
+    // then a writer thread, not the server, was the bound.
     let (waits, waited) = counters.route_waits();
     println!(
-        "  routing waited for a full writer queue ({} hand-offs a thread) {waits} times, {:.3} s in all",
+        "  receiving held back by a full writer queue ({} hand-offs a thread) {waits} times, {:.3} s in all",
         remote.writer_queue,
         waited.as_secs_f64()
     );
@@ -461,7 +463,7 @@ impl Commits {
 
     /// Puts a barrier behind what was delivered, unless one is in flight
     /// (the next tick tries again).
-    async fn begin(&mut self, shards: &Shards) -> Result<()> {
+    async fn begin(&mut self, shards: &mut Shards) -> Result<()> {
         if self.barrier.is_some() {
             return Ok(());
         }
@@ -568,7 +570,12 @@ impl Commits {
 
     /// Waits for the barrier in flight, then commits everything delivered
     /// since.
-    async fn finish(&mut self, shards: &mut Shards, stats: &mut Session) -> Result<()> {
+    async fn finish(
+        &mut self,
+        shards: &mut Shards,
+        replies: &mut Replies,
+        stats: &mut Session,
+    ) -> Result<()> {
         for round in 0..2 {
             if round == 1 {
                 if self.last.is_none() {
@@ -577,7 +584,7 @@ impl Commits {
                 self.begin(shards).await?;
             }
             while self.awaiting_replies() {
-                let Some(reply) = shards.reply().await else {
+                let Some(reply) = replies.next().await else {
                     bail!("the fleet writer threads stopped");
                 };
                 self.reply(reply)?;

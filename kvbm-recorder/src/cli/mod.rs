@@ -92,9 +92,10 @@ struct RemoteArgs {
     #[arg(long, requires = "from", value_parser = clap::value_parser!(u16).range(1..=256))]
     writer_threads: Option<u16>,
     /// `--from nats://`: hand-offs (each what one delivery brought for
-    /// that thread) a writer thread queues before the routing waits for
-    /// it, and with it the routing to every thread. What is in flight is
-    /// bounded anyway by the consumer's limit of unacknowledged messages.
+    /// that thread) a writer thread queues; one more waits beside a full
+    /// queue while the others go on, and the recorder takes no more
+    /// messages until it is handed over. What is in flight is bounded
+    /// anyway by the consumer's limit of unacknowledged messages.
     #[arg(long, requires = "from", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=4096))]
     writer_queue: u16,
 }
