@@ -490,6 +490,41 @@ async fn resuming_from_an_overwritten_seq_gets_an_explicit_gap() {
     h.shutdown().await.unwrap();
 }
 
+/// Live says the backfill is done: it comes after every event the Hello
+/// announced, even when the live window (which the encoder fills from
+/// the ring, here only on its 100 ms fallback: nobody signals it) has
+/// not encoded them yet. Before, a client connecting in that moment got
+/// Hello (first 900, last 999), then Live, then the backfill after it:
+/// a rare flake of the test above, made certain here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_comes_after_everything_the_hello_announced() {
+    let ring = Arc::new(RingBuffer::with_capacity(100).unwrap());
+    let engine = ServedEngine::new(ring.clone(), 3);
+    // As a feeder would: the encoder then waits 100 ms between looks at
+    // the ring rather than 1 ms, unless signalled.
+    engine.signal().mark_attached();
+    let h = serve(local(), engine).await;
+    // Let the encoder find the ring empty and wait.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for seq in 0..1000u64 {
+        ring.push(Event {
+            engine: 3,
+            seq,
+            ts_ns: seq,
+            iteration: 0,
+            request: None,
+            kind: gauge(seq as u32),
+        });
+    }
+    let mut ws = ws_connect(h.local_addr(), "?since=10", &[]).await.unwrap();
+    let mut seen = Seen::default();
+    read_until(&mut ws, &mut seen, |s| s.live_at.is_some()).await;
+    assert_eq!(seen.gaps, [(10, 899, GapReason::Overwritten)], "{seen:?}");
+    assert_eq!(seen.seqs, (900..1000).collect::<Vec<_>>());
+    assert_eq!(seen.live_at, Some(100), "Live before the backfill");
+    h.shutdown().await.unwrap();
+}
+
 // ---------------------------------------------------------------------------
 // Handshake, tokens, limits
 // ---------------------------------------------------------------------------

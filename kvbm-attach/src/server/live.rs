@@ -321,6 +321,12 @@ impl Cursor {
         }
     }
 
+    /// The next ring position it wants: everything below it was sent or
+    /// skipped.
+    pub fn pos(&self) -> u64 {
+        self.pos
+    }
+
     /// The gap before an event with sequence number `seq`, if any.
     /// `overwritten`: the client's read skipped positions the ring no
     /// longer holds.

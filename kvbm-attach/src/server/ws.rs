@@ -467,6 +467,11 @@ async fn write_loop_inner(
         next: tokio::time::Instant::now() + state.cfg.ping_interval,
     };
     w.send(&hello(state, id)).await?;
+    // The ring's end once the Hello was read from it: Live, which says
+    // the backfill is done, waits until the cursor has passed it, so
+    // that it comes after every event the Hello announced even when the
+    // live window, which the cursor reads, has not encoded them yet.
+    let backfill_end = ring.counters().pushed;
     let view = (**bp_rx.borrow_and_update()).clone();
     w.send(&ServerMsg::Breakpoints(view)).await?;
     let mut cursor = Cursor::new(ring, since, state.max_batch());
@@ -497,7 +502,7 @@ async fn write_loop_inner(
         match cursor.next(ring, &state.live) {
             Step::Send(outs) => w.send_outs(outs).await?,
             Step::CaughtUp => {
-                if !live_sent {
+                if !live_sent && cursor.pos() >= backfill_end {
                     live_sent = true;
                     w.send(&ServerMsg::Live).await?;
                     continue;
