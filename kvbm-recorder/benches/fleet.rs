@@ -451,6 +451,7 @@ fn run_store(
                 l.contains("checkpoints")
                     || l.contains("unacknowledged messages")
                     || l.contains("full writer queue")
+                    || l.contains("waited for deliveries")
                     || l.trim().starts_with("CPU: ")
             })
             .map(|l| l.trim().to_string())

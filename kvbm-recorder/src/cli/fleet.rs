@@ -126,9 +126,11 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     let outcome: Result<&str> = rt.block_on(async {
         let client = connect(url, "kvbm-recorder").await?;
         let js = async_nats::jetstream::new(client.clone());
-        let mut messages = consume::durable_messages(&js, &cfg)
-            .await?
-            .ready_chunks(ROUTE_CHUNK);
+        let mut messages = DeliveryWaits::new(
+            consume::durable_messages(&js, &cfg)
+                .await?
+                .ready_chunks(ROUTE_CHUNK),
+        );
         eprintln!(
             "recording {} from {url} (consumer {consumer}, {threads} writer threads)",
             cfg.filter.subject()
@@ -159,6 +161,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                         };
                         last_delivery = Instant::now();
                         stats.first_delivery.get_or_insert(last_delivery);
+                        stats.last_delivery = Some(last_delivery);
                         stats.messages += 1;
                         let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
                         let (msg, acker) = msg.split();
@@ -204,6 +207,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 _ = &mut stop => break "interrupted",
             }
         };
+        stats.delivery_waits = (messages.times, messages.waited);
         // Everything routed is written, checkpointed and acknowledged.
         commits
             .finish(&mut shards, &mut replies, &mut stats)
@@ -252,6 +256,17 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         limit.times,
         held.as_secs_f64()
     );
+    // Time the loop had nothing to route and waited for the server (or
+    // the connection): neither the writers nor the loop were the bound
+    // then. The wait after the last message is not counted.
+    if let (Some(first), Some(last)) = (stats.first_delivery, stats.last_delivery) {
+        let (times, waited) = stats.delivery_waits;
+        println!(
+            "  waited for deliveries {times} times, {:.3} s in all, of {:.3} s from the first message to the last",
+            waited.as_secs_f64(),
+            last.saturating_duration_since(first).as_secs_f64()
+        );
+    }
     // Time the receiving was held back by a writer thread's full queue:
     // then a writer thread, not the server, was the bound.
     let (waits, waited) = counters.route_waits();
@@ -319,6 +334,57 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     Ok(0)
 }
 
+/// Times the waits for a delivery: from a poll that found nothing ready
+/// to the next message, after the first message (before it, the stream
+/// may simply be empty). Wrapping the consumer's stream, it counts only
+/// while the loop asks for messages, not while a backlog holds it back.
+struct DeliveryWaits<S> {
+    inner: S,
+    started: bool,
+    since: Option<Instant>,
+    times: u64,
+    waited: Duration,
+}
+
+impl<S> DeliveryWaits<S> {
+    fn new(inner: S) -> Self {
+        DeliveryWaits {
+            inner,
+            started: false,
+            since: None,
+            times: 0,
+            waited: Duration::ZERO,
+        }
+    }
+}
+
+impl<S: futures_util::Stream + Unpin> futures_util::Stream for DeliveryWaits<S> {
+    type Item = S::Item;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<S::Item>> {
+        let this = &mut *self;
+        let got = this.inner.poll_next_unpin(cx);
+        match &got {
+            std::task::Poll::Pending => {
+                if this.started && this.since.is_none() {
+                    this.since = Some(Instant::now());
+                    this.times += 1;
+                }
+            }
+            std::task::Poll::Ready(_) => {
+                this.started = true;
+                if let Some(t) = this.since.take() {
+                    this.waited += t.elapsed();
+                }
+            }
+        }
+        got
+    }
+}
+
 #[derive(Debug, Default)]
 struct Session {
     messages: u64,
@@ -328,6 +394,10 @@ struct Session {
     /// Checkpoints whose acknowledgement did not land.
     acks_lost: u64,
     first_delivery: Option<Instant>,
+    last_delivery: Option<Instant>,
+    /// Times the loop waited for a delivery after the first, and how
+    /// long in all ([`DeliveryWaits`]).
+    delivery_waits: (u64, Duration),
     commits: u64,
     /// How long the last checkpoint took, from its barrier to its
     /// acknowledgement.
@@ -911,5 +981,35 @@ mod tests {
         let mut none = AckLimit::default();
         none.delivered();
         assert_eq!((none.times, none.since.is_some()), (0, false));
+    }
+
+    /// The waits between deliveries are counted and timed; the wait for
+    /// the first message is not (the stream may simply be empty).
+    #[test]
+    fn delivery_waits_time_the_gaps_between_messages_not_before_the_first() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<u32>();
+            let mut s =
+                DeliveryWaits::new(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)));
+            let nothing = tokio::time::timeout(Duration::from_millis(30), s.next()).await;
+            assert!(nothing.is_err(), "a message before any was sent");
+            tx.send(1).unwrap();
+            assert_eq!(s.next().await, Some(1));
+            assert_eq!((s.times, s.waited), (0, Duration::ZERO));
+            tx.send(2).unwrap();
+            assert_eq!(s.next().await, Some(2), "ready: no wait");
+            assert_eq!(s.times, 0);
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                tx.send(3).unwrap();
+            });
+            assert_eq!(s.next().await, Some(3));
+            assert_eq!(s.times, 1);
+            assert!(s.waited >= Duration::from_millis(50), "{:?}", s.waited);
+        });
     }
 }
