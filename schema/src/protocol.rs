@@ -200,7 +200,9 @@ pub enum ServerMsg {
         /// Why.
         reason: GapReason,
     },
-    /// The backfill is over; what follows is live.
+    /// The backfill is over; what follows is live. It comes after every
+    /// event the [`ServerMsg::Hello`] announced (up to its `last_seq`)
+    /// that the client asked for.
     Live,
     /// The breakpoints and paused calls changed.
     Breakpoints(BreakpointsView),
