@@ -291,9 +291,9 @@ impl Shards {
 
     /// Hands each thread its batch of `by_thread` (indexed by
     /// [`thread_of`](Self::thread_of); messages in the order delivered),
-    /// without waiting: a batch whose thread's queue is full, or that
-    /// has a backlog already, joins that thread's backlog and is counted
-    /// ([`Counters::route_waits`]). Messages go in batches of what was
+    /// without waiting: a batch whose thread's queue is full becomes that
+    /// thread's backlog, counted ([`Counters::route_waits`]), and one for
+    /// a thread with a backlog already joins it. Messages go in batches of what was
     /// delivered together, since waking a thread costs about what
     /// checking a small message does.
     pub fn route(&mut self, by_thread: Vec<Batch>) -> Result<(), ShardGone> {
