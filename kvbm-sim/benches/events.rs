@@ -91,16 +91,7 @@ fn emit_cost(samples: usize, sample: Duration) -> Vec<(String, f64, String)> {
 
     // The recorder tap, drained by a consumer.
     let e = emitter();
-    let mut tap = e.bus().take_tap().unwrap();
-    let t = std::thread::spawn(move || {
-        let mut n = 0u64;
-        drain_polling(&mut tap, |i| {
-            if matches!(i, TapItem::Event(_)) {
-                n += 1;
-            }
-        });
-        n
-    });
+    let (taken, t) = tap_consumer(&e);
     let ns = common::median_ns_per_unit(samples, sample, burst, || {
         for _ in 0..burst {
             e.emit(Some(&req), kind());
@@ -108,7 +99,8 @@ fn emit_cost(samples: usize, sample: Duration) -> Vec<(String, f64, String)> {
     });
     let c = e.bus().counters();
     drop(e);
-    let delivered = t.join().unwrap_or(0);
+    let _ = t.join();
+    let delivered = taken.load(Ordering::Acquire);
     rows.push((
         "lossless tap drained by a consumer".to_string(),
         ns,
@@ -136,18 +128,7 @@ fn clock_cost(samples: usize, req: &RequestId) -> Vec<(String, f64, String)> {
         Arc::new(StdClock(Instant::now())),
     ] {
         let e = Arc::new(Emitter::new(0, BusConfig::default(), clock).unwrap());
-        let mut tap = e.bus().take_tap().unwrap();
-        let taken = Arc::new(AtomicU64::new(0));
-        let t = {
-            let taken = taken.clone();
-            std::thread::spawn(move || {
-                drain_polling(&mut tap, |i| {
-                    if matches!(i, TapItem::Event(_)) {
-                        taken.fetch_add(1, Ordering::Release);
-                    }
-                })
-            })
-        };
+        let (taken, t) = tap_consumer(&e);
         cases.push((e, taken, t, Vec::new()));
     }
     for _ in 0..samples {
@@ -212,6 +193,23 @@ impl Clock for StdClock {
     fn now_ns(&self) -> u64 {
         self.0.elapsed().as_nanos() as u64
     }
+}
+
+/// Takes `e`'s tap and drains it on a thread of its own
+/// ([`drain_polling`]), counting the events it takes; the thread ends
+/// once `e` is dropped.
+fn tap_consumer(e: &Emitter) -> (Arc<AtomicU64>, std::thread::JoinHandle<()>) {
+    let mut tap = e.bus().take_tap().unwrap();
+    let taken = Arc::new(AtomicU64::new(0));
+    let counted = taken.clone();
+    let t = std::thread::spawn(move || {
+        drain_polling(&mut tap, |i| {
+            if matches!(i, TapItem::Event(_)) {
+                counted.fetch_add(1, Ordering::Release);
+            }
+        })
+    });
+    (taken, t)
 }
 
 /// How a recorder should consume the tap: take everything there is, then
