@@ -7,17 +7,20 @@
 #   bash scripts/bench-fleet-kit.sh prepare   # here: build, strip, gather
 #   bash scripts/bench-fleet-kit.sh run       # there, from the repository root
 #
-# `prepare` builds the bench and the recorder (release), strips them and
-# puts them with `nats-server` (scripts/setup-nats.sh) in
-# target/fleet-bench-kit (about 37 MB: small enough to carry to another
-# machine). `run` runs the bench from that kit RUNS times (default 2) with
-# the recording on disk, then once with it on a tmpfs (/dev/shm) and once
-# on disk with the writer threads' queues QUEUE deep (default 64), each run's
-# tables, and the recorder's CPU by thread (scripts/thread-cpu.py), into
-# $OUT (default: the current directory) and onto stdout. The
-# recorder's arguments, the events per engine and a smoke run are the
-# bench's own variables (KVBM_FLEET_RECORDER_ARGS, KVBM_FLEET_PER_ENGINE,
-# KVBM_BENCH_QUICK), passed through.
+# `prepare` builds the fleet bench, the events bench (the emitter's cost
+# and the clock's) and the recorder (release), strips them and puts them
+# with `nats-server` (scripts/setup-nats.sh) in target/fleet-bench-kit
+# (about 40 MB: small enough to carry to another machine). `run` runs the
+# fleet bench from that kit RUNS times (default 2) with the recording on
+# disk, then once with it on a tmpfs (/dev/shm) and once on disk with the
+# writer threads' queues QUEUE deep (default 64), each run's tables, and
+# the recorder's CPU by thread (scripts/thread-cpu.py), into $OUT
+# (default: the current directory) and onto stdout; then the events bench
+# (EVENTS= skips it); then, if LONG names the events per engine and fewer
+# than LONG_BEFORE_S seconds (default 400) have gone by, one longer run on
+# disk. The recorder's arguments, the events per engine and a smoke run
+# are the bench's own variables (KVBM_FLEET_RECORDER_ARGS,
+# KVBM_FLEET_PER_ENGINE, KVBM_BENCH_QUICK), passed through.
 set -euo pipefail
 
 KIT=target/fleet-bench-kit
@@ -29,27 +32,36 @@ die() {
 
 prepare() {
   command -v strip >/dev/null || die "strip (binutils) is needed"
-  local nats bench
+  local nats fleet events
   nats="$(bash scripts/setup-nats.sh)"
   cargo build --release -p kvbm-recorder --bin kvbm-recorder
-  # The bench's executable, as cargo names it (target/release/deps/fleet-HASH).
-  bench="$(cargo bench -p kvbm-recorder --bench fleet --no-run --message-format=json |
+  fleet="$(bench_executable kvbm-recorder fleet)"
+  events="$(bench_executable kvbm-sim events)"
+  rm -rf "$KIT"
+  mkdir -p "$KIT"
+  cp "$fleet" "$KIT/fleet"
+  cp "$events" "$KIT/events"
+  cp target/release/kvbm-recorder "$KIT/kvbm-recorder"
+  cp "$nats" "$KIT/nats-server"
+  strip "$KIT/fleet" "$KIT/events" "$KIT/kvbm-recorder"
+  du -sh "$KIT"
+  echo "carry $KIT to the other machine, then: bash scripts/bench-fleet-kit.sh run"
+}
+
+# The executable of bench $2 of package $1, built, as cargo names it
+# (target/release/deps/NAME-HASH).
+bench_executable() {
+  local exe
+  exe="$(cargo bench -p "$1" --bench "$2" --no-run --message-format=json |
     python3 -c '
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "fleet" and m.get("executable"):
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
         print(m["executable"])
-')"
-  [[ -n "$bench" && -x "$bench" ]] || die "cargo named no fleet bench executable"
-  rm -rf "$KIT"
-  mkdir -p "$KIT"
-  cp "$bench" "$KIT/fleet"
-  cp target/release/kvbm-recorder "$KIT/kvbm-recorder"
-  cp "$nats" "$KIT/nats-server"
-  strip "$KIT/fleet" "$KIT/kvbm-recorder"
-  du -sh "$KIT"
-  echo "carry $KIT to the other machine, then: bash scripts/bench-fleet-kit.sh run"
+' "$2")"
+  [[ -n "$exe" && -x "$exe" ]] || die "cargo named no $2 bench executable"
+  echo "$exe"
 }
 
 run() {
@@ -77,6 +89,20 @@ run() {
     echo "== the recording on disk, --writer-queue $queue"
     KVBM_FLEET_RECORDER_ARGS="${KVBM_FLEET_RECORDER_ARGS:-} --writer-queue $queue" \
       bench "$out/fleet-disk-queue-$queue.txt"
+  fi
+  if [[ -n "${EVENTS-1}" && -x "$KIT/events" ]]; then
+    echo "== the events bench"
+    "$KIT/events" --bench | tee "$out/events.txt"
+  fi
+  # A longer run, while there is time for it (a lent machine's time is
+  # short): what the recorder's start and closing weigh in a short run.
+  if [[ -n "${LONG:-}" ]]; then
+    if ((SECONDS < ${LONG_BEFORE_S:-400})); then
+      echo "== the recording on disk, $LONG events per engine"
+      KVBM_FLEET_PER_ENGINE="$LONG" bench "$out/fleet-disk-long.txt"
+    else
+      echo "== no time left for the longer run ($SECONDS s gone)"
+    fi
   fi
 }
 

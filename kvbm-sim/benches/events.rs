@@ -1,6 +1,6 @@
 //! Cost of emitting events, and what recording costs the simulator.
 //!
-//! Run: `cargo bench -p kvbm-core --bench events` (`KVBM_BENCH_QUICK=1` for
+//! Run: `cargo bench -p kvbm-sim --bench events` (`KVBM_BENCH_QUICK=1` for
 //! a short run). Two tables:
 //!
 //! 1. ns per `Emitter::emit` of a real event (a slot transition carrying a
