@@ -6,6 +6,8 @@
 #
 #   bash scripts/bench-fleet-kit.sh prepare   # here: build, strip, gather
 #   bash scripts/bench-fleet-kit.sh run       # there, from the repository root
+#   bash scripts/bench-fleet-kit.sh scaling   # there: the check, N at once
+#   bash scripts/bench-fleet-kit.sh variants  # there: recorder arguments
 #
 # `prepare` builds the fleet bench, the events bench (the emitter's cost
 # and the clock's) and the recorder (release), strips them and puts them
@@ -106,6 +108,60 @@ run() {
   fi
 }
 
+# The recorder's check (decompress, verify, validate: the fleet bench's
+# KVBM_FLEET_PHASES=1 mode, one thread, no NATS) run by 1, 4, 8... copies
+# at once (COUNTS), each copy PASSES times over: whether a core's checking
+# slows when the others check too (shared cores, caches, memory), which
+# no single-threaded figure shows. Prints the median ns an event of each
+# part over every copy and pass, by how many ran at once.
+scaling() {
+  [[ -x "$KIT/fleet" ]] || die "$KIT/fleet is missing: run 'prepare' on a machine with cargo first"
+  local tmp n i p
+  tmp="$(mktemp -d)"
+  echo "| copies at once | lz4 ns/event | verify ns/event | validate ns/event | check ns/event (all parts) |"
+  echo "|---:|---:|---:|---:|---:|"
+  for n in ${COUNTS:-1 4 8 12 16}; do
+    for ((i = 0; i < n; i++)); do
+      (for ((p = 0; p < ${PASSES:-5}; p++)); do
+        KVBM_FLEET_PHASES=1 "$KIT/fleet" --bench
+      done) >"$tmp/$n.$i" 2>&1 &
+    done
+    wait
+    cat "$tmp/$n".* | python3 -c '
+import statistics, sys
+parts = {}
+for line in sys.stdin:
+    name, sep, rest = line.strip().partition(":")
+    if sep and rest.strip().endswith("ns/event"):
+        parts.setdefault(name, []).append(float(rest.split()[0]))
+med = lambda k: "%.2f" % statistics.median(parts[k]) if k in parts else "-"
+print("| %s | %s | %s | %s | %s |" % (sys.argv[1], med("lz4"), med("verify"), med("validate"), med("check")))
+' "$n"
+  done
+  rm -rf "$tmp"
+}
+
+# The bench once per variant of the recorder's arguments (VARIANTS,
+# separated by ';'), the recording on a tmpfs, each into
+# $OUT/fleet-variant-N.txt, while fewer than VARIANTS_BEFORE_S seconds
+# (default 400) have gone by.
+variants() {
+  local out="${OUT:-.}" v i=0
+  mkdir -p "$out"
+  export KVBM_BIN_KVBM_RECORDER="$PWD/$KIT/kvbm-recorder"
+  export KVBM_NATS_SERVER="$PWD/$KIT/nats-server"
+  IFS=';' read -r -a vs <<<"${VARIANTS:?name the recorder arguments to try, separated by ;}"
+  for v in "${vs[@]}"; do
+    i=$((i + 1))
+    if ((SECONDS >= ${VARIANTS_BEFORE_S:-400})); then
+      echo "== no time left for: $v ($SECONDS s gone)"
+      continue
+    fi
+    echo "== variant $i, the recording on tmpfs: $v"
+    KVBM_FLEET_OUT=/dev/shm KVBM_FLEET_RECORDER_ARGS="$v" bench "$out/fleet-variant-$i.txt"
+  done
+}
+
 # One run of the bench into $1, with the recorder's CPU by thread after its
 # tables (scripts/thread-cpu.py: such a machine has no perf to say which
 # thread bounds the recorder).
@@ -123,5 +179,7 @@ bench() {
 case "${1:-}" in
   prepare) prepare ;;
   run) run ;;
-  *) die "usage: bash scripts/bench-fleet-kit.sh prepare|run" ;;
+  scaling) scaling ;;
+  variants) variants ;;
+  *) die "usage: bash scripts/bench-fleet-kit.sh prepare|run|scaling|variants" ;;
 esac
