@@ -89,8 +89,12 @@ pub struct Counters {
     /// When the last batch was written, in ns after `start`.
     last_written_ns: AtomicU64,
     start: Instant,
-    /// Woken after each batch written.
+    /// Woken once `wake_at` events are written ([`Counters::written_reaches`]).
     written_batch: Notify,
+    /// The written count a waiter waits for (`u64::MAX`: none). Only the
+    /// batch that reaches it wakes the waiter: a wake per batch would
+    /// cross threads tens of thousands of times a second for nothing.
+    wake_at: AtomicU64,
     /// The writer threads' CPU time, each thread's added as it ends.
     cpu: CpuSum,
     /// Hand-offs that found their thread's queue full, the ns the
@@ -117,10 +121,18 @@ impl Counters {
         self.refused.load(Ordering::Relaxed)
     }
 
-    /// Resolves once a batch has been written since the last call (or
-    /// before the first). Cancel-safe.
-    pub async fn written_batch(&self) {
-        self.written_batch.notified().await;
+    /// Resolves once `n` events have been written in this session, woken
+    /// by the batch that reaches it alone. Cancel-safe. One waiter at a
+    /// time: a second replaces the first's target.
+    pub async fn written_reaches(&self, n: u64) {
+        // SeqCst on this store and the load below, and on the writer
+        // threads' add and load: either this load sees their count, or
+        // they see this target and wake (a wake with no waiter yet is
+        // kept for the next `notified`).
+        self.wake_at.store(n, Ordering::SeqCst);
+        while self.written.load(Ordering::SeqCst) < n {
+            self.written_batch.notified().await;
+        }
     }
 
     /// The CPU time of the writer threads that have ended: all of it
@@ -235,6 +247,7 @@ impl Shards {
             last_written_ns: AtomicU64::new(0),
             start: Instant::now(),
             written_batch: Notify::new(),
+            wake_at: AtomicU64::new(u64::MAX),
             cpu: CpuSum::default(),
             route_waits: AtomicU64::new(0),
             route_wait_ns: AtomicU64::new(0),
@@ -422,7 +435,7 @@ fn run(
                             let a = writer
                                 .apply_block(engine, &c.header, c.block, c.lz4)
                                 .map_err(failed)?;
-                            counters.written.fetch_add(a.written, Ordering::Relaxed);
+                            counters.written.fetch_add(a.written, Ordering::SeqCst);
                             counters
                                 .duplicates
                                 .fetch_add(a.duplicates, Ordering::Relaxed);
@@ -439,7 +452,11 @@ fn run(
                 }
                 let ns = counters.start.elapsed().as_nanos().max(1) as u64;
                 counters.last_written_ns.fetch_max(ns, Ordering::Relaxed);
-                counters.written_batch.notify_one();
+                if counters.written.load(Ordering::SeqCst)
+                    >= counters.wake_at.load(Ordering::SeqCst)
+                {
+                    counters.written_batch.notify_one();
+                }
             }
             Job::Checkpoint(token) => {
                 let syncs = writer.checkpoint_detached().map_err(failed)?;
@@ -578,6 +595,64 @@ mod tests {
         }
     }
 
+    /// A waiter for a written count is woken by the batch that reaches
+    /// it, not by each batch before it.
+    #[test]
+    fn written_reaches_wakes_its_waiter_at_the_target_alone() {
+        use std::future::Future;
+        use std::task::{Context, Poll, Wake, Waker};
+        use std::time::Duration;
+        struct Wakes(AtomicU64);
+        impl Wake for Wakes {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let (_base, mut shards, _replies) = started(tmp.path(), 1, 4);
+        let counters = shards.counters();
+        let wakes = Arc::new(Wakes(AtomicU64::new(0)));
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut target = std::pin::pin!(counters.written_reaches(30));
+        assert!(target.as_mut().poll(&mut cx).is_pending());
+        let written = |n: u64| {
+            let t = Instant::now();
+            while counters.written() < n {
+                assert!(t.elapsed() < Duration::from_secs(5), "{n} never written");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        for (i, seqs) in [0..10, 10..20].into_iter().enumerate() {
+            shards
+                .route(only_to(&shards, "a", message("a", seqs), i as u64))
+                .unwrap();
+        }
+        written(20);
+        // The writer thread wakes (or not) before it takes its next job.
+        shards
+            .route(only_to(&shards, "b", message("b", 0..1), 9))
+            .unwrap();
+        written(21);
+        assert_eq!(
+            wakes.0.load(Ordering::SeqCst),
+            0,
+            "woken short of its target"
+        );
+        assert!(target.as_mut().poll(&mut cx).is_pending());
+        shards
+            .route(only_to(&shards, "a", message("a", 20..29), 3))
+            .unwrap();
+        written(30);
+        let t = Instant::now();
+        while wakes.0.load(Ordering::SeqCst) == 0 {
+            assert!(t.elapsed() < Duration::from_secs(5), "never woken");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(target.as_mut().poll(&mut cx), Poll::Ready(()));
+        shards.finish().unwrap();
+    }
+
     /// A writer thread held up (here: its replies not read) fills its
     /// queue; what is routed to it then waits in its backlog, counted,
     /// and timed for as long as it waits, while the other thread is
@@ -598,13 +673,9 @@ mod tests {
         let written = |n: u64| {
             let counters = counters.clone();
             async move {
-                tokio::time::timeout(Duration::from_secs(5), async {
-                    while counters.written() < n {
-                        counters.written_batch().await;
-                    }
-                })
-                .await
-                .is_ok()
+                tokio::time::timeout(Duration::from_secs(5), counters.written_reaches(n))
+                    .await
+                    .is_ok()
             }
         };
         // One message for each engine, seqs `seqs`.

@@ -188,11 +188,8 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                     done?;
                     commits.acknowledge(&mut stats).await?;
                 }
-                () = counters.written_batch(), if remote.events.is_some() => {
-                    if remote.events.is_some_and(|n| counters.written() >= n) {
-                        break "--events reached";
-                    }
-                }
+                () = counters.written_reaches(remote.events.unwrap_or(u64::MAX)),
+                    if remote.events.is_some() => break "--events reached",
                 _ = tick.tick() => {
                     if commits.pending > 0 {
                         commits.begin(&mut shards).await?;
