@@ -31,7 +31,11 @@
 //! delivery costs from what the recorder does;
 //! then the recorder drains it into a fleet recording (its writer threads
 //! checking and writing the engines' batches) and stops at the last
-//! event. All read the same messages from the same server. The ratio
+//! event; then the recorder drains it once more with `--receive-only`
+//! (its own consumer; its loop, routing and acknowledgements as before,
+//! its writer threads only counting each batch from its header), which
+//! tells what its receiving sustains without the writers' work beside
+//! the server. All read the same messages from the same server. The ratio
 //! compares like with like: the counting consumer from its first message
 //! to its last, the recorder from its first message to its last log
 //! closed (as it reports it). Beside it: the recorder to its last batch
@@ -191,6 +195,8 @@ struct Run {
     acking_s: f64,
     record_s: f64,
     written_s: f64,
+    /// The recorder receiving only, to its last batch counted.
+    receive_s: f64,
     process_s: f64,
     /// CPU time per phase: publishing, counting, checking, counting with
     /// the recorder's consumer, recording.
@@ -200,6 +206,8 @@ struct Run {
     /// The recorder's own account of its checkpoints and of the time the
     /// server held messages back for want of acknowledgements.
     recorder_notes: Vec<String>,
+    /// The same, of the recorder receiving only.
+    receive_notes: Vec<String>,
 }
 
 /// The CPU time a phase took, in ns: `nats-server`'s, and the client's
@@ -392,12 +400,12 @@ fn run_store(
     }
     .unwrap();
     let bin = kvbm_testkit::bin::workspace_bin("kvbm-recorder", "kvbm-recorder");
-    let t = Instant::now();
-    let (o, record_cpu) = with_cpu(server, CHILDREN, || {
-        Command::new(bin)
+    let recorder = |out: std::path::PathBuf, extra: &[&str]| {
+        Command::new(&bin)
             .args(["record", "--from", &url, "--out"])
-            .arg(dir.path().join("fleet"))
+            .arg(out)
             .args(["--events", &events.to_string()])
+            .args(extra)
             .args(
                 std::env::var("KVBM_FLEET_RECORDER_ARGS")
                     .unwrap_or_default()
@@ -405,7 +413,9 @@ fn run_store(
             )
             .output()
             .unwrap()
-    });
+    };
+    let t = Instant::now();
+    let (o, record_cpu) = with_cpu(server, CHILDREN, || recorder(dir.path().join("fleet"), &[]));
     let process_s = t.elapsed().as_secs_f64();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = String::from_utf8_lossy(&o.stdout);
@@ -414,19 +424,26 @@ fn run_store(
     // closed (every log flushed, its sidecar written, JetStream
     // acknowledged) — the span the counting consumer is timed over, from
     // its first message to its last, plus the recorder's closing.
-    let seconds = |to: &str| {
-        out.lines()
-            .find_map(|l| {
-                l.trim()
-                    .split_once(&format!(" s from the first message to {to}"))
-                    .and_then(|(v, _)| v.parse::<f64>().ok())
-            })
-            .unwrap_or_else(|| panic!("no timing to {to} in the recorder's output: {out}"))
-    };
-    let record_s = seconds("the last log closed");
+    let record_s = seconds_to(&out, "the last log closed");
     // Without the last checkpoint and the closing, which come once in a
     // recorder that runs for hours.
-    let written_s = seconds("the last batch written");
+    let written_s = seconds_to(&out, "the last batch written");
+
+    // 4. The recorder again, receiving only (`--receive-only`, a consumer
+    // of its own): its loop, routing and acknowledgements as in 3, its
+    // writer threads counting each message from its header: what its
+    // receiving sustains without the writers' work beside the server.
+    let o = recorder(
+        dir.path().join("receive-only"),
+        &["--receive-only", "--consumer", "bench-receive-only"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let only = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        only.contains(&format!("received {events} events")),
+        "{only}"
+    );
+    let receive_s = seconds_to(&only, "the last batch written");
     let split = out
         .lines()
         .find(|l| l.trim().starts_with("CPU: "))
@@ -442,21 +459,38 @@ fn run_store(
         acking_s,
         record_s,
         written_s,
+        receive_s,
         process_s,
         cpu: [publish_cpu, count_cpu, check_cpu, acking_cpu, record_cpu],
         split,
-        recorder_notes: out
-            .lines()
-            .filter(|l| {
-                l.contains("checkpoints")
-                    || l.contains("unacknowledged messages")
-                    || l.contains("full writer queue")
-                    || l.contains("waited for deliveries")
-                    || l.trim().starts_with("CPU: ")
-            })
-            .map(|l| l.trim().to_string())
-            .collect(),
+        recorder_notes: notes(&out),
+        receive_notes: notes(&only),
     }
+}
+
+/// Seconds from the first message to `to`, as the recorder reports them.
+fn seconds_to(out: &str, to: &str) -> f64 {
+    out.lines()
+        .find_map(|l| {
+            l.trim()
+                .split_once(&format!(" s from the first message to {to}"))
+                .and_then(|(v, _)| v.parse::<f64>().ok())
+        })
+        .unwrap_or_else(|| panic!("no timing to {to} in the recorder's output: {out}"))
+}
+
+/// The lines of the recorder's report that say what bounded it.
+fn notes(out: &str) -> Vec<String> {
+    out.lines()
+        .filter(|l| {
+            l.contains("checkpoints")
+                || l.contains("unacknowledged messages")
+                || l.contains("full writer queue")
+                || l.contains("waited for deliveries")
+                || l.trim().starts_with("CPU: ")
+        })
+        .map(|l| l.trim().to_string())
+        .collect()
 }
 
 /// Which consumer drains the stream.
@@ -788,15 +822,17 @@ fn main() {
         std::env::var("KVBM_FLEET_RECORDER_ARGS").unwrap_or_default()
     );
     println!(
-        "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | checking consumer (events/s) | acknowledging consumer: the recorder's, counting (events/s) | recorder, first message to last batch written (events/s) | recorder, first message to last log closed (events/s) | recorder / counting | recorder / checking | acknowledging / counting | recorder / acknowledging | recorder process, start to exit (events/s) |"
+        "| store | engines | events | MB on the wire | publish (events/s) | counting consumer (events/s) | checking consumer (events/s) | acknowledging consumer: the recorder's, counting (events/s) | recorder, first message to last batch written (events/s) | recorder, first message to last log closed (events/s) | recorder / counting | recorder / checking | acknowledging / counting | recorder / acknowledging | recorder process, start to exit (events/s) | recorder receiving only, first message to last batch counted (events/s) | receiving only / acknowledging |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     let mut runs = Vec::new();
     for file in [true, false] {
         let r = run_store(file, engines, per, &rt);
         let rate = |s: f64| r.events as f64 / s / 1e6;
         println!(
-            "| {} | {engines} | {} | {:.1} | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.0}% | {:.0}% | {:.0}% | {:.0}% | {:.2} M |",
+            "| {} | {engines} | {} | {:.1} | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.2} M | {:.0}% | {:.0}% | {:.0}% | {:.0}% | {:.2} M | {:.2} M | {:.0}% |",
             r.store,
             r.events,
             r.bytes as f64 / 1e6,
@@ -811,12 +847,17 @@ fn main() {
             100.0 * r.count_s / r.acking_s,
             100.0 * r.acking_s / r.record_s,
             rate(r.process_s),
+            rate(r.receive_s),
+            100.0 * r.acking_s / r.receive_s,
         );
         runs.push(r);
     }
     for r in &runs {
         for note in &r.recorder_notes {
             println!("({} store, the recorder: {note})", r.store);
+        }
+        for note in &r.receive_notes {
+            println!("({} store, the recorder receiving only: {note})", r.store);
         }
     }
     // Where the CPU goes: on a machine whose cores are all busy, a

@@ -30,12 +30,16 @@
 //! while [`Shards::unblock`] waits for room. Each hand-off that found its
 //! queue full is counted, and the time the receiving was held back is
 //! timed ([`Counters::route_waits`]).
+//!
+//! For measuring, the threads can instead only count each message's
+//! events from its header ([`Work::CountOnly`]): what receiving and
+//! routing sustain with the writer threads' work taken away.
 
 use crate::cpu::CpuSum;
 use crate::fleet::{FleetError, FleetManifest, FleetWriter, Syncs, shard_of};
 use crate::recorder::Recording;
 use kvbm_attach::nats::async_nats;
-use kvbm_attach::nats::consume;
+use kvbm_attach::nats::{consume, wire};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -80,6 +84,17 @@ pub enum Reply {
     },
 }
 
+/// What the writer threads do with each message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Work {
+    /// Check it whole and write it into its engine's log.
+    #[default]
+    Record,
+    /// Count its events from its header, and nothing else: nothing is
+    /// checked or written (`record --receive-only`, for measuring).
+    CountOnly,
+}
+
 /// What the writer threads have done so far, together.
 #[derive(Debug)]
 pub struct Counters {
@@ -106,6 +121,16 @@ pub struct Counters {
 }
 
 impl Counters {
+    /// A hand-off is done: when, and the waiter woken if its count is
+    /// reached.
+    fn batch_done(&self) {
+        let ns = self.start.elapsed().as_nanos().max(1) as u64;
+        self.last_written_ns.fetch_max(ns, Ordering::Relaxed);
+        if self.written.load(Ordering::SeqCst) >= self.wake_at.load(Ordering::SeqCst) {
+            self.written_batch.notify_one();
+        }
+    }
+
     /// Events written in this session.
     pub fn written(&self) -> u64 {
         self.written.load(Ordering::Relaxed)
@@ -239,7 +264,11 @@ impl Shards {
     /// hand-offs; and their replies. The replies are apart so that a
     /// caller can wait for one while it waits for room
     /// ([`unblock`](Self::unblock)).
-    pub fn start(shards: Vec<FleetWriter>, queue: usize) -> std::io::Result<(Shards, Replies)> {
+    pub fn start(
+        shards: Vec<FleetWriter>,
+        queue: usize,
+        work: Work,
+    ) -> std::io::Result<(Shards, Replies)> {
         let counters = Arc::new(Counters {
             written: AtomicU64::new(0),
             duplicates: AtomicU64::new(0),
@@ -265,7 +294,7 @@ impl Shards {
                 std::thread::Builder::new()
                     .name(format!("kvbm-fleet-{i}"))
                     .spawn(move || {
-                        let end = run(i, writer, rx, &reply_tx, &counters);
+                        let end = run(i, writer, rx, &reply_tx, &counters, work);
                         counters.cpu.add_this_thread();
                         end
                     })?,
@@ -416,6 +445,7 @@ fn run(
     mut jobs: mpsc::Receiver<Job>,
     replies: &mpsc::Sender<Reply>,
     counters: &Counters,
+    work: Work,
 ) -> Result<ShardEnd, FleetError> {
     let failed = |e: FleetError| {
         let _ = replies.blocking_send(Reply::Failed {
@@ -427,6 +457,17 @@ fn run(
     let mut scratch = Vec::new();
     while let Some(job) = jobs.blocking_recv() {
         match job {
+            Job::Batch(batch) if work == Work::CountOnly => {
+                for (msg, _) in batch {
+                    match wire::header(&msg.payload) {
+                        Ok(h) => counters
+                            .written
+                            .fetch_add(u64::from(h.count), Ordering::SeqCst),
+                        Err(_) => counters.refused.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+                counters.batch_done();
+            }
             Job::Batch(batch) => {
                 for (msg, stream_seq) in batch {
                     let subject = msg.subject.as_str();
@@ -450,13 +491,7 @@ fn run(
                         }
                     }
                 }
-                let ns = counters.start.elapsed().as_nanos().max(1) as u64;
-                counters.last_written_ns.fetch_max(ns, Ordering::Relaxed);
-                if counters.written.load(Ordering::SeqCst)
-                    >= counters.wake_at.load(Ordering::SeqCst)
-                {
-                    counters.written_batch.notify_one();
-                }
+                counters.batch_done();
             }
             Job::Checkpoint(token) => {
                 let syncs = writer.checkpoint_detached().map_err(failed)?;
@@ -521,7 +556,7 @@ mod tests {
         let w =
             FleetWriter::open(dir, "nats://test", Some("c"), RecorderConfig::default()).unwrap();
         let (base, parts) = w.into_shards(threads);
-        let (shards, replies) = Shards::start(parts, queue).unwrap();
+        let (shards, replies) = Shards::start(parts, queue, Work::Record).unwrap();
         (base, shards, replies)
     }
 

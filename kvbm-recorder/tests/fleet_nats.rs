@@ -65,6 +65,30 @@ fn spawn_recorder_with(url: &str, out: &Path, idle_s: &str, log: &Path, extra: &
         .expect("starting kvbm-recorder")
 }
 
+/// Engines `names`, 20 requests each (seeds from `seed`), run at once
+/// to their end: what each emitted.
+fn small_engines(url: &str, names: &[&str], seed: usize, dir: &Path) -> Vec<(String, u64)> {
+    let mut sims: Vec<Child> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let seed = (seed + i).to_string();
+            spawn_sim(
+                url,
+                n,
+                &["--requests", "20", "--rate", "40", "--seed", &seed],
+                dir,
+            )
+        })
+        .collect();
+    let mut emitted = Vec::new();
+    for (s, n) in sims.iter_mut().zip(names) {
+        assert!(wait(s, n, Duration::from_secs(60)).success(), "{n} failed");
+        emitted.push((n.to_string(), sim_result(dir, n).0));
+    }
+    emitted
+}
+
 /// Waits for `child` at most `limit`; kills it and fails past that.
 fn wait(child: &mut Child, what: &str, limit: Duration) -> std::process::ExitStatus {
     let t = Instant::now();
@@ -239,31 +263,81 @@ fn an_engine_glob_records_only_the_engines_it_names() {
 
     let mut rec = spawn_recorder_with(&nats.url(), &out, "3", &rlog, &["--engines", "keep-?"]);
     let names = ["keep-a", "skip-b", "keep-c", "keep-dd"];
-    let mut sims: Vec<Child> = names
-        .iter()
-        .enumerate()
-        .map(|(i, n)| {
-            let seed = (i + 1).to_string();
-            spawn_sim(
-                &nats.url(),
-                n,
-                &["--requests", "20", "--rate", "40", "--seed", &seed],
-                tmp.path(),
-            )
-        })
+    let emitted: Vec<_> = small_engines(&nats.url(), &names, 1, tmp.path())
+        .into_iter()
+        .filter(|(n, _)| n == "keep-a" || n == "keep-c")
         .collect();
-    let mut emitted = Vec::new();
-    for (s, n) in sims.iter_mut().zip(names) {
-        assert!(wait(s, n, Duration::from_secs(60)).success(), "{n} failed");
-        let (events, _) = sim_result(tmp.path(), n);
-        if n == "keep-a" || n == "keep-c" {
-            emitted.push((n.to_string(), events));
-        }
-    }
     assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
     // Exactly the two matching engines (not skip-b, not keep-dd), each
     // exactly once.
     assert_exactly_once(&out, &emitted, &rlog);
+}
+
+/// `--receive-only` (for measuring) counts every event the engines
+/// published, through its own consumer, and keeps none: a recorder on its
+/// own consumer afterwards still records each engine exactly once. It is
+/// refused on a recorder's consumer or recording, and without a consumer
+/// of its own.
+#[test]
+fn receive_only_counts_every_event_and_takes_none_from_a_recorder() {
+    let _one = serial();
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let _ = (sim_bin(), recorder_bin());
+    let names = ["ro-a", "ro-b"];
+    let emitted = small_engines(&nats.url(), &names, 7, tmp.path());
+    let total: u64 = emitted.iter().map(|e| e.1).sum();
+    let record = |out: &Path, extra: &[&str]| {
+        Command::new(recorder_bin())
+            .args(["record", "--from", &nats.url(), "--out"])
+            .arg(out)
+            .args(["--idle-exit-s", "2"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let no_consumer = record(&tmp.path().join("never"), &["--receive-only"]);
+    assert_eq!(no_consumer.status.code(), Some(2), "{no_consumer:?}");
+    let recorders = record(
+        &tmp.path().join("never"),
+        &["--receive-only", "--consumer", "kvbm-recorder"],
+    );
+    assert!(!recorders.status.success(), "{recorders:?}");
+    let err = String::from_utf8_lossy(&recorders.stderr);
+    assert!(
+        err.contains("--receive-only") && err.contains("--consumer"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("never").exists());
+
+    let only = record(
+        &tmp.path().join("measure"),
+        &["--receive-only", "--consumer", "measure"],
+    );
+    assert!(only.status.success(), "{only:?}");
+    let said = String::from_utf8_lossy(&only.stdout);
+    assert!(
+        said.contains(&format!("received {total} events")),
+        "{total}: {said}"
+    );
+    assert!(said.contains("waited for deliveries"), "{said}");
+    // Nothing was written: no engine has a log.
+    let logs = std::fs::read_dir(tmp.path().join("measure/engines"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(logs, 0, "--receive-only wrote logs");
+
+    let out = tmp.path().join("fleet");
+    let rlog = tmp.path().join("recorder.log");
+    let mut rec = spawn_recorder(&nats.url(), &out, "2", &rlog);
+    assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
+    assert_exactly_once(&out, &emitted, &rlog);
+    let onto = record(&out, &["--receive-only", "--consumer", "measure-2"]);
+    assert!(!onto.status.success(), "{onto:?}");
+    assert!(
+        String::from_utf8_lossy(&onto.stderr).contains("a new --out"),
+        "{onto:?}"
+    );
 }
 
 /// `stats`, `export` and `capacity` of a fleet recording: per engine and

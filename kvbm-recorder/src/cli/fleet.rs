@@ -18,7 +18,7 @@ use kvbm_recorder::cpu::{self, CpuSum};
 use kvbm_recorder::fleet::{self, FleetWriter};
 use kvbm_recorder::log::LogConfig;
 use kvbm_recorder::recorder::{self, RecorderConfig};
-use kvbm_recorder::shards::{Replies, Reply, Shards};
+use kvbm_recorder::shards::{Replies, Reply, Shards, Work};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,6 +75,13 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         .clone()
         .unwrap_or_else(|| "kvbm-recorder".into());
     let resuming = fleet::is_fleet(out);
+    // A receive-only run acknowledges what it does not keep: never on a
+    // recorder's consumer or recording.
+    if remote.receive_only && (consumer == "kvbm-recorder" || resuming) {
+        bail!(
+            "--receive-only keeps nothing it acknowledges: give it a --consumer of its own (not kvbm-recorder) and a new --out"
+        );
+    }
     let writer = FleetWriter::open(
         out,
         url,
@@ -98,7 +105,12 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         usize::from,
     );
     let (base, shards) = writer.into_shards(threads);
-    let (mut shards, mut replies) = Shards::start(shards, usize::from(remote.writer_queue))?;
+    let work = if remote.receive_only {
+        Work::CountOnly
+    } else {
+        Work::Record
+    };
+    let (mut shards, mut replies) = Shards::start(shards, usize::from(remote.writer_queue), work)?;
     let counters = shards.counters();
     // Where the CPU goes, by thread: the runtime's threads and this one
     // (in block_on) receive and route, the runtime's also run the
@@ -233,12 +245,19 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         counters.refused(),
         counters.last_written(),
     );
-    println!(
-        "recorded {written} events in this session ({duplicates} duplicates skipped, {refused} messages refused, {} acknowledged) from {url} into {} ({} logs; {why})",
-        stats.acked,
-        out.display(),
-        manifest.logs.len()
-    );
+    if remote.receive_only {
+        println!(
+            "received {written} events in this session, counted and not recorded (--receive-only; {refused} messages without a header, {} acknowledged) from {url} ({why})",
+            stats.acked,
+        );
+    } else {
+        println!(
+            "recorded {written} events in this session ({duplicates} duplicates skipped, {refused} messages refused, {} acknowledged) from {url} into {} ({} logs; {why})",
+            stats.acked,
+            out.display(),
+            manifest.logs.len()
+        );
+    }
     println!(
         "  {} messages delivered ({} of engines not taken), {} consumer errors, {} acknowledgements lost (redelivered, skipped as duplicates), {} writer threads",
         stats.messages, stats.filtered, stats.consumer_errors, stats.acks_lost, threads
@@ -282,10 +301,15 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         // with cores to spare for the writer threads, receiving (which
         // they do not share) is what can bound it.
         println!(
-            "  CPU: {:.4} s receiving and routing ({:.1} ns an event), {:.4} s checking and writing in the writer threads ({:.1} ns an event), {:.4} s making checkpoints durable, {:.4} s elsewhere (starting, ending); {:.4} s in all ({:.1} ns an event)",
+            "  CPU: {:.4} s receiving and routing ({:.1} ns an event), {:.4} s {} in the writer threads ({:.1} ns an event), {:.4} s making checkpoints durable, {:.4} s elsewhere (starting, ending); {:.4} s in all ({:.1} ns an event)",
             receiving.as_secs_f64(),
             per(receiving),
             writing.as_secs_f64(),
+            if remote.receive_only {
+                "counting"
+            } else {
+                "checking and writing"
+            },
             per(writing),
             syncing.as_secs_f64(),
             all.saturating_sub(receiving + syncing + writing)

@@ -98,6 +98,13 @@ struct RemoteArgs {
     /// anyway by the consumer's limit of unacknowledged messages.
     #[arg(long, requires = "from", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=4096))]
     writer_queue: u16,
+    /// `--from nats://`, for measuring: receive, route and acknowledge as
+    /// a recording does, but the writer threads only count each message's
+    /// events from its header; nothing is checked or written. What the
+    /// receiving alone sustains. The consumer acknowledges what it counts,
+    /// so it must be named (`--consumer`) apart from any recorder's.
+    #[arg(long, requires = "consumer")]
+    receive_only: bool,
 }
 
 /// How the log is written.
