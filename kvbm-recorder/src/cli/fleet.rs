@@ -23,6 +23,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The durable consumer's name unless `--consumer` names another.
+const RECORDER_CONSUMER: &str = "kvbm-recorder";
 /// Messages taken from the consumer at a time, at most.
 const ROUTE_CHUNK: usize = 256;
 /// How often the recorder checkpoints and acknowledges.
@@ -73,13 +75,13 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     let consumer = remote
         .consumer
         .clone()
-        .unwrap_or_else(|| "kvbm-recorder".into());
+        .unwrap_or_else(|| RECORDER_CONSUMER.into());
     let resuming = fleet::is_fleet(out);
     // A receive-only run acknowledges what it does not keep: never on a
     // recorder's consumer or recording.
-    if remote.receive_only && (consumer == "kvbm-recorder" || resuming) {
+    if remote.receive_only && (consumer == RECORDER_CONSUMER || resuming) {
         bail!(
-            "--receive-only keeps nothing it acknowledges: give it a --consumer of its own (not kvbm-recorder) and a new --out"
+            "--receive-only keeps nothing it acknowledges: give it a --consumer of its own (not {RECORDER_CONSUMER}) and a new --out"
         );
     }
     let writer = FleetWriter::open(
