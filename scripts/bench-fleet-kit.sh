@@ -66,14 +66,21 @@ for line in sys.stdin:
   echo "$exe"
 }
 
-run() {
-  local f out="${OUT:-.}"
+# Checks the kit is whole and points the bench at its recorder and
+# nats-server.
+use_kit() {
+  local f
   for f in fleet kvbm-recorder nats-server; do
     [[ -x "$KIT/$f" ]] || die "$KIT/$f is missing: run 'prepare' on a machine with cargo first"
   done
-  mkdir -p "$out"
   export KVBM_BIN_KVBM_RECORDER="$PWD/$KIT/kvbm-recorder"
   export KVBM_NATS_SERVER="$PWD/$KIT/nats-server"
+}
+
+run() {
+  local out="${OUT:-.}"
+  use_kit
+  mkdir -p "$out"
   nproc
   "$KVBM_NATS_SERVER" --version
   local i
@@ -115,7 +122,7 @@ run() {
 # no single-threaded figure shows. Prints the median ns an event of each
 # part over every copy and pass, by how many ran at once.
 scaling() {
-  [[ -x "$KIT/fleet" ]] || die "$KIT/fleet is missing: run 'prepare' on a machine with cargo first"
+  use_kit
   local tmp n i p
   tmp="$(mktemp -d)"
   echo "| copies at once | lz4 ns/event | verify ns/event | validate ns/event | check ns/event (all parts) |"
@@ -147,9 +154,8 @@ print("| %s | %s | %s | %s | %s |" % (sys.argv[1], med("lz4"), med("verify"), me
 # (default 400) have gone by.
 variants() {
   local out="${OUT:-.}" v i=0
+  use_kit
   mkdir -p "$out"
-  export KVBM_BIN_KVBM_RECORDER="$PWD/$KIT/kvbm-recorder"
-  export KVBM_NATS_SERVER="$PWD/$KIT/nats-server"
   IFS=';' read -r -a vs <<<"${VARIANTS:?name the recorder arguments to try, separated by ;}"
   for v in "${vs[@]}"; do
     i=$((i + 1))
