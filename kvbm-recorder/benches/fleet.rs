@@ -487,6 +487,7 @@ fn notes(out: &str) -> Vec<String> {
                 || l.contains("unacknowledged messages")
                 || l.contains("full writer queue")
                 || l.contains("waited for deliveries")
+                || l.contains("hand-offs to the writer threads")
                 || l.trim().starts_with("CPU: ")
         })
         .map(|l| l.trim().to_string())
@@ -531,7 +532,7 @@ fn drain(
                     .await
                     .unwrap();
                 c.stream()
-                    .max_messages_per_batch(256)
+                    .max_messages_per_batch(consume::PULL_BATCH)
                     .messages()
                     .await
                     .unwrap()

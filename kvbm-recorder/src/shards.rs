@@ -31,6 +31,13 @@
 //! queue full is counted, and the time the receiving was held back is
 //! timed ([`Counters::route_waits`]).
 //!
+//! A thread that has run out of work waits for its next hand-off, which
+//! then has to wake it: a cross-thread wake on the receiving thread,
+//! paid per hand-off when the threads have cores to spare. The caller can
+//! have each thread's messages held until there are several
+//! ([`Shards::set_handoff_batch`], flushed on a short timer), and the
+//! hand-offs and waits are counted ([`Counters::handoffs`]).
+//!
 //! For measuring, the threads can instead only count each message's
 //! events from its header ([`Work::CountOnly`]): what receiving and
 //! routing sustain with the writer threads' work taken away.
@@ -118,6 +125,13 @@ pub struct Counters {
     route_waits: AtomicU64,
     route_wait_ns: AtomicU64,
     held_since_ns: AtomicU64,
+    /// Batches handed to the writer threads, and those that ended a
+    /// thread's wait for work: each such hand-off wakes the thread from
+    /// the receiving thread, a cross-thread wake (a syscall, and on a
+    /// virtual machine often an interrupt to another core) that a thread
+    /// kept busy never needs.
+    handoffs: AtomicU64,
+    idle_waits: AtomicU64,
 }
 
 impl Counters {
@@ -205,6 +219,16 @@ impl Counters {
         }
     }
 
+    /// Batches handed to the writer threads, and how many of them found
+    /// their thread's queue empty and the thread waiting (so woke it from
+    /// the receiving thread).
+    pub fn handoffs(&self) -> (u64, u64) {
+        (
+            self.handoffs.load(Ordering::Relaxed),
+            self.idle_waits.load(Ordering::Relaxed),
+        )
+    }
+
     /// When the last batch was written, if any was.
     pub fn last_written(&self) -> Option<Instant> {
         match self.last_written_ns.load(Ordering::Relaxed) {
@@ -229,6 +253,11 @@ pub struct Shards {
     senders: Vec<mpsc::Sender<Job>>,
     /// Per thread, what found its queue full, in the order delivered.
     backlog: Vec<Option<Batch>>,
+    /// Per thread, messages held until there are `handoff_batch` of them
+    /// ([`Shards::set_handoff_batch`]); empty while the thread has a
+    /// backlog (which later messages join instead).
+    pending: Vec<Batch>,
+    handoff_batch: usize,
     threads: Vec<JoinHandle<Result<ShardEnd, FleetError>>>,
     counters: Arc<Counters>,
 }
@@ -281,6 +310,8 @@ impl Shards {
             route_waits: AtomicU64::new(0),
             route_wait_ns: AtomicU64::new(0),
             held_since_ns: AtomicU64::new(0),
+            handoffs: AtomicU64::new(0),
+            idle_waits: AtomicU64::new(0),
         });
         // Room for one reply per thread per barrier, and one barrier is in
         // flight at a time.
@@ -303,6 +334,8 @@ impl Shards {
         }
         let shards = Shards {
             backlog: (0..senders.len()).map(|_| None).collect(),
+            pending: (0..senders.len()).map(|_| Vec::new()).collect(),
+            handoff_batch: 1,
             senders,
             threads,
             counters,
@@ -331,11 +364,43 @@ impl Shards {
         engine.map_or(0, |e| shard_of(e, self.senders.len()))
     }
 
+    /// Holds each thread's messages until it has `n` of them (at least
+    /// 1, the default: each delivery's share goes at once), or until
+    /// [`flush`](Self::flush). A thread that has run out of work waits,
+    /// and each hand-off to a waiting thread is a cross-thread wake on
+    /// the receiving thread; with cores to spare the writer threads wait
+    /// often, and `n` messages a hand-off makes that many times fewer
+    /// wakes. The caller flushes on a short timer, so a quiet engine's
+    /// messages are not held.
+    pub fn set_handoff_batch(&mut self, n: usize) {
+        self.handoff_batch = n.max(1);
+    }
+
+    /// Some thread holds messages not yet handed over
+    /// ([`set_handoff_batch`](Self::set_handoff_batch)).
+    pub fn holds(&self) -> bool {
+        self.pending.iter().any(|p| !p.is_empty())
+    }
+
+    /// Hands every thread the messages held for it, as
+    /// [`route`](Self::route) does with a batch that is due.
+    pub fn flush(&mut self) -> Result<(), ShardGone> {
+        for thread in 0..self.pending.len() {
+            if !self.pending[thread].is_empty() {
+                let batch = std::mem::take(&mut self.pending[thread]);
+                self.hand_off(thread, batch)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Hands each thread its batch of `by_thread` (indexed by
     /// [`thread_of`](Self::thread_of); messages in the order delivered),
-    /// without waiting: a batch whose thread's queue is full becomes that
-    /// thread's backlog, counted ([`Counters::route_waits`]), and one for
-    /// a thread with a backlog already joins it. Messages go in batches of what was
+    /// without waiting, once it holds
+    /// [`handoff_batch`](Self::set_handoff_batch) messages: a batch whose
+    /// thread's queue is full becomes that thread's backlog, counted
+    /// ([`Counters::route_waits`]), and one for a thread with a backlog
+    /// already joins it. Messages go in batches, at least what was
     /// delivered together, since waking a thread costs about what
     /// checking a small message does.
     pub fn route(&mut self, by_thread: Vec<Batch>) -> Result<(), ShardGone> {
@@ -347,20 +412,41 @@ impl Shards {
                 waiting.extend(batch);
                 continue;
             }
-            let batch = match self.senders[thread].try_send(Job::Batch(batch)) {
-                Ok(()) => continue,
-                Err(mpsc::error::TrySendError::Closed(_)) => return Err(ShardGone),
-                Err(mpsc::error::TrySendError::Full(Job::Batch(b))) => b,
-                Err(mpsc::error::TrySendError::Full(Job::Checkpoint(_))) => {
-                    unreachable!("a batch was sent")
-                }
+            let held = &mut self.pending[thread];
+            let batch = if held.is_empty() {
+                batch
+            } else {
+                held.extend(batch);
+                std::mem::take(held)
             };
-            self.counters.route_waits.fetch_add(1, Ordering::Relaxed);
-            if !self.backlogged() {
-                self.counters.held();
+            if batch.len() >= self.handoff_batch {
+                self.hand_off(thread, batch)?;
+            } else {
+                self.pending[thread] = batch;
             }
-            self.backlog[thread] = Some(batch);
         }
+        Ok(())
+    }
+
+    /// Hands `batch` to `thread` (which has no backlog) without waiting,
+    /// or makes it the thread's backlog if its queue is full.
+    fn hand_off(&mut self, thread: usize, batch: Batch) -> Result<(), ShardGone> {
+        let batch = match self.senders[thread].try_send(Job::Batch(batch)) {
+            Ok(()) => {
+                self.counters.handoffs.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(ShardGone),
+            Err(mpsc::error::TrySendError::Full(Job::Batch(b))) => b,
+            Err(mpsc::error::TrySendError::Full(Job::Checkpoint(_))) => {
+                unreachable!("a batch was sent")
+            }
+        };
+        self.counters.route_waits.fetch_add(1, Ordering::Relaxed);
+        if !self.backlogged() {
+            self.counters.held();
+        }
+        self.backlog[thread] = Some(batch);
         Ok(())
     }
 
@@ -386,6 +472,7 @@ impl Shards {
         let permit = permit.map_err(|_| ShardGone)?;
         if let Some(batch) = self.backlog[waiting[i]].take() {
             permit.send(Job::Batch(batch));
+            self.counters.handoffs.fetch_add(1, Ordering::Relaxed);
         }
         if !self.backlogged() {
             self.counters.released();
@@ -394,11 +481,22 @@ impl Shards {
     }
 
     /// Puts barrier `token` behind everything routed so far, on every
-    /// thread (its backlog handed over first).
+    /// thread (its backlog, or the messages held for it, handed over
+    /// first).
     pub async fn begin_checkpoint(&mut self, token: u64) -> Result<(), ShardGone> {
-        for (s, waiting) in self.senders.iter().zip(&mut self.backlog) {
-            if let Some(batch) = waiting.take() {
+        for ((s, waiting), held) in self
+            .senders
+            .iter()
+            .zip(&mut self.backlog)
+            .zip(&mut self.pending)
+        {
+            // A thread has a backlog or holds messages, never both.
+            let due = waiting
+                .take()
+                .or_else(|| (!held.is_empty()).then(|| std::mem::take(held)));
+            if let Some(batch) = due {
                 s.send(Job::Batch(batch)).await.map_err(|_| ShardGone)?;
+                self.counters.handoffs.fetch_add(1, Ordering::Relaxed);
             }
             s.send(Job::Checkpoint(token))
                 .await
@@ -412,12 +510,15 @@ impl Shards {
     /// closing every log: what each thread leaves, or the first error of
     /// a thread that failed.
     pub fn finish(self) -> Result<Vec<ShardEnd>, FleetError> {
-        // A backlog left (the caller stopped on an error) is written
-        // too, though never acknowledged: redelivered, it is skipped as
-        // duplicates.
-        for (s, waiting) in self.senders.iter().zip(self.backlog) {
-            if let Some(batch) = waiting {
-                let _ = s.blocking_send(Job::Batch(batch));
+        // A backlog or messages held, left (the caller stopped on an
+        // error), are written too, though never acknowledged:
+        // redelivered, they are skipped as duplicates.
+        for ((s, waiting), held) in self.senders.iter().zip(self.backlog).zip(self.pending) {
+            let due = waiting.or_else(|| (!held.is_empty()).then_some(held));
+            if let Some(batch) = due
+                && s.blocking_send(Job::Batch(batch)).is_ok()
+            {
+                self.counters.handoffs.fetch_add(1, Ordering::Relaxed);
             }
         }
         self.counters.released();
@@ -455,7 +556,20 @@ fn run(
         e
     };
     let mut scratch = Vec::new();
-    while let Some(job) = jobs.blocking_recv() {
+    loop {
+        let (job, waited) = match jobs.try_recv() {
+            Ok(job) => (job, false),
+            Err(mpsc::error::TryRecvError::Empty) => match jobs.blocking_recv() {
+                Some(job) => (job, true),
+                None => break,
+            },
+            Err(mpsc::error::TryRecvError::Disconnected) => break,
+        };
+        // The waits a hand-off ended (not a barrier's, nor the last, for
+        // the queue to close).
+        if waited && matches!(job, Job::Batch(_)) {
+            counters.idle_waits.fetch_add(1, Ordering::Relaxed);
+        }
         match job {
             Job::Batch(batch) if work == Work::CountOnly => {
                 for (msg, _) in batch {
@@ -816,6 +930,75 @@ mod tests {
             got,
             [(20, Some(0), Some(19)); 2],
             "each engine whole, in order"
+        );
+    }
+
+    /// With a hand-off batch of 3, messages are held until their thread
+    /// has 3, or a flush, or a barrier (which goes behind them); every
+    /// hand-off is counted, and so is a writer thread's wait for one.
+    #[test]
+    fn held_messages_go_at_the_batch_a_flush_or_a_barrier_and_are_counted() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (_, mut shards, mut replies) = started(tmp.path(), 1, 4);
+        shards.set_handoff_batch(3);
+        let counters = shards.counters();
+        let written_reaches = |n: u64| {
+            let t = Instant::now();
+            while counters.written() < n {
+                assert!(
+                    t.elapsed() < std::time::Duration::from_secs(10),
+                    "{} of {n} events written",
+                    counters.written()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        };
+        let mut seq = 0;
+        let mut send = |shards: &mut Shards| {
+            let m = message("a", seq * 10..seq * 10 + 10);
+            shards.route(only_to(shards, "a", m, seq)).unwrap();
+            seq += 1;
+        };
+        send(&mut shards);
+        send(&mut shards);
+        assert!(shards.holds());
+        assert_eq!(counters.handoffs().0, 0, "handed over short of the batch");
+        send(&mut shards);
+        assert!(!shards.holds());
+        assert_eq!(counters.handoffs().0, 1);
+        written_reaches(30);
+        // The thread has run out of work: the next hand-off wakes it.
+        send(&mut shards);
+        assert_eq!(counters.handoffs().0, 1);
+        shards.flush().unwrap();
+        assert_eq!(counters.handoffs().0, 2);
+        written_reaches(40);
+        let (_, idle_waits) = counters.handoffs();
+        assert!(
+            idle_waits >= 1,
+            "the thread's wait for work was not counted"
+        );
+        // A barrier goes behind what is held.
+        send(&mut shards);
+        assert!(shards.holds());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            shards.begin_checkpoint(1).await.unwrap();
+            match replies.next().await.unwrap() {
+                Reply::Checkpointed { token: 1, .. } => {}
+                r => panic!("{r:?}"),
+            }
+        });
+        assert!(!shards.holds());
+        assert_eq!(counters.written(), 50, "the barrier overtook held messages");
+        assert_eq!(counters.handoffs().0, 3);
+        let ends = shards.finish().unwrap();
+        let (_, rec) = &ends[0].recordings[0];
+        assert_eq!(
+            (rec.events, rec.first_seq, rec.last_seq, rec.lost),
+            (50, Some(0), Some(49), 0)
         );
     }
 }

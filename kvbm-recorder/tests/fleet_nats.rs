@@ -321,6 +321,17 @@ fn receive_only_counts_every_event_and_takes_none_from_a_recorder() {
         "{total}: {said}"
     );
     assert!(said.contains("waited for deliveries"), "{said}");
+    // Every message went to a writer thread in some hand-off, and a
+    // hand-off ends at most one wait for work.
+    let (handoffs, idle_waits) = said
+        .lines()
+        .find_map(|l| {
+            let (n, rest) = l.trim().split_once(" hand-offs to the writer threads, ")?;
+            let waited = rest.split_once(" of them to a thread waiting")?.0;
+            Some((n.parse::<u64>().ok()?, waited.parse::<u64>().ok()?))
+        })
+        .unwrap_or_else(|| panic!("no hand-offs line: {said}"));
+    assert!(handoffs >= 1 && idle_waits <= handoffs, "{said}");
     // Nothing was written: no engine has a log.
     let logs = std::fs::read_dir(tmp.path().join("measure/engines"))
         .map(|d| d.count())

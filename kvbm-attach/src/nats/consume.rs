@@ -187,7 +187,15 @@ pub struct DurableConfig {
     pub max_ack_pending: i64,
     /// The stream's limits, if it has to be created.
     pub limits: StreamLimits,
+    /// Messages each pull request asks for ([`PULL_BATCH`] by default); a
+    /// new request goes out once half of them have been taken, so between
+    /// half of it and one and a half of it are in flight.
+    pub pull_batch: usize,
 }
+
+/// The messages a recorder's pull requests ask for, unless told
+/// otherwise ([`DurableConfig::pull_batch`]).
+pub const PULL_BATCH: usize = 256;
 
 impl DurableConfig {
     /// Defaults for consumer `name`.
@@ -198,6 +206,7 @@ impl DurableConfig {
             ack_wait: Duration::from_secs(30),
             max_ack_pending: 20_000,
             limits: StreamLimits::default(),
+            pull_batch: PULL_BATCH,
         }
     }
 }
@@ -264,7 +273,7 @@ pub async fn durable_messages(
         .map_err(|e| NatsError::Nats(format!("creating consumer {}: {e}", cfg.name)))?;
     consumer
         .stream()
-        .max_messages_per_batch(256)
+        .max_messages_per_batch(cfg.pull_batch.max(1))
         .heartbeat(Duration::from_secs(5))
         .expires(Duration::from_secs(30))
         .messages()

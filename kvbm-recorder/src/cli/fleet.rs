@@ -31,6 +31,9 @@ const ROUTE_CHUNK: usize = 256;
 const COMMIT_EVERY: Duration = Duration::from_millis(200);
 /// … or after this many messages.
 const COMMIT_MESSAGES: u64 = 10_000;
+/// Messages held for `--handoff-batch` are handed over after this long
+/// at most.
+const HANDOFF_AFTER: Duration = Duration::from_millis(1);
 
 /// The fleet commands' runtime; `cpu`, if given, gets each of its
 /// threads' CPU time as the thread ends (the runtime's drop ends them).
@@ -113,6 +116,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         Work::Record
     };
     let (mut shards, mut replies) = Shards::start(shards, usize::from(remote.writer_queue), work)?;
+    shards.set_handoff_batch(usize::from(remote.handoff_batch));
     let counters = shards.counters();
     // Where the CPU goes, by thread: the runtime's threads and this one
     // (in block_on) receive and route, the runtime's also run the
@@ -128,6 +132,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     let mut cfg = DurableConfig::new(&consumer);
     cfg.filter = filter.clone();
     cfg.limits = StreamLimits::default();
+    cfg.pull_batch = usize::from(remote.pull_batch);
     let mut commits = Commits::new(
         out,
         base,
@@ -146,12 +151,16 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 .ready_chunks(ROUTE_CHUNK),
         );
         eprintln!(
-            "recording {} from {url} (consumer {consumer}, {threads} writer threads)",
-            cfg.filter.subject()
+            "recording {} from {url} (consumer {consumer}, {threads} writer threads, hand-offs of {} messages or more, pull requests of {} messages)",
+            cfg.filter.subject(),
+            remote.handoff_batch,
+            cfg.pull_batch
         );
         let stop = interrupted();
         tokio::pin!(stop);
         let mut tick = tokio::time::interval(COMMIT_EVERY);
+        let mut handoff_tick = tokio::time::interval(HANDOFF_AFTER);
+        handoff_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_delivery = Instant::now();
         let why = loop {
             tokio::select! {
@@ -187,7 +196,9 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                         }
                         commits.delivered(acker, stream_seq);
                     }
+                    let routing = Instant::now();
                     shards.route(by_thread)?;
+                    stats.routing += routing.elapsed();
                     if commits.pending >= COMMIT_MESSAGES {
                         commits.begin(&mut shards).await?;
                     }
@@ -195,6 +206,9 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 // Room for a backlog; the replies and acknowledgements
                 // go on meanwhile.
                 room = shards.unblock(), if shards.backlogged() => room?,
+                // Messages held for --handoff-batch go after a
+                // millisecond at most.
+                _ = handoff_tick.tick(), if shards.holds() => shards.flush()?,
                 Some(reply) = replies.next(), if commits.awaiting_replies() => {
                     commits.reply(reply)?;
                 }
@@ -292,6 +306,15 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         "  receiving held back by a full writer queue ({} hand-offs a thread) {waits} times, {:.3} s in all",
         remote.writer_queue,
         waited.as_secs_f64()
+    );
+    // Each time a writer thread found its queue empty, the loop's next
+    // hand-off to it had to wake it: with cores to spare the threads
+    // wait often, and the wakes are the loop's work, not theirs.
+    let (handoffs, idle_waits) = counters.handoffs();
+    println!(
+        "  {handoffs} hand-offs to the writer threads, {idle_waits} of them to a thread waiting for work; handing off took {:.3} s of the loop's thread, which was busy {:.3} s",
+        stats.routing.as_secs_f64(),
+        loop_cpu.as_secs_f64()
     );
     if let Some(all) = cpu::process_time() {
         let syncing = commits.sync_cpu.get();
@@ -421,6 +444,10 @@ struct Session {
     /// Times the loop waited for a delivery after the first, and how
     /// long in all ([`DeliveryWaits`]).
     delivery_waits: (u64, Duration),
+    /// The loop's time handing messages to the writer threads
+    /// ([`Shards::route`]): the wakes of threads that waited for work are
+    /// in it.
+    routing: Duration,
     commits: u64,
     /// How long the last checkpoint took, from its barrier to its
     /// acknowledgement.

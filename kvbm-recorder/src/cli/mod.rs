@@ -98,6 +98,22 @@ struct RemoteArgs {
     /// anyway by the consumer's limit of unacknowledged messages.
     #[arg(long, requires = "from", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=4096))]
     writer_queue: u16,
+    /// `--from nats://`: messages each pull request asks the server for;
+    /// the next request goes out once half of them have been taken. More
+    /// keeps the server sending through the recorder's pauses (a
+    /// checkpoint, a slow hand-off) at the cost of that many messages
+    /// buffered here; at most half the consumer's limit of unacknowledged
+    /// messages (20000).
+    #[arg(long, requires = "from", default_value_t = kvbm_attach::nats::consume::PULL_BATCH as u16, value_parser = clap::value_parser!(u16).range(1..=10_000))]
+    pull_batch: u16,
+    /// `--from nats://`: messages held for a writer thread until there
+    /// are this many (or a millisecond has passed), then handed to it
+    /// together. A thread with nothing to do waits, and handing it work
+    /// wakes it from the receiving thread; more messages a hand-off mean
+    /// fewer wakes, for a millisecond more before a message is written.
+    /// 1: each delivery's share goes at once.
+    #[arg(long, requires = "from", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    handoff_batch: u16,
     /// `--from nats://`, for measuring: receive, route and acknowledge as
     /// a recording does, but the writer threads only count each message's
     /// events from its header; nothing is checked or written. What the
