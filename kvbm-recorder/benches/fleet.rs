@@ -60,6 +60,7 @@ use futures_util::StreamExt;
 use kvbm_attach::nats::async_nats;
 use kvbm_attach::nats::consume;
 use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
+use kvbm_attach::nats::waits::DeliveryWaits;
 use kvbm_attach::nats::wire::{self, BatchEncoder};
 use kvbm_attach::nats::{StreamLimits, connect, ensure_stream, events_subject};
 use kvbm_events::bus::{BusConfig, TapItem};
@@ -208,6 +209,9 @@ struct Run {
     recorder_notes: Vec<String>,
     /// The same, of the recorder receiving only.
     receive_notes: Vec<String>,
+    /// The counting and the acknowledging consumers' waits for
+    /// deliveries, as the recorder counts its own.
+    consumer_notes: Vec<String>,
 }
 
 /// The CPU time a phase took, in ns: `nats-server`'s, and the client's
@@ -382,14 +386,14 @@ fn run_store(
             drain(rt, &url, &limits, (messages, events), consumer, per_message)
         })
     };
-    let (count_s, count_cpu) = drained(Consumer::Plain, count);
-    let (check_s, check_cpu) = drained(Consumer::Plain, |m, scratch| {
+    let ((count_s, count_waits), count_cpu) = drained(Consumer::Plain, count);
+    let ((check_s, _), check_cpu) = drained(Consumer::Plain, |m, scratch| {
         u64::from(wire::check(m, scratch).unwrap().header.count)
     });
     // And one that counts as the first does, through the recorder's own
     // durable consumer, acknowledging as the recorder does: what
     // JetStream's acknowledged delivery costs, apart from the recorder.
-    let (acking_s, acking_cpu) = drained(Consumer::Acking, count);
+    let ((acking_s, acking_waits), acking_cpu) = drained(Consumer::Acking, count);
 
     // 3. The recorder, the real binary, until the last event.
     // KVBM_FLEET_OUT: where the recording goes (a tmpfs separates what
@@ -465,6 +469,14 @@ fn run_store(
         split,
         recorder_notes: notes(&out),
         receive_notes: notes(&only),
+        consumer_notes: [("counting", count_s, count_waits), ("acknowledging", acking_s, acking_waits)]
+            .map(|(name, s, (times, waited))| {
+                format!(
+                    "the {name} consumer: waited for deliveries {times} times, {:.3} s in all, of {s:.3} s from the first message to the last",
+                    waited.as_secs_f64()
+                )
+            })
+            .to_vec(),
     }
 }
 
@@ -509,7 +521,8 @@ enum Consumer {
 
 /// Reads the whole stream with `consumer`, applying `per_message` to
 /// each payload, which returns its event count; seconds from the first
-/// message to the last.
+/// message to the last, and its waits for deliveries (`DeliveryWaits`,
+/// as the recorder times its own).
 fn drain(
     rt: &tokio::runtime::Runtime,
     url: &str,
@@ -517,11 +530,11 @@ fn drain(
     (messages, events): (u64, u64),
     consumer: Consumer,
     per_message: impl Fn(&[u8], &mut Vec<u8>) -> u64,
-) -> f64 {
+) -> (f64, (u64, Duration)) {
     rt.block_on(async {
         let client = connect(url, "bench-drain").await.unwrap();
         let js = async_nats::jetstream::new(client);
-        let mut msgs = match consumer {
+        let mut msgs = DeliveryWaits::new(match consumer {
             Consumer::Plain => {
                 let stream = ensure_stream(&js, limits).await.unwrap();
                 let c: async_nats::jetstream::consumer::PullConsumer = stream
@@ -542,7 +555,7 @@ fn drain(
                 cfg.limits = *limits;
                 consume::durable_messages(&js, &cfg).await.unwrap()
             }
-        };
+        });
         let (mut n, mut ev, mut unacked) = (0u64, 0u64, 0u64);
         let mut scratch = Vec::new();
         let (mut t, mut acked) = (None, Instant::now());
@@ -562,7 +575,10 @@ fn drain(
             }
         }
         assert_eq!(ev, events);
-        t.map_or(0.0, |t| t.elapsed().as_secs_f64())
+        (
+            t.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+            (msgs.times(), msgs.waited()),
+        )
     })
 }
 
@@ -854,6 +870,9 @@ fn main() {
         runs.push(r);
     }
     for r in &runs {
+        for note in &r.consumer_notes {
+            println!("({} store, {note})", r.store);
+        }
         for note in &r.recorder_notes {
             println!("({} store, the recorder: {note})", r.store);
         }

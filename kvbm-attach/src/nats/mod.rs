@@ -41,6 +41,7 @@ pub mod consume;
 pub mod control;
 pub mod publish;
 pub mod track;
+pub mod waits;
 pub mod wire;
 
 use async_nats::jetstream;

@@ -11,6 +11,7 @@ use kvbm_attach::nats::async_nats;
 use kvbm_attach::nats::async_nats::jetstream::AckKind;
 use kvbm_attach::nats::consume::{self, DurableConfig, EngineFilter};
 use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
+use kvbm_attach::nats::waits::DeliveryWaits;
 use kvbm_attach::nats::{StreamLimits, connect};
 use kvbm_events::Event;
 use kvbm_recorder::analysis;
@@ -232,7 +233,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 _ = &mut stop => break "interrupted",
             }
         };
-        stats.delivery_waits = (messages.times, messages.waited);
+        stats.delivery_waits = (messages.times(), messages.waited());
         // Everything routed is written, checkpointed and acknowledged.
         commits
             .finish(&mut shards, &mut replies, &mut stats)
@@ -378,57 +379,6 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         );
     }
     Ok(0)
-}
-
-/// Times the waits for a delivery: from a poll that found nothing ready
-/// to the next message, after the first message (before it, the stream
-/// may simply be empty). Wrapping the consumer's stream, it counts only
-/// while the loop asks for messages, not while a backlog holds it back.
-struct DeliveryWaits<S> {
-    inner: S,
-    started: bool,
-    since: Option<Instant>,
-    times: u64,
-    waited: Duration,
-}
-
-impl<S> DeliveryWaits<S> {
-    fn new(inner: S) -> Self {
-        DeliveryWaits {
-            inner,
-            started: false,
-            since: None,
-            times: 0,
-            waited: Duration::ZERO,
-        }
-    }
-}
-
-impl<S: futures_util::Stream + Unpin> futures_util::Stream for DeliveryWaits<S> {
-    type Item = S::Item;
-
-    fn poll_next(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<S::Item>> {
-        let this = &mut *self;
-        let got = this.inner.poll_next_unpin(cx);
-        match &got {
-            std::task::Poll::Pending => {
-                if this.started && this.since.is_none() {
-                    this.since = Some(Instant::now());
-                    this.times += 1;
-                }
-            }
-            std::task::Poll::Ready(_) => {
-                this.started = true;
-                if let Some(t) = this.since.take() {
-                    this.waited += t.elapsed();
-                }
-            }
-        }
-        got
-    }
 }
 
 #[derive(Debug, Default)]
@@ -1031,35 +981,5 @@ mod tests {
         let mut none = AckLimit::default();
         none.delivered();
         assert_eq!((none.times, none.since.is_some()), (0, false));
-    }
-
-    /// The waits between deliveries are counted and timed; the wait for
-    /// the first message is not (the stream may simply be empty).
-    #[test]
-    fn delivery_waits_time_the_gaps_between_messages_not_before_the_first() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<u32>();
-            let mut s =
-                DeliveryWaits::new(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)));
-            let nothing = tokio::time::timeout(Duration::from_millis(30), s.next()).await;
-            assert!(nothing.is_err(), "a message before any was sent");
-            tx.send(1).unwrap();
-            assert_eq!(s.next().await, Some(1));
-            assert_eq!((s.times, s.waited), (0, Duration::ZERO));
-            tx.send(2).unwrap();
-            assert_eq!(s.next().await, Some(2), "ready: no wait");
-            assert_eq!(s.times, 0);
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(60)).await;
-                tx.send(3).unwrap();
-            });
-            assert_eq!(s.next().await, Some(3));
-            assert_eq!(s.times, 1);
-            assert!(s.waited >= Duration::from_millis(50), "{:?}", s.waited);
-        });
     }
 }
