@@ -151,7 +151,10 @@ print("| %s | %s | %s | %s | %s |" % (sys.argv[1], med("lz4"), med("verify"), me
 # The bench once per variant of the recorder's arguments (VARIANTS,
 # separated by ';'), the recording on a tmpfs, each into
 # $OUT/fleet-variant-N.txt, while fewer than VARIANTS_BEFORE_S seconds
-# (default 400) have gone by.
+# (default 400) have gone by; e.g. whether fewer wakes of idle writer
+# threads or larger pull requests speed the recorder there:
+#   VARIANTS='--handoff-batch 1;--handoff-batch 16;--pull-batch 1024' \
+#     bash scripts/bench-fleet-kit.sh variants
 variants() {
   local out="${OUT:-.}" v i=0
   use_kit
