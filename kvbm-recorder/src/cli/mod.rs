@@ -91,8 +91,9 @@ struct RemoteArgs {
     /// at most 8).
     #[arg(long, requires = "from", value_parser = clap::value_parser!(u16).range(1..=256))]
     writer_threads: Option<u16>,
-    /// `--from nats://`: hand-offs (each what one delivery brought for
-    /// that thread) a writer thread queues; one more waits beside a full
+    /// `--from nats://`: hand-offs (each that thread's messages, at least
+    /// `--handoff-batch` of them or what a millisecond brought) a writer
+    /// thread queues; one more waits beside a full
     /// queue while the others go on, and the recorder takes no more
     /// messages until it is handed over. What is in flight is bounded
     /// anyway by the consumer's limit of unacknowledged messages.
