@@ -369,9 +369,10 @@ impl Shards {
     /// [`flush`](Self::flush). A thread that has run out of work waits,
     /// and each hand-off to a waiting thread is a cross-thread wake on
     /// the receiving thread; with cores to spare the writer threads wait
-    /// often, and `n` messages a hand-off makes that many times fewer
-    /// wakes. The caller flushes on a short timer, so a quiet engine's
-    /// messages are not held.
+    /// often, and `n` messages a hand-off makes up to `n` times fewer
+    /// wakes (fewer when the caller's timer flushes first). The caller
+    /// flushes on a short timer, so a quiet engine's messages are not
+    /// held.
     pub fn set_handoff_batch(&mut self, n: usize) {
         self.handoff_batch = n.max(1);
     }
