@@ -1,8 +1,11 @@
 //! Event bus benchmark: nanoseconds per `publish` of a 64-byte event with no
 //! listener, with one live (broadcast) subscriber drained by a thread, with
-//! the lossless tap drained by a thread, and with both; a std `sync_channel`
-//! drained the same way is measured in the same run as a baseline for the
-//! tap (the tap is built on one, so the difference is the bus's own cost).
+//! the lossless tap drained by a thread, and with both; two baselines for
+//! the tap, measured in the same run, each drained the same way (a thread
+//! that polls and sleeps between polls as the tap's blocking receive does):
+//! the ring the tap is built on (`rtrb`) alone, so the difference is the
+//! bus's own cost, and a std `sync_channel`, which the tap was built on
+//! before.
 //!
 //! Two regimes, because they answer different questions:
 //!
@@ -22,10 +25,10 @@
 //! case's figure is the median over rounds — cases are compared under the
 //! same conditions.
 //!
-//! Run: `cargo bench -p kvbm-core --bench bus` (`KVBM_BENCH_QUICK=1` for a
+//! Run: `cargo bench -p kvbm-events --bench bus` (`KVBM_BENCH_QUICK=1` for a
 //! short run). Prints a Markdown table for the README.
 
-use kvbm_events::bus::{BusConfig, BusCounters, EventBus, Received, TapItem};
+use kvbm_events::bus::{BusConfig, BusCounters, EventBus, FIRST_NAP, LAST_NAP, Received, TapItem};
 use std::hint::black_box;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -131,7 +134,7 @@ impl Case for NoListener {
         )
     }
     fn finish(&mut self) -> String {
-        "one counter and two flag loads; the event is not cloned".into()
+        "the lock, one counter and two flags read; the event is not cloned".into()
     }
 }
 
@@ -263,10 +266,11 @@ impl Case for BusCase {
     }
 }
 
-/// The baseline: std's bounded channel with `try_send`, drained by a thread
-/// one item at a time.
+/// A baseline: the tap's ring alone, or std's bounded channel with
+/// `try_send`, drained by a thread one item at a time.
 struct Channel {
-    tx: Option<mpsc::SyncSender<Event>>,
+    tx: Option<Tx>,
+    ring: bool,
     seen: Seen,
     keep_up: bool,
     drainer: Option<thread::JoinHandle<()>>,
@@ -275,19 +279,61 @@ struct Channel {
     next: u64,
 }
 
-impl Channel {
-    fn new(capacity: usize, keep_up: bool) -> Self {
-        let (tx, rx) = mpsc::sync_channel::<Event>(capacity);
-        let seen = Seen::default();
-        let s = Arc::clone(&seen);
-        let drainer = thread::spawn(move || {
-            for e in rx {
-                black_box(e);
-                s.fetch_add(1, Ordering::Release);
+/// A baseline's sending end.
+enum Tx {
+    Std(mpsc::SyncSender<Event>),
+    Ring(rtrb::Producer<Event>),
+}
+
+/// Drains with `take` (an item, none yet, or the end) on a thread of its
+/// own, sleeping between empty polls as the tap's blocking receive does.
+fn polling_drainer(
+    seen: &Seen,
+    mut take: impl FnMut() -> Result<Event, bool> + Send + 'static,
+) -> thread::JoinHandle<()> {
+    let s = Arc::clone(seen);
+    thread::spawn(move || {
+        let mut nap = FIRST_NAP;
+        loop {
+            match take() {
+                Ok(e) => {
+                    black_box(e);
+                    s.fetch_add(1, Ordering::Release);
+                    nap = FIRST_NAP;
+                }
+                Err(true) => return,
+                Err(false) => {
+                    thread::sleep(nap);
+                    nap = (nap * 2).min(LAST_NAP);
+                }
             }
-        });
+        }
+    })
+}
+
+impl Channel {
+    fn new(capacity: usize, ring: bool, keep_up: bool) -> Self {
+        let seen = Seen::default();
+        let (tx, drainer) = if ring {
+            let (tx, mut rx) = rtrb::RingBuffer::<Event>::new(capacity);
+            let d = polling_drainer(&seen, move || match rx.pop() {
+                Ok(e) => Ok(e),
+                // Abandoned: one more look, then the end.
+                Err(_) if rx.is_abandoned() => rx.pop().map_err(|_| true),
+                Err(_) => Err(false),
+            });
+            (Tx::Ring(tx), d)
+        } else {
+            let (tx, rx) = mpsc::sync_channel::<Event>(capacity);
+            let d = polling_drainer(&seen, move || {
+                rx.try_recv()
+                    .map_err(|e| e == mpsc::TryRecvError::Disconnected)
+            });
+            (Tx::Std(tx), d)
+        };
         Channel {
             tx: Some(tx),
+            ring,
             seen,
             keep_up,
             drainer: Some(drainer),
@@ -305,11 +351,15 @@ impl Case for Channel {
         } else {
             "flat out"
         };
-        format!("baseline: std sync_channel try_send, {how}")
+        if self.ring {
+            format!("baseline: the ring alone (rtrb push), {how}")
+        } else {
+            format!("baseline: std sync_channel try_send, {how}")
+        }
     }
 
     fn run(&mut self, n: u64) -> Duration {
-        let Some(tx) = self.tx.as_ref() else {
+        let Some(tx) = self.tx.as_mut() else {
             return Duration::ZERO;
         };
         let (sent, full) = (&mut self.sent, &mut self.full);
@@ -324,7 +374,11 @@ impl Case for Channel {
             &mut self.next,
             |i| {
                 *sent += 1;
-                if tx.try_send(black_box(event(i))).is_err() {
+                let ok = match tx {
+                    Tx::Std(tx) => tx.try_send(black_box(event(i))).is_ok(),
+                    Tx::Ring(tx) => tx.push(black_box(event(i))).is_ok(),
+                };
+                if !ok {
                     rejected.set(rejected.get() + 1);
                 }
             },
@@ -340,7 +394,7 @@ impl Case for Channel {
             d.join().unwrap();
         }
         format!(
-            "same capacity as the tap; rejected as full {:.2}% of {} events",
+            "same capacity as the tap, drained by a thread that polls as the tap's does; rejected as full {:.2}% of {} events",
             pct(self.full, self.sent),
             self.sent
         )
@@ -362,10 +416,12 @@ fn main() {
         Box::new(BusCase::new(config, true, false, true)),
         Box::new(BusCase::new(config, false, true, true)),
         Box::new(BusCase::new(config, true, true, true)),
-        Box::new(Channel::new(config.tap_capacity, true)),
+        Box::new(Channel::new(config.tap_capacity, true, true)),
+        Box::new(Channel::new(config.tap_capacity, false, true)),
         Box::new(BusCase::new(config, true, false, false)),
         Box::new(BusCase::new(config, false, true, false)),
-        Box::new(Channel::new(config.tap_capacity, false)),
+        Box::new(Channel::new(config.tap_capacity, true, false)),
+        Box::new(Channel::new(config.tap_capacity, false, false)),
     ];
 
     // Calibrate: how many bursts fill a sample (by wall time, waits
@@ -417,7 +473,7 @@ fn main() {
     }
     println!();
     println!(
-        "tap keeping up: {:.1} ns/event (target ≤ 100); the sync_channel under it alone: {:.1} ns/event",
-        medians[2], medians[4]
+        "tap keeping up: {:.1} ns/event (target ≤ 100); the ring under it alone: {:.1} ns/event; a std sync_channel: {:.1} ns/event",
+        medians[2], medians[4], medians[5]
     );
 }

@@ -14,40 +14,58 @@
 //!   engine never waits for an observer): the event is dropped and counted in
 //!   [`BusCounters::tap_dropped`], and the consumer receives a
 //!   [`TapItem::Gap`] carrying the number lost before the next event that
-//!   got through (or, if none does, when the bus closes). With one
-//!   publishing thread — an engine's events are sequenced, so the usual
-//!   case — the marker sits exactly where the events were lost. With several
-//!   threads publishing at once, the counts are still exact and a marker is
-//!   never early, but it may come a few events late: it rides on the first
-//!   event to claim it, and a concurrent publisher may get in first. At any
-//!   quiet moment `tap_offered == tap_delivered + tap_dropped + tap_queued`.
+//!   got through (or, if none does, when the bus closes). Publishers take
+//!   turns under the bus's lock, so the marker sits exactly where the
+//!   events were lost, however many threads publish. At any quiet moment
+//!   `tap_offered == tap_delivered + tap_dropped + tap_queued`.
 //!
-//! The tap is a `std::sync::mpsc::sync_channel` (a lock-free bounded ring)
-//! with the loss accounting beside it. A mutex-guarded queue was tried first
-//! and cost about six times as much per event with a consumer on another
-//! core, because the lock's cache line moved between the cores on nearly
-//! every event; the ring's only shared lines are the slots, which carry the
-//! events anyway. The consumer end is blocking or polling, not async: a
-//! recorder writes and syncs files, which is blocking work for a thread of
-//! its own (or `spawn_blocking`) in any case.
+//! **Publishing costs one lock.** Publishers take the bus's lock
+//! ([`EventBus::lock`]; [`EventBus::publish`] takes it for one event),
+//! which makes them, together, the tap's single producer. Everything
+//! publishing touches is under it as plain numbers: the counts, who
+//! listens, and the producer end of the tap, a single-producer,
+//! single-consumer ring (`rtrb`) whose push is a store rather than a
+//! locked instruction. The [`Emitter`](crate::Emitter) numbers and stamps
+//! its events under the same lock, so an emit pays for that lock and for
+//! nothing else shared but its request id's reference count.
+//! [`EventBus::counters`], subscribing and the consumer's leaving take the
+//! lock too; they are rare. Before, the emitter had a lock of its own
+//! beside a bus of atomic counters and a `std::sync::mpsc::sync_channel`
+//! tap: five locked instructions an emit rather than two, and about a
+//! fifth more time (the README's *Events and recording* has the figures).
+//! Only publishers take the lock; the consumer never does, so the lock's
+//! cache line stays with the engine's thread. (A queue that both sides
+//! locked was tried first and cost about six times as much per event with
+//! the consumer on another core: the lock's line moved between the cores
+//! on nearly every event.) The ring's only shared lines are its slots,
+//! which carry the events anyway, and its two indices, which each side
+//! reads only when its cached copy says the ring is full or empty.
+//!
+//! The consumer end polls: [`TapReceiver::try_recv`], or a receive that
+//! sleeps between polls (50 µs, doubling to at most 1 ms), so publishing
+//! never wakes a thread. That is how a recorder should drain the tap
+//! anyway (take everything there is, then sleep a little): a wake-up on
+//! every event would cost the engine a system call. It is not async: a
+//! recorder writes and syncs files, which is blocking work for a thread
+//! of its own (or `spawn_blocking`) in any case.
 //!
 //! The bus is generic over the event type, so it knows nothing of the event
 //! vocabulary. [`EventBus::publish`] is synchronous (the engine is not
-//! necessarily async) and cheap when nobody listens: it bumps one counter and
-//! reads two flags; the event is neither cloned nor copied anywhere. It is
-//! cloned once only when both a live subscriber and the tap want it.
+//! necessarily async) and cheap when nobody listens: it takes the lock,
+//! bumps one counter and reads two flags; the event is neither cloned nor
+//! copied anywhere. It is cloned once only when both a live subscriber and
+//! the tap want it.
 //!
 //! Share a bus between threads behind an `Arc`; dropping the bus closes it
 //! (subscribers and the tap drain what they have, then see the end).
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 use tokio::sync::broadcast;
 
-use Ordering::{Relaxed, SeqCst};
+use Ordering::{Acquire, Relaxed, Release, SeqCst};
 
 /// Largest accepted broadcast capacity. tokio allocates every slot up front
 /// (rounded up to a power of two), so an absurd value would be an absurd
@@ -131,47 +149,56 @@ impl<T> std::ops::Deref for Padded<T> {
     }
 }
 
-/// Counters shared by the bus and its subscriptions.
-#[derive(Debug, Default)]
-struct Shared {
-    /// Touched by every publish.
-    publish: Padded<PublishSide>,
-    /// Written by subscribers when they lag; apart from the publish line.
+/// What the bus, its subscriptions and its tap's consumer share.
+struct Shared<E> {
+    /// Everything publishing touches, under the one lock.
+    producer: Mutex<Producer<E>>,
+    /// Written by subscribers when they lag; apart from the lock's lines.
     lagged_total: Padded<AtomicU64>,
 }
 
-#[derive(Debug, Default)]
-struct PublishSide {
-    published: AtomicU64,
-    subscribers: AtomicUsize,
+impl<E> Shared<E> {
+    /// The lock. A publisher that panicked mid-publish (an event's
+    /// `clone`) leaves counts that are at worst one event off; publishing
+    /// goes on.
+    #[inline]
+    fn lock(&self) -> MutexGuard<'_, Producer<E>> {
+        self.producer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
-/// The tap's state shared by the bus and the consumer, each group on lines
-/// of its own: publishers write `offered` on every event, the consumer writes
-/// `delivered` on every event, and the rest changes only on loss.
+/// The publishing side's state: counts, who listens, the ring's producer
+/// end. Plain numbers, under the lock; [`EventBus::counters`] takes it too,
+/// which is rare.
+struct Producer<E> {
+    published: u64,
+    /// Live subscribers now.
+    subscribers: usize,
+    /// A tap consumer is attached (its ring is in `tap`).
+    attached: bool,
+    /// The ring's producer end, while the tap is attached.
+    tap: Option<rtrb::Producer<TapEntry<E>>>,
+    /// Events offered to the tap.
+    offered: u64,
+    /// Dropped because the tap was full.
+    dropped: u64,
+    /// Dropped and not yet carried by an event that got through.
+    pending: u64,
+}
+
+/// The tap's state that its consumer reads without the lock. Every field
+/// changes only when the tap is taken and when the bus closes, except
+/// `delivered`, which is on lines of its own.
 #[derive(Debug, Default)]
 struct TapShared {
-    /// Read on every publish; written when the tap is taken and released.
-    flags: Padded<TapFlags>,
-    /// Publishers only.
-    offered: Padded<AtomicU64>,
-    loss: Padded<TapLoss>,
+    taken: AtomicBool,
+    /// The bus is gone: nothing more will be pushed.
+    closed: AtomicBool,
+    /// Losses no event got through to carry, handed to the consumer when
+    /// the bus closes.
+    unclaimed: AtomicU64,
     /// The consumer only.
     delivered: Padded<AtomicU64>,
-}
-
-#[derive(Debug, Default)]
-struct TapFlags {
-    taken: AtomicBool,
-    attached: AtomicBool,
-}
-
-#[derive(Debug, Default)]
-struct TapLoss {
-    /// Dropped and not yet claimed by an event that got through.
-    pending: AtomicU64,
-    /// Dropped because the tap was full (or the consumer was gone).
-    dropped: AtomicU64,
 }
 
 /// An event in the tap, with the number dropped just before it.
@@ -180,9 +207,8 @@ type TapEntry<E> = (u64, E);
 /// A publish/subscribe bus for events of type `E`. See the module docs.
 pub struct EventBus<E: Clone + Send + 'static> {
     live: broadcast::Sender<E>,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<E>>,
     tap: Arc<TapShared>,
-    tap_tx: OnceLock<SyncSender<TapEntry<E>>>,
     config: BusConfig,
 }
 
@@ -213,9 +239,19 @@ impl<E: Clone + Send + 'static> EventBus<E> {
         let (live, _) = broadcast::channel(config.broadcast_capacity);
         Ok(EventBus {
             live,
-            shared: Arc::new(Shared::default()),
+            shared: Arc::new(Shared {
+                producer: Mutex::new(Producer {
+                    published: 0,
+                    subscribers: 0,
+                    attached: false,
+                    tap: None,
+                    offered: 0,
+                    dropped: 0,
+                    pending: 0,
+                }),
+                lagged_total: Padded(AtomicU64::new(0)),
+            }),
             tap: Arc::new(TapShared::default()),
-            tap_tx: OnceLock::new(),
             config,
         })
     }
@@ -225,34 +261,25 @@ impl<E: Clone + Send + 'static> EventBus<E> {
         self.config
     }
 
-    /// True when a live subscriber or the tap would receive an event now.
-    /// Two relaxed loads; lets a producer skip building events nobody
-    /// wants (it must still count them, as `Emitter` does).
-    #[inline]
-    pub fn has_listeners(&self) -> bool {
-        self.shared.publish.subscribers.load(Relaxed) != 0 || self.tap.flags.attached.load(Relaxed)
-    }
-
     /// Publishes an event to every live subscriber and the tap. Never blocks
     /// on an observer, never fails; see the module docs for what happens to
-    /// observers that cannot keep up.
+    /// observers that cannot keep up. Takes the bus's lock for the one
+    /// event; [`lock`](Self::lock) holds it across several.
     #[inline]
     pub fn publish(&self, event: E) {
-        self.shared.publish.published.fetch_add(1, Relaxed);
-        // Our own subscriber count rather than `Sender::receiver_count`, which
-        // takes the channel's lock: the no-listener path must stay a couple
-        // of relaxed loads. A subscriber that joins concurrently may miss
-        // this event, exactly as with broadcast itself.
-        let live = self.shared.publish.subscribers.load(Relaxed) != 0;
-        let tap = self.tap.flags.attached.load(Relaxed);
-        match (live, tap) {
-            (false, false) => {}
-            (true, false) => self.send_live(event),
-            (false, true) => self.send_tap(event),
-            (true, true) => {
-                self.send_tap(event.clone());
-                self.send_live(event);
-            }
+        self.lock().publish(event);
+    }
+
+    /// Takes the bus's lock: until the guard drops, this thread is the only
+    /// publisher. What it publishes meanwhile goes out in that order with
+    /// nothing between, and whatever the caller does under the guard (the
+    /// [`Emitter`](crate::Emitter) numbers and stamps its events there) is
+    /// ordered with it.
+    #[inline]
+    pub fn lock(&self) -> Publishing<'_, E> {
+        Publishing {
+            bus: self,
+            producer: self.shared.lock(),
         }
     }
 
@@ -262,36 +289,10 @@ impl<E: Clone + Send + 'static> EventBus<E> {
         let _ = self.live.send(event);
     }
 
-    #[cold]
-    fn tap_lost(&self, claimed: u64) {
-        // Hand back the gap this event was to carry, plus the event itself.
-        self.tap.loss.pending.fetch_add(claimed + 1, SeqCst);
-        self.tap.loss.dropped.fetch_add(1, Relaxed);
-    }
-
-    fn send_tap(&self, event: E) {
-        let Some(tx) = self.tap_tx.get() else {
-            return; // `attached` is only set after the sender exists
-        };
-        self.tap.offered.fetch_add(1, Relaxed);
-        // Claim the losses before this event so it carries them. Only read
-        // on the hot path: the line changes only when something is lost.
-        let claimed = match self.tap.loss.pending.load(SeqCst) {
-            0 => 0,
-            _ => self.tap.loss.pending.swap(0, SeqCst),
-        };
-        match tx.try_send((claimed, event)) {
-            Ok(()) => {}
-            // Full, or the consumer left after we read `attached`: either
-            // way the event is lost, and counted.
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => self.tap_lost(claimed),
-        }
-    }
-
     /// A new live subscriber. It sees events published from now on.
     pub fn subscribe(&self) -> Subscription<E> {
         let rx = self.live.subscribe();
-        self.shared.publish.subscribers.fetch_add(1, Relaxed);
+        self.shared.lock().subscribers += 1;
         Subscription {
             rx,
             shared: Arc::clone(&self.shared),
@@ -303,16 +304,17 @@ impl<E: Clone + Send + 'static> EventBus<E> {
     /// (even after it is dropped, so a second recorder cannot silently start
     /// mid-stream).
     pub fn take_tap(&self) -> Option<TapReceiver<E>> {
-        if self.tap.flags.taken.swap(true, SeqCst) {
+        if self.tap.taken.swap(true, SeqCst) {
             return None;
         }
-        let (tx, rx) = mpsc::sync_channel(self.config.tap_capacity);
-        // Cannot be set already: `taken` lets exactly one caller through.
-        let _ = self.tap_tx.set(tx);
-        // Publishing to the tap starts only once the channel exists.
-        self.tap.flags.attached.store(true, SeqCst);
+        let (tx, rx) = rtrb::RingBuffer::new(self.config.tap_capacity);
+        let mut p = self.shared.lock();
+        p.tap = Some(tx);
+        p.attached = true;
+        drop(p);
         Some(TapReceiver {
             rx,
+            shared: Arc::clone(&self.shared),
             tap: Arc::clone(&self.tap),
             held: None,
             delivered: 0,
@@ -321,19 +323,21 @@ impl<E: Clone + Send + 'static> EventBus<E> {
 
     /// A snapshot of the counters.
     pub fn counters(&self) -> BusCounters {
-        let attached = self.tap.flags.attached.load(SeqCst);
-        let offered = self.tap.offered.load(SeqCst);
+        let p = self.shared.lock();
+        let (published, subscribers, attached) = (p.published, p.subscribers, p.attached);
+        let (offered, tap_dropped) = (p.offered, p.dropped);
+        drop(p);
         let delivered = self.tap.delivered.load(SeqCst);
-        let dropped = if attached || !self.tap.flags.taken.load(SeqCst) {
-            self.tap.loss.dropped.load(SeqCst)
+        let dropped = if attached || !self.tap.taken.load(SeqCst) {
+            tap_dropped
         } else {
             // The consumer is gone: whatever it did not receive is lost,
             // including events still in the ring when it left.
             offered.saturating_sub(delivered)
         };
         BusCounters {
-            published: self.shared.publish.published.load(Relaxed),
-            subscribers: self.shared.publish.subscribers.load(Relaxed),
+            published,
+            subscribers,
             lagged_total: self.shared.lagged_total.load(Relaxed),
             tap_attached: attached,
             tap_offered: offered,
@@ -341,6 +345,79 @@ impl<E: Clone + Send + 'static> EventBus<E> {
             tap_dropped: dropped,
             // Read apart from `offered`, so clamp rather than underflow.
             tap_queued: offered.saturating_sub(delivered.saturating_add(dropped)),
+        }
+    }
+}
+
+impl<E: Clone + Send + 'static> Drop for EventBus<E> {
+    fn drop(&mut self) {
+        let mut p = self.shared.lock();
+        // Losses no event carried go to the consumer with the close; the
+        // Release store of `closed` publishes them and every push before.
+        self.tap.unclaimed.store(p.pending, Relaxed);
+        p.tap = None;
+        drop(p);
+        self.tap.closed.store(true, Release);
+    }
+}
+
+/// The bus's lock, held: publish through it ([`EventBus::lock`]).
+pub struct Publishing<'a, E: Clone + Send + 'static> {
+    bus: &'a EventBus<E>,
+    producer: MutexGuard<'a, Producer<E>>,
+}
+
+impl<E: Clone + Send + 'static> fmt::Debug for Publishing<'_, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Publishing")
+            .field("published", &self.producer.published)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: Clone + Send + 'static> Publishing<'_, E> {
+    /// True when a live subscriber or the tap would receive an event now:
+    /// lets a producer skip building events nobody wants (it must still
+    /// count them, as `Emitter` does).
+    #[inline]
+    pub fn has_listeners(&self) -> bool {
+        self.producer.subscribers != 0 || self.producer.attached
+    }
+
+    /// Publishes an event to every live subscriber and the tap
+    /// ([`EventBus::publish`]).
+    #[inline]
+    pub fn publish(&mut self, event: E) {
+        let bus = self.bus;
+        let p = &mut *self.producer;
+        p.published += 1;
+        let (live, tap) = (p.subscribers != 0, p.attached);
+        match (live, tap) {
+            (false, false) => {}
+            (true, false) => bus.send_live(event),
+            (false, true) => Self::send_tap(p, event),
+            (true, true) => {
+                Self::send_tap(p, event.clone());
+                bus.send_live(event);
+            }
+        }
+    }
+
+    #[inline]
+    fn send_tap(p: &mut Producer<E>, event: E) {
+        let Some(tx) = p.tap.as_mut() else {
+            return; // `attached` is only set once the ring is in place
+        };
+        p.offered += 1;
+        // The event carries the losses since the last one that got through.
+        match tx.push((p.pending, event)) {
+            Ok(()) => p.pending = 0,
+            // Full. (A consumer that left is not an error here: what it
+            // did not take is counted as dropped once it has gone.)
+            Err(_) => {
+                p.pending += 1;
+                p.dropped += 1;
+            }
         }
     }
 }
@@ -374,7 +451,7 @@ pub enum TryRecvError {
 /// A live, lossy subscriber. Dropping it unsubscribes.
 pub struct Subscription<E: Clone + Send + 'static> {
     rx: broadcast::Receiver<E>,
-    shared: Arc<Shared>,
+    shared: Arc<Shared<E>>,
 }
 
 impl<E: Clone + Send + 'static> fmt::Debug for Subscription<E> {
@@ -425,13 +502,19 @@ impl<E: Clone + Send + 'static> Subscription<E> {
 
 impl<E: Clone + Send + 'static> Drop for Subscription<E> {
     fn drop(&mut self) {
-        self.shared.publish.subscribers.fetch_sub(1, Relaxed);
+        self.shared.lock().subscribers -= 1;
     }
 }
 
 // ---------------------------------------------------------------------------
 // The tap
 // ---------------------------------------------------------------------------
+
+/// A blocking receive's first sleep when the tap is empty.
+pub const FIRST_NAP: Duration = Duration::from_micros(50);
+/// Its longest: how long an event may wait to be noticed by a blocked
+/// receiver.
+pub const LAST_NAP: Duration = Duration::from_millis(1);
 
 /// What the tap's consumer receives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -449,7 +532,8 @@ pub enum TapItem<E> {
 /// The tap's single consumer. Dropping it detaches the tap: publishing stops
 /// offering events to it, and whatever it did not receive counts as dropped.
 pub struct TapReceiver<E> {
-    rx: mpsc::Receiver<TapEntry<E>>,
+    rx: rtrb::Consumer<TapEntry<E>>,
+    shared: Arc<Shared<E>>,
     tap: Arc<TapShared>,
     /// An event held back while its gap marker is delivered first.
     held: Option<E>,
@@ -484,7 +568,7 @@ impl<E> TapReceiver<E> {
     /// The bus is gone and the ring is empty: report losses no later event
     /// could carry, then the end.
     fn closed(&mut self) -> Option<TapItem<E>> {
-        match self.tap.loss.pending.swap(0, SeqCst) {
+        match self.tap.unclaimed.swap(0, Relaxed) {
             0 => None,
             dropped => Some(TapItem::Gap { dropped }),
         }
@@ -495,36 +579,53 @@ impl<E> TapReceiver<E> {
         if let Some(e) = self.held.take() {
             return Ok(self.deliver(e));
         }
-        match self.rx.try_recv() {
+        if let Ok(slot) = self.rx.pop() {
+            return Ok(self.unpack(slot));
+        }
+        if !self.tap.closed.load(Acquire) {
+            return Err(TryRecvError::Empty);
+        }
+        // Closed: every push came before the close, so one more look sees
+        // whatever was still arriving.
+        match self.rx.pop() {
             Ok(slot) => Ok(self.unpack(slot)),
-            Err(mpsc::TryRecvError::Empty) => Err(TryRecvError::Empty),
-            Err(mpsc::TryRecvError::Disconnected) => self.closed().ok_or(TryRecvError::Closed),
+            Err(_) => self.closed().ok_or(TryRecvError::Closed),
+        }
+    }
+
+    /// Polls until an item comes, the bus is closed and drained, or
+    /// `deadline` passes; sleeps between polls ([`FIRST_NAP`] doubling to
+    /// [`LAST_NAP`]).
+    fn recv_until(&mut self, deadline: Option<Instant>) -> Result<TapItem<E>, TryRecvError> {
+        let mut nap = FIRST_NAP;
+        loop {
+            match self.try_recv() {
+                Err(TryRecvError::Empty) => {}
+                got => return got,
+            }
+            let nap_now = match deadline {
+                None => nap,
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => nap.min(left),
+                    _ => return Err(TryRecvError::Empty),
+                },
+            };
+            std::thread::sleep(nap_now);
+            nap = (nap * 2).min(LAST_NAP);
         }
     }
 
     /// The next item, blocking the thread until there is one; `None` once the
-    /// bus is gone and everything has been received.
+    /// bus is gone and everything has been received. It polls (see the
+    /// module docs): an item waits at most [`LAST_NAP`] to be noticed.
     pub fn recv_blocking(&mut self) -> Option<TapItem<E>> {
-        if let Some(e) = self.held.take() {
-            return Some(self.deliver(e));
-        }
-        match self.rx.recv() {
-            Ok(slot) => Some(self.unpack(slot)),
-            Err(mpsc::RecvError) => self.closed(),
-        }
+        self.recv_until(None).ok()
     }
 
     /// The next item, waiting at most `timeout` (a recorder uses this to
     /// flush on a schedule even when the engine is quiet).
     pub fn recv_timeout(&mut self, timeout: Duration) -> Result<TapItem<E>, TryRecvError> {
-        if let Some(e) = self.held.take() {
-            return Ok(self.deliver(e));
-        }
-        match self.rx.recv_timeout(timeout) {
-            Ok(slot) => Ok(self.unpack(slot)),
-            Err(RecvTimeoutError::Timeout) => Err(TryRecvError::Empty),
-            Err(RecvTimeoutError::Disconnected) => self.closed().ok_or(TryRecvError::Closed),
-        }
+        self.recv_until(Some(Instant::now() + timeout))
     }
 
     /// Receives up to `max` items into `out`, blocking until at least one is
@@ -558,7 +659,10 @@ impl<E> Drop for TapReceiver<E> {
         // Stop offering; events already in the ring, and any a publisher
         // sends before it sees the flag, are counted as dropped by
         // `counters` (offered - delivered once detached).
-        self.tap.flags.attached.store(false, SeqCst);
+        let mut p = self.shared.lock();
+        p.attached = false;
+        // The ring goes when both ends have (what it still holds with it).
+        p.tap = None;
     }
 }
 
@@ -1047,8 +1151,69 @@ mod tests {
         }
     }
 
+    /// Publishers that number their events under the bus's lock (as the
+    /// emitter does) get exact gap markers however many threads publish at
+    /// once: each marker says exactly how many numbers are missing before
+    /// the event it precedes, with a consumer draining a tiny tap
+    /// meanwhile.
     #[test]
-    fn blocking_consumer_parks_and_is_woken() {
+    fn gap_markers_are_exact_with_several_publishers() {
+        const THREADS: u64 = 4;
+        const PER: u64 = 25_000;
+        let b = Arc::new(bus::<u64>(4, 8));
+        let mut t = b.take_tap().unwrap();
+        let next = Arc::new(AtomicU64::new(0));
+        let consumer = thread::spawn(move || {
+            let (mut last, mut events, mut gaps, mut pending) = (None::<u64>, 0u64, 0u64, 0u64);
+            let mut polls = 0u64;
+            while let Some(item) = t.recv_blocking() {
+                match item {
+                    TapItem::Gap { dropped } => {
+                        assert_eq!(pending, 0, "two markers in a row");
+                        pending = dropped;
+                        gaps += dropped;
+                    }
+                    TapItem::Event(v) => {
+                        let expected = last.map_or(0, |l| l + 1) + pending;
+                        assert_eq!(v, expected, "after {last:?}, {pending} said missing");
+                        last = Some(v);
+                        pending = 0;
+                        events += 1;
+                    }
+                }
+                polls += 1;
+                if polls.is_multiple_of(64) {
+                    thread::sleep(Duration::from_micros(100));
+                }
+            }
+            (events, gaps, last)
+        });
+        let publishers: Vec<_> = (0..THREADS)
+            .map(|_| {
+                let (b, next) = (Arc::clone(&b), Arc::clone(&next));
+                thread::spawn(move || {
+                    for _ in 0..PER {
+                        let mut out = b.lock();
+                        out.publish(next.fetch_add(1, Relaxed));
+                    }
+                })
+            })
+            .collect();
+        for p in publishers {
+            p.join().unwrap();
+        }
+        let c = b.counters();
+        drop(b);
+        let (events, gaps, _) = consumer.join().unwrap();
+        assert_eq!(events + gaps, THREADS * PER);
+        assert_eq!(gaps, c.tap_dropped);
+        assert!(gaps > 0, "the test should overflow the tap");
+    }
+
+    /// A blocking receive polls (nothing wakes it): it still gets every
+    /// event, and the end.
+    #[test]
+    fn blocking_consumer_polls_and_gets_everything() {
         let b = Arc::new(bus::<u32>(4, 100));
         let mut t = b.take_tap().unwrap();
         let consumer = thread::spawn(move || std::iter::from_fn(|| t.recv_blocking()).count());

@@ -6,8 +6,8 @@ use crate::bus::{BusConfig, BusError, EventBus};
 use crate::event::{Event, EventKind, RequestId};
 use crate::run::RunId;
 use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
 /// Where timestamps come from.
 pub trait Clock: Send + Sync {
@@ -77,25 +77,24 @@ impl Clock for VirtualClock {
     }
 }
 
-struct Stamp {
-    seq: u64,
-    /// The last event's timestamp: the next is no earlier.
-    ts_ns: u64,
-}
-
 /// Stamps events with the envelope and publishes them on the bus.
 ///
-/// Sequence numbers are assigned and published under one lock, so the
-/// order on the bus is the order of `seq`, with no gaps, and timestamps
-/// never decrease along it, even when the leader and the pipelines' tasks
-/// emit at once.
+/// Sequence numbers are assigned and published under one lock, the bus's
+/// own ([`EventBus::lock`]), so the order on the bus is the order of `seq`,
+/// with no gaps, and timestamps never decrease along it, even when the
+/// leader and the pipelines' tasks emit at once; and an emit takes no lock
+/// but that one.
 pub struct Emitter {
     engine: u32,
     run: RunId,
     bus: EventBus<Event>,
     clock: Arc<dyn Clock>,
     iteration: AtomicU64,
-    stamp: Mutex<Stamp>,
+    /// The next sequence number, and the last event's timestamp (the next
+    /// is no earlier). Written only under the bus's lock, which orders
+    /// them; atomics so that [`emitted`](Self::emitted) reads without it.
+    seq: AtomicU64,
+    ts_ns: AtomicU64,
 }
 
 impl fmt::Debug for Emitter {
@@ -118,7 +117,8 @@ impl Emitter {
             bus: EventBus::new(bus)?,
             clock,
             iteration: AtomicU64::new(0),
-            stamp: Mutex::new(Stamp { seq: 0, ts_ns: 0 }),
+            seq: AtomicU64::new(0),
+            ts_ns: AtomicU64::new(0),
         })
     }
 
@@ -155,7 +155,7 @@ impl Emitter {
 
     /// Events emitted so far (the next sequence number).
     pub fn emitted(&self) -> u64 {
-        self.stamp.lock().unwrap_or_else(|e| e.into_inner()).seq
+        self.seq.load(Ordering::Relaxed)
     }
 
     /// Emits one event.
@@ -164,24 +164,27 @@ impl Emitter {
     /// same lock, so numbering stays gapless for a listener that attaches
     /// later): no clock read, no envelope, no publish.
     pub fn emit(&self, request: Option<&RequestId>, kind: EventKind) {
-        let mut st = self.stamp.lock().unwrap_or_else(|e| e.into_inner());
-        if !self.bus.has_listeners() {
-            st.seq += 1;
+        use Ordering::Relaxed;
+        let mut out = self.bus.lock();
+        // Load-then-store, not read-modify-write: the lock already makes
+        // this thread the only writer.
+        let seq = self.seq.load(Relaxed);
+        self.seq.store(seq + 1, Relaxed);
+        if !out.has_listeners() {
             return;
         }
         // Under the lock, so timestamps follow sequence numbers even when
         // two threads' clock reads come out of order.
-        st.ts_ns = st.ts_ns.max(self.clock.now_ns());
-        let event = Event {
+        let ts_ns = self.ts_ns.load(Relaxed).max(self.clock.now_ns());
+        self.ts_ns.store(ts_ns, Relaxed);
+        out.publish(Event {
             engine: self.engine,
-            seq: st.seq,
-            ts_ns: st.ts_ns,
-            iteration: self.iteration.load(Ordering::Relaxed),
+            seq,
+            ts_ns,
+            iteration: self.iteration.load(Relaxed),
             request: request.cloned(),
             kind,
-        };
-        st.seq += 1;
-        self.bus.publish(event);
+        });
     }
 }
 
@@ -190,6 +193,7 @@ mod tests {
     use super::*;
     use crate::Tier;
     use crate::bus::TapItem;
+    use std::sync::Mutex;
 
     #[test]
     fn envelope_has_gapless_sequence_and_stamps() {
