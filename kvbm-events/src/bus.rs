@@ -625,7 +625,8 @@ impl<E> TapReceiver<E> {
     /// The next item, waiting at most `timeout` (a recorder uses this to
     /// flush on a schedule even when the engine is quiet).
     pub fn recv_timeout(&mut self, timeout: Duration) -> Result<TapItem<E>, TryRecvError> {
-        self.recv_until(Some(Instant::now() + timeout))
+        // A timeout past the clock's range waits as long as it takes.
+        self.recv_until(Instant::now().checked_add(timeout))
     }
 
     /// Receives up to `max` items into `out`, blocking until at least one is
@@ -656,9 +657,9 @@ impl<E> TapReceiver<E> {
 
 impl<E> Drop for TapReceiver<E> {
     fn drop(&mut self) {
-        // Stop offering; events already in the ring, and any a publisher
-        // sends before it sees the flag, are counted as dropped by
-        // `counters` (offered - delivered once detached).
+        // Stop offering. Under the lock, so nothing is pushed after this;
+        // what is still in the ring is counted as dropped by `counters`
+        // (offered - delivered once detached).
         let mut p = self.shared.lock();
         p.attached = false;
         // The ring goes when both ends have (what it still holds with it).
@@ -896,6 +897,8 @@ mod tests {
     fn recv_timeout_waits_then_returns() {
         let b = Arc::new(bus::<u32>(4, 4));
         let mut t = b.take_tap().unwrap();
+        b.publish(1);
+        assert_eq!(t.recv_timeout(Duration::MAX), Ok(TapItem::Event(1)));
         assert_eq!(
             t.recv_timeout(Duration::from_millis(5)),
             Err(TryRecvError::Empty)
