@@ -270,7 +270,8 @@ impl Case for BusCase {
 /// `try_send`, drained by a thread one item at a time.
 struct Channel {
     tx: Option<Tx>,
-    ring: bool,
+    /// What it is, for the table (`tx` is gone once it has finished).
+    what: &'static str,
     seen: Seen,
     keep_up: bool,
     drainer: Option<thread::JoinHandle<()>>,
@@ -333,7 +334,11 @@ impl Channel {
         };
         Channel {
             tx: Some(tx),
-            ring,
+            what: if ring {
+                "the ring alone (rtrb push)"
+            } else {
+                "std sync_channel try_send"
+            },
             seen,
             keep_up,
             drainer: Some(drainer),
@@ -351,11 +356,7 @@ impl Case for Channel {
         } else {
             "flat out"
         };
-        if self.ring {
-            format!("baseline: the ring alone (rtrb push), {how}")
-        } else {
-            format!("baseline: std sync_channel try_send, {how}")
-        }
+        format!("baseline: {}, {how}", self.what)
     }
 
     fn run(&mut self, n: u64) -> Duration {

@@ -31,8 +31,9 @@
 //! [`EventBus::counters`], subscribing and the consumer's leaving take the
 //! lock too; they are rare. Before, the emitter had a lock of its own
 //! beside a bus of atomic counters and a `std::sync::mpsc::sync_channel`
-//! tap: five locked instructions an emit rather than two, and about a
-//! fifth more time (the README's *Events and recording* has the figures).
+//! tap: five locked instructions an emit rather than two, and a fifth to
+//! nearly half again as much time here (the README's *Events and
+//! recording* has the figures).
 //! Only publishers take the lock; the consumer never does, so the lock's
 //! cache line stays with the engine's thread. (A queue that both sides
 //! locked was tried first and cost about six times as much per event with
