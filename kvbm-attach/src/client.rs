@@ -149,40 +149,11 @@ impl Endpoint {
             _ => return Err(bad("the scheme must be http")),
         }
         let authority = rest.strip_suffix('/').unwrap_or(rest);
-        if authority.contains(['/', '?', '#']) {
-            return Err(bad("a path, query or fragment is not expected"));
-        }
-        if authority.contains('@') {
+        // Said here, before the authority is read, for the hint.
+        if authority.contains('@') && !authority.contains(['/', '?', '#']) {
             return Err(bad("user info is not expected; pass a token with --token"));
         }
-        let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-            let Some((addr, after)) = v6.split_once(']') else {
-                return Err(bad("an IPv6 address needs its closing `]`"));
-            };
-            if addr.parse::<std::net::Ipv6Addr>().is_err() {
-                return Err(bad("not an IPv6 address inside `[...]`"));
-            }
-            let Some(port) = after.strip_prefix(':') else {
-                return Err(bad("no port"));
-            };
-            (addr, port)
-        } else {
-            let Some((host, port)) = authority.rsplit_once(':') else {
-                return Err(bad("no port"));
-            };
-            if host.is_empty() {
-                return Err(bad("no host"));
-            }
-            let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_');
-            if host.len() > 253 || !host.chars().all(ok) {
-                return Err(bad("the host must be a name or an IP address"));
-            }
-            (host, port)
-        };
-        let port: u16 = match port.parse() {
-            Ok(p) if p != 0 && port.bytes().all(|b| b.is_ascii_digit()) => p,
-            _ => return Err(bad("the port must be a number from 1 to 65535")),
-        };
+        let (host, port) = kvbm_events::addr::parse_authority(authority).map_err(bad)?;
         Ok(Endpoint {
             host: host.to_string(),
             port,
@@ -190,11 +161,7 @@ impl Endpoint {
     }
 
     fn host_port(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        kvbm_events::addr::join_authority(&self.host, self.port)
     }
 
     /// The WebSocket URL of the event stream, resuming at `since` in run

@@ -12,12 +12,14 @@
 //! - [`run`]: the random identity of one engine run.
 //! - [`breakpoint`] and [`control`]: breakpoint specs and the control
 //!   commands, as data.
-//! - [`text`]: clipping untrusted text echoed back in an error.
+//! - [`text`]: clipping untrusted text echoed back in an error; [`addr`]:
+//!   the `HOST:PORT` every address the tools take ends in, read alike.
 //! - `testing` (feature `testing`): property-test strategies for events.
 //!
 //! What must not live here: the block manager itself (`kvbm-core`), file
 //! formats (`kvbm-schema`, `kvbm-recorder`), sockets or terminals.
 
+pub mod addr;
 pub mod breakpoint;
 pub mod bus;
 pub mod control;

@@ -89,10 +89,12 @@ pub enum NatsError {
         name: String,
     },
     /// Not a `nats://HOST:PORT` URL.
-    #[error("{url:?} is not a NATS URL: expected nats://HOST:PORT")]
+    #[error("{url:?} is not a NATS URL ({reason}): expected nats://HOST:PORT")]
     BadUrl {
         /// The URL, clipped.
         url: String,
+        /// What is wrong with it.
+        reason: &'static str,
     },
     /// Connecting, or a JetStream call, failed.
     #[error("NATS: {0}")]
@@ -123,14 +125,17 @@ pub fn is_nats_url(url: &str) -> bool {
 /// Checks a `nats://HOST:PORT` URL (async-nats parses it again when
 /// connecting); returns it unchanged.
 pub fn check_url(url: &str) -> Result<&str, NatsError> {
-    let bad = || NatsError::BadUrl {
+    let bad = |reason| NatsError::BadUrl {
         url: kvbm_events::text::clip(url, kvbm_events::text::MAX_QUOTED_CHARS),
+        reason,
     };
-    let rest = url.strip_prefix("nats://").ok_or_else(bad)?;
-    let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
-    if host.is_empty() || host.contains('/') || port.parse::<u16>().is_err() {
-        return Err(bad());
-    }
+    let rest = url
+        .strip_prefix("nats://")
+        .ok_or(bad("the scheme must be nats"))?;
+    // Credentials (`nats://USER:PASSWORD@HOST:PORT`) are the client's to
+    // read; only what follows them is checked here.
+    let authority = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
+    kvbm_events::addr::parse_authority(authority).map_err(bad)?;
     Ok(url)
 }
 
@@ -261,8 +266,18 @@ mod tests {
             "nats://:4222",
             "nats://x:99999",
             "nats://a/b:1",
+            "nats://a b:4222",
+            "nats://h:4222/x",
+            "nats://[::1:4222",
         ] {
             assert!(check_url(bad).is_err(), "{bad}");
         }
+        assert!(check_url("nats://[::1]:4222").is_ok());
+        assert!(check_url("nats://user:pw@127.0.0.1:4222").is_ok());
+        let e = check_url("nats://a b:4222").unwrap_err().to_string();
+        assert!(
+            e.contains("the host must be a name or an IP address"),
+            "{e}"
+        );
     }
 }

@@ -81,23 +81,7 @@ impl ZmqEndpoint {
             return Err(bad("the scheme must be zmq or tcp"));
         }
         let rest = rest.strip_suffix('/').unwrap_or(rest);
-        let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
-            let (addr, after) = v6.split_once(']').ok_or_else(|| bad("no closing `]`"))?;
-            addr.parse::<std::net::Ipv6Addr>()
-                .map_err(|_| bad("not an IPv6 address"))?;
-            (addr, after.strip_prefix(':').ok_or_else(|| bad("no port"))?)
-        } else {
-            let (h, p) = rest.rsplit_once(':').ok_or_else(|| bad("no port"))?;
-            let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_');
-            if h.is_empty() || h.len() > 253 || !h.chars().all(ok) {
-                return Err(bad("the host must be a name or an IP address"));
-            }
-            (h, p)
-        };
-        let port = match port.parse::<u16>() {
-            Ok(p) if p != 0 && port.bytes().all(|b| b.is_ascii_digit()) => p,
-            _ => return Err(bad("the port must be a number from 1 to 65535")),
-        };
+        let (host, port) = kvbm_events::addr::parse_authority(rest).map_err(bad)?;
         Ok(ZmqEndpoint {
             host: host.to_string(),
             port,
@@ -105,11 +89,7 @@ impl ZmqEndpoint {
     }
 
     fn host_port(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        kvbm_events::addr::join_authority(&self.host, self.port)
     }
 
     /// The address as ZeroMQ spells it: `tcp://HOST:PORT`.
