@@ -7,6 +7,7 @@
 //! and breakpoints are controlled on `kvbm.control.<engine_id>`.
 
 use crate::config::Config;
+use kvbm_attach::nats::control::ResponderCounters;
 use kvbm_attach::nats::publish::PublisherCounters;
 use kvbm_attach::server::{
     Feeder, FeederConfig, ServedEngine, Server, ServerConfig, ServerHandle, spawn_feeder,
@@ -33,6 +34,16 @@ const IDLE_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// How long the publisher may take, at shutdown, to send what it holds.
 pub const PUBLISH_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What the fleet's event plane did, final once the observers stop: the
+/// publisher's counters and control's (both `None` without `publish`).
+#[derive(Debug, Clone, Default)]
+pub struct FleetCounters {
+    /// What the NATS publisher took, sent and lost.
+    pub publisher: Option<PublisherCounters>,
+    /// What control on `kvbm.control.<engine_id>` answered and refused.
+    pub control: Option<ResponderCounters>,
+}
 
 /// The running observers.
 pub struct Observers {
@@ -179,19 +190,19 @@ impl Observers {
         self.server.as_ref().map(|s| s.local_addr())
     }
 
-    /// The NATS publisher's counters now, when publishing.
-    pub fn publisher_counters(&self) -> Option<PublisherCounters> {
-        self.publisher.as_ref().map(|p| p.counters())
+    /// The NATS publisher's and control's counters now, when publishing.
+    pub fn fleet_counters(&self) -> FleetCounters {
+        FleetCounters {
+            publisher: self.publisher.as_ref().map(|p| p.counters()),
+            control: self.control.as_ref().map(|(r, _)| r.counters()),
+        }
     }
 
     /// Stops the server, the feeder and the recorder (which writes what is
     /// left and its sidecar), or the publisher (which sends what it still
-    /// holds, for at most [`PUBLISH_DRAIN`]); returns the publisher's final
-    /// counters when publishing.
-    pub fn stop(
-        mut self,
-        runtime: &tokio::runtime::Runtime,
-    ) -> Result<Option<PublisherCounters>, String> {
+    /// holds, for at most [`PUBLISH_DRAIN`]) and control; returns their
+    /// final counters when publishing.
+    pub fn stop(mut self, runtime: &tokio::runtime::Runtime) -> Result<FleetCounters, String> {
         let mut first_err = None;
         if let Some(s) = self.server.take()
             && let Err(e) = runtime.block_on(s.shutdown())
@@ -201,18 +212,19 @@ impl Observers {
         if let Some(f) = self.feeder.take() {
             f.stop();
         }
+        let mut finals = FleetCounters::default();
         if let Some((responder, task)) = self.control.take() {
             task.abort();
             // Nothing stays paused once control is gone.
             responder.release_all();
+            finals.control = Some(responder.counters());
         }
-        let mut published = None;
         if let Some(p) = self.publisher.take() {
             let c = p.stop(PUBLISH_DRAIN);
             if c.lost() > 0 {
                 tracing::warn!("kvbm publisher lost {} events: {c:?}", c.lost());
             }
-            published = Some(c);
+            finals.publisher = Some(c);
         }
         self.recorder_stop.store(true, Ordering::Release);
         if let Some(r) = self.recorder.take() {
@@ -227,7 +239,7 @@ impl Observers {
             }
         }
         match first_err {
-            None => Ok(published),
+            None => Ok(finals),
             Some(e) => Err(e),
         }
     }

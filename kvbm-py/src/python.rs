@@ -47,13 +47,15 @@ fn worker_err(e: WorkerError) -> PyErr {
 }
 
 /// The scheduler side's counters as JSON text: the connector's, its time
-/// per step, the events it emitted and, with `publish`, its publisher's.
+/// per step, the events it emitted and, with `publish`, its publisher's
+/// and its NATS control's.
 fn counters_json(s: &SchedulerSide) -> String {
     serde_json::json!({
         "counters": s.counters(),
         "step_timing": s.step_timing(),
         "events_emitted": s.events_emitted(),
         "publisher": s.publisher_counters(),
+        "control": s.control_counters(),
     })
     .to_string()
 }

@@ -36,7 +36,7 @@
 
 use crate::config::{Config, Offload};
 use crate::meta::{Batch, Pair, Route, StepPlan, StepReport};
-use crate::observe::Observers;
+use crate::observe::{FleetCounters, Observers};
 use crate::tiers::{Geometry, TierSizes, shm_path};
 use kvbm_core::block::{Empty, ImmutableBlock, MutableBlock};
 use kvbm_core::hooks::{Breakpoints, HookSet};
@@ -223,8 +223,8 @@ pub struct SchedulerSide {
     step: u64,
     counters: Counters,
     observers: Option<Observers>,
-    /// The NATS publisher's final counters, once stopped.
-    published: Option<kvbm_attach::nats::publish::PublisherCounters>,
+    /// The NATS publisher's and control's final counters, once stopped.
+    published: FleetCounters,
     /// Time spent in the connector since the last step was shipped, and
     /// per step before that (the last [`TIMING_SAMPLES`]).
     spent_ns: u64,
@@ -565,7 +565,7 @@ impl SchedulerSide {
             step: 0,
             counters: Counters::default(),
             observers: Some(observers),
-            published: None,
+            published: Default::default(),
             spent_ns: 0,
             step_ns: std::collections::VecDeque::new(),
         })
@@ -595,10 +595,21 @@ impl SchedulerSide {
     /// With `publish`: the NATS publisher's counters (live; after
     /// [`SchedulerSide::shutdown`], final: what it sent and lost).
     pub fn publisher_counters(&self) -> Option<kvbm_attach::nats::publish::PublisherCounters> {
-        self.observers
-            .as_ref()
-            .and_then(Observers::publisher_counters)
-            .or_else(|| self.published.clone())
+        self.fleet_counters().publisher
+    }
+
+    /// With `publish`: what control on `kvbm.control.<engine_id>` answered,
+    /// refused as malformed, and how many sessions it refused or let lapse
+    /// (live; final after [`SchedulerSide::shutdown`]).
+    pub fn control_counters(&self) -> Option<kvbm_attach::nats::control::ResponderCounters> {
+        self.fleet_counters().control
+    }
+
+    fn fleet_counters(&self) -> FleetCounters {
+        match &self.observers {
+            Some(o) => o.fleet_counters(),
+            None => self.published.clone(),
+        }
     }
 
     /// The connector's own time per step (every call vLLM made to it from
@@ -1226,7 +1237,7 @@ impl SchedulerSide {
             // The observers are taken once: nothing was published before.
             Some(o) => o
                 .stop(&self.runtime)
-                .map(|published| self.published = published)
+                .map(|finals| self.published = finals)
                 .map_err(SchedulerError::Observe),
             None => Ok(()),
         };

@@ -61,6 +61,26 @@ fn publishing_counts_every_event_emitted_as_sent() {
     );
     one_request(&mut s);
     assert!(s.events_emitted() > 0);
+    // A request on the engine's control subject that is not one: answered
+    // with an error, and counted.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let reply = rt.block_on(async {
+        let client = kvbm_attach::nats::connect(&nats.url(), "test")
+            .await
+            .unwrap();
+        // The responder subscribes in the background: until it has, the
+        // server says there are no responders.
+        for _ in 0..100 {
+            let subject = kvbm_attach::nats::control_subject("pod-t");
+            match client.request(subject, "not json".into()).await {
+                Ok(reply) => return reply,
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+            }
+        }
+        panic!("no reply on the engine's control subject in 2 s")
+    });
+    let reply = String::from_utf8_lossy(&reply.payload).into_owned();
+    assert!(reply.contains("malformed request"), "{reply}");
     s.shutdown().unwrap();
     let c = s
         .publisher_counters()
@@ -69,6 +89,15 @@ fn publishing_counts_every_event_emitted_as_sent() {
     assert_eq!(c.events_sent, s.events_emitted(), "{c:?}");
     assert_eq!(c.lost(), 0, "{c:?}");
     assert_eq!(c.publish_errors, 0, "{c:?}");
+    // Control was served beside it, and its counters outlive it too.
+    let control = s
+        .control_counters()
+        .expect("control's final counters after shutdown");
+    assert_eq!(
+        (control.requests, control.malformed, control.sessions),
+        (1, 1, 0),
+        "{control:?}"
+    );
 }
 
 #[test]
@@ -79,4 +108,5 @@ fn without_publish_there_are_no_publisher_counters() {
     assert!(s.events_emitted() > 0);
     s.shutdown().unwrap();
     assert!(s.publisher_counters().is_none());
+    assert!(s.control_counters().is_none());
 }

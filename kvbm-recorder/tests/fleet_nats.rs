@@ -752,6 +752,40 @@ fn control_through_nats_pauses_steps_and_resumes_an_engine() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    // Sessions are bounded: with the watcher's open, a controller that
+    // opens and never closes gets the rest, then `busy`; so does a
+    // console, which says why.
+    use kvbm_attach::nats::control::{ControlReply, ControlRequest, MAX_SESSIONS};
+    let raw = rt
+        .block_on(kvbm_attach::nats::connect(&nats.url(), "control-test-3"))
+        .unwrap();
+    let open = serde_json::to_vec(&ControlRequest::Open { client: None }).unwrap();
+    let mut opened = 0;
+    let refusal = loop {
+        let reply = rt
+            .block_on(raw.request(
+                kvbm_attach::nats::control_subject("ctl-0"),
+                open.clone().into(),
+            ))
+            .unwrap();
+        match serde_json::from_slice::<ControlReply>(&reply.payload).unwrap() {
+            ControlReply::Opened { .. } => opened += 1,
+            ControlReply::Error { code, message } => break (code, message),
+            other => panic!("{other:?}"),
+        }
+        assert!(opened <= MAX_SESSIONS, "no limit on sessions");
+    };
+    assert_eq!(refusal.0, "busy", "{refusal:?}");
+    assert_eq!(opened, MAX_SESSIONS - 1, "the watcher holds one");
+    let client = rt
+        .block_on(kvbm_attach::nats::connect(&nats.url(), "control-test-4"))
+        .unwrap();
+    let late = NatsControl::new(client, "ctl-0", rt.handle()).unwrap();
+    let err = late
+        .execute(ControlCommand::Resume { pause_id: None }, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("busy"), "{err}");
     let _ = sim.kill();
     let _ = sim.wait();
 }

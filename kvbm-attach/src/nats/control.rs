@@ -14,7 +14,10 @@
 //! refused, so a breakpoint never outlives its owner.
 //!
 //! Requests and replies are JSON (at most [`MAX_REQUEST_BYTES`]); a
-//! malformed request gets an error reply naming what was wrong.
+//! malformed request gets an error reply naming what was wrong. At most
+//! [`MAX_SESSIONS`] are open at once: a controller that opens sessions
+//! in a loop and never closes them is refused (`busy`, counted) rather
+//! than growing the engine's memory until their leases lapse.
 //! [`NatsControl`] is the controller side, a [`Control`] for the console.
 
 use super::{NatsError, check_engine_name, control_subject};
@@ -30,6 +33,10 @@ use std::time::{Duration, Instant};
 pub const MAX_REQUEST_BYTES: usize = 64 << 10;
 /// Default lease of a session.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+/// Most sessions open at once on one engine: a console holds one, so
+/// this is room for many operators and a few crashed consoles whose
+/// leases have not lapsed yet.
+pub const MAX_SESSIONS: usize = 64;
 
 /// A request to an engine's control.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -102,7 +109,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// What a responder has done.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct ResponderCounters {
     /// Requests answered.
     pub requests: u64,
@@ -112,6 +119,8 @@ pub struct ResponderCounters {
     pub sessions: u64,
     /// Sessions released because their lease lapsed.
     pub expired: u64,
+    /// Sessions refused because [`MAX_SESSIONS`] were open.
+    pub sessions_refused: u64,
 }
 
 struct Sessions {
@@ -127,6 +136,7 @@ pub struct ControlResponder {
     requests: AtomicU64,
     malformed: AtomicU64,
     expired: AtomicU64,
+    sessions_refused: AtomicU64,
 }
 
 impl std::fmt::Debug for ControlResponder {
@@ -151,6 +161,7 @@ impl ControlResponder {
             requests: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
             expired: AtomicU64::new(0),
+            sessions_refused: AtomicU64::new(0),
         })
     }
 
@@ -161,6 +172,7 @@ impl ControlResponder {
             malformed: self.malformed.load(Ordering::Relaxed),
             sessions: lock(&self.sessions).open.len() as u64,
             expired: self.expired.load(Ordering::Relaxed),
+            sessions_refused: self.sessions_refused.load(Ordering::Relaxed),
         }
     }
 
@@ -186,7 +198,21 @@ impl ControlResponder {
         };
         match req {
             ControlRequest::Open { .. } => {
+                // Lapsed sessions make room first, without waiting for
+                // the serving loop's next sweep.
+                self.expire(Instant::now());
                 let mut s = lock(&self.sessions);
+                if s.open.len() >= MAX_SESSIONS {
+                    self.sessions_refused.fetch_add(1, Ordering::Relaxed);
+                    return ControlReply::error(
+                        "busy",
+                        format!(
+                            "{MAX_SESSIONS} control sessions are open on this engine, the most it \
+                             keeps: close one, or wait for one not renewed to lapse ({} s)",
+                            self.lease.as_secs_f64()
+                        ),
+                    );
+                }
                 let id = s.next;
                 s.next += 1;
                 s.open.insert(id, Instant::now() + self.lease);
@@ -438,6 +464,10 @@ impl NatsControl {
                 st.lease = Duration::from_millis(lease_ms.max(100));
                 Ok(session)
             }
+            // `busy` when the engine has all the sessions it keeps.
+            ControlReply::Error { code, message } => {
+                Err(format!("opening a control session: {code}: {message}"))
+            }
             other => Err(format!("unexpected reply {other:?}")),
         }
     }
@@ -638,6 +668,45 @@ mod tests {
         );
         assert_eq!(*lock(&probe.released), vec![session, s2]);
         assert_eq!(r.counters().expired, 1);
+    }
+
+    #[test]
+    fn sessions_are_bounded_and_lapsed_ones_make_room() {
+        let lease = Duration::from_millis(100);
+        let r = ControlResponder::new(Arc::new(Probe::default()), lease);
+        let open = || send(&r, &ControlRequest::Open { client: None });
+        let mut ids = Vec::new();
+        for _ in 0..MAX_SESSIONS {
+            let ControlReply::Opened { session, .. } = open() else {
+                panic!("refused below the limit")
+            };
+            ids.push(session);
+        }
+        match open() {
+            ControlReply::Error { code, message } => {
+                assert_eq!(code, "busy");
+                assert!(message.contains(&MAX_SESSIONS.to_string()), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(r.counters().sessions_refused, 1);
+        assert_eq!(r.counters().sessions, MAX_SESSIONS as u64);
+        // Closing one makes room for one.
+        assert_eq!(
+            send(&r, &ControlRequest::Close { session: ids[0] }),
+            ControlReply::Ok
+        );
+        assert!(matches!(open(), ControlReply::Opened { .. }));
+        assert!(matches!(open(), ControlReply::Error { .. }));
+        // Once their leases lapse, an open releases them first: no sweep
+        // of the serving loop is needed.
+        std::thread::sleep(lease + Duration::from_millis(50));
+        assert!(matches!(open(), ControlReply::Opened { .. }));
+        let c = r.counters();
+        assert_eq!(
+            (c.sessions, c.expired, c.sessions_refused),
+            (1, MAX_SESSIONS as u64, 2)
+        );
     }
 
     #[test]

@@ -19,7 +19,8 @@ Settings (``kv_connector_extra_config``, all optional): ``host_capacity_tokens``
 (``nats://HOST:PORT``, the fleet's event plane) with ``engine_id``. An
 unknown key is an error naming it. With ``KVBM_STATS_FILE`` set, the
 connector's counters are kept in that file (with ``publish``, what its
-publisher sent and lost, final after shutdown).
+publisher sent and lost and what its NATS control answered and refused,
+final after shutdown).
 """
 
 from __future__ import annotations
@@ -372,5 +373,11 @@ class KvbmConnector(KVConnectorBase_V1):
                         )
                     else:
                         logger.info("kvbm: published %d events to NATS", pub.get("events_sent", 0))
+                ctl = stats.get("control")
+                if ctl is not None and (ctl.get("malformed") or ctl.get("sessions_refused")):
+                    logger.warning(
+                        "kvbm: NATS control refused %d malformed requests and %d sessions, of %d requests",
+                        ctl.get("malformed", 0), ctl.get("sessions_refused", 0), ctl.get("requests", 0),
+                    )
         if self._worker is not None:
             self._worker.shutdown()

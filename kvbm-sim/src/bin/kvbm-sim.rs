@@ -307,6 +307,8 @@ fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
     let report = engine.join()?;
     let counters = publisher.stop(Duration::from_secs_f64(a.publish_drain_s));
     eprintln!("publisher {}", serde_json::to_string(&counters)?);
+    // What control through NATS answered, refused and released.
+    eprintln!("control {}", serde_json::to_string(&responder.counters())?);
     Ok(report)
 }
 
