@@ -26,6 +26,11 @@
 //! as duplicates: no duplicates, no holes. [`FleetWriter::into_shards`]
 //! splits a writer into several, each owning some engines' logs, to write
 //! on threads of their own ([`crate::shards`]).
+//!
+//! Every log keeps its segment open, so a fleet of thousands of engines
+//! needs thousands of open files, past the soft limit most systems start
+//! a process with (1,024); [`raise_open_files_limit`] lifts it to the hard
+//! limit, which the binaries do as they start.
 
 use crate::log::{FsyncPolicy, PendingSync};
 use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink, read_sidecar};
@@ -37,6 +42,20 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+/// Raises this process's soft limit on open files to its hard limit (a
+/// fleet recording keeps a file open per engine); the limit now, where
+/// the platform has one and it could be read.
+pub fn raise_open_files_limit() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        rlimit::increase_nofile_limit(u64::MAX).ok()
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
+}
 
 /// The manifest's file name.
 pub const MANIFEST: &str = "fleet.json";

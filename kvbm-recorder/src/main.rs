@@ -14,6 +14,8 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     quiet_on_closed_stdout();
+    // A fleet recording keeps a file open per engine.
+    kvbm_recorder::fleet::raise_open_files_limit();
     let args = cli::Cli::parse();
     match cli::run(args) {
         Ok(code) => std::process::exit(code),

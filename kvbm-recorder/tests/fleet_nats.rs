@@ -789,3 +789,83 @@ fn control_through_nats_pauses_steps_and_resumes_an_engine() {
     let _ = sim.kill();
     let _ = sim.wait();
 }
+
+/// The recorder under a limit on open files, `soft` and `hard`, set in
+/// the child before it runs (as `ulimit -n` would), recording from `url`
+/// into `out` with a consumer of its own until idle.
+#[cfg(unix)]
+fn record_under_limit(
+    url: &str,
+    out: &Path,
+    consumer: &str,
+    (soft, hard): (u64, u64),
+) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(recorder_bin());
+    cmd.args(["record", "--from", url, "--out"]).arg(out).args([
+        "--idle-exit-s",
+        "2",
+        "--consumer",
+        consumer,
+    ]);
+    // SAFETY: setrlimit is async-signal-safe and touches only the child.
+    unsafe {
+        cmd.pre_exec(move || {
+            let lim = libc::rlimit {
+                rlim_cur: soft as libc::rlim_t,
+                rlim_max: hard as libc::rlim_t,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.output().expect("starting kvbm-recorder")
+}
+
+/// A fleet recording keeps a file open per engine, so a fleet larger than
+/// the soft limit on open files a process starts with (often 1,024) would
+/// stop the recorder. Here 40 engines against a soft limit of 32: the
+/// recorder raises it to the hard limit and records every engine exactly
+/// once; held to 32 (the hard limit too), it stops with an error that
+/// names the limit and how to raise it.
+#[cfg(unix)]
+#[test]
+fn more_engines_than_the_soft_limit_on_open_files_are_recorded() {
+    let _one = serial();
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let _ = (sim_bin(), recorder_bin());
+    let names: Vec<String> = (0..40).map(|i| format!("fd-{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let emitted = small_engines(&nats.url(), &refs, 1, tmp.path());
+    let mut hard = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a plain read of this process's limit into a local.
+    assert_eq!(
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard) },
+        0
+    );
+    // `rlim_t` is u64 on Linux, not everywhere.
+    #[allow(clippy::unnecessary_cast)]
+    let hard = hard.rlim_max as u64;
+    assert!(
+        hard > 128,
+        "this machine's hard limit ({hard}) is too low for the test"
+    );
+
+    let out = tmp.path().join("raised");
+    let o = record_under_limit(&nats.url(), &out, "fd-raised", (32, hard));
+    let log = tmp.path().join("raised.log");
+    std::fs::write(&log, [o.stdout.clone(), o.stderr.clone()].concat()).unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_exactly_once(&out, &emitted, &log);
+
+    let o = record_under_limit(&nats.url(), &tmp.path().join("held"), "fd-held", (32, 32));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("ulimit -n"), "{err}");
+}

@@ -414,7 +414,7 @@ pub enum CorruptReason {
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
     /// An I/O error, with the file or directory it happened on.
-    #[error("I/O error on {}: {source}", path.display())]
+    #[error("I/O error on {}: {source}{}", path.display(), too_many_files_hint(source))]
     Io {
         /// File or directory.
         path: PathBuf,
@@ -548,6 +548,18 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> LogError + '_ {
     move |source| LogError::Io {
         path: path.to_path_buf(),
         source,
+    }
+}
+
+/// What to do about `e` when it is the process's limit on open files
+/// (`EMFILE`, 24 on Linux and macOS), which a fleet of engines, a log
+/// open for each, reaches first.
+fn too_many_files_hint(e: &std::io::Error) -> &'static str {
+    if cfg!(unix) && e.raw_os_error() == Some(24) {
+        " (the limit on open files this process may hold is reached, and a \
+         fleet recording keeps one open per engine: raise it, `ulimit -n`)"
+    } else {
+        ""
     }
 }
 
