@@ -9,8 +9,8 @@ const MAX_HOST: usize = 253;
 
 /// The host and port of `authority` (`HOST:PORT`, `HOST` a DNS name, an
 /// IPv4 address or a bracketed IPv6 address, returned without its
-/// brackets), or why it is not one, in words that fit after "the address
-/// is not valid: ". Never panics.
+/// brackets), or why it is not one, in a few words for the caller's own
+/// message to quote. Never panics.
 pub fn parse_authority(authority: &str) -> Result<(&str, u16), &'static str> {
     if authority.contains(['/', '?', '#']) {
         return Err("a path, query or fragment is not expected");

@@ -224,7 +224,7 @@ pub struct SchedulerSide {
     counters: Counters,
     observers: Option<Observers>,
     /// The NATS publisher's and control's final counters, once stopped.
-    published: FleetCounters,
+    fleet_final: FleetCounters,
     /// Time spent in the connector since the last step was shipped, and
     /// per step before that (the last [`TIMING_SAMPLES`]).
     spent_ns: u64,
@@ -565,7 +565,7 @@ impl SchedulerSide {
             step: 0,
             counters: Counters::default(),
             observers: Some(observers),
-            published: Default::default(),
+            fleet_final: Default::default(),
             spent_ns: 0,
             step_ns: std::collections::VecDeque::new(),
         })
@@ -608,7 +608,7 @@ impl SchedulerSide {
     fn fleet_counters(&self) -> FleetCounters {
         match &self.observers {
             Some(o) => o.fleet_counters(),
-            None => self.published.clone(),
+            None => self.fleet_final.clone(),
         }
     }
 
@@ -1237,7 +1237,7 @@ impl SchedulerSide {
             // The observers are taken once: nothing was published before.
             Some(o) => o
                 .stop(&self.runtime)
-                .map(|finals| self.published = finals)
+                .map(|finals| self.fleet_final = finals)
                 .map_err(SchedulerError::Observe),
             None => Ok(()),
         };
