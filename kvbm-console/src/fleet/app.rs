@@ -881,10 +881,17 @@ impl FleetApp {
             );
             return;
         };
-        let served = if l.served_by.is_empty() {
-            String::new()
-        } else {
+        let served = if !l.served_by.is_empty() {
             format!(", served by {}", l.served_by.join(" "))
+        } else if l.prefix_blocks == 0 && l.requests_forgotten > 0 {
+            // Not found: it may be older than what the engines remember.
+            format!(
+                ", not found; {} older requests forgotten (the newest {} an engine are kept)",
+                l.requests_forgotten,
+                super::model::MAX_REQUESTS_REMEMBERED
+            )
+        } else {
+            String::new()
         };
         let title = format!(
             "Where is {} — {} block(s){served}",
@@ -936,6 +943,69 @@ impl FleetApp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_where_view_says_when_a_request_may_have_been_forgotten() {
+        use kvbm_attach::nats::wire::BatchHeader;
+        use kvbm_events::{Event, EventKind};
+        let n = super::super::model::MAX_REQUESTS_REMEMBERED + 5;
+        let evs: Vec<Event> = (0..n as u64)
+            .map(|i| Event {
+                engine: 0,
+                seq: i,
+                ts_ns: i,
+                iteration: 0,
+                request: Some(format!("r{i}").into()),
+                kind: EventKind::BlocksAllocated {
+                    tier: Tier::Device,
+                    blocks: vec![1],
+                },
+            })
+            .collect();
+        let h = BatchHeader {
+            run: 1,
+            first_seq: 0,
+            last_seq: n as u64 - 1,
+            count: n as u32,
+            dropped_before: 0,
+        };
+        let mut model = FleetModel::new();
+        model.apply("a", &h, &evs, Instant::now(), Duration::ZERO);
+        let mut app = FleetApp::new(
+            model,
+            FleetSource::Fixed,
+            Box::new(|_: &str| anyhow::bail!("no engine consoles here")),
+        );
+        let screen = |app: &FleetApp| {
+            let mut t =
+                ratatui::Terminal::new(ratatui::backend::TestBackend::new(140, 12)).unwrap();
+            t.draw(|f| app.render(f)).unwrap();
+            let buf = t.backend().buffer().clone();
+            (0..buf.area.height)
+                .map(|y| {
+                    (0..buf.area.width)
+                        .map(|x| buf[(x, y)].symbol())
+                        .collect::<String>()
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        app.locate("r0");
+        let text = screen(&app);
+        assert!(
+            text.contains(
+                "not found; 5 older requests forgotten (the newest 20000 an engine are kept)"
+            ),
+            "{text}"
+        );
+        // A request it still remembers is found, and says nothing of them.
+        app.locate(&format!("r{}", n - 1));
+        let text = screen(&app);
+        assert!(
+            text.contains("served by a") && !text.contains("forgotten"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn every_fleet_key_dispatches_to_its_own_action() {

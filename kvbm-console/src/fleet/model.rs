@@ -491,6 +491,7 @@ impl FleetModel {
             prefix_blocks: prefix.len() as u64,
             served_by,
             rows,
+            requests_forgotten: self.engines.values().map(|e| e.requests_forgotten).sum(),
         }
     }
 }
@@ -506,6 +507,10 @@ pub struct Located {
     pub served_by: Vec<String>,
     /// Engines holding any of it, most first.
     pub rows: Vec<LocatedRow>,
+    /// Requests the engines have forgotten (past
+    /// [`MAX_REQUESTS_REMEMBERED`] each): a request id not found may be
+    /// one of them.
+    pub requests_forgotten: u64,
 }
 
 /// One engine's share of a prefix.
@@ -602,6 +607,33 @@ mod tests {
         assert_eq!(l.rows.len(), 1);
         assert_eq!(l.rows[0].engine, "b");
         assert!(m.locate("nobody").rows.is_empty());
+        assert_eq!(m.locate("nobody").requests_forgotten, 0);
+    }
+
+    #[test]
+    fn requests_past_the_memory_are_forgotten_and_counted() {
+        let mut m = FleetModel::new();
+        let now = Instant::now();
+        let n = MAX_REQUESTS_REMEMBERED + 3;
+        let evs: Vec<Event> = (0..n)
+            .map(|i| {
+                ev(
+                    i as u64,
+                    Some(&format!("r{i}")),
+                    EventKind::BlocksAllocated {
+                        tier: Tier::Device,
+                        blocks: vec![1],
+                    },
+                )
+            })
+            .collect();
+        m.apply("a", &header(1, &evs), &evs, now, Duration::ZERO);
+        assert_eq!(m.engine("a").unwrap().requests_forgotten, 3);
+        // The oldest are gone, the newest kept; the answer says how many
+        // were forgotten, so "not found" is not taken for "never seen".
+        let l = m.locate("r0");
+        assert_eq!((l.prefix_blocks, l.requests_forgotten), (0, 3));
+        assert_eq!(m.locate(&format!("r{}", n - 1)).served_by, ["a"]);
     }
 
     #[test]
