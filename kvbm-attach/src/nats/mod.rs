@@ -213,18 +213,28 @@ pub async fn ensure_stream(
     js: &jetstream::Context,
     limits: &StreamLimits,
 ) -> Result<jetstream::stream::Stream, NatsError> {
+    use jetstream::context::CreateStreamErrorKind as Kind;
     js.get_or_create_stream(limits.config()).await.map_err(|e| {
-        // The one creation failure an operator meets on a small machine:
-        // say what to do about it, not only what the server said.
-        let hint = if e.to_string().contains("insufficient storage") {
-            format!(
+        // The failures an operator meets first (no server, a server
+        // without JetStream, a small machine): say what to do about them,
+        // not only what the client or the server said.
+        let hint = match e.kind() {
+            Kind::TimedOut
+                if js.client().connection_state() != async_nats::connection::State::Connected =>
+            {
+                " (no NATS server answers at that address: is `nats-server -js` running there?)"
+                    .to_string()
+            }
+            Kind::JetStreamUnavailable => {
+                " (the server runs without JetStream: start it with `nats-server -js`)".to_string()
+            }
+            _ if e.to_string().contains("insufficient storage") => format!(
                 " (the server cannot reserve {} bytes: give JetStream more storage, \
                      or create the stream {STREAM} beforehand with smaller limits; \
                      an existing stream is used as it is)",
                 limits.max_bytes
-            )
-        } else {
-            String::new()
+            ),
+            _ => String::new(),
         };
         NatsError::Nats(format!("stream {STREAM}: {e}{hint}"))
     })
