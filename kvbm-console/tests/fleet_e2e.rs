@@ -133,3 +133,37 @@ fn fleet_console_drills_in_and_breaks_on_one_engine_through_nats() {
     assert_eq!(t.exit_code(15), 0);
     drop(sims);
 }
+
+/// A console started before its server says why it is not following and
+/// follows once the server is up: the real `nats-server`, stopped while
+/// the console starts, then started again with an engine publishing.
+#[test]
+fn a_fleet_console_started_before_its_server_follows_once_it_is_up() {
+    let mut nats = NatsServer::start();
+    let url = nats.url();
+    nats.stop();
+    let t = console("fleet-late", &["attach", &url], 220, 16);
+    t.wait_for("the reason it is not following", 40, |s| {
+        s.contains("NATS FAILED, RETRYING") && s.contains("no NATS server answers at that address")
+    });
+    nats.start_again();
+    let sim = kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim");
+    let _sims = Sims(vec![
+        Command::new(&sim)
+            .args([
+                "--publish",
+                &url,
+                "--engine-id",
+                "late-0",
+                "--requests",
+                "30",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting kvbm-sim"),
+    ]);
+    t.wait_for("the engine, once the server is up", 40, |s| {
+        s.contains("NATS FOLLOWING") && s.contains("engines 1 ") && s.contains("late-0")
+    });
+}

@@ -28,6 +28,10 @@ use tokio::sync::mpsc;
 /// Batches waiting for the console.
 pub const CHANNEL_BATCHES: usize = 256;
 
+/// How long the follower waits before trying to follow again after the
+/// stream could not be reached.
+pub const FOLLOW_RETRY: Duration = Duration::from_secs(2);
+
 /// One item of the fleet stream.
 #[derive(Debug)]
 pub enum FleetItem {
@@ -99,18 +103,23 @@ impl FleetFollower {
         status.set("NATS CONNECTING");
         let st = status.clone();
         let task = tokio::spawn(async move {
-            let mut messages = match consume::follow(
-                &js,
-                format!("{}>", kvbm_attach::nats::EVENTS_PREFIX),
-                start,
-                &StreamLimits::default(),
-            )
-            .await
-            {
-                Ok(m) => m,
-                Err(e) => {
-                    st.set(format!("NATS FAILED: {e}"));
-                    return;
+            // A console may be started before the server, or against one
+            // without JetStream: it says why it is not following and tries
+            // again, so it follows as soon as it can.
+            let mut messages = loop {
+                match consume::follow(
+                    &js,
+                    format!("{}>", kvbm_attach::nats::EVENTS_PREFIX),
+                    start,
+                    &StreamLimits::default(),
+                )
+                .await
+                {
+                    Ok(m) => break m,
+                    Err(e) => {
+                        st.set(format!("NATS FAILED, RETRYING: {e}"));
+                        tokio::time::sleep(FOLLOW_RETRY).await;
+                    }
                 }
             };
             st.set("NATS FOLLOWING");
@@ -156,11 +165,14 @@ impl FleetFollower {
         self.rx.try_recv().ok()
     }
 
-    /// The connection's state, e.g. `NATS FOLLOWING`.
+    /// The connection's state, e.g. `NATS FOLLOWING`; while it cannot
+    /// follow, why.
     pub fn status(&self) -> String {
-        let conn = self.client.connection_state();
-        match conn {
-            async_nats::connection::State::Connected => self.status.get(),
+        let followed = self.status.get();
+        match self.client.connection_state() {
+            async_nats::connection::State::Connected => followed,
+            // The last failure says more than the connection's state.
+            _ if followed.starts_with("NATS FAILED") => followed,
             other => format!("NATS {other:?}").to_uppercase(),
         }
     }
