@@ -728,6 +728,20 @@ impl FleetApp {
         if p.not_indexed > 0 {
             l2.push_str(&format!(", {} not indexed", p.not_indexed));
         }
+        if self.model.engines_forgotten > 0 {
+            l2.push_str(&format!(
+                "; {} gone engines forgotten to keep {}",
+                self.model.engines_forgotten,
+                super::model::MAX_ENGINES
+            ));
+        }
+        if self.model.batches_over_limit > 0 {
+            l2.push_str(&format!(
+                "; {} batches of new engines not shown ({} engines, none gone)",
+                self.model.batches_over_limit,
+                self.model.len()
+            ));
+        }
         f.render_widget(Paragraph::new(vec![l1, Line::from(l2)]), area);
     }
 
@@ -1004,6 +1018,50 @@ mod tests {
         assert!(
             text.contains("served by a") && !text.contains("forgotten"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn the_header_counts_batches_of_engines_past_the_limit() {
+        use kvbm_attach::nats::wire::BatchHeader;
+        use kvbm_events::{Event, EventKind, SequenceHash};
+        let ev = Event {
+            engine: 0,
+            seq: 0,
+            ts_ns: 0,
+            iteration: 0,
+            request: None,
+            kind: EventKind::BlockRegistered {
+                tier: Tier::Device,
+                block: 1,
+                sequence_hash: SequenceHash(7),
+                duplicate_of: None,
+            },
+        };
+        let h = BatchHeader {
+            run: 1,
+            first_seq: 0,
+            last_seq: 0,
+            count: 1,
+            dropped_before: 0,
+        };
+        let mut model = FleetModel::with_max_engines(1);
+        let now = Instant::now();
+        for name in ["a", "b", "b"] {
+            model.apply(name, &h, std::slice::from_ref(&ev), now, Duration::ZERO);
+        }
+        let app = FleetApp::new(
+            model,
+            FleetSource::Fixed,
+            Box::new(|_: &str| anyhow::bail!("no engine consoles here")),
+        );
+        let mut t = ratatui::Terminal::new(ratatui::backend::TestBackend::new(160, 6)).unwrap();
+        t.draw(|f| app.render(f)).unwrap();
+        let buf = t.backend().buffer().clone();
+        let line: String = (0..buf.area.width).map(|x| buf[(x, 1)].symbol()).collect();
+        assert!(
+            line.contains("2 batches of new engines not shown (1 engines, none gone)"),
+            "{line}"
         );
     }
 

@@ -22,6 +22,12 @@ pub const KEEP_FINISHED_NS: u64 = 30_000_000_000;
 pub const MAX_REQUESTS_REMEMBERED: usize = 20_000;
 /// Distinct hashes the cross-engine index takes; past it, counted.
 pub const MAX_INDEXED_HASHES: usize = 2_000_000;
+/// Engines the console keeps at once. A fleet whose pods get new names
+/// as they are replaced leaves gone engines behind: past this, the one
+/// gone longest makes room for a new one (counted); with none gone, a new
+/// engine's batches are counted and not applied, so a publisher inventing
+/// names cannot grow the console without bound.
+pub const MAX_ENGINES: usize = 10_000;
 
 /// Whether an engine is publishing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -285,10 +291,16 @@ pub struct PrefixIndex {
     pub not_indexed: u64,
 }
 
-/// The fleet: every engine seen on the stream.
-#[derive(Debug, Default)]
+/// The fleet: every engine seen on the stream (at most [`MAX_ENGINES`]).
+#[derive(Debug)]
 pub struct FleetModel {
     engines: BTreeMap<String, EngineEntry>,
+    max_engines: usize,
+    /// Gone engines dropped to make room for new ones.
+    pub engines_forgotten: u64,
+    /// Batches not applied: their engine was new and no room could be
+    /// made ([`MAX_ENGINES`] engines, none gone).
+    pub batches_over_limit: u64,
     /// Messages refused with no engine to put them on.
     pub refused_unattributed: u64,
     /// The last refusal.
@@ -298,10 +310,30 @@ pub struct FleetModel {
     prefixes: PrefixIndex,
 }
 
+impl Default for FleetModel {
+    fn default() -> Self {
+        FleetModel::with_max_engines(MAX_ENGINES)
+    }
+}
+
 impl FleetModel {
     /// An empty fleet.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty fleet that keeps at most `max` engines (tests use a few).
+    pub fn with_max_engines(max: usize) -> Self {
+        FleetModel {
+            engines: BTreeMap::new(),
+            max_engines: max.max(1),
+            engines_forgotten: 0,
+            batches_over_limit: 0,
+            refused_unattributed: 0,
+            last_refusal: None,
+            events: 0,
+            prefixes: PrefixIndex::default(),
+        }
     }
 
     /// Engines by name.
@@ -334,6 +366,24 @@ impl FleetModel {
         now: Instant,
         lag: Duration,
     ) {
+        if !self.engines.contains_key(engine) && self.engines.len() >= self.max_engines {
+            let gone_longest = self
+                .engines
+                .values()
+                .filter(|e| e.liveness(now) == Liveness::Gone)
+                .min_by_key(|e| e.last_arrival)
+                .map(|e| e.name.clone());
+            match gone_longest {
+                Some(name) => {
+                    self.engines.remove(&name);
+                    self.engines_forgotten += 1;
+                }
+                None => {
+                    self.batches_over_limit += 1;
+                    return;
+                }
+            }
+        }
         let e = self
             .engines
             .entry(engine.to_string())
@@ -697,6 +747,42 @@ mod tests {
         let c = vec![alloc(8, vec![7]), reg(9, Tier::Device, 7, 700)];
         m.apply("a", &header(1, &c), &c, now, Duration::ZERO);
         assert_eq!(m.locate("r1").prefix_blocks, 1);
+    }
+
+    #[test]
+    fn engines_are_bounded_and_the_one_gone_longest_makes_room() {
+        let mut m = FleetModel::with_max_engines(3);
+        let t0 = Instant::now();
+        let one = vec![reg(0, Tier::Device, 1, 1)];
+        let h = header(1, &one);
+        for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
+            m.apply(
+                name,
+                &h,
+                &one,
+                t0 + Duration::from_secs(i as u64),
+                Duration::ZERO,
+            );
+        }
+        // Full, none gone: a new engine's batch is counted, not applied;
+        // the engines it has keep their batches.
+        m.apply("d", &h, &one, t0 + Duration::from_secs(3), Duration::ZERO);
+        assert_eq!((m.len(), m.batches_over_limit), (3, 1));
+        assert!(m.engine("d").is_none());
+        let two = vec![reg(1, Tier::Device, 2, 2)];
+        m.apply(
+            "b",
+            &header(1, &two),
+            &two,
+            t0 + Duration::from_secs(4),
+            Duration::ZERO,
+        );
+        assert_eq!(m.engine("b").unwrap().events, 2);
+        // Later, "a" and "c" are gone: the one quiet longest ("a") goes.
+        let later = t0 + GONE_AFTER + Duration::from_secs(3);
+        m.apply("d", &h, &one, later, Duration::ZERO);
+        assert_eq!((m.len(), m.engines_forgotten), (3, 1));
+        assert!(m.engine("a").is_none() && m.engine("c").is_some() && m.engine("d").is_some());
     }
 
     #[test]
