@@ -829,7 +829,8 @@ fn record_under_limit(
 /// stop the recorder. Here 40 engines against a soft limit of 32: the
 /// recorder raises it to the hard limit and records every engine exactly
 /// once; held to 32 (the hard limit too), it stops with an error that
-/// names the limit and how to raise it.
+/// names the limit and how to raise it, and restarted with room it
+/// resumes that recording with nothing lost or doubled.
 #[cfg(unix)]
 #[test]
 fn more_engines_than_the_soft_limit_on_open_files_are_recorded() {
@@ -864,8 +865,16 @@ fn more_engines_than_the_soft_limit_on_open_files_are_recorded() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_exactly_once(&out, &emitted, &log);
 
-    let o = record_under_limit(&nats.url(), &tmp.path().join("held"), "fd-held", (32, 32));
+    let held = tmp.path().join("held");
+    let o = record_under_limit(&nats.url(), &held, "fd-held", (32, 32));
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("ulimit -n"), "{err}");
+    // Restarted with room, the same recording resumes: every engine
+    // exactly once, what the stopped run wrote included.
+    let o = record_under_limit(&nats.url(), &held, "fd-held", (32, hard));
+    let log = tmp.path().join("held.log");
+    std::fs::write(&log, [o.stdout.clone(), o.stderr.clone()].concat()).unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_exactly_once(&held, &emitted, &log);
 }
