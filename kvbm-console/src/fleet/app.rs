@@ -732,7 +732,7 @@ impl FleetApp {
             l2.push_str(&format!(
                 "; {} gone engines forgotten to keep {}",
                 self.model.engines_forgotten,
-                super::model::MAX_ENGINES
+                self.model.max_engines()
             ));
         }
         if self.model.batches_over_limit > 0 {

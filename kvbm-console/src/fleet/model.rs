@@ -336,6 +336,11 @@ impl FleetModel {
         }
     }
 
+    /// Most engines kept at once.
+    pub fn max_engines(&self) -> usize {
+        self.max_engines
+    }
+
     /// Engines by name.
     pub fn engines(&self) -> impl Iterator<Item = &EngineEntry> {
         self.engines.values()
