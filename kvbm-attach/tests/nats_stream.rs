@@ -39,8 +39,8 @@ fn a_stream_the_server_cannot_hold_is_refused_with_a_way_out() {
 /// (the real `nats-server`, without `-js`).
 #[test]
 fn no_server_and_no_jetstream_are_told_apart_with_what_to_do() {
-    use kvbm_testkit::nats::{free_port, nats_server_bin};
-    use std::time::{Duration, Instant};
+    use kvbm_testkit::nats::free_port;
+    use std::time::Duration;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -60,31 +60,14 @@ fn no_server_and_no_jetstream_are_told_apart_with_what_to_do() {
     });
     assert!(err.contains("no NATS server answers"), "{err}");
 
-    let port = free_port();
-    let mut server = std::process::Command::new(nats_server_bin())
-        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "nats-server did not listen"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let plain = NatsServer::start_without_jetstream();
     let err = rt.block_on(async {
-        let url = format!("nats://127.0.0.1:{port}");
-        let client = connect(&url, "nats-stream-test").await.unwrap();
+        let client = connect(&plain.url(), "nats-stream-test").await.unwrap();
         let js = async_nats::jetstream::new(client);
         ensure_stream(&js, &StreamLimits::default())
             .await
             .unwrap_err()
             .to_string()
     });
-    let _ = server.kill();
-    let _ = server.wait();
     assert!(err.contains("start it with `nats-server -js`"), "{err}");
 }

@@ -858,12 +858,17 @@ fn more_engines_than_the_soft_limit_on_open_files_are_recorded() {
         "this machine's hard limit ({hard}) is too low for the test"
     );
 
-    let out = tmp.path().join("raised");
-    let o = record_under_limit(&nats.url(), &out, "fd-raised", (32, hard));
-    let log = tmp.path().join("raised.log");
-    std::fs::write(&log, [o.stdout.clone(), o.stderr.clone()].concat()).unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_exactly_once(&out, &emitted, &log);
+    // Records into DIR/name with room to raise the limit; every engine
+    // there exactly once.
+    let recorded_with_room = |name: &str| {
+        let out = tmp.path().join(name);
+        let o = record_under_limit(&nats.url(), &out, &format!("fd-{name}"), (32, hard));
+        let log = tmp.path().join(format!("{name}.log"));
+        std::fs::write(&log, [o.stdout.clone(), o.stderr.clone()].concat()).unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_exactly_once(&out, &emitted, &log);
+    };
+    recorded_with_room("raised");
 
     let held = tmp.path().join("held");
     let o = record_under_limit(&nats.url(), &held, "fd-held", (32, 32));
@@ -872,9 +877,5 @@ fn more_engines_than_the_soft_limit_on_open_files_are_recorded() {
     assert!(err.contains("ulimit -n"), "{err}");
     // Restarted with room, the same recording resumes: every engine
     // exactly once, what the stopped run wrote included.
-    let o = record_under_limit(&nats.url(), &held, "fd-held", (32, hard));
-    let log = tmp.path().join("held.log");
-    std::fs::write(&log, [o.stdout.clone(), o.stderr.clone()].concat()).unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_exactly_once(&held, &emitted, &log);
+    recorded_with_room("held");
 }

@@ -81,6 +81,7 @@ pub struct NatsServer {
     child: Option<Child>,
     port: u16,
     store: PathBuf,
+    jetstream: bool,
     _tmp: Option<tempfile_dir::TempDir>,
 }
 
@@ -98,6 +99,16 @@ impl NatsServer {
     /// Starts a server with a store of its own, and waits until it takes
     /// connections.
     pub fn start() -> NatsServer {
+        Self::start_with(true)
+    }
+
+    /// Starts a server without JetStream (no `-js`): what an operator who
+    /// forgot the flag runs.
+    pub fn start_without_jetstream() -> NatsServer {
+        Self::start_with(false)
+    }
+
+    fn start_with(jetstream: bool) -> NatsServer {
         let store =
             std::env::temp_dir().join(format!("kvbm-nats-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&store).expect("creating the store directory");
@@ -105,6 +116,7 @@ impl NatsServer {
             child: None,
             port: free_port(),
             store: store.clone(),
+            jetstream,
             _tmp: Some(tempfile_dir::TempDir(store)),
         };
         s.spawn();
@@ -113,15 +125,12 @@ impl NatsServer {
 
     fn spawn(&mut self) {
         let log = std::fs::File::create(self.store.join("server.log")).expect("server log");
-        let child = Command::new(nats_server_bin())
-            .args([
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-sd",
-            ])
+        let mut cmd = Command::new(nats_server_bin());
+        if self.jetstream {
+            cmd.arg("-js");
+        }
+        let child = cmd
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
             .arg(self.store.join("js"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -958,6 +958,16 @@ impl FleetApp {
 mod tests {
     use super::*;
 
+    /// `app` drawn on a `w`×`h` test terminal, a line of text a row.
+    fn screen(app: &FleetApp, w: u16, h: u16) -> Vec<String> {
+        let mut t = ratatui::Terminal::new(ratatui::backend::TestBackend::new(w, h)).unwrap();
+        t.draw(|f| app.render(f)).unwrap();
+        let buf = t.backend().buffer();
+        (0..h)
+            .map(|y| (0..w).map(|x| buf[(x, y)].symbol()).collect())
+            .collect()
+    }
+
     #[test]
     fn the_where_view_says_when_a_request_may_have_been_forgotten() {
         use kvbm_attach::nats::wire::BatchHeader;
@@ -990,22 +1000,8 @@ mod tests {
             FleetSource::Fixed,
             Box::new(|_: &str| anyhow::bail!("no engine consoles here")),
         );
-        let screen = |app: &FleetApp| {
-            let mut t =
-                ratatui::Terminal::new(ratatui::backend::TestBackend::new(140, 12)).unwrap();
-            t.draw(|f| app.render(f)).unwrap();
-            let buf = t.backend().buffer().clone();
-            (0..buf.area.height)
-                .map(|y| {
-                    (0..buf.area.width)
-                        .map(|x| buf[(x, y)].symbol())
-                        .collect::<String>()
-                })
-                .collect::<Vec<_>>()
-                .join("\n")
-        };
         app.locate("r0");
-        let text = screen(&app);
+        let text = screen(&app, 140, 12).join("\n");
         assert!(
             text.contains(
                 "not found; 5 older requests forgotten (the newest 20000 an engine are kept)"
@@ -1014,7 +1010,7 @@ mod tests {
         );
         // A request it still remembers is found, and says nothing of them.
         app.locate(&format!("r{}", n - 1));
-        let text = screen(&app);
+        let text = screen(&app, 140, 12).join("\n");
         assert!(
             text.contains("served by a") && !text.contains("forgotten"),
             "{text}"
@@ -1055,10 +1051,7 @@ mod tests {
             FleetSource::Fixed,
             Box::new(|_: &str| anyhow::bail!("no engine consoles here")),
         );
-        let mut t = ratatui::Terminal::new(ratatui::backend::TestBackend::new(160, 6)).unwrap();
-        t.draw(|f| app.render(f)).unwrap();
-        let buf = t.backend().buffer().clone();
-        let line: String = (0..buf.area.width).map(|x| buf[(x, 1)].symbol()).collect();
+        let line = &screen(&app, 160, 6)[1];
         assert!(
             line.contains("2 batches of new engines not shown (1 engines, none gone)"),
             "{line}"
