@@ -466,8 +466,9 @@ impl RecordingSink {
     /// or a crash: the log's torn tail is cut, and the bookkeeping is the
     /// sidecar's when it agrees with the log (same last seq), else rebuilt
     /// from the log itself — counts, seq range, and a gap at every jump in
-    /// the seqs (a loss the log cannot explain further). A log that does
-    /// not exist yet is created.
+    /// the seqs (a loss the log cannot explain further). The log is read
+    /// whole only then, or to fold the state snapshots need. A log that
+    /// does not exist yet is created.
     pub fn resume(dir: &Path, cfg: &RecorderConfig) -> Result<Self, RecordError> {
         let writer = LogWriter::open_append(dir, cfg.log.clone())?;
         let mut state = EngineState::default();
@@ -478,11 +479,19 @@ impl RecordingSink {
             schema_version: cfg.log.schema_version,
             ..Recording::default()
         };
-        if writer.last_seq().is_some() {
+        let fold = cfg.snapshot_every_events > 0;
+        // A sidecar that ends where the log ends holds what a read of the
+        // whole log would count (and more: the losses the log cannot
+        // explain). Then only a state to fold for snapshots needs the read,
+        // which costs as much as the log is long: a fleet recorder
+        // reopening a long log of an engine that went quiet does not.
+        let side_agrees = side
+            .as_ref()
+            .is_some_and(|s| s.last_seq.is_some() && s.last_seq == writer.last_seq());
+        if writer.last_seq().is_some() && (fold || !side_agrees) {
             // Damage stops the read; the writer refused a log it could not
             // append to, so what is read here is what it continues.
             let reader = LogReader::open(dir, ReaderOptions::default())?;
-            let fold = cfg.snapshot_every_events > 0;
             for r in reader.iter() {
                 let Ok(r) = r else { break };
                 let ev = r.event;
@@ -506,7 +515,7 @@ impl RecordingSink {
             rec.gaps.truncate(MAX_GAPS);
         }
         if let Some(s) = side
-            && s.last_seq == rec.last_seq
+            && (s.last_seq == rec.last_seq || (side_agrees && !fold))
         {
             rec = s;
         }
@@ -759,5 +768,66 @@ mod tests {
             })
         );
         assert_eq!(read_sidecar(&dir.path().join("log")), Some(rec));
+    }
+
+    /// Reopening a recording whose sidecar ends where its log ends takes
+    /// the sidecar's bookkeeping without reading the log (a fleet recorder
+    /// reopens long logs of engines that went quiet); without a sidecar,
+    /// or to fold the state for snapshots, the log is read. Damage in an
+    /// earlier segment tells the two apart: a read stops there.
+    #[test]
+    fn a_sidecar_that_ends_where_the_log_ends_spares_reading_the_log() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("log");
+        let cfg = RecorderConfig {
+            log: LogConfig {
+                segment_bytes: 4096,
+                block_bytes: 1024,
+                ..RecorderConfig::default().log
+            },
+            snapshot_every_events: 0,
+            ..RecorderConfig::default()
+        };
+        let mut sink = RecordingSink::create(&dir, &cfg).unwrap();
+        for seq in 0..3000 {
+            sink.append(&Event {
+                engine: 0,
+                seq,
+                ts_ns: seq,
+                iteration: 0,
+                request: None,
+                kind: gauge(),
+            })
+            .unwrap();
+        }
+        sink.finish().unwrap();
+        let mut segments: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().ends_with(".kvlog"))
+            .collect();
+        segments.sort();
+        assert!(segments.len() > 2, "{segments:?}");
+        let mut bytes = std::fs::read(&segments[0]).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0xff;
+        std::fs::write(&segments[0], bytes).unwrap();
+
+        let sink = RecordingSink::resume(&dir, &cfg).unwrap();
+        assert_eq!(sink.recording().events, 3000);
+        assert_eq!(sink.recording().last_seq, Some(2999));
+        sink.finish().unwrap();
+        // To fold a state for snapshots, the log is read: it stops at the
+        // damage.
+        let folding = RecorderConfig {
+            snapshot_every_events: 100,
+            ..cfg.clone()
+        };
+        let sink = RecordingSink::resume(&dir, &folding).unwrap();
+        assert!(sink.recording().events < 3000, "{:?}", sink.recording());
+        drop(sink);
+        std::fs::remove_file(dir.join(SIDECAR)).unwrap();
+        let sink = RecordingSink::resume(&dir, &cfg).unwrap();
+        assert!(sink.recording().events < 3000, "{:?}", sink.recording());
     }
 }
