@@ -30,7 +30,11 @@
 //! Every log keeps its segment open, so a fleet of thousands of engines
 //! needs thousands of open files, past the soft limit most systems start
 //! a process with (1,024); [`raise_open_files_limit`] lifts it to the hard
-//! limit, which the binaries do as they start.
+//! limit, which the binaries do as they start. A log left without events
+//! for [`CLOSE_IDLE_AFTER`] is closed at the next checkpoint (its sidecar
+//! written, its file released) and reopened when its engine sends again,
+//! so what a recorder running for months holds open is the engines that
+//! spoke lately, not every pod and every run it ever saw.
 
 use crate::log::{FsyncPolicy, PendingSync};
 use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink, read_sidecar};
@@ -41,7 +45,13 @@ use kvbm_schema::columnar::CheckedBlock;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long a log goes without events before it is closed (and reopened,
+/// its bookkeeping from its sidecar, when its engine sends again): long
+/// beside an engine's pauses between batches, so a live engine's log stays
+/// open, short beside the days a gone pod's log would otherwise be held.
+pub const CLOSE_IDLE_AFTER: Duration = Duration::from_secs(300);
 
 /// Raises this process's soft limit on open files to its hard limit (a
 /// fleet recording keeps a file open per engine); the limit now, where
@@ -210,6 +220,8 @@ struct OpenLog {
     dirty: bool,
     /// Written since the last fsync.
     unsynced: bool,
+    /// When it was last written.
+    written_at: Instant,
 }
 
 impl OpenLog {
@@ -232,6 +244,7 @@ impl OpenLog {
     fn touched(&mut self) {
         self.dirty = true;
         self.unsynced = true;
+        self.written_at = Instant::now();
     }
 
     /// A write error, naming the log's directory under `engines`.
@@ -254,6 +267,27 @@ pub struct Applied {
     pub missing: u64,
 }
 
+/// Logs a writer has open, and how many it closed for want of events and
+/// opened again ([`CLOSE_IDLE_AFTER`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenLogs {
+    /// Open now.
+    pub open: u64,
+    /// Closed after going without events (this session).
+    pub closed_idle: u64,
+    /// Reopened after such a close, their engine sending again.
+    pub reopened: u64,
+}
+
+impl OpenLogs {
+    /// The counts of several writers together.
+    pub fn add(&mut self, other: OpenLogs) {
+        self.open += other.open;
+        self.closed_idle += other.closed_idle;
+        self.reopened += other.reopened;
+    }
+}
+
 /// Writes a fleet recording; see the module docs.
 pub struct FleetWriter {
     dir: PathBuf,
@@ -265,6 +299,12 @@ pub struct FleetWriter {
     sync_policy: FsyncPolicy,
     last_sync: Instant,
     open: HashMap<(String, u64), OpenLog>,
+    /// What the logs closed for want of events held when they closed
+    /// (their gaps left to their sidecars), by directory name.
+    closed: HashMap<String, Recording>,
+    close_idle_after: Option<Duration>,
+    closed_idle: u64,
+    reopened: u64,
     /// (engine, run) → directory name, for runs in the manifest.
     known: HashMap<(String, u64), String>,
     /// One of several ([`into_shards`](Self::into_shards)): writes no
@@ -338,6 +378,10 @@ impl FleetWriter {
             sync_policy,
             last_sync: Instant::now(),
             open: HashMap::new(),
+            closed: HashMap::new(),
+            close_idle_after: Some(CLOSE_IDLE_AFTER),
+            closed_idle: 0,
+            reopened: 0,
             known,
             shard: false,
         };
@@ -357,6 +401,22 @@ impl FleetWriter {
     /// The recording's directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Closes, at a checkpoint, each log that has gone this long without
+    /// events (`None`: never); [`CLOSE_IDLE_AFTER`] unless set. Shards made
+    /// after this take it on.
+    pub fn set_close_idle_after(&mut self, after: Option<Duration>) {
+        self.close_idle_after = after;
+    }
+
+    /// Logs open now, closed for want of events and reopened.
+    pub fn open_logs(&self) -> OpenLogs {
+        OpenLogs {
+            open: self.open.len() as u64,
+            closed_idle: self.closed_idle,
+            reopened: self.reopened,
+        }
     }
 
     fn write_manifest(&self) -> Result<(), FleetError> {
@@ -402,6 +462,10 @@ impl FleetWriter {
                     sync_policy: self.sync_policy,
                     last_sync: self.last_sync,
                     open: HashMap::new(),
+                    closed: HashMap::new(),
+                    close_idle_after: self.close_idle_after,
+                    closed_idle: 0,
+                    reopened: 0,
                     known,
                     shard: true,
                 }
@@ -414,7 +478,12 @@ impl FleetWriter {
         let key = (engine.to_string(), run);
         if !self.open.contains_key(&key) {
             let (name, resumed) = match self.known.get(&key) {
-                Some(n) => (n.clone(), true),
+                Some(n) => {
+                    if self.closed.remove(n).is_some() {
+                        self.reopened += 1;
+                    }
+                    (n.clone(), true)
+                }
                 None => {
                     // A new run: the engine's name, or name.k after a restart.
                     let runs = self
@@ -474,6 +543,7 @@ impl FleetWriter {
                     tracker,
                     dirty: false,
                     unsynced: false,
+                    written_at: Instant::now(),
                 },
             );
         }
@@ -631,23 +701,65 @@ impl FleetWriter {
         if sync {
             self.last_sync = Instant::now();
         }
+        self.close_idle()?;
         Ok(syncs)
     }
 
-    /// Per log: its directory name and what it holds so far.
+    /// Closes the logs checkpointed above that have gone
+    /// `close_idle_after` without events. An fsync detached for one still
+    /// runs on its own handle of the file, so closing it takes nothing
+    /// from that checkpoint's durability.
+    fn close_idle(&mut self) -> Result<(), FleetError> {
+        let Some(after) = self.close_idle_after else {
+            return Ok(());
+        };
+        let idle: Vec<_> = self
+            .open
+            .iter()
+            .filter(|(_, l)| l.written_at.elapsed() >= after)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let engines = self.dir.join(ENGINES_DIR);
+        for key in idle {
+            let Some(mut log) = self.open.remove(&key) else {
+                continue;
+            };
+            log.sink.end_because(format!(
+                "closed after {} s without events; reopened when its engine sends again",
+                after.as_secs()
+            ));
+            let name = log.name.clone();
+            let mut rec = log.sink.finish().map_err(|source| FleetError::Log {
+                dir: engines.join(&name),
+                source,
+            })?;
+            // The gaps are in the sidecar; the summary keeps the counts.
+            rec.gaps = Vec::new();
+            self.closed.insert(name, rec);
+            self.closed_idle += 1;
+        }
+        Ok(())
+    }
+
+    /// Per log written in this session: its directory name and what it
+    /// holds so far (for a log closed for want of events, without its
+    /// gaps: they are in its sidecar).
     pub fn recordings(&self) -> Vec<(String, Recording)> {
         let mut v: Vec<_> = self
             .open
             .values()
             .map(|l| (l.name.clone(), l.sink.recording().clone()))
+            .chain(self.closed.iter().map(|(n, r)| (n.clone(), r.clone())))
             .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
 
-    /// Events written in this session and before (every open log).
+    /// Events written in this session and before (every log written in
+    /// this session).
     pub fn events(&self) -> u64 {
-        self.open.values().map(|l| l.sink.recording().events).sum()
+        let open: u64 = self.open.values().map(|l| l.sink.recording().events).sum();
+        open + self.closed.values().map(|r| r.events).sum::<u64>()
     }
 
     /// Closes every log (each synced unless the policy is `Never`, its
@@ -926,6 +1038,84 @@ pub(crate) mod tests {
         assert_eq!(seqs, want);
         let a2 = summarize(&logs[1].1, &logs[1].2).unwrap();
         assert_eq!(a2.events, 3);
+    }
+
+    /// A log that goes without events is closed at the next checkpoint
+    /// (its file released, its sidecar written) and reopened where it
+    /// was when its engine sends again: nothing written twice, no hole,
+    /// its count still in the writer's summary; a log with events stays
+    /// open, and without a limit none closes.
+    #[test]
+    fn idle_logs_close_at_a_checkpoint_and_reopen_where_they_were() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("fleet");
+        let mut w = FleetWriter::open(&dir, "nats://x:1", None, RecorderConfig::default()).unwrap();
+        // Long beside a stall of this test's thread, which would close a log
+        // written just now.
+        w.set_close_idle_after(Some(Duration::from_secs(1)));
+        let (a1, b1) = (batch(0..10), batch(0..4));
+        w.apply("a", &header(1, &a1, 0), &a1).unwrap();
+        w.apply("b", &header(1, &b1, 0), &b1).unwrap();
+        w.checkpoint().unwrap();
+        assert_eq!(w.open_logs().open, 2, "written just now: both stay open");
+        std::thread::sleep(Duration::from_millis(1100));
+        let a2 = batch(10..20);
+        w.apply("a", &header(1, &a2, 0), &a2).unwrap();
+        w.checkpoint().unwrap();
+        assert_eq!(
+            w.open_logs(),
+            OpenLogs {
+                open: 1,
+                closed_idle: 1,
+                reopened: 0
+            },
+            "b went without events"
+        );
+        let side = read_sidecar(&dir.join(ENGINES_DIR).join("b")).unwrap();
+        assert!(
+            matches!(&side.ended, crate::sidecar::Ended::Finished { why } if why.contains("without events")),
+            "{:?}",
+            side.ended
+        );
+        // Its engine sends again: a redelivery, then new events.
+        let b2 = batch(2..9);
+        let r = w.apply("b", &header(1, &b2, 0), &b2).unwrap();
+        assert_eq!((r.written, r.duplicates, r.missing), (5, 2, 0));
+        assert_eq!(
+            w.open_logs(),
+            OpenLogs {
+                open: 2,
+                closed_idle: 1,
+                reopened: 1
+            }
+        );
+        std::thread::sleep(Duration::from_millis(1100));
+        w.checkpoint().unwrap();
+        assert_eq!(w.open_logs().open, 0, "both idle now");
+        let events: Vec<_> = w
+            .recordings()
+            .iter()
+            .map(|(n, r)| (n.clone(), r.events))
+            .collect();
+        assert_eq!(events, [("a".to_string(), 20), ("b".to_string(), 9)]);
+        assert_eq!(w.events(), 29);
+        w.finish().unwrap();
+        for (name, n) in [("a", 20), ("b", 9)] {
+            let read =
+                crate::recorder::read_events(&dir.join(ENGINES_DIR).join(name), |_| {}).unwrap();
+            assert!(read.damage.is_none());
+            let seqs: Vec<u64> = read.events.iter().map(|e| e.seq).collect();
+            assert!(seqs.iter().copied().eq(0..n), "{name}: {seqs:?}");
+        }
+
+        // Without a limit, a log stays open however long it is idle.
+        let dir = tmp.path().join("kept");
+        let mut w = FleetWriter::open(&dir, "nats://x:1", None, RecorderConfig::default()).unwrap();
+        w.set_close_idle_after(None);
+        w.apply("a", &header(1, &a1, 0), &a1).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        w.checkpoint().unwrap();
+        assert_eq!(w.open_logs().open, 1);
     }
 
     /// A batch's block as a publisher encodes it: its bytes and LZ4 form.

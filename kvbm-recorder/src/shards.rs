@@ -239,13 +239,15 @@ impl Counters {
 }
 
 /// What a writer thread leaves when it stops: each of its logs' directory
-/// name and recording, and its part of the manifest.
+/// name and recording, its part of the manifest and its logs' counts.
 #[derive(Debug)]
 pub struct ShardEnd {
     /// Its logs, by directory name.
     pub recordings: Vec<(String, Recording)>,
     /// Its part of the manifest.
     pub manifest: FleetManifest,
+    /// Its logs open as it stopped, closed for want of events and reopened.
+    pub open_logs: crate::fleet::OpenLogs,
 }
 
 /// The writer threads; see the module docs.
@@ -623,10 +625,12 @@ fn run(
         }
     }
     let recordings = writer.recordings();
+    let open_logs = writer.open_logs();
     let manifest = writer.finish()?;
     Ok(ShardEnd {
         recordings,
         manifest,
+        open_logs,
     })
 }
 

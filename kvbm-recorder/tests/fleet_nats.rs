@@ -879,3 +879,67 @@ fn more_engines_than_the_soft_limit_on_open_files_are_recorded() {
     // exactly once, what the stopped run wrote included.
     recorded_with_room("held");
 }
+
+/// An engine that goes quiet mid-run has its log closed (`--close-idle-logs-s`)
+/// and reopened when it speaks again, and one that ends has its log closed
+/// for good: every event of both is recorded exactly once, and the
+/// recorder's summary counts the closes and the reopening.
+#[test]
+fn a_quiet_engine_s_log_is_closed_and_reopened_without_loss() {
+    let _one = serial();
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("fleet");
+    let rlog = tmp.path().join("recorder.log");
+    let _ = (sim_bin(), recorder_bin());
+    // 20 requests, then 3 s of nothing, then 20 more, paced in real time.
+    let trace = tmp.path().join("pause.jsonl");
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            let t = if i < 20 { i * 10 } else { 3000 + i * 10 };
+            format!(
+                r#"{{"timestamp": {t}, "input_length": 600, "output_length": 4, "hash_ids": [{i}, {}]}}"#,
+                1000 + i
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let mut rec = spawn_recorder_with(&nats.url(), &out, "3", &rlog, &["--close-idle-logs-s", "1"]);
+    let trace = trace.to_str().unwrap();
+    let mut quiet = spawn_sim(
+        &nats.url(),
+        "quiet",
+        &["--trace", trace, "--real-time", "1"],
+        tmp.path(),
+    );
+    let mut short = spawn_sim(
+        &nats.url(),
+        "short",
+        &["--requests", "20", "--rate", "40", "--seed", "4"],
+        tmp.path(),
+    );
+    let mut emitted = Vec::new();
+    for (s, n) in [(&mut quiet, "quiet"), (&mut short, "short")] {
+        assert!(wait(s, n, Duration::from_secs(60)).success(), "{n} failed");
+        emitted.push((n.to_string(), sim_result(tmp.path(), n).0));
+    }
+    assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
+    let log = std::fs::read_to_string(&rlog).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.contains("closed after 1 s without events"))
+        .unwrap_or_else(|| panic!("no line of open logs:\n{log}"));
+    let n: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    // [open at the end, closed, 1 (the seconds), reopened]
+    let (open, closed, reopened) = (n[0], n[1], n[3]);
+    assert!(reopened >= 1, "the quiet engine's log was reopened: {line}");
+    assert!(
+        closed > reopened,
+        "and closed again with the other's: {line}"
+    );
+    assert!(open <= 2, "{line}");
+    assert_exactly_once(&out, &emitted, &rlog);
+}

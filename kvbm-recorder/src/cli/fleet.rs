@@ -88,7 +88,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             "--receive-only keeps nothing it acknowledges: give it a --consumer of its own (not {RECORDER_CONSUMER}) and a new --out"
         );
     }
-    let writer = FleetWriter::open(
+    let mut writer = FleetWriter::open(
         out,
         url,
         Some(&consumer),
@@ -110,6 +110,12 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         || std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 8)),
         usize::from,
     );
+    let close_idle =
+        (remote.close_idle_logs_s > 0.0).then(|| Duration::from_secs_f64(remote.close_idle_logs_s));
+    writer.set_close_idle_after(close_idle);
+    // With nothing arriving, a checkpoint a quarter of that apart closes
+    // each idle log within a quarter of the time after it is due.
+    let idle_sweep = close_idle.map(|d| (d / 4).max(COMMIT_EVERY));
     let (base, shards) = writer.into_shards(threads);
     let work = if remote.receive_only {
         Work::CountOnly
@@ -224,7 +230,10 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 () = counters.written_reaches(remote.events.unwrap_or(u64::MAX)),
                     if remote.events.is_some() => break "--events reached",
                 _ = tick.tick() => {
-                    if commits.pending > 0 {
+                    // Logs close for want of events at checkpoints, so a
+                    // fleet gone quiet still has one now and then.
+                    let sweep = idle_sweep.is_some_and(|d| commits.last_begun.elapsed() >= d);
+                    if commits.pending > 0 || sweep {
                         commits.begin(&mut shards).await?;
                     }
                     if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -249,10 +258,14 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     // Every thread of the runtime ends here, adding its CPU time.
     drop(rt);
     let closing = Instant::now();
+    let mut open_logs = fleet::OpenLogs::default();
     let (parts, recs): (Vec<_>, Vec<_>) = shards
         .finish()?
         .into_iter()
-        .map(|e| (e.manifest, e.recordings))
+        .map(|e| {
+            open_logs.add(e.open_logs);
+            (e.manifest, e.recordings)
+        })
         .unzip();
     let manifest = fleet::merge_manifests(&commits.base, &parts);
     let mut recs: Vec<_> = recs.into_iter().flatten().collect();
@@ -283,6 +296,12 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         "  {} messages delivered ({} of engines not taken), {} consumer errors, {} acknowledgements lost (redelivered, skipped as duplicates), {} writer threads",
         stats.messages, stats.filtered, stats.consumer_errors, stats.acks_lost, threads
     );
+    if !remote.receive_only {
+        println!(
+            "  {} logs open at the end, {} closed after {} s without events, {} of them reopened",
+            open_logs.open, open_logs.closed_idle, remote.close_idle_logs_s, open_logs.reopened
+        );
+    }
     // Time the server held messages back for want of acknowledgements:
     // checkpoints, not the writers, were then the bound.
     let limit = &commits.ack_limit;
@@ -435,6 +454,8 @@ struct Commits {
     ack_limit: AckLimit,
     /// CPU time spent making checkpoints durable.
     sync_cpu: Arc<CpuSum>,
+    /// When the last barrier was put.
+    last_begun: Instant,
 }
 
 /// A barrier in flight: what it acknowledges once durable, the threads'
@@ -514,6 +535,7 @@ impl Commits {
                 ..AckLimit::default()
             },
             sync_cpu: Arc::default(),
+            last_begun: Instant::now(),
         }
     }
 
@@ -551,6 +573,7 @@ impl Commits {
             began: Instant::now(),
             messages: self.pending,
         });
+        self.last_begun = Instant::now();
         self.pending = 0;
         Ok(())
     }

@@ -115,6 +115,11 @@ struct RemoteArgs {
     /// 1: each delivery's share goes at once.
     #[arg(long, requires = "from", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=4096))]
     handoff_batch: u16,
+    /// `--from nats://`: close an engine's log once it has gone this many
+    /// seconds without events (reopened when the engine sends again), so
+    /// that gone pods and past runs do not hold files open; 0: never.
+    #[arg(long, requires = "from", default_value_t = kvbm_recorder::fleet::CLOSE_IDLE_AFTER.as_secs_f64())]
+    close_idle_logs_s: f64,
     /// `--from nats://`, for measuring: receive, route and acknowledge as
     /// a recording does, but the writer threads only count each message's
     /// events from its header; nothing is checked or written. What the
