@@ -576,3 +576,48 @@ fn kill_dash_nine_while_writing_leaves_a_gapless_prefix_of_what_was_written() {
     );
     assert_eq!(torn, 10);
 }
+
+/// Every seconds option of `record` and `bridge` refuses what no deadline
+/// holds, naming the option: each of these panicked where it became a
+/// `Duration` (clap took them as numbers, nothing checked the range).
+#[test]
+fn seconds_no_deadline_holds_are_refused_by_name_not_a_panic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("never");
+    let out = out.to_str().unwrap();
+    let nats = ["record", "--from", "nats://127.0.0.1:1", "--out", out];
+    let bridge = [
+        "bridge",
+        "--from",
+        "zmq://127.0.0.1:1",
+        "--engine-id",
+        "a",
+        "--to",
+        "nats://127.0.0.1:1",
+    ];
+    for (base, flag, value) in [
+        (&nats[..], "--duration-s", "-1"),
+        (&nats[..], "--idle-exit-s", "-1"),
+        (&nats[..], "--idle-exit-s", "1e300"),
+        (&nats[..], "--close-idle-logs-s", "nan"),
+        (&bridge[..], "--duration-s", "1e300"),
+        (&bridge[..], "--drain-s", "inf"),
+    ] {
+        let o = bin()
+            .args(base)
+            .arg(format!("{flag}={value}"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{flag}={value}: {err}");
+        assert!(!err.contains("panicked"), "{flag}={value}: {err}");
+        assert!(
+            err.contains(flag) && err.contains("seconds"),
+            "{flag}={value}: {err}"
+        );
+    }
+    assert!(
+        !std::path::Path::new(out).exists(),
+        "nothing is created for a refused command"
+    );
+}

@@ -187,6 +187,29 @@ fn bad(option: &'static str, reason: impl Into<String>) -> SimArgsError {
     }
 }
 
+/// The longest span of seconds an option takes: a century, past any run
+/// or wait anyone means, well inside what a deadline (`Instant` plus it)
+/// can hold on every platform.
+pub const MAX_SECONDS: f64 = 100.0 * 365.0 * 86_400.0;
+
+/// A clap value parser for an option that is a span of seconds (`--…-s`):
+/// a number from 0 to [`MAX_SECONDS`]. Every binary's seconds go through
+/// it, so that `-1`, `nan` or `1e300` is refused by name instead of
+/// panicking where it becomes a `Duration` or a deadline.
+pub fn seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if (0.0..=MAX_SECONDS).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{s} is not a number of seconds from 0 to {MAX_SECONDS:.0} (a century)"
+        ))
+    }
+}
+
 fn positive(option: &'static str, v: f64) -> Result<(), SimArgsError> {
     if v.is_finite() && v > 0.0 {
         Ok(())
@@ -203,6 +226,14 @@ fn non_negative(option: &'static str, v: f64) -> Result<(), SimArgsError> {
     }
 }
 
+fn at_most(option: &'static str, v: f64, max: f64) -> Result<(), SimArgsError> {
+    if v <= max {
+        Ok(())
+    } else {
+        Err(bad(option, format!("{v} is more than {max}")))
+    }
+}
+
 impl SimArgs {
     /// Checks the options and builds the engine's configuration and
     /// workload.
@@ -213,11 +244,15 @@ impl SimArgs {
         positive("time-scale", self.time_scale)?;
         positive("rate", self.rate)?;
         non_negative("length-sigma", self.length_sigma)?;
+        // At most a minute a token or a step: past that the modelled
+        // clock (nanoseconds in a u64) would overflow within a run.
         if let Some(v) = self.prefill_us_per_token {
             non_negative("prefill-us-per-token", v)?;
+            at_most("prefill-us-per-token", v, 60e6)?;
         }
         if let Some(v) = self.decode_ms_per_step {
             non_negative("decode-ms-per-step", v)?;
+            at_most("decode-ms-per-step", v, 60e3)?;
         }
         positive("pcie-gbps", self.pcie_gbps)?;
         positive("disk-gbps", self.disk_gbps)?;
@@ -396,6 +431,10 @@ mod tests {
             (&["--pcie-gbps", "0"], "pcie-gbps"),
             (&["--kv-bytes-per-token", "0"], "kv-bytes-per-token"),
             (&["--real-bytes-per-token", "0"], "real-bytes-per-token"),
+            // Past a minute a token or a step, the modelled clock would
+            // overflow (this panicked in the engine before).
+            (&["--prefill-us-per-token", "1e300"], "prefill-us-per-token"),
+            (&["--decode-ms-per-step", "1e300"], "decode-ms-per-step"),
         ] {
             let err = parse(args).load().unwrap_err().to_string();
             assert!(err.starts_with(&format!("--{option}:")), "{err}");
@@ -405,5 +444,40 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("/nonexistent/trace.jsonl"), "{err}");
+    }
+
+    #[test]
+    fn seconds_are_a_number_from_zero_to_a_century() {
+        for ok in ["0", "1", "2.5", " 10 ", "3153600000"] {
+            assert!(seconds(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "-1",
+            "nan",
+            "inf",
+            "-inf",
+            "1e300",
+            "3153600001",
+            "",
+            "5s",
+            "ten",
+        ] {
+            let err = seconds(bad).unwrap_err();
+            assert!(err.contains("seconds"), "{bad}: {err}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever the text, no panic; what is accepted makes a deadline
+        /// from now, as every binary does with it.
+        #[test]
+        fn any_text_is_seconds_or_an_error_never_a_panic(s in ".{0,24}", v in proptest::num::f64::ANY) {
+            for text in [s, v.to_string(), format!("{v:e}")] {
+                if let Ok(secs) = seconds(&text) {
+                    let d = std::time::Duration::try_from_secs_f64(secs).unwrap();
+                    proptest::prop_assert!(std::time::Instant::now().checked_add(d).is_some());
+                }
+            }
+        }
     }
 }

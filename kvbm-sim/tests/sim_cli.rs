@@ -102,6 +102,31 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         &["--rate", "0"],
         &["--device-capacity-tokens", "3", "--block-size", "16"],
         &["--bogus"],
+        // Seconds that no `Duration` or deadline holds: each panicked where
+        // it was turned into one.
+        &[
+            "--publish",
+            "nats://127.0.0.1:1",
+            "--engine-id",
+            "a",
+            "--publish-drain-s=1e300",
+        ],
+        &[
+            "--publish",
+            "nats://127.0.0.1:1",
+            "--engine-id",
+            "a",
+            "--publish-linger-s=1e300",
+        ],
+        &[
+            "--publish",
+            "nats://127.0.0.1:1",
+            "--engine-id",
+            "a",
+            "--control-lease-s=-1",
+        ],
+        &["--serve", "127.0.0.1:0", "--linger-s=1e300"],
+        &["--decode-ms-per-step=1e300"],
     ];
     for args in cases {
         let out = sim().args(*args).output().unwrap();

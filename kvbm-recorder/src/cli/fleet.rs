@@ -711,10 +711,10 @@ pub struct BridgeArgs {
     #[arg(long)]
     to: String,
     /// Stop after this many seconds (default: until Ctrl-C).
-    #[arg(long)]
+    #[arg(long, value_parser = kvbm_sim::args::seconds)]
     duration_s: Option<f64>,
     /// On stop, keep sending what is buffered for at most this long.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_parser = kvbm_sim::args::seconds)]
     drain_s: f64,
 }
 

@@ -64,7 +64,7 @@ struct RemoteArgs {
     #[arg(long, requires = "from")]
     events: Option<u64>,
     /// `--from`: stop after this many seconds.
-    #[arg(long, requires = "from")]
+    #[arg(long, requires = "from", value_parser = kvbm_sim::args::seconds)]
     duration_s: Option<f64>,
     /// `--from`: the first sequence number wanted (default 0, so
     /// events the server no longer holds are reported, not skipped). For
@@ -84,7 +84,7 @@ struct RemoteArgs {
     consumer: Option<String>,
     /// `--from nats://`: stop once nothing has arrived for this many
     /// seconds.
-    #[arg(long, requires = "from")]
+    #[arg(long, requires = "from", value_parser = kvbm_sim::args::seconds)]
     idle_exit_s: Option<f64>,
     /// `--from nats://`: threads that check and write the engines'
     /// batches, each taking a share of the engines (default: one per CPU,
@@ -118,7 +118,7 @@ struct RemoteArgs {
     /// `--from nats://`: close an engine's log once it has gone this many
     /// seconds without events (reopened when the engine sends again), so
     /// that gone pods and past runs do not hold files open; 0: never.
-    #[arg(long, requires = "from", default_value_t = kvbm_recorder::fleet::CLOSE_IDLE_AFTER.as_secs_f64())]
+    #[arg(long, requires = "from", default_value_t = kvbm_recorder::fleet::CLOSE_IDLE_AFTER.as_secs_f64(), value_parser = kvbm_sim::args::seconds)]
     close_idle_logs_s: f64,
     /// `--from nats://`, for measuring: receive, route and acknowledge as
     /// a recording does, but the writer threads only count each message's

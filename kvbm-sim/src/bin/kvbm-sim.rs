@@ -18,7 +18,7 @@
 //! `kvbm_attach::nats`); on exit the publisher's counters go to stderr as
 //! one line, `publisher {json}`.
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Parser;
 use kvbm_attach::server::{FeederConfig, ServedEngine, Server, ServerConfig, spawn_feeder};
 use kvbm_core::hooks::{Breakpoints, HookSet};
@@ -75,7 +75,7 @@ struct Args {
     keep_breakpoints_on_disconnect: bool,
     /// After the workload ends, keep serving this many seconds, then exit
     /// (default: until Ctrl-C).
-    #[arg(long, requires = "serve")]
+    #[arg(long, requires = "serve", value_parser = kvbm_sim::args::seconds)]
     linger_s: Option<f64>,
     /// Events the server's ring keeps.
     #[arg(long, default_value_t = 1 << 20, requires = "serve")]
@@ -92,15 +92,15 @@ struct Args {
     #[arg(long, requires = "publish")]
     engine_id: Option<String>,
     /// On exit, keep sending what is buffered for at most this long.
-    #[arg(long, default_value_t = 10.0, requires = "publish")]
+    #[arg(long, default_value_t = 10.0, requires = "publish", value_parser = kvbm_sim::args::seconds)]
     publish_drain_s: f64,
     /// Seconds a controller's session lasts without a renewal before its
     /// breakpoints are removed and its paused calls resume.
-    #[arg(long, default_value_t = 10.0, requires = "publish")]
+    #[arg(long, default_value_t = 10.0, requires = "publish", value_parser = kvbm_sim::args::seconds)]
     control_lease_s: f64,
     /// `--publish`: after the workload ends, keep answering control this
     /// many seconds, then exit (default: exit at once).
-    #[arg(long, requires = "publish")]
+    #[arg(long, requires = "publish", value_parser = kvbm_sim::args::seconds)]
     publish_linger_s: Option<f64>,
 }
 
@@ -197,11 +197,6 @@ fn print_report(report: &SimReport, json: bool) -> Result<()> {
 /// report once the engine finished and the server stopped (Ctrl-C, or
 /// `--linger-s` after the workload).
 fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
-    if let Some(l) = a.linger_s
-        && !(l.is_finite() && l >= 0.0)
-    {
-        bail!("--linger-s must be a non-negative number");
-    }
     let token = a
         .token
         .clone()
@@ -267,15 +262,6 @@ fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
     let engine_id = a.engine_id.clone().unwrap_or_default();
     kvbm_attach::nats::check_engine_name(&engine_id)?;
     kvbm_attach::nats::check_url(url)?;
-    for (flag, v) in [
-        ("--publish-drain-s", a.publish_drain_s),
-        ("--control-lease-s", a.control_lease_s),
-        ("--publish-linger-s", a.publish_linger_s.unwrap_or(0.0)),
-    ] {
-        if !(v.is_finite() && v >= 0.0) {
-            bail!("{flag} must be a non-negative number");
-        }
-    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("kvbm-publish")
