@@ -297,10 +297,16 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         stats.messages, stats.filtered, stats.consumer_errors, stats.acks_lost, threads
     );
     if !remote.receive_only {
-        println!(
-            "  {} logs open at the end, {} closed after {} s without events, {} of them reopened",
-            open_logs.open, open_logs.closed_idle, remote.close_idle_logs_s, open_logs.reopened
-        );
+        match close_idle {
+            Some(_) => println!(
+                "  {} logs open at the end, {} closed after {} s without events, {} of them reopened",
+                open_logs.open, open_logs.closed_idle, remote.close_idle_logs_s, open_logs.reopened
+            ),
+            None => println!(
+                "  {} logs open at the end (--close-idle-logs-s 0: none closed before)",
+                open_logs.open
+            ),
+        }
     }
     // Time the server held messages back for want of acknowledgements:
     // checkpoints, not the writers, were then the bound.
