@@ -644,6 +644,18 @@ mod tests {
         }
     }
 
+    /// A gauge event with `seq`, stamped `seq`.
+    fn gauge_at(seq: u64) -> Event {
+        Event {
+            engine: 0,
+            seq,
+            ts_ns: seq,
+            iteration: 0,
+            request: None,
+            kind: gauge(),
+        }
+    }
+
     /// The stop flag ends a recording while the engine's bus is still held,
     /// after everything already emitted is written.
     #[test]
@@ -742,19 +754,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut sink =
             RecordingSink::create(&dir.path().join("log"), &RecorderConfig::default()).unwrap();
-        let ev = |seq| Event {
-            engine: 0,
-            seq,
-            ts_ns: seq,
-            iteration: 0,
-            request: None,
-            kind: gauge(),
-        };
-        sink.append(&ev(0)).unwrap();
+        sink.append(&gauge_at(0)).unwrap();
         for _ in 0..MAX_GAPS + 10 {
             sink.gap(2);
         }
-        sink.append(&ev(1)).unwrap();
+        sink.append(&gauge_at(1)).unwrap();
         sink.gap(5);
         let rec = sink.finish().unwrap();
         assert_eq!(rec.gaps.len(), MAX_GAPS);
@@ -790,15 +794,7 @@ mod tests {
         };
         let mut sink = RecordingSink::create(&dir, &cfg).unwrap();
         for seq in 0..3000 {
-            sink.append(&Event {
-                engine: 0,
-                seq,
-                ts_ns: seq,
-                iteration: 0,
-                request: None,
-                kind: gauge(),
-            })
-            .unwrap();
+            sink.append(&gauge_at(seq)).unwrap();
         }
         sink.finish().unwrap();
         let mut segments: Vec<_> = std::fs::read_dir(&dir)
