@@ -311,10 +311,12 @@ fn round_trip_across_segments_with_each_fsync_policy() {
         }
         assert_eq!((n, n_blocks), (300, stats.blocks), "{policy:?}");
 
-        // Reopen and go on.
-        let mut w = LogWriter::open_append(&dir, cfg).expect("open_append");
+        // Reopen and go on. Closed cleanly, its index stored: the blocks'
+        // checksums are checked, their contents not decoded again.
+        let mut w = LogWriter::open_append(&dir, cfg.clone()).expect("open_append");
         assert_eq!(w.last_seq(), Some(598));
         assert_eq!(w.recovery().truncated, None);
+        assert!(!w.recovery().last_segment_decoded, "{policy:?}");
         for seq in 599..650 {
             let ev = event(seq, 9_000 + seq);
             w.append(&ev).expect("append");
@@ -324,6 +326,27 @@ fn round_trip_across_segments_with_each_fsync_policy() {
         let (records, err) = read_all(&dir, no_index());
         assert!(err.is_none(), "{err:?}");
         assert_eq!(as_written(&records), written);
+
+        // Without the last segment's index (as after a crash), or with one
+        // that no longer describes it, the blocks are decoded and checked.
+        let last = segments_in(&dir).pop().expect("a segment");
+        let idx = PathBuf::from(format!("{}.idx", last.display()));
+        let kept = fs::read(&idx).expect("the index of a cleanly closed segment");
+        fs::remove_file(&idx).expect("remove the index");
+        let w = LogWriter::open_append(&dir, cfg.clone()).expect("open_append");
+        assert!(w.recovery().last_segment_decoded, "{policy:?}");
+        assert_eq!(w.last_seq(), Some(649));
+        w.close().expect("close");
+        let mut w = LogWriter::open_append(&dir, cfg.clone()).expect("open_append");
+        w.append(&event(650, 9_650)).expect("append");
+        w.close().expect("close");
+        fs::write(&idx, kept).expect("an index from before the last append");
+        let w = LogWriter::open_append(&dir, cfg).expect("open_append");
+        assert!(
+            w.recovery().last_segment_decoded,
+            "{policy:?}: a stale index"
+        );
+        assert_eq!(w.last_seq(), Some(650));
     }
 }
 
@@ -391,6 +414,11 @@ fn torn_tail_at_every_offset_of_the_last_segment() {
         let mut w =
             LogWriter::open_append(&case, config(FsyncPolicy::Never, 2048)).expect("open_append");
         let rec = w.recovery().clone();
+        // A cut segment is checked whole before the writer appends to it,
+        // torn or cut at a block's end (its stored index then describes
+        // more than is there); one with nothing complete is removed, and
+        // the one before it, closed cleanly, is the last.
+        assert_eq!(rec.last_segment_decoded, complete > 0, "cut {cut}");
         if complete == 0 {
             assert_eq!(rec.removed_segments, vec![last_name.clone()], "cut {cut}");
         } else if torn > 0 {

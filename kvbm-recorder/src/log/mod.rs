@@ -342,6 +342,10 @@ pub struct RecoveryReport {
     pub removed_segments: Vec<String>,
     /// Segments whose missing or unusable index file was rewritten.
     pub indexes_rebuilt: Vec<String>,
+    /// Whether the last segment's blocks were decoded and checked before
+    /// appending after them: not when its stored index shows it was closed
+    /// cleanly (its checksums, which the scan checks, then vouch for them).
+    pub last_segment_decoded: bool,
 }
 
 /// Why a record or segment is corrupt.
