@@ -869,9 +869,6 @@ fn remove_if_exists(path: &Path) -> Result<(), LogError> {
     }
 }
 
-/// Leftovers of an index or snapshot write interrupted before its rename.
-/// Decompresses and verifies every block of the last segment of the log in
-/// `dir` (the frame scan alone does not look inside blocks).
 /// Whether the index stored beside a segment (written when its writer
 /// closed it) describes the segment as `scanned`: same records, same end,
 /// and its last block where the index remembers it.
@@ -889,6 +886,8 @@ fn stored_index_matches(
     }))
 }
 
+/// Decompresses and verifies every block of the last segment of the log in
+/// `dir` (the frame scan alone does not look inside blocks).
 fn verify_last_segment(dir: &Path) -> Result<(), LogError> {
     let reader = LogReader::open(dir, ReaderOptions::default())?;
     let mut blocks = reader.last_segment_blocks();
@@ -898,6 +897,8 @@ fn verify_last_segment(dir: &Path) -> Result<(), LogError> {
     Ok(())
 }
 
+/// Removes the leftovers of an index or snapshot write interrupted before
+/// its rename.
 fn remove_temp_files(dir: &Path) -> Result<(), LogError> {
     for entry in fs::read_dir(dir).map_err(io_err(dir))? {
         let entry = entry.map_err(io_err(dir))?;
