@@ -1099,8 +1099,15 @@ pub(crate) mod tests {
             .collect();
         assert_eq!(events, [("a".to_string(), 20), ("b".to_string(), 9)]);
         assert_eq!(w.events(), 29);
+        // Killed while both are closed, then restarted: a closed log
+        // resumes like any other, redeliveries skipped.
+        drop(w);
+        let mut w = FleetWriter::open(&dir, "nats://x:1", None, RecorderConfig::default()).unwrap();
+        let b3 = batch(5..12);
+        let r = w.apply("b", &header(1, &b3, 0), &b3).unwrap();
+        assert_eq!((r.written, r.duplicates, r.missing), (3, 4, 0));
         w.finish().unwrap();
-        for (name, n) in [("a", 20), ("b", 9)] {
+        for (name, n) in [("a", 20), ("b", 12)] {
             let read =
                 crate::recorder::read_events(&dir.join(ENGINES_DIR).join(name), |_| {}).unwrap();
             assert!(read.damage.is_none());
