@@ -310,6 +310,9 @@ pub struct FleetWriter {
     /// One of several ([`into_shards`](Self::into_shards)): writes no
     /// manifest.
     shard: bool,
+    /// The manifest changed since [`manifest_if_changed`](Self::manifest_if_changed)
+    /// last returned it.
+    manifest_changed: bool,
 }
 
 impl std::fmt::Debug for FleetWriter {
@@ -384,6 +387,7 @@ impl FleetWriter {
             reopened: 0,
             known,
             shard: false,
+            manifest_changed: true,
         };
         std::fs::create_dir_all(dir.join(ENGINES_DIR)).map_err(|e| FleetError::Manifest {
             path: dir.to_path_buf(),
@@ -396,6 +400,14 @@ impl FleetWriter {
     /// The manifest as it stands.
     pub fn manifest(&self) -> &FleetManifest {
         &self.manifest
+    }
+
+    /// The manifest, if it changed since this last returned it (a log
+    /// added, a refusal, duplicates or declared drops counted); the first
+    /// call returns it. A checkpoint of a fleet whose logs only grew need
+    /// not copy, merge and write an entry for every log ever recorded.
+    pub fn manifest_if_changed(&mut self) -> Option<&FleetManifest> {
+        std::mem::take(&mut self.manifest_changed).then_some(&self.manifest)
     }
 
     /// The recording's directory.
@@ -468,6 +480,7 @@ impl FleetWriter {
                     reopened: 0,
                     known,
                     shard: true,
+                    manifest_changed: true,
                 }
             })
             .collect();
@@ -506,6 +519,7 @@ impl FleetWriter {
                         },
                     );
                     self.known.insert(key.clone(), name.clone());
+                    self.manifest_changed = true;
                     self.write_manifest()?;
                     (name, false)
                 }
@@ -632,9 +646,12 @@ impl FleetWriter {
     /// Keeps in the manifest's entry for log `name` what its publisher
     /// declared dropped and the duplicates it skipped.
     fn note_in_manifest(&mut self, name: &str, declared_dropped: u64, duplicates: u64) {
-        if let Some(e) = self.manifest.logs.get_mut(name) {
+        if let Some(e) = self.manifest.logs.get_mut(name)
+            && (declared_dropped > e.declared_dropped || duplicates > 0)
+        {
             e.declared_dropped = e.declared_dropped.max(declared_dropped);
             e.duplicates += duplicates;
+            self.manifest_changed = true;
         }
     }
 
@@ -653,6 +670,7 @@ impl FleetWriter {
             Some(l) => l.refused += 1,
             None => self.manifest.refused_unattributed += 1,
         }
+        self.manifest_changed = true;
         self.manifest.last_refusal = Some(kvbm_events::text::clip(
             why,
             kvbm_events::text::MAX_MESSAGE_CHARS,
@@ -1123,6 +1141,35 @@ pub(crate) mod tests {
         std::thread::sleep(Duration::from_millis(20));
         w.checkpoint().unwrap();
         assert_eq!(w.open_logs().open, 1);
+    }
+
+    /// The manifest is handed out when an entry changed (a new log,
+    /// duplicates, declared drops, a refusal), not for events alone.
+    #[test]
+    fn the_manifest_is_handed_out_only_when_it_changed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut w = FleetWriter::open(
+            &tmp.path().join("fleet"),
+            "nats://x:1",
+            None,
+            RecorderConfig::default(),
+        )
+        .unwrap();
+        assert!(w.manifest_if_changed().is_some(), "the first time");
+        assert!(w.manifest_if_changed().is_none());
+        let changed = |w: &mut FleetWriter, seqs: std::ops::Range<u64>, dropped: u64| {
+            let b = batch(seqs);
+            w.apply("a", &header(1, &b, dropped), &b).unwrap();
+            w.manifest_if_changed().is_some()
+        };
+        assert!(changed(&mut w, 0..10, 0), "a new log");
+        assert!(!changed(&mut w, 10..20, 0), "events alone");
+        assert!(changed(&mut w, 15..25, 0), "duplicates");
+        assert!(changed(&mut w, 30..35, 5), "declared drops");
+        assert!(!changed(&mut w, 35..40, 5), "the same total again");
+        w.refused(Some("a"), "bad");
+        assert!(w.manifest_if_changed().is_some(), "a refusal");
+        assert!(w.manifest_if_changed().is_none());
     }
 
     /// A batch's block as a publisher encodes it: its bytes and LZ4 form.

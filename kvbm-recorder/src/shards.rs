@@ -69,7 +69,8 @@ enum Job {
 pub enum Reply {
     /// Shard `shard` reached barrier `token` and checkpointed its logs
     /// ([`FleetWriter::checkpoint_detached`]); `manifest` is its part of
-    /// the recording's manifest, `syncs` the fsyncs that make what it
+    /// the recording's manifest if it changed since its last reply
+    /// ([`FleetWriter::manifest_if_changed`]), `syncs` the fsyncs that make what it
     /// wrote before the barrier durable, left for the caller to run while
     /// the thread goes on writing.
     Checkpointed {
@@ -77,8 +78,8 @@ pub enum Reply {
         shard: usize,
         /// The barrier.
         token: u64,
-        /// Its logs' entries and refusals.
-        manifest: FleetManifest,
+        /// Its logs' entries and refusals, if they changed.
+        manifest: Option<FleetManifest>,
         /// Its logs' fsyncs.
         syncs: Syncs,
     },
@@ -612,7 +613,7 @@ fn run(
             }
             Job::Checkpoint(token) => {
                 let syncs = writer.checkpoint_detached().map_err(failed)?;
-                let manifest = writer.manifest().clone();
+                let manifest = writer.manifest_if_changed().cloned();
                 // The owner waits for every reply; if it is gone, so is
                 // the recording's session.
                 let _ = replies.blocking_send(Reply::Checkpointed {
@@ -724,7 +725,29 @@ mod tests {
                         ..
                     } => {
                         syncs.run().unwrap();
-                        parts.push(manifest)
+                        parts.push(manifest.expect("a first reply carries the manifest"))
+                    }
+                    r => panic!("{r:?}"),
+                }
+            }
+            // More events for a log each thread has: no part changed, so
+            // none is sent again.
+            for e in engines {
+                shards
+                    .route(only_to(&shards, e, message(e, 40..45), 100))
+                    .unwrap();
+            }
+            shards.begin_checkpoint(2).await.unwrap();
+            for _ in 0..shards.len() {
+                match replies.next().await.unwrap() {
+                    Reply::Checkpointed {
+                        token: 2,
+                        manifest,
+                        syncs,
+                        ..
+                    } => {
+                        syncs.run().unwrap();
+                        assert!(manifest.is_none(), "{manifest:?}");
                     }
                     r => panic!("{r:?}"),
                 }
@@ -735,7 +758,7 @@ mod tests {
         assert_eq!(merged.logs["c"].refused, 1);
         assert_eq!(merged.logs["a"].refused, 0);
         let counters = shards.counters();
-        assert_eq!((counters.written(), counters.refused()), (200, 1));
+        assert_eq!((counters.written(), counters.refused()), (225, 1));
         let ends = shards.finish().unwrap();
         assert_eq!(ends.len(), 3);
         let recs: Vec<_> = ends.into_iter().flat_map(|e| e.recordings).collect();
@@ -743,7 +766,7 @@ mod tests {
         for (name, rec) in recs {
             assert_eq!(
                 (rec.events, rec.first_seq, rec.last_seq, rec.lost),
-                (40, Some(0), Some(39), 0),
+                (45, Some(0), Some(44), 0),
                 "{name}"
             );
         }

@@ -388,10 +388,11 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             // hours keeps up with, whose closing comes once.
             let a = l.saturating_duration_since(t).as_secs_f64();
             println!(
-                "  {:.3} s from the first message to the last batch written: {:.0} events/s; {} checkpoints (the last {:.3} s, the longest {:.3} s), closing {:.3} s",
+                "  {:.3} s from the first message to the last batch written: {:.0} events/s; {} checkpoints ({} wrote the manifest: the others changed no entry; the last {:.3} s, the longest {:.3} s), closing {:.3} s",
                 a,
                 written as f64 / a.max(1e-9),
                 stats.commits,
+                commits.manifests_written,
                 stats.last_commit.as_secs_f64(),
                 stats.longest_commit.as_secs_f64(),
                 closing_s,
@@ -462,6 +463,11 @@ struct Commits {
     sync_cpu: Arc<CpuSum>,
     /// When the last barrier was put.
     last_begun: Instant,
+    /// Each thread's part of the manifest as it last sent it (a thread
+    /// sends it when it changed).
+    parts: Vec<Option<fleet::FleetManifest>>,
+    /// Manifests written (a checkpoint where no part changed writes none).
+    manifests_written: u64,
 }
 
 /// A barrier in flight: what it acknowledges once durable, the threads'
@@ -469,7 +475,10 @@ struct Commits {
 /// running.
 struct Barrier {
     ack: Option<(async_nats::jetstream::message::Acker, u64)>,
-    parts: Vec<fleet::FleetManifest>,
+    /// Threads that replied.
+    replies: usize,
+    /// Whether one of them sent a changed part of the manifest.
+    changed: bool,
     syncs: fleet::Syncs,
     durable: Option<tokio::task::JoinHandle<Result<(), fleet::FleetError>>>,
     began: Instant,
@@ -542,6 +551,8 @@ impl Commits {
             },
             sync_cpu: Arc::default(),
             last_begun: Instant::now(),
+            parts: vec![None; threads],
+            manifests_written: 0,
         }
     }
 
@@ -549,7 +560,7 @@ impl Commits {
     fn awaiting_replies(&self) -> bool {
         self.barrier
             .as_ref()
-            .is_some_and(|b| b.parts.len() < self.threads)
+            .is_some_and(|b| b.replies < self.threads)
     }
 
     /// A barrier's fsyncs and manifest are running.
@@ -573,7 +584,8 @@ impl Commits {
         shards.begin_checkpoint(self.token).await?;
         self.barrier = Some(Barrier {
             ack: self.last.take(),
-            parts: Vec::with_capacity(self.threads),
+            replies: 0,
+            changed: false,
             syncs: fleet::Syncs::default(),
             durable: None,
             began: Instant::now(),
@@ -587,14 +599,14 @@ impl Commits {
     /// A thread's reply to the barrier in flight; after the last, starts
     /// its fsyncs and manifest.
     fn reply(&mut self, reply: Reply) -> Result<()> {
-        let (manifest, syncs) = match reply {
+        let (shard, manifest, syncs) = match reply {
             Reply::Failed { shard, error } => bail!("fleet writer thread {shard}: {error}"),
             Reply::Checkpointed {
+                shard,
                 token,
                 manifest,
                 syncs,
-                ..
-            } if token == self.token => (manifest, syncs),
+            } if token == self.token => (shard, manifest, syncs),
             Reply::Checkpointed { token, .. } => {
                 bail!(
                     "a checkpoint reply for barrier {token}, expected {}",
@@ -603,14 +615,28 @@ impl Commits {
             }
         };
         let threads = self.threads;
-        let Some(b) = self.barrier.as_mut().filter(|b| b.parts.len() < threads) else {
+        let Some(b) = self.barrier.as_mut().filter(|b| b.replies < threads) else {
             bail!("a checkpoint reply with no barrier waiting for one");
         };
-        b.parts.push(manifest);
+        let Some(part) = self.parts.get_mut(shard) else {
+            bail!("a checkpoint reply from thread {shard} of {threads}");
+        };
+        b.replies += 1;
+        if let Some(m) = manifest {
+            *part = Some(m);
+            b.changed = true;
+        }
         b.syncs.append(syncs);
-        if b.parts.len() == self.threads {
+        if b.replies == self.threads {
             let syncs = std::mem::take(&mut b.syncs);
-            let manifest = fleet::merge_manifests(&self.base, &b.parts);
+            // Only when a part changed: a fleet whose logs only grew has
+            // nothing new to say in it, and it lists every log ever
+            // recorded.
+            let manifest = b.changed.then(|| {
+                let parts: Vec<_> = self.parts.iter().flatten().cloned().collect();
+                fleet::merge_manifests(&self.base, &parts)
+            });
+            self.manifests_written += u64::from(manifest.is_some());
             let dir = self.dir.clone();
             // The device's flush, off the loop that routes: the threads
             // write what came after the barrier meanwhile.
@@ -618,7 +644,10 @@ impl Commits {
             b.durable = Some(tokio::task::spawn_blocking(move || {
                 cpu.timed(|| {
                     syncs.run()?;
-                    fleet::write_manifest(&dir, &manifest)
+                    match &manifest {
+                        Some(m) => fleet::write_manifest(&dir, m),
+                        None => Ok(()),
+                    }
                 })
             }));
         }
