@@ -24,6 +24,27 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// What most tests here start with: their turn, a server of their own, a
+/// temporary directory with the recording's path and the recorder's log's
+/// in it, and both binaries built (so no wait for a build counts as a
+/// recorder's idle time). Bound in this order, dropped in reverse: the
+/// server stops before the next test's turn.
+fn started() -> (
+    std::sync::MutexGuard<'static, ()>,
+    NatsServer,
+    tempfile::TempDir,
+    std::path::PathBuf,
+    std::path::PathBuf,
+) {
+    let one = serial();
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("fleet");
+    let rlog = tmp.path().join("recorder.log");
+    let _ = (sim_bin(), recorder_bin());
+    (one, nats, tmp, out, rlog)
+}
+
 fn sim_bin() -> std::path::PathBuf {
     workspace_bin("kvbm-sim", "kvbm-sim")
 }
@@ -178,13 +199,7 @@ fn assert_exactly_once(out: &Path, emitted: &[(String, u64)], recorder_log: &Pat
 
 #[test]
 fn eight_engines_arrive_exactly_once() {
-    let _one = serial();
-    let nats = NatsServer::start();
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("fleet");
-    let rlog = tmp.path().join("recorder.log");
-    // Built before anything starts, so no wait for a build counts as idle.
-    let _ = (sim_bin(), recorder_bin());
+    let (_one, nats, tmp, out, rlog) = started();
     let mut rec = spawn_recorder(&nats.url(), &out, "3", &rlog);
     let names: Vec<String> = (0..8).map(|i| format!("sim-{i}")).collect();
     let mut sims: Vec<Child> = names
@@ -244,12 +259,7 @@ fn assert_cpu_split(log: &str) {
 /// a glob that cannot name an engine is refused before anything starts.
 #[test]
 fn an_engine_glob_records_only_the_engines_it_names() {
-    let _one = serial();
-    let nats = NatsServer::start();
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("fleet");
-    let rlog = tmp.path().join("recorder.log");
-    let _ = (sim_bin(), recorder_bin());
+    let (_one, nats, tmp, out, rlog) = started();
     let bad = Command::new(recorder_bin())
         .args(["record", "--from", &nats.url(), "--out"])
         .arg(tmp.path().join("never"))
@@ -417,14 +427,9 @@ fn fleet_analyses(out: &Path, emitted: &[(String, u64)]) {
 /// and the server (file store) is killed and restarted once.
 #[test]
 fn exactly_once_through_recorder_kills_and_a_server_restart() {
-    let _one = serial();
-    let mut nats = NatsServer::start();
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("fleet");
-    let rlog = tmp.path().join("recorder.log");
+    let (_one, mut nats, tmp, out, rlog) = started();
     let names: Vec<String> = (0..8).map(|i| format!("eng-{i}")).collect();
     // Paced in real time, so the kills land while the engines publish.
-    let _ = (sim_bin(), recorder_bin());
     let mut sims: Vec<Child> = names
         .iter()
         .enumerate()
@@ -886,12 +891,7 @@ fn more_engines_than_the_soft_limit_on_open_files_are_recorded() {
 /// recorder's summary counts the closes and the reopening.
 #[test]
 fn a_quiet_engine_s_log_is_closed_and_reopened_without_loss() {
-    let _one = serial();
-    let nats = NatsServer::start();
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("fleet");
-    let rlog = tmp.path().join("recorder.log");
-    let _ = (sim_bin(), recorder_bin());
+    let (_one, nats, tmp, out, rlog) = started();
     // 20 requests, then 3 s of nothing, then 20 more, paced in real time.
     let trace = tmp.path().join("pause.jsonl");
     let lines: Vec<String> = (0..40)
