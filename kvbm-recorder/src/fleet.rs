@@ -37,7 +37,7 @@
 //! spoke lately, not every pod and every run it ever saw.
 
 use crate::log::{FsyncPolicy, PendingSync};
-use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink, read_sidecar};
+use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink};
 use kvbm_attach::nats::track::{Admit, Tracker};
 use kvbm_attach::nats::wire::BatchHeader;
 use kvbm_events::Event;
@@ -110,9 +110,95 @@ pub struct LogEntry {
     pub refused: u64,
 }
 
+/// The largest manifest read back: room for millions of logs' entries,
+/// so that a file in its place that is not one is refused, not loaded.
+pub const MAX_MANIFEST_BYTES: u64 = 1 << 30;
+
+/// The file in a fleet recording whose lock says a recorder is writing
+/// it (left behind, unlocked, when it stops).
+pub const LOCK: &str = "recorder.lock";
+
+/// Takes the recording's lock, or says another recorder holds it: two
+/// recorders writing the same logs would each count the other's events as
+/// theirs and interleave their frames. The lock goes with the process, so
+/// a killed recorder never leaves it held.
+fn lock(dir: &Path) -> Result<std::sync::Arc<std::fs::File>, FleetError> {
+    let path = dir.join(LOCK);
+    let error = |message: String| FleetError::Manifest {
+        path: path.clone(),
+        message,
+    };
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| error(e.to_string()))?;
+    match f.try_lock() {
+        Ok(()) => Ok(std::sync::Arc::new(f)),
+        Err(std::fs::TryLockError::WouldBlock) => Err(error(
+            "another recorder is writing this recording (it holds this lock): stop it first, \
+             or record elsewhere"
+                .into(),
+        )),
+        Err(std::fs::TryLockError::Error(e)) => Err(error(format!("taking the lock: {e}"))),
+    }
+}
+
 /// Whether `dir` holds a fleet recording.
 pub fn is_fleet(dir: &Path) -> bool {
     dir.join(MANIFEST).is_file()
+}
+
+/// What a directory given to a reading command holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordingKind {
+    /// One engine's log: segments, or a sidecar (a recording of no events).
+    Log,
+    /// A fleet recording: a manifest and its engines' logs.
+    Fleet,
+}
+
+/// Says whether `dir` is a recording to read, and which kind, or why it is
+/// not one: so that a reader given the wrong directory says so, instead
+/// of reading it as a log of no events (a directory without segments opens
+/// as an empty log), and a fleet whose manifest is gone is not mistaken
+/// for an empty recording.
+pub fn recording_kind(dir: &Path) -> Result<RecordingKind, String> {
+    let shown = dir.display();
+    let meta = std::fs::metadata(dir).map_err(|e| format!("opening recording {shown}: {e}"))?;
+    if !meta.is_dir() {
+        return Err(format!(
+            "{shown} is not a directory: a recording is the directory that holds its \
+             segments (*{}), not one of its files",
+            crate::log::SEGMENT_SUFFIX
+        ));
+    }
+    if dir.join(MANIFEST).is_file() {
+        return Ok(RecordingKind::Fleet);
+    }
+    if dir.join(ENGINES_DIR).is_dir() {
+        return Err(format!(
+            "{shown} holds {ENGINES_DIR}/ but no {MANIFEST}: a fleet recording whose manifest \
+             is missing; each engine's log can still be read on its own, at \
+             {shown}/{ENGINES_DIR}/<engine>"
+        ));
+    }
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{shown}: {e}"))?;
+    let has_log = entries.filter_map(Result::ok).any(|e| {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        name == crate::sidecar::SIDECAR || crate::log::parse_segment_file_name(&name).is_some()
+    });
+    if has_log {
+        Ok(RecordingKind::Log)
+    } else {
+        Err(format!(
+            "{shown} holds no kvbm recording: no log segments (*{}), no {}, no {MANIFEST}",
+            crate::log::SEGMENT_SUFFIX,
+            crate::sidecar::SIDECAR
+        ))
+    }
 }
 
 /// Why a fleet recording could not be written or read.
@@ -143,9 +229,11 @@ pub enum FleetError {
 /// Reads the manifest of the fleet recording in `dir`.
 pub fn read_manifest(dir: &Path) -> Result<FleetManifest, FleetError> {
     let path = dir.join(MANIFEST);
-    let bytes = std::fs::read(&path).map_err(|e| FleetError::Manifest {
-        path: path.clone(),
-        message: e.to_string(),
+    let bytes = crate::sidecar::read_bounded(&path, MAX_MANIFEST_BYTES).map_err(|e| {
+        FleetError::Manifest {
+            path: path.clone(),
+            message: e.to_string(),
+        }
     })?;
     let m: FleetManifest = serde_json::from_slice(&bytes).map_err(|e| FleetError::Manifest {
         path: path.clone(),
@@ -157,7 +245,37 @@ pub fn read_manifest(dir: &Path) -> Result<FleetManifest, FleetError> {
             message: format!("format {}, this build reads {FORMAT}", m.format),
         });
     }
+    // Every reader joins these names to the recording's directory: one that
+    // is not a log's name as the recorder makes them (`<engine>` or
+    // `<engine>.<run>`) would have it read (or a resumed recorder write)
+    // outside the recording.
+    for (name, entry) in &m.logs {
+        if let Err(why) = check_log_name(name, &entry.engine) {
+            return Err(FleetError::Manifest {
+                path,
+                message: format!("log {name:?}: {why}; the manifest is damaged or was edited"),
+            });
+        }
+    }
     Ok(m)
+}
+
+/// Whether `name` is a log's name under `engines/` as the recorder makes
+/// them for `engine`: the engine's name for its first run, `<engine>.N`
+/// (N ≥ 2) for the Nth.
+fn check_log_name(name: &str, engine: &str) -> Result<(), String> {
+    kvbm_attach::nats::check_engine_name(engine).map_err(|e| e.to_string())?;
+    let run = match name.strip_prefix(engine) {
+        Some("") => return Ok(()),
+        Some(rest) => rest.strip_prefix('.'),
+        None => None,
+    };
+    match run.and_then(|n| n.parse::<u64>().ok()) {
+        Some(n) if n >= 2 && run.is_some_and(|r| !r.starts_with('0')) => Ok(()),
+        _ => Err(format!(
+            "not the name of a log of engine {engine:?} (`{engine}` or `{engine}.N`, N ≥ 2)"
+        )),
+    }
 }
 
 /// The engines' logs of a fleet recording: (directory name, path, entry).
@@ -313,6 +431,9 @@ pub struct FleetWriter {
     /// The manifest changed since [`manifest_if_changed`](Self::manifest_if_changed)
     /// last returned it.
     manifest_changed: bool,
+    /// The recording's [`LOCK`], held by every shard until the last one
+    /// goes.
+    lock: Option<std::sync::Arc<std::fs::File>>,
 }
 
 impl std::fmt::Debug for FleetWriter {
@@ -388,11 +509,16 @@ impl FleetWriter {
             known,
             shard: false,
             manifest_changed: true,
+            lock: None,
         };
         std::fs::create_dir_all(dir.join(ENGINES_DIR)).map_err(|e| FleetError::Manifest {
             path: dir.to_path_buf(),
             message: e.to_string(),
         })?;
+        let w = FleetWriter {
+            lock: Some(lock(dir)?),
+            ..w
+        };
         w.write_manifest()?;
         Ok(w)
     }
@@ -481,6 +607,7 @@ impl FleetWriter {
                     known,
                     shard: true,
                     manifest_changed: true,
+                    lock: self.lock.clone(),
                 }
             })
             .collect();
@@ -883,14 +1010,20 @@ pub struct EngineSummary {
     pub engine: String,
     /// Its run.
     pub run: String,
-    /// Events in its log.
+    /// Events read from its log (up to any damage).
     pub events: u64,
-    /// First and last seq.
+    /// Events its sidecar says the recorder wrote (`None`: no readable
+    /// sidecar); more than `events` after damage, or while recording.
+    pub events_written: Option<u64>,
+    /// First seq read.
     pub first_seq: Option<u64>,
-    /// Last seq.
+    /// Last seq read.
     pub last_seq: Option<u64>,
-    /// Smallest and largest timestamp, ns.
+    /// Smallest and largest timestamp read, ns.
     pub time_range_ns: Option<(u64, u64)>,
+    /// What is wrong with the log, as `check` says it: damage that stopped
+    /// the read, or fewer events than a finished recording wrote.
+    pub damage: Option<String>,
     /// Losses.
     pub losses: Losses,
 }
@@ -912,42 +1045,63 @@ pub struct Losses {
     pub duplicates_skipped: u64,
 }
 
-/// Summarises one engine's log from its sidecar (or, without one, from
-/// the log's own index) and its manifest entry.
+/// Summarises one engine's log and its manifest entry. Every block of the
+/// log is read and verified (not decoded into events), so damage anywhere
+/// in it, or a log holding fewer events than its finished sidecar says
+/// were written (a segment removed), shows here as `check` would say it.
 pub fn summarize(path: &Path, entry: &LogEntry) -> Result<EngineSummary, FleetError> {
     let reader = crate::recorder::open_log(path).map_err(|e| FleetError::Log {
         dir: path.to_path_buf(),
         source: e.into(),
     })?;
-    let info = reader.info();
-    let side = read_sidecar(path);
-    let (events, holes, before) = match side.as_ref().filter(|s| s.last_seq == info.last_seq) {
-        Some(s) => (s.events, s.lost, s.missed_before_start),
-        None => {
-            // No sidecar that agrees with the log (a recorder killed before
-            // its first checkpoint): count from the log.
-            let mut n = 0u64;
-            let mut holes = 0u64;
-            let mut last: Option<u64> = None;
-            for r in reader.iter() {
-                let Ok(r) = r else { break };
-                if let Some(l) = last {
-                    holes += r.event.seq.saturating_sub(l + 1);
-                }
-                last = Some(r.event.seq);
-                n += 1;
+    let (mut events, mut holes) = (0u64, 0u64);
+    let (mut first, mut last): (Option<u64>, Option<u64>) = (None, None);
+    let mut time: Option<(u64, u64)> = None;
+    let mut damage = None;
+    let mut blocks = reader.blocks();
+    while let Some(b) = blocks.next_block() {
+        let b = match b {
+            Ok(b) => b,
+            Err(e) => {
+                damage = Some(e.to_string());
+                break;
             }
-            (n, holes, info.first_seq.unwrap_or(0))
+        };
+        for (seq, ts) in b.view.seqs_and_timestamps() {
+            if let Some(l) = last {
+                holes += seq.saturating_sub(l + 1);
+            }
+            first.get_or_insert(seq);
+            last = Some(seq);
+            events += 1;
+            time = Some(time.map_or((ts, ts), |(a, z)| (a.min(ts), z.max(ts))));
         }
+    }
+    drop(blocks);
+    let side = crate::sidecar::load(path);
+    let holds = crate::verdict::LogHolds {
+        events,
+        first_seq: first,
+        last_seq: last,
     };
+    let verdict = crate::verdict::assess(&side, reader.info(), holds).verdict;
+    if let (None, crate::verdict::Verdict::Damaged(why)) = (&damage, verdict) {
+        damage = Some(why);
+    }
+    let rec = side.recording();
+    let before = rec
+        .filter(|r| r.last_seq == last)
+        .map_or(first.unwrap_or(0), |r| r.missed_before_start);
     let missing = holes + before;
     Ok(EngineSummary {
         engine: entry.engine.clone(),
         run: entry.run.clone(),
         events,
-        first_seq: info.first_seq,
-        last_seq: info.last_seq,
-        time_range_ns: info.time_range_ns,
+        events_written: rec.map(|r| r.events),
+        first_seq: first,
+        last_seq: last,
+        time_range_ns: time,
+        damage,
         losses: Losses {
             holes,
             before_start: before,
@@ -1089,7 +1243,7 @@ pub(crate) mod tests {
             },
             "b went without events"
         );
-        let side = read_sidecar(&dir.join(ENGINES_DIR).join("b")).unwrap();
+        let side = crate::recorder::read_sidecar(&dir.join(ENGINES_DIR).join("b")).unwrap();
         assert!(
             matches!(&side.ended, crate::sidecar::Ended::Finished { why } if why.contains("without events")),
             "{:?}",
@@ -1145,6 +1299,28 @@ pub(crate) mod tests {
 
     /// The manifest is handed out when an entry changed (a new log,
     /// duplicates, declared drops, a refusal), not for events alone.
+    /// Two writers on one recording would interleave their frames: the
+    /// second is refused while the first (or any of its shards) lives.
+    #[test]
+    fn a_second_writer_on_a_recording_is_refused_while_the_first_lives() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("fleet");
+        let cfg = RecorderConfig::default();
+        let w = FleetWriter::open(&dir, "nats://x:1", None, cfg.clone()).unwrap();
+        let again = || FleetWriter::open(&dir, "nats://x:1", None, cfg.clone());
+        let e = again().unwrap_err().to_string();
+        assert!(
+            e.contains("another recorder is writing this recording"),
+            "{e}"
+        );
+        let (_, mut shards) = w.into_shards(2);
+        assert!(again().is_err());
+        shards.pop();
+        assert!(again().is_err(), "one shard still holds it");
+        drop(shards);
+        again().unwrap();
+    }
+
     #[test]
     fn the_manifest_is_handed_out_only_when_it_changed() {
         let tmp = tempfile::tempdir().unwrap();

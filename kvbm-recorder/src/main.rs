@@ -23,7 +23,7 @@ fn main() {
         // tools are.
         Err(e) if is_broken_pipe(&e) => std::process::exit(0),
         Err(e) => {
-            eprintln!("error: {}", chain(&e));
+            eprintln!("error: {}", cli::said(&e));
             std::process::exit(2);
         }
     }
@@ -56,18 +56,4 @@ fn quiet_on_closed_stdout() {
         }
         default(info);
     }));
-}
-
-/// The error and its causes, each said once: a message that already
-/// quotes its cause (as most do) is not followed by it again.
-fn chain(e: &anyhow::Error) -> String {
-    let mut msg = e.to_string();
-    for cause in e.chain().skip(1) {
-        let c = cause.to_string();
-        if !msg.contains(&c) {
-            msg.push_str(": ");
-            msg.push_str(&c);
-        }
-    }
-    msg
 }

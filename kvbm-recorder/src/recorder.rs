@@ -155,25 +155,29 @@ impl From<SidecarError> for RecordError {
 
 /// Starts a recorder thread draining `tap` into a new log in `dir` (and
 /// into `ring`, if given). It ends when the tap closes (the engine's bus is
-/// dropped) and returns what it wrote.
+/// dropped) and returns what it wrote. The log is created before the
+/// thread starts, so a `dir` that cannot hold a new one (it holds a log
+/// already, it is a file, it cannot be written) is refused here, before
+/// an engine runs and a screen opens with nothing being recorded.
 pub fn spawn_recorder(
     mut tap: TapReceiver<Event>,
     dir: PathBuf,
     cfg: RecorderConfig,
     ring: Option<Arc<RingBuffer>>,
-) -> std::io::Result<std::thread::JoinHandle<Result<Recording, RecordError>>> {
+) -> Result<std::thread::JoinHandle<Result<Recording, RecordError>>, RecordError> {
+    let sink = RecordingSink::create(&dir, &cfg)?;
     std::thread::Builder::new()
         .name("kvbm-recorder".into())
-        .spawn(move || record(&mut tap, &dir, &cfg, ring.as_deref()))
+        .spawn(move || record(sink, &mut tap, &cfg, ring.as_deref()))
+        .map_err(|source| RecordError::Log(LogError::Io { path: dir, source }))
 }
 
 fn record(
+    mut sink: RecordingSink,
     tap: &mut TapReceiver<Event>,
-    dir: &Path,
     cfg: &RecorderConfig,
     ring: Option<&RingBuffer>,
 ) -> Result<Recording, RecordError> {
-    let mut sink = RecordingSink::create(dir, cfg)?;
     if let Some(run) = cfg.run {
         sink.set_run(run);
     }

@@ -20,7 +20,7 @@
 use kvbm_events::RunId;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
-use std::io::{Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 /// Name of the sidecar file the recorder writes next to the segments.
@@ -42,6 +42,30 @@ pub const RESERVE_BYTES: u64 = 64 << 10;
 
 /// Most gap positions a sidecar keeps.
 pub const MAX_GAPS: usize = 65_536;
+
+/// The largest sidecar read back: far beyond what a recorder writes (its
+/// gaps are capped at [`MAX_GAPS`]), so that a file in its place that is
+/// not one (a link to a device, something huge) is refused, not loaded
+/// into memory.
+pub const MAX_SIDECAR_BYTES: u64 = 64 << 20;
+
+/// Reads the file at `path` whole, refusing one over `max` bytes (with
+/// `InvalidData`) after reading no more than one byte past it: for the
+/// small files the recorder writes beside its logs, which someone else may
+/// have replaced.
+pub(crate) fn read_bounded(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    File::open(path)?
+        .take(max.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {max} bytes, more than a recorder writes"),
+        ));
+    }
+    Ok(bytes)
+}
 
 /// How a recording ended.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -182,7 +206,7 @@ impl Sidecar {
 
 /// Reads the sidecar of the recording in `dir`.
 pub fn load(dir: &Path) -> Sidecar {
-    match std::fs::read(dir.join(SIDECAR)) {
+    match read_bounded(&dir.join(SIDECAR), MAX_SIDECAR_BYTES) {
         Ok(bytes) => match serde_json::from_slice(&bytes) {
             Ok(r) => Sidecar::Present(Box::new(r)),
             Err(e) if bytes.is_empty() => Sidecar::Unreadable(format!("{SIDECAR} is empty ({e})")),
@@ -414,6 +438,22 @@ mod tests {
     /// A written sidecar replaces the old one whole, through the reserved
     /// file, which is gone afterwards; missing, empty and garbled
     /// sidecars are told apart.
+    #[test]
+    fn a_file_over_the_bound_is_refused_after_reading_one_byte_past_it() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f");
+        std::fs::write(&p, [7u8; 11]).unwrap();
+        assert_eq!(read_bounded(&p, 11).unwrap().len(), 11);
+        let e = read_bounded(&p, 10).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("larger than 10 bytes"), "{e}");
+        // Something endless in its place.
+        let e = read_bounded(Path::new("/dev/zero"), 1 << 16).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        std::os::unix::fs::symlink("/dev/zero", d.path().join(SIDECAR)).unwrap();
+        assert!(matches!(load(d.path()), Sidecar::Unreadable(why) if why.contains("larger than")));
+    }
+
     #[test]
     fn sidecars_are_replaced_whole_and_read_back() {
         let dir = tempfile::tempdir().unwrap();

@@ -84,6 +84,8 @@ pub struct Assessment {
 pub struct LogHolds {
     /// Events read.
     pub events: u64,
+    /// The first event's seq.
+    pub first_seq: Option<u64>,
     /// The last event's seq.
     pub last_seq: Option<u64>,
 }
@@ -165,16 +167,12 @@ pub fn assess(sidecar: &Sidecar, info: &LogInfo, holds: LogHolds) -> Assessment 
             let verdict = if short {
                 Verdict::Damaged(format!(
                     "the recorder finished cleanly after writing {} events{}, but the log \
-                     holds {}{}: {} are missing from its end (a damaged last block, not a torn \
-                     tail: a recorder that finished has none)",
+                     holds {}{}: {}",
                     rec.events,
-                    rec.last_seq
-                        .map_or(String::new(), |s| format!(" (up to seq {s})")),
+                    seq_range(rec.first_seq, rec.last_seq),
                     holds.events,
-                    holds
-                        .last_seq
-                        .map_or(String::new(), |s| format!(" (up to seq {s})")),
-                    rec.events.abs_diff(holds.events)
+                    seq_range(holds.first_seq, holds.last_seq),
+                    where_missing(rec, holds)
                 ))
             } else if let Some(t) = torn {
                 Verdict::Damaged(format!(
@@ -217,6 +215,50 @@ pub fn assess(sidecar: &Sidecar, info: &LogInfo, holds: LogHolds) -> Assessment 
     }
 }
 
+/// ` (seq A..=B)`, or nothing without events.
+fn seq_range(first: Option<u64>, last: Option<u64>) -> String {
+    match last {
+        Some(_) => format!(" ({})", seq_span(first, last)),
+        None => String::new(),
+    }
+}
+
+/// A log's seqs for people: `seq A..=B`, `up to seq B`, or `no events`.
+pub fn seq_span(first: Option<u64>, last: Option<u64>) -> String {
+    match (first, last) {
+        (Some(a), Some(b)) => format!("seq {a}..={b}"),
+        (None, Some(b)) => format!("up to seq {b}"),
+        (Some(a), None) => format!("from seq {a}"),
+        (None, None) => "no events".to_string(),
+    }
+}
+
+/// Where the events a finished recording wrote and its log does not hold
+/// went missing, as far as its first and last seqs tell.
+fn where_missing(rec: &Recording, holds: LogHolds) -> String {
+    if holds.events > rec.events {
+        return format!(
+            "{} more than the sidecar counts, so the sidecar is not this log's (replaced or \
+             edited)",
+            holds.events - rec.events
+        );
+    }
+    let missing = rec.events - holds.events;
+    if holds.last_seq != rec.last_seq {
+        format!(
+            "{missing} are missing, its end among them (a damaged or removed last block or \
+             segment; not a torn tail: a recorder that finished leaves none)"
+        )
+    } else if holds.first_seq != rec.first_seq && rec.first_seq.is_some() {
+        format!("{missing} are missing, its start among them (a damaged or removed first segment)")
+    } else {
+        format!(
+            "{missing} are missing from within it, its first and last events there (a segment \
+             or block removed)"
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,8 +285,46 @@ mod tests {
     fn holds(events: u64) -> LogHolds {
         LogHolds {
             events,
+            first_seq: (events > 0).then_some(0),
             last_seq: events.checked_sub(1),
         }
+    }
+
+    #[test]
+    fn a_short_log_says_where_its_events_went_missing() {
+        let side = Sidecar::Present(Box::new(rec(10, Ended::Finished { why: String::new() })));
+        let said = |first: Option<u64>, last: Option<u64>, events: u64| {
+            let a = assess(
+                &side,
+                &info(),
+                LogHolds {
+                    events,
+                    first_seq: first,
+                    last_seq: last,
+                },
+            );
+            match a.verdict {
+                Verdict::Damaged(m) => m,
+                v => panic!("{v:?}"),
+            }
+        };
+        let end = said(Some(0), Some(6), 7);
+        assert!(end.contains("3 are missing, its end among them"), "{end}");
+        assert!(
+            end.contains("(seq 0..=9)") && end.contains("(seq 0..=6)"),
+            "{end}"
+        );
+        let start = said(Some(3), Some(9), 7);
+        assert!(start.contains("its start among them"), "{start}");
+        let within = said(Some(0), Some(9), 7);
+        assert!(within.contains("missing from within it"), "{within}");
+        let more = said(Some(0), Some(9), 12);
+        assert!(more.contains("2 more than the sidecar counts"), "{more}");
+        let none = said(None, None, 0);
+        assert!(
+            none.contains("10 are missing, its end among them"),
+            "{none}"
+        );
     }
 
     #[test]

@@ -194,6 +194,9 @@ fn a_version_1_log_reads_and_says_what_it_lacks() {
 #[test]
 fn bad_input_is_a_clear_error_never_a_panic() {
     let tmp = tempfile::tempdir().unwrap();
+    let bad_only = tmp.path().join("bad.jsonl");
+    std::fs::write(&bad_only, "{\"timestamp\": 0}\nnot json\n").unwrap();
+    let bad_only = bad_only.display().to_string();
     for (args, says) in [
         (
             vec!["capacity", "--trace", "/nonexistent/t.jsonl"],
@@ -213,7 +216,8 @@ fn bad_input_is_a_clear_error_never_a_panic() {
             "--sample",
         ),
         (vec!["capacity"], "--trace"),
-        (vec!["capacity", "/nonexistent/log"], "opening log"),
+        (vec!["capacity", "/nonexistent/log"], "opening recording"),
+        (vec!["capacity", "--trace", &bad_only], "no usable request"),
     ] {
         let out = run(&args);
         let err = String::from_utf8_lossy(&out.stderr);

@@ -185,7 +185,7 @@ fn a_damaged_last_block_is_not_forgiven_as_a_torn_tail() {
     let out = text(&o);
     assert_eq!(o.status.code(), Some(2), "{out}");
     assert!(out.contains("damaged log"), "{out}");
-    assert!(out.contains("missing from its end"), "{out}");
+    assert!(out.contains("its end among them"), "{out}");
     let v = inspect_json(&dir);
     assert_eq!(v["verdict"], "damaged", "{v}");
     assert_eq!(v["events_written"], side.events);

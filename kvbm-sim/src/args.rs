@@ -157,6 +157,20 @@ pub enum SimArgsError {
         #[source]
         source: std::io::Error,
     },
+    /// Every line of the trace was skipped: nothing to run.
+    #[error(
+        "no usable request in trace {path}: all {skipped} of its lines were skipped (line {first_line}: {first})"
+    )]
+    NothingInTrace {
+        /// The trace.
+        path: PathBuf,
+        /// Lines skipped.
+        skipped: usize,
+        /// The first one's number.
+        first_line: usize,
+        /// Why it was skipped.
+        first: String,
+    },
     /// The trace or the synthetic workload could not be built.
     #[error("{what}: {source}")]
     Workload {
@@ -325,6 +339,14 @@ impl SimArgs {
                             source,
                         }
                     })?;
+                if let (true, Some(first)) = (report.requests.is_empty(), report.skipped.first()) {
+                    return Err(SimArgsError::NothingInTrace {
+                        path: path.clone(),
+                        skipped: report.skipped.len(),
+                        first_line: first.line,
+                        first: first.error.to_string(),
+                    });
+                }
                 (report.requests, report.skipped)
             }
             (None, None) => {
@@ -444,6 +466,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("/nonexistent/trace.jsonl"), "{err}");
+        // A trace of which no line is a request is nothing to run; one
+        // with a good line runs it, the bad ones reported.
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.jsonl");
+        std::fs::write(&t, "{\"timestamp\": \"x\"}\nnot json\n").unwrap();
+        let err = parse(&["--trace", t.to_str().unwrap()])
+            .load()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no usable request") && err.contains("all 2"),
+            "{err}"
+        );
+        assert!(err.contains("line 1"), "{err}");
+        std::fs::write(
+            &t,
+            "not json\n{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 2, \"hash_ids\": [1, 2]}\n",
+        )
+        .unwrap();
+        let l = parse(&["--trace", t.to_str().unwrap()]).load().unwrap();
+        assert_eq!((l.workload.len(), l.skipped.len()), (1, 1));
     }
 
     #[test]

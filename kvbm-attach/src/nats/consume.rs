@@ -40,11 +40,8 @@ impl EngineFilter {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"-_*?".contains(&b));
         if !ok {
-            return Err(NatsError::BadEngineName {
-                name: format!(
-                    "{} (a glob of letters, digits, '-', '_', '*' and '?')",
-                    kvbm_events::text::clip(glob, kvbm_events::text::MAX_QUOTED_CHARS)
-                ),
+            return Err(NatsError::BadEngineGlob {
+                glob: kvbm_events::text::clip(glob, kvbm_events::text::MAX_QUOTED_CHARS),
             });
         }
         Ok(EngineFilter {
@@ -334,7 +331,10 @@ mod tests {
         assert!(EngineFilter::glob("*").unwrap().matches("anything"));
         assert!(EngineFilter::glob("*a*b*").unwrap().matches("xxaxxbxx"));
         for bad in ["", "a.b", "a b", ">", "a/b"] {
-            assert!(EngineFilter::glob(bad).is_err(), "{bad}");
+            let e = EngineFilter::glob(bad).unwrap_err().to_string();
+            // The glob quoted whole, then what a glob may hold.
+            assert!(e.starts_with(&format!("engine glob {bad:?}: use")), "{e}");
+            assert!(e.contains("'*'") && e.contains("'?'"), "{e}");
         }
     }
 }

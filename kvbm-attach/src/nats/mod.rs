@@ -88,6 +88,15 @@ pub enum NatsError {
         /// The name, clipped.
         name: String,
     },
+    /// An engine filter that no engine name could match as meant.
+    #[error(
+        "engine glob {glob:?}: use 1 to 256 ASCII letters, digits, '-', '_', '*' (any run of \
+         characters) or '?' (any one character)"
+    )]
+    BadEngineGlob {
+        /// The glob, clipped.
+        glob: String,
+    },
     /// Not a `nats://HOST:PORT` URL.
     #[error("{url:?} is not a NATS URL ({reason}): expected nats://HOST:PORT")]
     BadUrl {

@@ -5,7 +5,7 @@ use anyhow::{Context, Result, bail};
 use kvbm_recorder::analysis::capacity::{
     CapacityAnalyzer, CapacityConfig, CapacityReport, Sampling, from_trace,
 };
-use kvbm_recorder::recorder;
+use kvbm_recorder::fleet::{RecordingKind, recording_kind};
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
@@ -44,22 +44,40 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
         // bytes each), sampled past that, as the report then says.
         (None, None) => Sampling::Bounded(DEFAULT_MAX_EXACT_BLOCKS),
     };
+    if let (Some(svg), Some(log)) = (&a.svg, &a.log) {
+        super::read::refuse_output_inside(svg, log)?;
+    }
+    let mut problems: Vec<String> = Vec::new();
     let report = match (&a.log, &a.trace) {
         (Some(_), Some(_)) => bail!("give a LOG or --trace, not both"),
         (None, None) => bail!("give a LOG directory, or --trace FILE"),
         (None, Some(t)) => {
             let f =
                 std::fs::File::open(t).with_context(|| format!("opening trace {}", t.display()))?;
-            from_trace(BufReader::new(f), sampling, &a.capacities, |line, why| {
+            let mut skipped = 0u64;
+            let rep = from_trace(BufReader::new(f), sampling, &a.capacities, |line, why| {
+                skipped += 1;
                 eprintln!("skipping line {line} of {}: {why}", t.display());
             })
-            .with_context(|| format!("reading trace {}", t.display()))?
+            .with_context(|| format!("reading trace {}", t.display()))?;
+            if rep.requests == 0 && skipped > 0 {
+                bail!(
+                    "no usable request in trace {}: all {skipped} of its lines were skipped \
+                     (above: why)",
+                    t.display()
+                );
+            }
+            rep
         }
-        (Some(dir), None) if kvbm_recorder::fleet::is_fleet(dir) => {
+        (Some(dir), None)
+            if recording_kind(dir).map_err(anyhow::Error::msg)? == RecordingKind::Fleet =>
+        {
             // One cache every engine shares (a shared host or disk tier,
             // an external store): every engine's lookups in time order.
             // Each engine alone: `capacity DIR/engines/NAME`.
-            let mut events = super::fleet::fleet_events(dir)?;
+            let fleet = super::fleet::fleet_events(dir)?;
+            problems = fleet.problems;
+            let mut events = fleet.events;
             events.sort_by_key(|e| e.ts_ns);
             for (i, e) in events.iter_mut().enumerate() {
                 e.seq = i as u64;
@@ -78,21 +96,23 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
             rep
         }
         (Some(log), None) => {
-            let read = recorder::read_events(log, |_| {})
-                .with_context(|| format!("opening log {}", log.display()))?;
+            let (events, problem) = super::read::load_for_analysis(log)?;
             let cfg = CapacityConfig {
                 sampling,
                 max_tracked_blocks: None,
             };
-            let an = CapacityAnalyzer::from_events(cfg, &read.events);
-            let mut rep = an.report(&a.capacities, a.block_size);
-            if let Some(d) = read.damage {
-                rep.notes
-                    .push(format!("the log is damaged; read up to the damage: {d}"));
-            }
+            let an = CapacityAnalyzer::from_events(cfg, &events);
+            let rep = an.report(&a.capacities, a.block_size);
+            problems.extend(problem.map(|p| format!("{}: {p}", log.display())));
             rep
         }
     };
+    let mut report = report;
+    for p in &problems {
+        report
+            .notes
+            .push(format!("only what could be read is counted: {p}"));
+    }
     if let Some(svg) = &a.svg {
         draw_svg(&report, svg).with_context(|| format!("writing {}", svg.display()))?;
     }
@@ -106,7 +126,11 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
     } else {
         print_text(&report);
     }
-    Ok(0)
+    for p in &problems {
+        eprintln!("warning: {p}");
+    }
+    // As `check` gives a damaged log: the curve is of part of the run.
+    Ok(if problems.is_empty() { 0 } else { 2 })
 }
 
 fn tokens(t: u64) -> String {

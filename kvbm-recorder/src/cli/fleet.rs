@@ -18,8 +18,10 @@ use kvbm_recorder::analysis;
 use kvbm_recorder::cpu::{self, CpuSum};
 use kvbm_recorder::fleet::{self, FleetWriter};
 use kvbm_recorder::log::LogConfig;
-use kvbm_recorder::recorder::{self, RecorderConfig};
+use kvbm_recorder::recorder::RecorderConfig;
 use kvbm_recorder::shards::{Replies, Reply, Shards, Work};
+use kvbm_recorder::verdict;
+use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -401,10 +403,9 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     }
     for (name, rec) in recs {
         println!(
-            "  {name:<24} {} events, seq {:?}..={:?}, {} missing",
+            "  {name:<24} {} events, {}, {} missing",
             rec.events,
-            rec.first_seq,
-            rec.last_seq,
+            verdict::seq_span(rec.first_seq, rec.last_seq),
             rec.lost + rec.missed_before_start
         );
     }
@@ -873,17 +874,31 @@ fn manifest(dir: &Path) -> Result<(fleet::FleetManifest, EngineLogs)> {
 }
 
 /// `inspect` of a fleet recording: the fleet and each engine's count,
-/// time range and losses.
+/// time range and losses. An engine whose log is damaged or cannot be
+/// read is shown so, beside the others; the exit status is then 2.
 pub fn inspect(dir: &Path, json: bool) -> Result<i32> {
     let (m, logs) = manifest(dir)?;
     let mut engines = serde_json::Map::new();
     let mut total = 0u64;
-    let mut summaries = Vec::new();
+    let mut rows = Vec::new();
+    let mut code = 0;
     for (name, path, entry) in &logs {
-        let s = fleet::summarize(path, entry)?;
-        total += s.events;
-        engines.insert(name.clone(), serde_json::to_value(&s)?);
-        summaries.push((name.clone(), s));
+        match fleet::summarize(path, entry) {
+            Ok(s) => {
+                total += s.events;
+                if s.damage.is_some() {
+                    code = 2;
+                }
+                engines.insert(name.clone(), serde_json::to_value(&s)?);
+                rows.push((name.clone(), Ok(s)));
+            }
+            Err(e) => {
+                code = 2;
+                let why = format!("cannot be read: {e}");
+                engines.insert(name.clone(), serde_json::json!({ "error": why }));
+                rows.push((name.clone(), Err(why)));
+            }
+        }
     }
     let v = serde_json::json!({
         "dir": dir,
@@ -897,7 +912,7 @@ pub fn inspect(dir: &Path, json: bool) -> Result<i32> {
     });
     if json {
         println!("{v}");
-        return Ok(0);
+        return Ok(code);
     }
     println!(
         "fleet         {} ({} logs) from {}",
@@ -906,29 +921,44 @@ pub fn inspect(dir: &Path, json: bool) -> Result<i32> {
         m.source
     );
     println!("events        {total}");
-    for (name, s) in summaries {
+    for (name, row) in rows {
+        let s = match row {
+            Ok(s) => s,
+            Err(why) => {
+                println!("  {name:<24} {why}");
+                continue;
+            }
+        };
         let l = &s.losses;
+        let seqs = verdict::seq_span(s.first_seq, s.last_seq);
         println!(
-            "  {name:<24} {:>10} events  seq {:?}..={:?}  missing {} (declared {}, unexplained {})  refused {}",
+            "  {name:<24} {:>10} events  {seqs}  missing {} (declared {}, unexplained {})  refused {}",
             s.events,
-            s.first_seq,
-            s.last_seq,
             l.holes + l.before_start,
             l.declared_by_publisher,
             l.unexplained,
             l.refused_messages
         );
+        if let Some(d) = &s.damage {
+            println!("  {:<24} damaged: {d}", "");
+        }
     }
-    Ok(0)
+    Ok(code)
 }
 
 /// `check` of a fleet recording: every engine's log, as `check` judges
-/// one; the worst status.
+/// one (a log that cannot be read counts as damaged); the worst status.
 pub fn check(dir: &Path) -> Result<i32> {
     let (_, logs) = manifest(dir)?;
     let mut worst = 0;
     for (name, path, _) in &logs {
-        let code = super::read::check_one(path, &format!("{name}: "))?;
+        let code = match super::read::check_one(path, &format!("{name}: ")) {
+            Ok(code) => code,
+            Err(e) => {
+                println!("{name}: cannot be read: {}", super::said(&e));
+                2
+            }
+        };
         worst = super::read::worse(worst, code);
     }
     Ok(worst)
@@ -937,26 +967,85 @@ pub fn check(dir: &Path) -> Result<i32> {
 /// Every engine's events as one stream for the fleet-wide analyses:
 /// engine by engine, with request ids qualified by the engine
 /// (`engine/request`), transfer and batch ids moved into a range per
-/// engine, and seqs renumbered, so no two engines' ids meet.
-pub fn fleet_events(dir: &Path) -> Result<Vec<Event>> {
+/// engine, and seqs renumbered, so no two engines' ids meet (each event's
+/// `engine` is 0: the analyses read one stream). Each engine's events are
+/// what its log holds up to any damage; what is wrong with an engine's
+/// log (damaged, fewer events than were written, unreadable) is in
+/// `problems`, to be said beside the figures.
+pub fn fleet_events(dir: &Path) -> Result<FleetEvents> {
+    let mut out = FleetEvents::default();
+    out.problems = each_engine(dir, |i, name, events| {
+        out.join(i, name, events);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Reads every engine's log of the fleet recording in `dir`, in the
+/// manifest's order, handing each readable one's events (as its log holds
+/// them) to `each(index, name, events)`; what is wrong with the logs, one
+/// line per engine.
+fn each_engine(
+    dir: &Path,
+    mut each: impl FnMut(usize, &str, Vec<Event>) -> Result<()>,
+) -> Result<Vec<String>> {
     let (_, logs) = manifest(dir)?;
-    let mut out = Vec::new();
-    let mut seq = 0u64;
+    let mut problems = Vec::new();
     for (i, (name, path, _)) in logs.iter().enumerate() {
-        let read = recorder::read_events(path, |_| {})?;
-        let base = (i as u64) << 40;
-        for mut e in read.events {
+        match super::read::load_for_analysis(path) {
+            Ok((events, problem)) => {
+                if let Some(p) = problem {
+                    problems.push(format!("engine {name}: {p}"));
+                }
+                each(i, name, events)?;
+            }
+            Err(e) => problems.push(format!(
+                "engine {name}: cannot be read, left out: {}",
+                super::said(&e)
+            )),
+        }
+    }
+    Ok(problems)
+}
+
+/// A fleet's events as one stream, and what is wrong with its logs.
+#[derive(Debug, Default)]
+pub struct FleetEvents {
+    /// The events ([`fleet_events`]).
+    pub events: Vec<Event>,
+    /// One line per engine whose log is damaged or could not be read.
+    pub problems: Vec<String>,
+}
+
+impl FleetEvents {
+    /// Adds the events of engine `name`, the `index`th log, to the stream.
+    fn join(&mut self, index: usize, name: &str, events: Vec<Event>) {
+        let base = (index as u64) << 40;
+        let first = self.events.len() as u64;
+        for (seq, mut e) in (first..).zip(events) {
             e.engine = 0;
             e.seq = seq;
-            seq += 1;
             if let Some(r) = &e.request {
                 e.request = Some(format!("{name}/{r}").into());
             }
             qualify_ids(&mut e.kind, base);
-            out.push(e);
+            self.events.push(e);
         }
     }
-    Ok(out)
+
+    /// Says each problem on stderr, after `what` the figures cover; the
+    /// exit status (2 when any).
+    pub fn warn(&self, what: &str) -> i32 {
+        for p in &self.problems {
+            eprintln!("warning: {p}");
+        }
+        if self.problems.is_empty() {
+            0
+        } else {
+            eprintln!("warning: {what}");
+            2
+        }
+    }
 }
 
 fn qualify_ids(kind: &mut kvbm_events::EventKind, base: u64) {
@@ -983,30 +1072,61 @@ fn qualify_ids(kind: &mut kvbm_events::EventKind, base: u64) {
 
 /// `stats` of a fleet recording: each engine's, then the fleet's.
 pub fn stats(dir: &Path, json: bool) -> Result<i32> {
-    let (_, logs) = manifest(dir)?;
     let mut per = serde_json::Map::new();
-    for (name, path, _) in &logs {
-        let read = recorder::read_events(path, |_| {})?;
-        let s = analysis::stats::stats(&read.events, analysis::StatsConfig::default())?;
+    let mut all = FleetEvents::default();
+    all.problems = each_engine(dir, |i, name, events| {
+        let s = analysis::stats::stats(&events, analysis::StatsConfig::default())?;
         if !json {
             println!("== {name}\n{s}");
         }
-        per.insert(name.clone(), serde_json::to_value(&s)?);
-    }
-    let all = analysis::stats::stats(&fleet_events(dir)?, analysis::StatsConfig::default())?;
+        per.insert(name.to_string(), serde_json::to_value(&s)?);
+        all.join(i, name, events);
+        Ok(())
+    })?;
+    let fleet = analysis::stats::stats(&all.events, analysis::StatsConfig::default())?;
     if json {
-        println!("{}", serde_json::json!({"fleet": all, "engines": per}));
+        println!("{}", serde_json::json!({"fleet": fleet, "engines": per}));
     } else {
-        println!("== the fleet ({} logs)\n{all}", logs.len());
+        println!("== the fleet ({} logs)\n{fleet}", per.len());
     }
-    Ok(0)
+    Ok(all.warn("the figures cover what the readable logs hold"))
 }
 
-/// `export` of a fleet recording: one stream, request ids qualified by
-/// engine (a Chrome trace gets a track per engine's request).
+/// `export` of a fleet recording. JSON lines: engine by engine, each
+/// event as its log holds it (its own seq and request id) with its
+/// engine's name added as `engine_name`. A Chrome trace: the one stream
+/// of [`fleet_events`], a track per engine's request.
 pub fn export(dir: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
-    super::read::write_export(&fleet_events(dir)?, format, out)?;
-    Ok(0)
+    let problems = match format {
+        Format::Chrome => {
+            let all = fleet_events(dir)?;
+            super::read::write_export(&all.events, format, out)?;
+            all.problems
+        }
+        Format::Jsonl => {
+            let mut w = std::io::BufWriter::new(super::read::output(out)?);
+            let problems = each_engine(dir, |_, name, events| {
+                for e in &events {
+                    let mut v = serde_json::to_value(e)?;
+                    if let Some(o) = v.as_object_mut() {
+                        o.insert("engine_name".into(), name.into());
+                    }
+                    // As an io::Error, so that a closed pipe (`| head`)
+                    // is seen as one.
+                    serde_json::to_writer(&mut w, &v).map_err(std::io::Error::from)?;
+                    w.write_all(b"\n")?;
+                }
+                Ok(())
+            })?;
+            w.flush()?;
+            problems
+        }
+    };
+    let all = FleetEvents {
+        events: Vec::new(),
+        problems,
+    };
+    Ok(all.warn("exported what the readable logs hold"))
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ mod record;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvbm_recorder::fleet::{RecordingKind, recording_kind};
 use kvbm_recorder::log::{FsyncPolicy, LogConfig};
 use kvbm_recorder::recorder::RecorderConfig;
 use kvbm_sim::args::SimArgs;
@@ -294,8 +295,36 @@ fn parse_capacities(s: &str) -> Result<Capacities, String> {
     kvbm_recorder::analysis::capacity::parse_capacities(s).map(Capacities)
 }
 
-fn is_fleet(dir: &std::path::Path) -> bool {
-    kvbm_recorder::fleet::is_fleet(dir)
+/// The error and its causes, each said once: a message that already
+/// quotes its cause (as most do) is not followed by it again.
+pub fn said(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.contains(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    msg
+}
+
+/// What `dir` holds, or why it is not a recording.
+fn kind(dir: &std::path::Path) -> Result<RecordingKind> {
+    recording_kind(dir).map_err(anyhow::Error::msg)
+}
+
+/// Refuses anything but one engine's log, for the commands that read one.
+fn one_log(dir: &std::path::Path, command: &str) -> Result<()> {
+    match kind(dir)? {
+        RecordingKind::Log => Ok(()),
+        RecordingKind::Fleet => anyhow::bail!(
+            "{} is a fleet recording: `{command}` reads one engine's log, {}/engines/<engine> \
+             (`inspect` lists them; `kvbm-console replay` opens the whole fleet)",
+            dir.display(),
+            dir.display()
+        ),
+    }
 }
 
 /// Runs one command; its exit status.
@@ -326,23 +355,42 @@ pub fn run(cli: Cli) -> Result<i32> {
         } => record::record(&out, &remote, log.config(), &sim),
         Command::Bridge(a) => fleet::bridge(&a),
         // A fleet recording (a directory with a manifest): per engine.
-        Command::Inspect { log, json } if is_fleet(&log) => fleet::inspect(&log, json),
-        Command::Check { log } if is_fleet(&log) => fleet::check(&log),
-        Command::Stats { log, json } if is_fleet(&log) => fleet::stats(&log, json),
-        Command::Export { log, format, out } if is_fleet(&log) => {
-            fleet::export(&log, format, out.as_deref())
+        Command::Inspect { log, json } => match kind(&log)? {
+            RecordingKind::Fleet => fleet::inspect(&log, json),
+            RecordingKind::Log => read::inspect(&log, json),
+        },
+        Command::Check { log } => match kind(&log)? {
+            RecordingKind::Fleet => fleet::check(&log),
+            RecordingKind::Log => read::check(&log),
+        },
+        Command::Stats { log, json } => match kind(&log)? {
+            RecordingKind::Fleet => fleet::stats(&log, json),
+            RecordingKind::Log => read::stats(&log, json),
+        },
+        Command::Export { log, format, out } => {
+            let kind = kind(&log)?;
+            if let Some(out) = &out {
+                read::refuse_output_inside(out, &log)?;
+            }
+            match kind {
+                RecordingKind::Fleet => fleet::export(&log, format, out.as_deref()),
+                RecordingKind::Log => read::export(&log, format, out.as_deref()),
+            }
         }
-        Command::Inspect { log, json } => read::inspect(&log, json),
         Command::Replay {
             log,
             speed,
             until_seq,
             verbose,
-        } => read::replay(&log, speed, until_seq, verbose),
-        Command::Check { log } => read::check(&log),
-        Command::Stats { log, json } => read::stats(&log, json),
-        Command::Export { log, format, out } => read::export(&log, format, out.as_deref()),
-        Command::Diff { a, b } => read::diff(&a, &b),
+        } => {
+            one_log(&log, "replay")?;
+            read::replay(&log, speed, until_seq, verbose)
+        }
+        Command::Diff { a, b } => {
+            one_log(&a, "diff")?;
+            one_log(&b, "diff")?;
+            read::diff(&a, &b)
+        }
         Command::Completions { shell } => {
             use clap::CommandFactory;
             use std::io::Write;

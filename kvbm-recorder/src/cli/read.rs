@@ -24,6 +24,42 @@ fn load(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
     Ok((read.events, read.damage.map(|d| d.to_string())))
 }
 
+/// Reads a log for a command that works on whatever it holds (`stats`,
+/// `export`, `diff`, `replay`, `capacity`): its events, and what makes
+/// them fewer than the recording's, to be said beside the results: damage
+/// that stopped the read, or a finished recording whose log holds fewer
+/// events than were written (a segment removed).
+pub fn load_for_analysis(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
+    let info = recorder::open_log(dir)
+        .with_context(|| format!("opening log {}", dir.display()))?
+        .info()
+        .clone();
+    let (events, damage) = load(dir)?;
+    if damage.is_some() {
+        return Ok((events, damage));
+    }
+    let (_, a) = assess(dir, &info, &events);
+    let problem = match a.verdict {
+        Verdict::Damaged(why) => Some(why),
+        _ => None,
+    };
+    Ok((events, problem))
+}
+
+/// Says on stderr that the results of `log` cover only what was read,
+/// when something was wrong with it; the exit status (2 then, as `check`
+/// gives a damaged log).
+fn warn_partial(log: &Path, problem: Option<&str>, what: &str) -> i32 {
+    match problem {
+        None => 0,
+        Some(p) => {
+            eprintln!("warning: {}: {p}", log.display());
+            eprintln!("warning: {what}");
+            2
+        }
+    }
+}
+
 /// What the recording in `log` can be trusted to hold, given what was read.
 fn assess(
     log: &Path,
@@ -33,6 +69,7 @@ fn assess(
     let side = sidecar::load(log);
     let holds = LogHolds {
         events: events.len() as u64,
+        first_seq: events.first().map(|e| e.seq),
         last_seq: events.last().map(|e| e.seq),
     };
     let a = verdict::assess(&side, info, holds);
@@ -72,6 +109,15 @@ pub fn inspect(log: &Path, json: bool) -> Result<i32> {
     let counts: Vec<(&str, u64)> = st.counts_by_kind().filter(|(_, n)| *n > 0).collect();
     let (side, a) = assess(log, &info, &events);
     let rec = side.recording();
+    // What was read, not what the index says the segments hold: after
+    // damage the two differ, and the index's range would claim events no
+    // reader can reach.
+    let (first_seq, last_seq) = (events.first().map(|e| e.seq), events.last().map(|e| e.seq));
+    let time_range_ns = events.iter().fold(None, |r: Option<(u64, u64)>, e| {
+        Some(r.map_or((e.ts_ns, e.ts_ns), |(a, z)| {
+            (a.min(e.ts_ns), z.max(e.ts_ns))
+        }))
+    });
     // Losses are known only from a sidecar that finished counting them.
     let lost = rec.filter(|_| a.losses_known).map(|r| r.lost);
     let v = serde_json::json!({
@@ -82,9 +128,10 @@ pub fn inspect(log: &Path, json: bool) -> Result<i32> {
         "segments": info.segments.len(),
         "events": events.len(),
         "events_written": rec.map(|r| r.events),
-        "first_seq": info.first_seq,
-        "last_seq": info.last_seq,
-        "time_range_ns": info.time_range_ns,
+        "first_seq": first_seq,
+        "last_seq": last_seq,
+        "time_range_ns": time_range_ns,
+        "indexed_last_seq": info.last_seq,
         "counts_by_kind": counts.iter().map(|(k, n)| (k.to_string(), *n)).collect::<std::collections::BTreeMap<_, _>>(),
         "lost": lost,
         "seq_gaps": st.seq_gaps(),
@@ -121,8 +168,8 @@ pub fn inspect(log: &Path, json: bool) -> Result<i32> {
         }
         _ => println!("events        {}", events.len()),
     }
-    println!("seq           {:?} ..= {:?}", info.first_seq, info.last_seq);
-    if let Some((a, b)) = info.time_range_ns {
+    println!("seq           {}", verdict::seq_span(first_seq, last_seq));
+    if let Some((a, b)) = time_range_ns {
         println!(
             "time          {:.3} s .. {:.3} s",
             a as f64 / 1e9,
@@ -158,7 +205,7 @@ pub fn replay(
     until_seq: Option<u64>,
     verbose: bool,
 ) -> Result<i32> {
-    let (events, damage) = load(log)?;
+    let (events, damage) = load_for_analysis(log)?;
     let mode = match speed {
         Some(s) if !(s.is_finite() && s > 0.0) => {
             bail!("--speed must be a positive number")
@@ -179,11 +226,11 @@ pub fn replay(
     }
     println!("replayed {n} events");
     println!("{}", r.state().summary());
-    if let Some(d) = damage {
-        eprintln!("stopped early: {d}");
-        return Ok(2);
-    }
-    Ok(0)
+    Ok(warn_partial(
+        log,
+        damage.as_deref(),
+        &format!("replayed the {n} events read"),
+    ))
 }
 
 /// `check`'s exit status when the invariants hold over what is there,
@@ -285,25 +332,69 @@ pub fn check_one(log: &Path, prefix: &str) -> Result<i32> {
 
 /// `stats`: time in each state, TTFT, transfer latency, batch sizes.
 pub fn stats(log: &Path, json: bool) -> Result<i32> {
-    let (events, _) = load(log)?;
+    let (events, problem) = load_for_analysis(log)?;
     let s = analysis::stats::stats(&events, analysis::StatsConfig::default())?;
     if json {
         println!("{}", serde_json::to_string(&s)?);
     } else {
         println!("{s}");
     }
-    Ok(0)
+    Ok(warn_partial(
+        log,
+        problem.as_deref(),
+        &format!("the figures cover the {} events read", events.len()),
+    ))
 }
 
-/// Writes `events` as `format` to `out` (a file) or stdout.
-pub fn write_export(events: &[Event], format: Format, out: Option<&Path>) -> Result<()> {
-    let sink: Box<dyn Write> = match out {
+/// Refuses an output file inside the recording being read: writing there
+/// would replace one of its files (a segment, its sidecar) or leave one
+/// that is not its own among them.
+pub fn refuse_output_inside(out: &Path, recording: &Path) -> Result<()> {
+    // What cannot be resolved is left to the read or the write, which
+    // fail naming it.
+    let Ok(rec) = recording.canonicalize() else {
+        return Ok(());
+    };
+    let resolved = match out.canonicalize() {
+        Ok(p) => p, // it exists (a link is followed, as writing would)
+        Err(_) => {
+            let parent = out
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            let Ok(dir) = parent.canonicalize() else {
+                return Ok(());
+            };
+            match out.file_name() {
+                Some(name) => dir.join(name),
+                None => dir,
+            }
+        }
+    };
+    if resolved.starts_with(&rec) {
+        bail!(
+            "{} is inside the recording {}: writing there would overwrite or add to its files; \
+             write the output elsewhere",
+            out.display(),
+            recording.display()
+        );
+    }
+    Ok(())
+}
+
+/// Where an output goes: the file `out` (created or truncated), or stdout.
+pub fn output(out: Option<&Path>) -> Result<Box<dyn Write>> {
+    Ok(match out {
         Some(p) => {
             Box::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)
         }
         None => Box::new(std::io::stdout().lock()),
-    };
-    let mut w = BufWriter::new(sink);
+    })
+}
+
+/// Writes `events` as `format` to `out` (a file) or stdout.
+pub fn write_export(events: &[Event], format: Format, out: Option<&Path>) -> Result<()> {
+    let mut w = BufWriter::new(output(out)?);
     match format {
         Format::Jsonl => analysis::export::write_jsonl(events, &mut w)?,
         Format::Chrome => analysis::export::write_chrome_trace(
@@ -318,28 +409,41 @@ pub fn write_export(events: &[Event], format: Format, out: Option<&Path>) -> Res
 
 /// `export`: JSON lines or a Chrome trace, to a file or stdout.
 pub fn export(log: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
-    let (events, damage) = load(log)?;
+    let (events, problem) = load_for_analysis(log)?;
     write_export(&events, format, out)?;
-    if let Some(d) = damage {
-        eprintln!("warning: the log is damaged; exported what came before: {d}");
-    }
-    Ok(0)
+    Ok(warn_partial(
+        log,
+        problem.as_deref(),
+        &format!("exported the {} events read", events.len()),
+    ))
 }
 
 /// `diff`: the first divergence of two logs; 1 when they diverge.
 pub fn diff(a: &Path, b: &Path) -> Result<i32> {
-    let (ea, _) = load(a)?;
-    let (eb, _) = load(b)?;
-    match analysis::diff(&ea, &eb, &analysis::DiffOptions::default()) {
+    let (ea, pa) = load_for_analysis(a)?;
+    let (eb, pb) = load_for_analysis(b)?;
+    let code = match analysis::diff(&ea, &eb, &analysis::DiffOptions::default()) {
         None => {
             println!("no divergence ({} events each)", ea.len());
-            Ok(0)
+            0
         }
         Some(d) => {
             println!("{d}");
-            Ok(1)
+            1
         }
-    }
+    };
+    // Damage decides the status: what was compared is not the recordings.
+    let da = warn_partial(
+        a,
+        pa.as_deref(),
+        &format!("compared the {} events read", ea.len()),
+    );
+    let db = warn_partial(
+        b,
+        pb.as_deref(),
+        &format!("compared the {} events read", eb.len()),
+    );
+    Ok(if da != 0 || db != 0 { 2 } else { code })
 }
 
 #[cfg(test)]

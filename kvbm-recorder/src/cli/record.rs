@@ -18,6 +18,7 @@ const FLUSH_EVERY: Duration = Duration::from_millis(50);
 
 /// `record`, from wherever `remote` says.
 pub fn record(out: &Path, remote: &RemoteArgs, log: LogConfig, sim: &SimArgs) -> Result<i32> {
+    new_recording_dir(out)?;
     let Some(url) = remote.from.as_deref() else {
         return record_simulator(out, log, sim);
     };
@@ -34,6 +35,30 @@ pub fn record(out: &Path, remote: &RemoteArgs, log: LogConfig, sim: &SimArgs) ->
         }
         record_from(url, out, remote, log)
     }
+}
+
+/// Refuses an `--out` that is not a new or empty directory: a log written
+/// among other files (another recording, a fleet's manifest) would be
+/// hidden from, or mistaken by, whatever reads that directory.
+fn new_recording_dir(out: &Path) -> Result<()> {
+    let mut entries = match std::fs::read_dir(out) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => bail!("--out {}: {e}", out.display()),
+    };
+    if let Some(first) = entries.next() {
+        let first = first.map_or_else(|e| e.to_string(), |e| e.file_name().display().to_string());
+        let what = match kvbm_recorder::fleet::recording_kind(out) {
+            Ok(_) => "a recording",
+            Err(_) => "other files",
+        };
+        bail!(
+            "--out {} already holds {what} ({first}, …): a new recording needs a new or empty \
+             directory",
+            out.display()
+        );
+    }
+    Ok(())
 }
 
 /// The simulator in-process, as fast as possible (or paced with
@@ -168,8 +193,10 @@ fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Re
                     }
                     Some(ClientEvent::Connected(h)) => {
                         eprintln!(
-                            "connected to {url} (engine {}, run {}, holding seq {:?}..={:?})",
-                            h.engine, h.run, h.first_seq, h.last_seq
+                            "connected to {url} (engine {}, run {}, holding {})",
+                            h.engine,
+                            h.run,
+                            kvbm_recorder::verdict::seq_span(h.first_seq, h.last_seq)
                         );
                         match &sink {
                             None => {

@@ -205,7 +205,7 @@ use std::time::Duration;
 
 pub use format::{
     FORMAT_VERSION, FRAME_HEADER_LEN, MAX_BLOCK_BYTES, MAX_RECORD_BYTES, SEGMENT_HEADER_LEN,
-    SegmentHeader, index_file_name, parse_segment_file_name, segment_file_name,
+    SEGMENT_SUFFIX, SegmentHeader, index_file_name, parse_segment_file_name, segment_file_name,
 };
 pub use index::IndexEntry;
 pub use reader::{
@@ -466,7 +466,11 @@ pub enum LogError {
         max: usize,
     },
     /// `create` on a directory that already holds a log.
-    #[error("{} already holds a log (segment {segment}); open it with open_append", dir.display())]
+    #[error(
+        "{} already holds a log (segment {segment}): a new recording needs a new or empty \
+         directory",
+        dir.display()
+    )]
     AlreadyExists {
         /// The directory.
         dir: PathBuf,
