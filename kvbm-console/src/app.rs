@@ -40,6 +40,9 @@ pub struct Ui {
     pub view: ViewId,
     /// Help popup open.
     pub help: bool,
+    /// The help's first line on screen (it scrolls when the terminal is
+    /// shorter than it).
+    pub help_scroll: u16,
     /// Warnings popup open.
     pub warnings: bool,
     /// The filter as typed; every view that filters holds a copy (see
@@ -61,6 +64,7 @@ impl Default for Ui {
         Ui {
             view: ViewId::Slots,
             help: false,
+            help_scroll: 0,
             warnings: false,
             filter: None,
             input: None,
@@ -334,12 +338,48 @@ impl App {
         }
     }
 
+    /// A key while a popup is open: the popup's own (scrolling the help,
+    /// closing it), switching views or quitting; nothing reaches the view
+    /// hidden behind it. True when the key was the popup's.
+    fn popup_key(&mut self, action: Action) -> bool {
+        if !(self.ui.help || self.ui.warnings) {
+            return false;
+        }
+        // As the help is drawn: its lines in a popup over the body.
+        let lines = chrome::help_lines(self.context());
+        let shown = ui::areas(self.ui.size).body.height.saturating_sub(2);
+        let last = lines.saturating_sub(shown);
+        let page = shown.max(1);
+        let scroll = &mut self.ui.help_scroll;
+        match action {
+            Action::Quit
+            | Action::Help
+            | Action::Warnings
+            | Action::Back
+            | Action::View(_)
+            | Action::NextView
+            | Action::PrevView => return false,
+            Action::Up if self.ui.help => *scroll = scroll.saturating_sub(1),
+            Action::Down if self.ui.help => *scroll = scroll.saturating_add(1).min(last),
+            Action::PageUp if self.ui.help => *scroll = scroll.saturating_sub(page),
+            Action::PageDown if self.ui.help => *scroll = scroll.saturating_add(page).min(last),
+            Action::Top if self.ui.help => *scroll = 0,
+            Action::Bottom if self.ui.help => *scroll = last,
+            _ => {}
+        }
+        true
+    }
+
     fn act(&mut self, action: Action) {
+        if self.popup_key(action) {
+            return;
+        }
         let page = self.visible_rows().max(1) as isize;
         match action {
             Action::Quit => self.quit = true,
             Action::Help => {
                 self.ui.help = !self.ui.help;
+                self.ui.help_scroll = 0;
                 self.ui.warnings = false;
             }
             Action::Warnings => {
@@ -596,7 +636,7 @@ impl App {
             ctx,
         );
         if self.ui.help {
-            chrome::help(f, a.body, ctx);
+            chrome::help(f, a.body, ctx, self.ui.help_scroll);
         } else if self.ui.warnings {
             chrome::warnings(f, a.body, &self.model);
         }

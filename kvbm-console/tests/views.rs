@@ -193,6 +193,52 @@ fn filter_help_and_warnings_draw_over_the_view() {
     assert!(s.contains("500 shown"), "the filter is cleared:\n{s}");
 }
 
+/// While the help is open, the list keys scroll it (on a terminal too
+/// short for it) and reach nothing behind it; at 80×24 its last line can
+/// be brought on screen.
+#[test]
+fn the_help_takes_the_keys_while_open_and_scrolls_to_its_end() {
+    let mut app = overflowing();
+    draw(&mut app, 80, 24);
+    let before = app.list().selected;
+    key(&mut app, '?');
+    let s = screen(&draw(&mut app, 80, 24));
+    let title = |s: &str| {
+        // "…; lines A–B of N, …"
+        let at = s
+            .find("; lines ")
+            .expect("a help too long for 80×24 says so");
+        let rest = &s[at + 8..];
+        let nums: Vec<u16> = rest
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|t| !t.is_empty())
+            .take(3)
+            .map(|t| t.parse().unwrap())
+            .collect();
+        (nums[0], nums[1], nums[2])
+    };
+    let (a, _, _) = title(&s);
+    assert_eq!(a, 1, "{s}");
+    for _ in 0..5 {
+        key(&mut app, 'j');
+    }
+    let (a, _, _) = title(&screen(&draw(&mut app, 80, 24)));
+    assert_eq!(a, 6);
+    key(&mut app, 'G');
+    let s = screen(&draw(&mut app, 80, 24));
+    let (_, b, n) = title(&s);
+    assert_eq!(b, n, "the end is on screen:\n{s}");
+    // Keys of the view behind do nothing: no sort, no filter prompt.
+    key(&mut app, 's');
+    key(&mut app, '/');
+    assert!(app.ui.input.is_none());
+    special(&mut app, KeyCode::Esc);
+    assert_eq!(app.list().selected, before, "the selection did not move");
+    let s = screen(&draw(&mut app, 80, 24));
+    assert!(!s.contains("Help — keys"), "{s}");
+    assert!(s.contains("sorted by state"), "still the first sort:\n{s}");
+}
+
 #[test]
 fn the_mouse_selects_rows_scrolls_and_switches_views() {
     use ratatui::crossterm::event::{MouseButton, MouseEvent, MouseEventKind};

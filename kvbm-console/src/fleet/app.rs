@@ -19,7 +19,7 @@ use ratatui::crossterm::event::{
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Style};
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Cell, Clear, Paragraph, Row, Table};
+use ratatui::widgets::{Cell, Paragraph, Row, Table};
 use std::time::{Duration, Instant};
 
 /// The fleet's views.
@@ -217,6 +217,8 @@ pub struct FleetApp {
     /// The bottom line.
     pub message: Option<Message>,
     help: bool,
+    /// The help's first line on screen.
+    help_scroll: u16,
     drilled: Option<(String, App, Box<dyn std::any::Any>)>,
     /// Engines drilled into and left with `Esc`, kept (with their control
     /// sessions, so breakpoints set there stay) until the console exits;
@@ -246,6 +248,7 @@ impl FleetApp {
             located: None,
             message: None,
             help: false,
+            help_scroll: 0,
             drilled: None,
             parked: Vec::new(),
             opener,
@@ -333,11 +336,38 @@ impl FleetApp {
     }
 
     fn act(&mut self, a: FleetAction) {
+        // While the help is open, keys scroll or close it; none reaches
+        // the table behind it.
+        if self.help
+            && !matches!(
+                a,
+                FleetAction::Quit
+                    | FleetAction::Help
+                    | FleetAction::Back
+                    | FleetAction::NextTab
+                    | FleetAction::PrevTab
+                    | FleetAction::Tab(_)
+            )
+        {
+            let shown = areas(self.size).2.height.saturating_sub(2);
+            let last = (FLEET_KEYS.len() as u16 + 1).saturating_sub(shown);
+            match a {
+                FleetAction::Up => self.help_scroll = self.help_scroll.saturating_sub(1),
+                FleetAction::Down => self.help_scroll = (self.help_scroll + 1).min(last),
+                FleetAction::Top => self.help_scroll = 0,
+                FleetAction::Bottom => self.help_scroll = last,
+                _ => {}
+            }
+            return;
+        }
         let len = self.row_count();
         let vis = self.visible();
         match a {
             FleetAction::Quit => self.quit = true,
-            FleetAction::Help => self.help = !self.help,
+            FleetAction::Help => {
+                self.help = !self.help;
+                self.help_scroll = 0;
+            }
             FleetAction::NextTab | FleetAction::PrevTab | FleetAction::Tab(_) => {
                 let i = Tab::ALL.iter().position(|t| *t == self.tab).unwrap_or(0);
                 let j = match a {
@@ -632,9 +662,14 @@ impl Screen for FleetApp {
                     Span::raw(*text),
                 ]));
             }
-            let area = crate::ui::centered(body, 90, lines.len() as u16 + 2);
-            f.render_widget(Clear, area);
-            f.render_widget(Paragraph::new(lines).block(panel("Help")), area);
+            crate::ui::chrome::scrolled_popup(
+                f,
+                body,
+                90,
+                lines,
+                self.help_scroll,
+                "Help (Esc or ? closes",
+            );
         }
     }
 

@@ -14,7 +14,7 @@ use ratatui::Frame;
 use ratatui::layout::Rect;
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Clear, Paragraph, Wrap};
+use ratatui::widgets::{Clear, Paragraph};
 
 /// What a prompt at the bottom line is typing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,15 +229,24 @@ pub fn footer(
             (_, ViewId::Breakpoints, _) => {
                 "a add · d clear · r resume · R resume all · n step · ? help · q quit"
             }
-            _ => "Tab/1-6 views · / filter · Enter detail · Space freeze · ? help · q quit",
+            _ => "Tab/1-7 views · / filter · Enter detail · Space freeze · ? help · q quit",
         };
         Line::from(Span::styled(hints, Style::new().fg(Color::DarkGray)))
     };
     f.render_widget(Paragraph::new(line), area);
 }
 
-/// Draws the help popup: the key table's bindings on in `ctx`.
-pub fn help(f: &mut Frame, area: Rect, ctx: Context) {
+/// How many lines the help has in `ctx`.
+pub fn help_lines(ctx: Context) -> u16 {
+    keys::help(ctx)
+        .iter()
+        .map(|(_, rows)| rows.len() + 1)
+        .sum::<usize>() as u16
+}
+
+/// Draws the help popup: the key table's bindings on in `ctx`, from line
+/// `scroll` on when the terminal is too short for all of them.
+pub fn help(f: &mut Frame, area: Rect, ctx: Context, scroll: u16) -> u16 {
     let mut lines = Vec::new();
     for (title, rows) in keys::help(ctx) {
         lines.push(Line::from(Span::styled(title, head().fg(Color::Cyan))));
@@ -248,14 +257,43 @@ pub fn help(f: &mut Frame, area: Rect, ctx: Context) {
             ]));
         }
     }
-    let r = centered(area, 76, lines.len() as u16 + 2);
+    scrolled_popup(f, area, 76, lines, scroll, "Help — keys (Esc or ? closes")
+}
+
+/// Draws `lines` in a popup at most `w` wide over `area`, from line
+/// `scroll` on when they do not all fit (the title then says which lines
+/// show and how to scroll); `title` is closed with `)`. Lines are not
+/// wrapped, so that scrolling counts what is on screen: a line wider than
+/// the popup is cut. Returns the scroll clamped to what can be shown.
+pub fn scrolled_popup(
+    f: &mut Frame,
+    area: Rect,
+    w: u16,
+    lines: Vec<Line<'static>>,
+    scroll: u16,
+    title: &str,
+) -> u16 {
+    let total = lines.len() as u16;
+    let r = centered(area, w, total.saturating_add(2));
+    let shown = r.height.saturating_sub(2);
+    let scroll = scroll.min(total.saturating_sub(shown));
+    let title = if shown < total {
+        format!(
+            "{title}; lines {}–{} of {total}, ↑↓ PgUp PgDn scroll)",
+            scroll + 1,
+            scroll + shown
+        )
+    } else {
+        format!("{title})")
+    };
     f.render_widget(Clear, r);
     f.render_widget(
         Paragraph::new(lines)
-            .block(panel("Help — keys (Esc or ? closes)"))
-            .wrap(Wrap { trim: false }),
+            .block(panel(&title))
+            .scroll((scroll, 0)),
         r,
     );
+    scroll
 }
 
 /// Draws the warnings popup: the lints now, then the recent ones.
