@@ -239,7 +239,10 @@ fn run_command(command: Command) -> Result<()> {
         } if kvbm_attach::nats::is_nats_url(&url) => {
             kvbm_console::fleet::attach(&url, ring as usize, view.model(), &rt)
         }
-        Command::Replay { log, view, .. } if kvbm_recorder::fleet::is_fleet(&log) => {
+        Command::Replay { log, view, .. }
+            if kvbm_recorder::fleet::recording_kind(&log).map_err(anyhow::Error::msg)?
+                == kvbm_recorder::fleet::RecordingKind::Fleet =>
+        {
             kvbm_console::fleet::replay(&log, view.model(), &rt)
         }
         Command::Attach {

@@ -223,8 +223,68 @@ fn a_missing_log_is_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("opening log") && err.contains("nope"), "{err}");
+    assert!(
+        err.contains("opening recording") && err.contains("nope"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
+    // A directory that holds no recording is said to, not replayed as a
+    // log of no events.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbm-console"))
+        .args(["replay", &dir.path().display().to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("holds no kvbm recording"), "{err}");
+}
+
+/// `demo --record` into a directory that already holds a log fails at
+/// once, naming it, before the screen opens (it used to show an engine
+/// with nothing recorded until `q`). No terminal is needed to see it.
+#[test]
+fn demo_record_into_a_used_directory_fails_before_the_screen() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("r");
+    let rec = Command::new(env!("CARGO_BIN_EXE_kvbm-console"))
+        .args(["demo", "--record", &log.display().to_string()])
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(rec.status.success(), "demo takes --record");
+    let mut sink = kvbm_recorder::recorder::RecordingSink::create(
+        &log,
+        &kvbm_recorder::recorder::RecorderConfig::default(),
+    )
+    .unwrap();
+    sink.append(&kvbm_events::Event {
+        engine: 0,
+        seq: 0,
+        ts_ns: 0,
+        iteration: 0,
+        request: None,
+        kind: kvbm_events::EventKind::PoolGauge {
+            tier: kvbm_events::Tier::Host,
+            capacity: 1,
+            active: 0,
+            inactive: 0,
+            empty: 1,
+        },
+    })
+    .unwrap();
+    sink.finish().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbm-console"))
+        .args(["demo", "--record", &log.display().to_string()])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("already holds a log"), "{err}");
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("\u{1b}[?1049h"),
+        "the screen never opened"
+    );
 }
 
 /// The rows of the Transfers view's in-flight table: `(blocks, bytes)`
