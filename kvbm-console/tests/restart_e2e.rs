@@ -213,7 +213,8 @@ fn recorder_retry_in(lines: &Mutex<Vec<String>>) -> Option<f64> {
 fn held_at_last_connect(lines: &Mutex<Vec<String>>) -> Option<u64> {
     let l = lines.lock().unwrap();
     let last = l.iter().rev().find(|l| l.starts_with("connected to"))?;
-    let (_, rest) = last.rsplit_once("..=Some(")?;
+    // "connected to URL (engine E, run R, holding seq A..=B)"
+    let (_, rest) = last.rsplit_once("..=")?;
     rest.split(')').next()?.parse().ok()
 }
 

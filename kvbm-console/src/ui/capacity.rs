@@ -296,7 +296,7 @@ fn summary(rep: &CapacityReport) -> Vec<Line<'static>> {
         ]));
         if mr.later_lookups > 0 {
             l.push(Line::from(format!(
-                "{} later lookups (after preemptions) not counted",
+                "{} later lookups (asked again while waiting, or after a preemption) not counted",
                 mr.later_lookups
             )));
         }

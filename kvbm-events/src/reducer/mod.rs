@@ -58,7 +58,11 @@
 //!   `transitions` grows. Reaching `Finished` with transfers still
 //!   outstanding is an inconsistency (a slot drains before it finishes).
 //! - `MatchResult {tier, ..}`: the tier's lookup counters grow; with a
-//!   request, `hit_tokens` is added to the slot's `hit_tokens[tier]`.
+//!   request, the slot's `hit_tokens[tier]` becomes `hit_tokens`: a request
+//!   is looked up again each time the scheduler tries to admit it (and
+//!   after a preemption), and what it got is its latest lookup's, not the
+//!   sum of them. A device (G1) result begins a lookup, so the host and disk
+//!   figures of an earlier one are cleared with it.
 //! - `BlocksAllocated {tier, blocks}`: the tier's allocation counter grows;
 //!   with a request, the slot's `blocks[tier] += blocks.len()`.
 //! - `BlocksReleased {tier, count}`: likewise; the slot's count saturates at
@@ -319,7 +323,10 @@ impl EngineState {
                 pool.hit_blocks += u64::from(*hit_blocks);
                 pool.hit_tokens += u64::from(*hit_tokens);
                 if let Some(slot) = self.request_slot(req, ts) {
-                    slot.hit_tokens[tier.index()] += u64::from(*hit_tokens);
+                    if *tier == Tier::Device {
+                        slot.hit_tokens = [0; 3];
+                    }
+                    slot.hit_tokens[tier.index()] = u64::from(*hit_tokens);
                 }
             }
             EventKind::BlocksAllocated { tier, blocks } => {

@@ -206,6 +206,37 @@ fn every_kind_is_counted_under_its_name() {
     );
 }
 
+/// A request asked about again while it waits (each scheduling attempt)
+/// got what its latest lookup found, not the sum of every lookup; a
+/// device result begins a lookup and clears the host and disk figures
+/// of the one before. The pool counters still count every lookup.
+#[test]
+fn a_slot_keeps_its_latest_lookup_s_hits() {
+    let m = |tier, hit_tokens| EventKind::MatchResult {
+        tier,
+        looked_up: 8,
+        hit_blocks: hit_tokens / 4,
+        hit_tokens,
+    };
+    let mut s = Script::new();
+    s.req("r", created(40));
+    for _ in 0..3 {
+        s.req("r", m(Tier::Device, 8)).req("r", m(Tier::Host, 16));
+    }
+    assert_eq!(s.state().slot("r").unwrap().hit_tokens, [8, 16, 0]);
+    s.req("r", m(Tier::Device, 12))
+        .req("r", m(Tier::Host, 4))
+        .req("r", m(Tier::Disk, 8));
+    assert_eq!(s.state().slot("r").unwrap().hit_tokens, [12, 4, 8]);
+    // Only a device result: the host and disk hits of before are gone.
+    s.req("r", m(Tier::Device, 20));
+    let st = s.state();
+    assert_eq!(st.slot("r").unwrap().hit_tokens, [20, 0, 0]);
+    assert_eq!(st.slot("r").unwrap().total_hit_tokens(), 20);
+    assert_eq!(st.pool(Tier::Device).lookups, 5);
+    assert_eq!(st.pool(Tier::Host).hit_tokens, 3 * 16 + 4);
+}
+
 #[test]
 fn a_slot_lives_its_whole_life() {
     let mut s = Script::new();

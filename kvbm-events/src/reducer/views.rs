@@ -37,7 +37,7 @@ pub struct SlotView {
     pub generated: u64,
     /// Blocks held, per tier (indexed by [`Tier::index`]).
     pub blocks: [u32; 3],
-    /// Prefix-hit tokens, per tier.
+    /// Prefix-hit tokens, per tier, of the request's latest lookup.
     pub hit_tokens: [u64; 3],
     /// Transfers of this request in flight.
     pub outstanding: u32,

@@ -207,6 +207,13 @@ impl CapacityAnalyzer {
                     self.reasons.finished(r);
                 }
             }
+            // The hooks' and breakpoints' own events come from inside the
+            // lookup call (between its device and host results): not the
+            // end of the lookup, which would count its host result as a
+            // lookup of its own.
+            EventKind::HookCall { .. }
+            | EventKind::BreakpointHit { .. }
+            | EventKind::Resumed { .. } => {}
             _ => {
                 if let Some(r) = req {
                     self.reasons.other_event(r);
@@ -370,7 +377,8 @@ pub struct MissReasonReport {
     pub tokens: ReasonTotals,
     /// `(reason, share of prompt tokens)`.
     pub shares: Vec<(String, f64)>,
-    /// Lookups after a request's first (after preemptions), not counted
+    /// Lookups after a request's first (asked again while it waits to be
+    /// admitted, or after a preemption), not counted
     /// above.
     pub later_lookups: u64,
 }
@@ -684,6 +692,41 @@ mod tests {
                 },
             );
         }
+    }
+
+    /// A request asked about at each scheduling attempt while it waits:
+    /// each attempt is one lookup (its device result, the hooks' events of
+    /// the call, its host result), so three attempts are the first lookup
+    /// and two later ones, not five.
+    #[test]
+    fn a_lookup_s_hook_events_do_not_split_it_in_two() {
+        let mut s = Stream { events: Vec::new() };
+        let hook = |phase| EventKind::HookCall {
+            entry: kvbm_events::EntryPoint::GetNumNewMatchedTokens,
+            phase,
+        };
+        let device = EventKind::MatchResult {
+            tier: Tier::Device,
+            looked_up: 2,
+            hit_blocks: 0,
+            hit_tokens: 0,
+        };
+        s.push(1, Some("a"), device.clone());
+        s.push(1, Some("a"), hook(kvbm_events::HookPhase::Will));
+        s.lookup(1, "a", 0, &[1, 2]);
+        s.host_match(1, "a", 2, 0);
+        s.push(1, Some("a"), hook(kvbm_events::HookPhase::Finished));
+        for ts in [2, 3] {
+            s.push(ts, Some("a"), device.clone());
+            s.push(ts, Some("a"), hook(kvbm_events::HookPhase::Will));
+            s.host_match(ts, "a", 2, 0);
+            s.push(ts, Some("a"), hook(kvbm_events::HookPhase::Finished));
+        }
+        let a = CapacityAnalyzer::from_events(CapacityConfig::default(), &s.events);
+        let lookups = a.request_lookups("a");
+        assert_eq!(lookups.len(), 3, "{lookups:?}");
+        assert!(lookups[0].first && !lookups[1].first && !lookups[2].first);
+        assert_eq!(a.reasons.relookups(), 2);
     }
 
     #[test]

@@ -22,7 +22,8 @@
 //! - **partial**: the tokens after the last full block, which are never
 //!   cached.
 //!
-//! Later lookups of the same request (after a preemption) are kept per
+//! Later lookups of the same request (asked again while it waits to be
+//! admitted, or after a preemption) are kept per
 //! request for the request detail, and counted apart.
 
 use super::stack::KeyMap;
@@ -413,7 +414,8 @@ impl Reasons {
             tier != Tier::Device && o.tiers.last().is_none_or(|(t, _, _)| *t < tier)
         });
         if !continues {
-            // A later lookup (after a preemption): classified now, against
+            // A later lookup (asked again while it waits to be admitted,
+            // or after a preemption): classified now, against
             // the state before it.
             self.close(request);
             let Some(r) = self.requests.get(request) else {
@@ -511,7 +513,8 @@ impl Reasons {
         t
     }
 
-    /// Lookups after the first (after preemptions).
+    /// Lookups after the first (asked again while waiting, or after a
+    /// preemption).
     pub fn relookups(&self) -> u64 {
         self.relookups
     }
