@@ -127,7 +127,7 @@ pub fn dispatch(ev: &KeyEvent) -> Option<FleetAction> {
 pub enum EngineSort {
     /// Name.
     Name,
-    /// Live, stale, gone.
+    /// Live, paused, stale, gone.
     State,
     /// Events per second.
     Rate,
@@ -708,11 +708,12 @@ fn pct(x: Option<f64>) -> String {
 impl FleetApp {
     fn draw_header(&self, f: &mut Frame, area: Rect) {
         let now = Instant::now();
-        let (mut live, mut stale, mut gone) = (0, 0, 0);
+        let (mut live, mut paused, mut stale, mut gone) = (0, 0, 0, 0);
         let (mut rate, mut losses) = (0.0, 0u64);
         for e in self.model.engines() {
             match e.liveness(now) {
                 super::model::Liveness::Live => live += 1,
+                super::model::Liveness::Paused => paused += 1,
                 super::model::Liveness::Stale => stale += 1,
                 super::model::Liveness::Gone => gone += 1,
             }
@@ -743,7 +744,7 @@ impl FleetApp {
             Span::styled(" kvbm fleet ", Style::new().bold()),
             Span::styled(format!(" {badge} "), Style::new().bg(tone).fg(Color::Black)),
             Span::raw(format!(
-                " {label}  engines {} (live {live}, stale {stale}, gone {gone})  {:.0} ev/s  ",
+                " {label}  engines {} (live {live}, paused {paused}, stale {stale}, gone {gone})  {:.0} ev/s  ",
                 self.model.len(),
                 rate
             )),
@@ -816,6 +817,7 @@ impl FleetApp {
                 let live = e.liveness(now);
                 let st = match live {
                     super::model::Liveness::Live => Style::new().fg(Color::Green),
+                    super::model::Liveness::Paused => Style::new().fg(Color::Magenta),
                     super::model::Liveness::Stale => Style::new().fg(Color::Yellow),
                     super::model::Liveness::Gone => Style::new().fg(Color::DarkGray),
                 };

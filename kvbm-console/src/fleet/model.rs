@@ -15,6 +15,11 @@ use std::time::{Duration, Instant};
 pub const STALE_AFTER: Duration = Duration::from_secs(5);
 /// … and older than this, *gone*.
 pub const GONE_AFTER: Duration = Duration::from_secs(30);
+/// An engine with a call paused at a breakpoint sends nothing while it
+/// waits: it is *paused*, not stale or gone, until quiet this long (a
+/// breakpoint held longer than any deadline one would set, or an engine
+/// killed while paused).
+pub const PAUSED_GONE_AFTER: Duration = Duration::from_secs(600);
 /// Finished requests are kept this long (engine time).
 pub const KEEP_FINISHED_NS: u64 = 30_000_000_000;
 /// Requests whose device blocks are remembered per engine (for "where is
@@ -34,6 +39,9 @@ pub const MAX_ENGINES: usize = 10_000;
 pub enum Liveness {
     /// A batch within [`STALE_AFTER`].
     Live,
+    /// Quiet for longer, with a call paused at a breakpoint (the engine
+    /// waits for it), up to [`PAUSED_GONE_AFTER`].
+    Paused,
     /// Quiet for longer.
     Stale,
     /// Quiet past [`GONE_AFTER`].
@@ -45,6 +53,7 @@ impl Liveness {
     pub fn name(self) -> &'static str {
         match self {
             Liveness::Live => "live",
+            Liveness::Paused => "paused",
             Liveness::Stale => "stale",
             Liveness::Gone => "gone",
         }
@@ -105,9 +114,16 @@ impl EngineEntry {
         }
     }
 
-    /// Live, stale or gone at `now`.
+    /// Live, paused, stale or gone at `now`.
     pub fn liveness(&self, now: Instant) -> Liveness {
         let quiet = now.saturating_duration_since(self.last_arrival);
+        if quiet >= STALE_AFTER && self.state.paused_count() > 0 {
+            return if quiet >= PAUSED_GONE_AFTER {
+                Liveness::Gone
+            } else {
+                Liveness::Paused
+            };
+        }
         if quiet >= GONE_AFTER {
             Liveness::Gone
         } else if quiet >= STALE_AFTER {
@@ -801,6 +817,28 @@ mod tests {
         assert_eq!(e.liveness(t0), Liveness::Live);
         assert_eq!(e.liveness(t0 + STALE_AFTER), Liveness::Stale);
         assert_eq!(e.liveness(t0 + GONE_AFTER), Liveness::Gone);
+        // A call paused at a breakpoint: the engine waits, quiet, and is
+        // paused (not stale, not gone) until PAUSED_GONE_AFTER.
+        let hit = |seq| Event {
+            engine: 0,
+            seq,
+            ts_ns: seq,
+            iteration: 0,
+            request: Some("r".into()),
+            kind: EventKind::BreakpointHit {
+                breakpoint: 1,
+                entry: kvbm_events::EntryPoint::GetNumNewMatchedTokens,
+                deadline_ns: u64::MAX,
+            },
+        };
+        let p = vec![hit(6)];
+        m.apply("a", &header(1, &p), &p, t0, Duration::ZERO);
+        let e = m.engine("a").unwrap();
+        assert_eq!(e.state.paused_count(), 1);
+        assert_eq!(e.liveness(t0), Liveness::Live);
+        assert_eq!(e.liveness(t0 + STALE_AFTER), Liveness::Paused);
+        assert_eq!(e.liveness(t0 + GONE_AFTER), Liveness::Paused);
+        assert_eq!(e.liveness(t0 + PAUSED_GONE_AFTER), Liveness::Gone);
         let b = vec![reg(0, Tier::Device, 1, 1)];
         m.apply("a", &header(2, &b), &b, t0, Duration::ZERO);
         assert_eq!(m.engine("a").unwrap().events, 1);
