@@ -925,14 +925,28 @@ impl FleetApp {
         let Some(l) = &self.located else {
             f.render_widget(
                 Paragraph::new(
-                    "f: type a request id or a sequence hash (0x…) to see which engines hold it",
+                    "f: type a request id (ENGINE/REQUEST for one engine's) or a sequence hash (0x…) to see which engines hold it",
                 )
                 .block(panel("Where is this prefix")),
                 area,
             );
             return;
         };
-        let served = if !l.served_by.is_empty() {
+        let served = if l.served_by.len() > 1 {
+            // Engines name requests on their own: one id, several requests.
+            let mine = l.prefix_of.as_deref().unwrap_or("?");
+            let other = l.served_by.iter().find(|e| *e != mine).map_or("", |e| e);
+            format!(
+                ", {mine}'s request of that id (also served by {}: ask {other}/{} for another's)",
+                l.served_by
+                    .iter()
+                    .filter(|e| *e != mine)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                l.query
+            )
+        } else if !l.served_by.is_empty() {
             format!(", served by {}", l.served_by.join(" "))
         } else if l.prefix_blocks == 0 && l.requests_forgotten > 0 {
             // Not found: it may be older than what the engines remember.

@@ -509,10 +509,13 @@ impl FleetModel {
     }
 
     /// "Where is this prefix": `query` is a sequence hash (`0x…` or
-    /// decimal) or a request id. For a request, its device blocks' hashes
-    /// on the engine(s) that served it are the prefix. Returns the prefix
-    /// length in blocks and, per engine holding any of it, the blocks held
-    /// (any tier) and per tier.
+    /// decimal), a request id, or `ENGINE/REQUEST` for the request of that
+    /// engine. For a request, its device blocks' hashes on the engine that
+    /// served it are the prefix; engines name their requests on their own,
+    /// so when several served one by that id, the longest one's prefix is
+    /// taken and `prefix_of` says whose. Returns the prefix length in
+    /// blocks and, per engine holding any of it, the blocks held (any
+    /// tier) and per tier.
     pub fn locate(&self, query: &str) -> Located {
         let q = query.trim();
         let hash = q
@@ -520,16 +523,28 @@ impl FleetModel {
             .and_then(|h| u64::from_str_radix(h, 16).ok())
             .or_else(|| q.parse::<u64>().ok())
             .map(SequenceHash);
+        // `ENGINE/REQUEST`, when ENGINE is one: request ids may hold '/'.
+        let (only, request) = match q.split_once('/') {
+            Some((engine, r)) if self.engines.values().any(|e| e.name == engine) => {
+                (Some(engine), r)
+            }
+            _ => (None, q),
+        };
+        let mut prefix_of = None;
         let (prefix, served_by): (Vec<SequenceHash>, Vec<String>) = match hash {
             Some(h) => (vec![h], Vec::new()),
             None => {
                 let mut served = Vec::new();
                 let mut prefix = Vec::new();
                 for e in self.engines.values() {
-                    if let Some(hs) = e.request_hashes(q) {
+                    if only.is_some_and(|o| o != e.name) {
+                        continue;
+                    }
+                    if let Some(hs) = e.request_hashes(request) {
                         served.push(e.name.clone());
-                        if hs.len() > prefix.len() {
+                        if hs.len() > prefix.len() || prefix_of.is_none() {
                             prefix = hs;
+                            prefix_of = Some(e.name.clone());
                         }
                     }
                 }
@@ -561,6 +576,7 @@ impl FleetModel {
             query: q.to_string(),
             prefix_blocks: prefix.len() as u64,
             served_by,
+            prefix_of,
             rows,
             requests_forgotten: self.engines.values().map(|e| e.requests_forgotten).sum(),
         }
@@ -576,6 +592,8 @@ pub struct Located {
     pub prefix_blocks: u64,
     /// Engines that served the request (empty for a hash).
     pub served_by: Vec<String>,
+    /// The engine whose request's prefix this is (for a request).
+    pub prefix_of: Option<String>,
     /// Engines holding any of it, most first.
     pub rows: Vec<LocatedRow>,
     /// Requests the engines have forgotten (past
@@ -679,6 +697,29 @@ mod tests {
         assert_eq!(l.rows[0].engine, "b");
         assert!(m.locate("nobody").rows.is_empty());
         assert_eq!(m.locate("nobody").requests_forgotten, 0);
+        // b serves a request of the same id, of one block (hash 300):
+        // "r1" takes the longer (a's) and says so; "b/r1" is b's.
+        let c = vec![ev(
+            2,
+            Some("r1"),
+            EventKind::BlocksAllocated {
+                tier: Tier::Device,
+                blocks: vec![6],
+            },
+        )];
+        m.apply("b", &header(2, &c), &c, now, Duration::ZERO);
+        let l = m.locate("r1");
+        assert_eq!(l.served_by, ["a", "b"]);
+        assert_eq!((l.prefix_of.as_deref(), l.prefix_blocks), (Some("a"), 2));
+        let l = m.locate("b/r1");
+        assert_eq!(l.served_by, ["b"]);
+        assert_eq!((l.prefix_of.as_deref(), l.prefix_blocks), (Some("b"), 1));
+        assert_eq!(l.rows.len(), 1);
+        assert_eq!(l.rows[0].engine, "b");
+        assert!(
+            m.locate("zz/r1").rows.is_empty(),
+            "no engine zz: a request id"
+        );
     }
 
     #[test]
