@@ -48,7 +48,14 @@ impl Term {
             restore();
             previous(info);
         }));
-        enable_raw_mode()?;
+        // Without a terminal (output piped, run from a script or CI) the
+        // OS's words alone ("No such device or address") say nothing.
+        enable_raw_mode().map_err(|e| {
+            anyhow::anyhow!(
+                "the console needs a terminal to draw on ({e}); run it in one (in CI: under \
+                 tmux or script); `kvbm-console walkthrough` prints text"
+            )
+        })?;
         execute!(stdout(), EnterAlternateScreen, EnableMouseCapture)?;
         let terminal = Terminal::new(CrosstermBackend::new(stdout()))?;
         Ok(Term { terminal })

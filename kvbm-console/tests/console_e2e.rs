@@ -239,6 +239,22 @@ fn a_missing_log_is_a_clear_error() {
     assert!(err.contains("holds no kvbm recording"), "{err}");
 }
 
+/// Without a terminal (a new session with none, stdin and stdout not
+/// ttys) the console says it needs one, and where text is to be had.
+#[test]
+fn without_a_terminal_the_console_says_it_needs_one() {
+    let out = Command::new("setsid")
+        .arg(env!("CARGO_BIN_EXE_kvbm-console"))
+        .arg("demo")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("setsid (util-linux) runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("the console needs a terminal"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// `demo --record` into a directory that already holds a log fails at
 /// once, naming it, before the screen opens (it used to show an engine
 /// with nothing recorded until `q`). No terminal is needed to see it.
