@@ -803,8 +803,18 @@ impl FleetApp {
                 "ENGINE", "STATE", "EV/S", "LAG", "REQS", "G1 OCC", "G1 HIT", "G2 OCC", "G2 HIT",
                 "G3 OCC", "G3 HIT", "XFERS", "PAUSED", "LOST",
             ]
-            .map(|h| Cell::from(h).style(head())),
+            .map(|h| {
+                // Numbers right-aligned, under headers that are too.
+                let l = Line::from(h);
+                Cell::from(if matches!(h, "ENGINE" | "STATE") {
+                    l
+                } else {
+                    l.right_aligned()
+                })
+                .style(head())
+            }),
         );
+        let num = |s: String| Cell::from(Line::from(s).right_aligned());
         let off = self.list.offset_for(self.rows.len(), self.visible());
         let rows = self
             .rows
@@ -825,18 +835,18 @@ impl FleetApp {
                 let cells = vec![
                     Cell::from(e.name.clone()),
                     Cell::from(live.name()).style(st),
-                    Cell::from(format!("{:.0}", e.rate)),
-                    Cell::from(format!("{:.0}ms", e.lag.as_secs_f64() * 1e3)),
-                    Cell::from(e.requests_live().to_string()),
-                    Cell::from(pct(e.occupancy(Tier::Device))),
-                    Cell::from(pct(e.hit_ratio(Tier::Device))),
-                    Cell::from(pct(e.occupancy(Tier::Host))),
-                    Cell::from(pct(e.hit_ratio(Tier::Host))),
-                    Cell::from(pct(e.occupancy(Tier::Disk))),
-                    Cell::from(pct(e.hit_ratio(Tier::Disk))),
-                    Cell::from(e.state.in_flight_count().to_string()),
-                    Cell::from(e.state.paused_count().to_string()),
-                    Cell::from(lost.to_string()).style(if lost > 0 {
+                    num(format!("{:.0}", e.rate)),
+                    num(format!("{:.0}ms", e.lag.as_secs_f64() * 1e3)),
+                    num(e.requests_live().to_string()),
+                    num(pct(e.occupancy(Tier::Device))),
+                    num(pct(e.hit_ratio(Tier::Device))),
+                    num(pct(e.occupancy(Tier::Host))),
+                    num(pct(e.hit_ratio(Tier::Host))),
+                    num(pct(e.occupancy(Tier::Disk))),
+                    num(pct(e.hit_ratio(Tier::Disk))),
+                    num(e.state.in_flight_count().to_string()),
+                    num(e.state.paused_count().to_string()),
+                    num(lost.to_string()).style(if lost > 0 {
                         Style::new().fg(Color::Red)
                     } else {
                         Style::new()
