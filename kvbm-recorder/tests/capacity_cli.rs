@@ -92,6 +92,30 @@ fn a_trace_gives_points_the_ceiling_and_an_svg() {
     assert!(text.contains("ceiling") && text.contains("10M"), "{text}");
 }
 
+/// A sample too small to estimate from (a rate that keeps nothing, a cap
+/// of one block) says so beside its figures; a reasonable one does not.
+#[test]
+fn a_sample_too_small_for_an_estimate_says_so() {
+    for (args, small) in [
+        (&["--sample", "1e-300"][..], true),
+        (&["--max-exact-blocks", "1"], true),
+        (&["--sample", "0.5"], false),
+    ] {
+        let out = bin()
+            .args(["capacity", "--trace", &trace(), "--json"])
+            .args(args)
+            .output()
+            .unwrap();
+        let v = json(&out);
+        let notes = v["notes"].to_string();
+        assert_eq!(
+            notes.contains("too few for an estimate"),
+            small,
+            "{args:?}: {notes}"
+        );
+    }
+}
+
 #[test]
 fn a_recorded_log_gives_the_curve_the_run_and_miss_reasons() {
     let tmp = tempfile::tempdir().unwrap();

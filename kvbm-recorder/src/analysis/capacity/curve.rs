@@ -32,6 +32,11 @@ use serde::Serialize;
 /// Sample values are the top 24 bits of a mixed hash.
 const SAMPLE_BITS: u32 = 24;
 const SAMPLE_SPACE: u64 = 1 << SAMPLE_BITS;
+/// Sampled block references below which a sampled curve is said to mean
+/// little: its groups hold a few hundred references at most, and one hot
+/// block in or out moves the ratio by more than the error estimate shows.
+pub const MIN_SAMPLE: u64 = 2_000;
+
 /// Groups of the sample for the error estimate (a power of two).
 const GROUPS: usize = 8;
 
@@ -323,10 +328,12 @@ impl CurveBuilder {
             .collect();
         let mut total = vec![0.0; groups];
         let mut seen = vec![0.0; groups];
+        let mut sampled = 0.0;
         let mut max_distance = 0f64;
         for e in &self.epochs {
             let w = 1.0 / e.rate;
             for g in 0..e.groups {
+                sampled += e.total[g];
                 total[g] += w * e.total[g];
                 seen[g] += w * (e.total[g] - e.cold[g]);
             }
@@ -348,6 +355,7 @@ impl CurveBuilder {
                 .collect(),
             total,
             seen,
+            sampled,
             max_distance_blocks: max_distance.ceil() as u64,
             method: self.method(),
         }
@@ -374,6 +382,8 @@ pub struct Curve {
     total: Vec<f64>,
     /// Weighted matchable blocks with a finite distance, per group.
     seen: Vec<f64>,
+    /// Matchable blocks sampled, unweighted.
+    sampled: f64,
     /// Beyond this capacity the curve is flat at its ceiling.
     pub max_distance_blocks: u64,
     /// How it was computed.
@@ -480,6 +490,13 @@ impl Curve {
             block_hit_ratio: p,
             stderr: se * f,
         }
+    }
+
+    /// Matchable block references the estimate rests on: those the sample
+    /// held (every one when exact). Below [`MIN_SAMPLE`] a sampled curve
+    /// means little, and its error estimate with it.
+    pub fn sample_size(&self) -> u64 {
+        self.sampled as u64
     }
 
     /// The hit ratio of an unbounded cache (tokens, blocks).

@@ -451,6 +451,17 @@ impl CapacityReport {
         } else {
             points.iter().map(|p| p.stderr).sum::<f64>() / points.len() as f64
         };
+        let mut notes = Vec::new();
+        if curve.method.method != "exact" && curve.sample_size() < curve::MIN_SAMPLE {
+            notes.push(format!(
+                "the sample holds {} of {} block references, fewer than {}: too few for an \
+                 estimate (the ratios and their error mean little); raise --sample or \
+                 --max-exact-blocks",
+                curve.sample_size(),
+                curve.matchable_blocks,
+                curve::MIN_SAMPLE
+            ));
+        }
         CapacityReport {
             source,
             block_size: curve.block_size,
@@ -470,7 +481,7 @@ impl CapacityReport {
             skipped_events: 0,
             skipped_lines: 0,
             out_of_order_lines: 0,
-            notes: Vec::new(),
+            notes,
         }
     }
 }
