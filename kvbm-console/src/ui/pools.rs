@@ -184,8 +184,11 @@ impl View for Pools {
                 );
                 continue;
             }
+            // A column between the figures and the sparklines, so that a
+            // line cut at a narrow width does not run into the labels.
             let [left, right] =
                 Layout::horizontal([Constraint::Percentage(55), Constraint::Percentage(45)])
+                    .spacing(1)
                     .areas(inner);
             let lines = vec![
                 gauge(
