@@ -35,6 +35,13 @@
 //! written, its file released) and reopened when its engine sends again,
 //! so what a recorder running for months holds open is the engines that
 //! spoke lately, not every pod and every run it ever saw.
+//!
+//! A writer holds the recording's [`LOCK`] (shared by its shards) so that
+//! a second recorder given the same directory is refused. Readers take a
+//! manifest only if each of its logs is named as the recorder names them,
+//! so an edited one cannot send them outside the recording;
+//! [`recording_kind`] tells a reader what a directory holds, or why it is
+//! no recording.
 
 use crate::log::{FsyncPolicy, PendingSync};
 use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink};
