@@ -22,6 +22,17 @@ fn run(args: &[&str], path: &Path) -> Output {
     out
 }
 
+/// `export --format jsonl LOG --out OUT`.
+fn export_to(log: &Path, out: &Path) -> Output {
+    bin()
+        .args(["export", "--format", "jsonl"])
+        .arg(log)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap()
+}
+
 fn text(o: &Output) -> String {
     format!(
         "{}{}",
@@ -128,13 +139,7 @@ fn a_segment_removed_from_the_middle_is_said_by_every_reader() {
         );
     }
     let out = tmp.path().join("x.jsonl");
-    let o = bin()
-        .args(["export", "--format", "jsonl"])
-        .arg(&dir)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let o = export_to(&dir, &out);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     let lines = std::fs::read_to_string(&out).unwrap().lines().count();
     assert!(lines > 0 && lines < 20_000, "{lines}");
@@ -164,13 +169,7 @@ fn an_output_inside_the_recording_is_refused_and_nothing_is_written() {
         dir.join("new.jsonl"),
         dir.join("..").join("r").join("x"),
     ] {
-        let o = bin()
-            .args(["export", "--format", "jsonl"])
-            .arg(&dir)
-            .arg("--out")
-            .arg(&out)
-            .output()
-            .unwrap();
+        let o = export_to(&dir, &out);
         assert_eq!(o.status.code(), Some(2), "{out:?}: {}", text(&o));
         assert!(text(&o).contains("is inside the recording"), "{}", text(&o));
     }
@@ -187,13 +186,7 @@ fn an_output_inside_the_recording_is_refused_and_nothing_is_written() {
     }
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), before.len());
     // Beside it is fine.
-    let o = bin()
-        .args(["export", "--format", "jsonl"])
-        .arg(&dir)
-        .arg("--out")
-        .arg(tmp.path().join("r.jsonl"))
-        .output()
-        .unwrap();
+    let o = export_to(&dir, &tmp.path().join("r.jsonl"));
     assert!(o.status.success(), "{}", text(&o));
 }
 
