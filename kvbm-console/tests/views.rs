@@ -193,6 +193,41 @@ fn filter_help_and_warnings_draw_over_the_view() {
     assert!(s.contains("500 shown"), "the filter is cleared:\n{s}");
 }
 
+/// On a terminal too narrow for the transfer totals' headers, each is cut
+/// at its end with `…` (never from its start, as the table widget cuts a
+/// right-aligned cell).
+#[test]
+fn narrow_totals_headers_are_cut_at_their_end() {
+    let names = [
+        "Dir",
+        "Planned",
+        "Done",
+        "Skipped",
+        "Cancelled",
+        "Failed",
+        "Blocks",
+        "Bytes",
+        "Rate",
+    ];
+    for w in [50u16, 60, 70] {
+        let mut app = replay_app("preemption-heavy");
+        special(&mut app, KeyCode::End);
+        key(&mut app, '2');
+        let lines = draw(&mut app, w, 15);
+        let header = lines
+            .iter()
+            .find(|l| l.contains("Dir"))
+            .unwrap_or_else(|| panic!("no totals header at {w}:\n{}", lines.join("\n")));
+        for token in header.trim_matches(['│', ' ']).split_whitespace() {
+            let t = token.trim_end_matches('…');
+            assert!(
+                names.iter().any(|n| n.starts_with(t)),
+                "{token:?} is not the start of a header at {w} columns: {header}"
+            );
+        }
+    }
+}
+
 /// While the help is open, the list keys scroll it (on a terminal too
 /// short for it) and reach nothing behind it; at 80×24 its last line can
 /// be brought on screen.

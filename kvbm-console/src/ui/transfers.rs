@@ -261,15 +261,19 @@ impl View for Transfers {
     }
 }
 
+/// Minimums below the headers' widths: at 60 columns the headers alone
+/// (61 with their gaps) did not fit, and the table cut its right-aligned
+/// headers from the left ("anned"); now `fit` narrows them, each cut
+/// ending in `…` ("Can…"), down to 45 columns.
 const TOTAL_COLS: [Col; 9] = [
-    Col::text("Dir", 5, 7),
-    Col::num("Planned", 7, 12),
+    Col::text("Dir", 3, 7),
+    Col::num("Planned", 4, 12),
     Col::num("Done", 4, 12),
-    Col::num("Skipped", 7, 12),
-    Col::num("Cancelled", 9, 12),
-    Col::num("Failed", 6, 12),
-    Col::num("Blocks", 6, 14),
-    Col::num("Bytes", 5, 10),
+    Col::num("Skipped", 4, 12),
+    Col::num("Cancelled", 4, 12),
+    Col::num("Failed", 4, 12),
+    Col::num("Blocks", 4, 14),
+    Col::num("Bytes", 4, 10),
     Col::num("Rate", 4, 12),
 ];
 
