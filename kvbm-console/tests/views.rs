@@ -193,6 +193,51 @@ fn filter_help_and_warnings_draw_over_the_view() {
     assert!(s.contains("500 shown"), "the filter is cleared:\n{s}");
 }
 
+/// A call seen paused while the link is down may be gone (the engine
+/// died): the header says the count is the last one seen, and stops
+/// saying so once the link is up.
+#[test]
+fn a_paused_count_is_marked_last_seen_while_the_link_is_down() {
+    use kvbm_console::source::{Badge, Link, LiveSource, Tone};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct Flaky(AtomicBool);
+    impl Link for Flaky {
+        fn badge(&self, _: std::time::Instant) -> Badge {
+            if self.0.load(Ordering::Relaxed) {
+                Badge::new("RECONNECTING", Tone::Caution)
+            } else {
+                Badge::new("ATTACHED", Tone::Ok)
+            }
+        }
+    }
+    let ring = std::sync::Arc::new(kvbm_events::ring::RingBuffer::with_capacity(16).unwrap());
+    let link = std::sync::Arc::new(Flaky(AtomicBool::new(false)));
+    let src = LiveSource::new(ring.clone(), None).with_link(link.clone());
+    let mut app = App::new(Model::new(ModelConfig::default()), Source::Live(src), "t");
+    // Events that arrive once the console follows the ring.
+    ring.push(Event {
+        engine: 0,
+        seq: 0,
+        ts_ns: 1,
+        iteration: 0,
+        request: Some(RequestId::from("r")),
+        kind: EventKind::BreakpointHit {
+            breakpoint: 1,
+            entry: kvbm_events::EntryPoint::GetNumNewMatchedTokens,
+            deadline_ns: u64::MAX,
+        },
+    });
+    app.pull(std::time::Instant::now());
+    let s = screen(&draw(&mut app, 120, 30));
+    assert!(s.contains("paused 1 ") && !s.contains("last seen"), "{s}");
+    link.0.store(true, Ordering::Relaxed);
+    let s = screen(&draw(&mut app, 120, 30));
+    assert!(s.contains("paused 1 (last seen)"), "{s}");
+    link.0.store(false, Ordering::Relaxed);
+    let s = screen(&draw(&mut app, 120, 30));
+    assert!(!s.contains("last seen"), "{s}");
+}
+
 /// On a terminal too narrow for the transfer totals' headers, each is cut
 /// at its end with `…` (never from its start, as the table widget cuts a
 /// right-aligned cell).

@@ -9,7 +9,7 @@ use crate::fmt;
 use crate::keys::{self, Context, ViewId};
 use crate::lints::LintKind;
 use crate::model::Model;
-use crate::source::Badge;
+use crate::source::{Badge, Tone};
 use ratatui::Frame;
 use ratatui::layout::Rect;
 use ratatui::style::{Color, Modifier, Style};
@@ -129,13 +129,22 @@ pub fn header(f: &mut Frame, area: Rect, model: &Model, h: &Header) {
     let current = lints.current(st, m.now_ns());
     let n_cur = |k: LintKind| current.iter().filter(|l| l.kind == k).count() as u64;
     let warn_total = current.len() as u64 + lints.destination_full() + lints.thrash();
+    // With the link down (or the view frozen) the events stop where they
+    // were: a call paused then may be gone (the engine died, its
+    // breakpoints were released) while the Breakpoints view, which asks
+    // the engine, lists none. Say that this count is the last one seen.
+    let paused = st.paused_count();
+    let last_seen = if paused > 0 && matches!(h.badge.tone, Tone::Caution | Tone::Down) {
+        " (last seen)"
+    } else {
+        ""
+    };
     let mut l2 = vec![
         Span::raw(format!(
-            " slots {} live / {} shown · in flight {} · paused {}",
+            " slots {} live / {} shown · in flight {} · paused {paused}{last_seen}",
             live,
             st.slot_count(),
             st.in_flight_count(),
-            st.paused_count()
         )),
         sep(),
     ];
