@@ -207,7 +207,13 @@ impl Capacity {
             .y_axis(
                 Axis::default()
                     .bounds([0.0, 1.0])
-                    .labels(["0", "0.5", "1"])
+                    // Too short for a middle label, the chart draws the
+                    // labels over one another ("1.5").
+                    .labels(if area.height >= 8 {
+                        vec!["0", "0.5", "1"]
+                    } else {
+                        vec!["0", "1"]
+                    })
                     .style(Style::new().fg(Color::Gray)),
             );
         f.render_widget(chart, area);
