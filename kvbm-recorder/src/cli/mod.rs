@@ -191,7 +191,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Replay a log through the reducer and print the final state.
+    /// Replay a log through the reducer and print the final state; exit 2
+    /// when the log is damaged or holds fewer events than were written.
     Replay {
         /// Log directory.
         log: PathBuf,
@@ -214,7 +215,9 @@ enum Command {
         /// Log directory.
         log: PathBuf,
     },
-    /// Time in each slot state, TTFT, transfer latency, batch sizes.
+    /// Time in each slot state, TTFT, transfer latency, batch sizes;
+    /// exit 2 (after the figures, which cover what was read) when the log
+    /// is damaged or holds fewer events than were written.
     Stats {
         /// Log directory.
         log: PathBuf,
@@ -222,21 +225,24 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Export a log as JSON lines or a Chrome trace (Perfetto).
+    /// Export a log as JSON lines or a Chrome trace (Perfetto); exit 2
+    /// (after exporting what was read) when the log is damaged or holds
+    /// fewer events than were written.
     Export {
         /// Log directory.
         log: PathBuf,
         /// Format.
         #[arg(long, value_enum)]
         format: Format,
-        /// Output file (default: stdout).
+        /// Output file (default: stdout); not inside the recording read.
         #[arg(long)]
         out: Option<PathBuf>,
     },
     /// Carry an engine we do not run onto the NATS event plane: vLLM's
     /// KV-event ZMQ stream, published as engine `--engine-id`.
     Bridge(fleet::BridgeArgs),
-    /// Compare two logs by event signature; print the first divergence.
+    /// Compare two logs by event signature; print the first divergence
+    /// (exit 1); exit 2 when either log is damaged.
     Diff {
         /// First log.
         a: PathBuf,

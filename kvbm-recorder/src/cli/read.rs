@@ -418,7 +418,8 @@ pub fn export(log: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
     ))
 }
 
-/// `diff`: the first divergence of two logs; 1 when they diverge.
+/// `diff`: the first divergence of two logs; 1 when they diverge, 2 when
+/// either is damaged (what was compared is then not the recordings).
 pub fn diff(a: &Path, b: &Path) -> Result<i32> {
     let (ea, pa) = load_for_analysis(a)?;
     let (eb, pb) = load_for_analysis(b)?;
