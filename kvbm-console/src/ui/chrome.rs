@@ -255,7 +255,7 @@ pub fn help_lines(ctx: Context) -> u16 {
 
 /// Draws the help popup: the key table's bindings on in `ctx`, from line
 /// `scroll` on when the terminal is too short for all of them.
-pub fn help(f: &mut Frame, area: Rect, ctx: Context, scroll: u16) -> u16 {
+pub fn help(f: &mut Frame, area: Rect, ctx: Context, scroll: u16) {
     let mut lines = Vec::new();
     for (title, rows) in keys::help(ctx) {
         lines.push(Line::from(Span::styled(title, head().fg(Color::Cyan))));
@@ -266,14 +266,14 @@ pub fn help(f: &mut Frame, area: Rect, ctx: Context, scroll: u16) -> u16 {
             ]));
         }
     }
-    scrolled_popup(f, area, 76, lines, scroll, "Help — keys (Esc or ? closes")
+    scrolled_popup(f, area, 76, lines, scroll, "Help — keys (Esc or ? closes");
 }
 
 /// Draws `lines` in a popup at most `w` wide over `area`, from line
 /// `scroll` on when they do not all fit (the title then says which lines
 /// show and how to scroll); `title` is closed with `)`. Lines are not
 /// wrapped, so that scrolling counts what is on screen: a line wider than
-/// the popup is cut. Returns the scroll clamped to what can be shown.
+/// the popup is cut; a scroll past the end shows the last lines.
 pub fn scrolled_popup(
     f: &mut Frame,
     area: Rect,
@@ -281,14 +281,14 @@ pub fn scrolled_popup(
     lines: Vec<Line<'static>>,
     scroll: u16,
     title: &str,
-) -> u16 {
+) {
     let total = lines.len() as u16;
     let r = centered(area, w, total.saturating_add(2));
     let shown = r.height.saturating_sub(2);
     let scroll = scroll.min(total.saturating_sub(shown));
     let title = if shown < total {
         format!(
-            "{title}; lines {}–{} of {total}, ↑↓ PgUp PgDn scroll)",
+            "{title}; lines {}–{} of {total}, ↑↓ scroll)",
             scroll + 1,
             scroll + shown
         )
@@ -302,7 +302,6 @@ pub fn scrolled_popup(
             .scroll((scroll, 0)),
         r,
     );
-    scroll
 }
 
 /// Draws the warnings popup: the lints now, then the recent ones.

@@ -48,7 +48,7 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
         super::read::refuse_output_inside(svg, log)?;
     }
     let mut problems: Vec<String> = Vec::new();
-    let report = match (&a.log, &a.trace) {
+    let mut report = match (&a.log, &a.trace) {
         (Some(_), Some(_)) => bail!("give a LOG or --trace, not both"),
         (None, None) => bail!("give a LOG directory, or --trace FILE"),
         (None, Some(t)) => {
@@ -107,7 +107,6 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
             rep
         }
     };
-    let mut report = report;
     for p in &problems {
         report
             .notes
