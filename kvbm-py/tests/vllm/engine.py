@@ -141,7 +141,10 @@ def run_isolated(argv, timeout, **kw):
     return subprocess.CompletedProcess(argv, p.returncode, out, err)
 
 
-def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8):
+def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8,
+           connector_class=("KvbmConnector", "kvbm.vllm")):
+    """The tiny engine; `connector_class` is (class, module) of the
+    connector, kvbm's unless a test names a subclass of it."""
     from vllm import LLM
 
     kw = dict(
@@ -158,8 +161,8 @@ def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8)
     )
     if connector:
         kw["kv_transfer_config"] = {
-            "kv_connector": "KvbmConnector",
-            "kv_connector_module_path": "kvbm.vllm",
+            "kv_connector": connector_class[0],
+            "kv_connector_module_path": connector_class[1],
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra or {},
         }

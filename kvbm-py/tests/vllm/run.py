@@ -14,7 +14,8 @@ Checks (issue "kvbm inside vLLM"):
    resumes with the same tokens; a short deadline releases a hold by itself;
 3. (the console, in tmux: scripts/test-vllm.sh);
 4. the recording: `kvbm-recorder check` exits 0, `stats` has TTFT and
-   transfer latency;
+   transfer latency; it is finished even when vLLM kills its engine core
+   because a worker is slow to exit;
 5. bad configuration: vLLM refuses to start, naming the key.
 """
 
@@ -133,19 +134,29 @@ def test_bytes(tmp, baseline, recorder):
     compared, bad = compare_dumps(dump2)
     check(compared > 0 and bad > 0, f"with a byte flipped in each load, the check finds {bad} of {compared} blocks differ")
 
-    print("== 1c. correct bytes with only a disk tier", flush=True)
+    print("== 1c. correct bytes with only a disk tier; the recording finishes though vLLM kills "
+          "the engine core (a worker slow to exit: slow_exit.py)", flush=True)
     dump3 = os.path.join(tmp, "dump-disk")
+    rec3 = os.path.join(tmp, "rec-disk")
     extra = {
         "host_capacity_tokens": 0,
         "disk_path": os.path.join(tmp, "g3.kvbm"),
         "disk_capacity_tokens": 8192,
         "shm_dir": tmp,
+        "record": rec3,
     }
-    (r,), _, _ = scenario("roundtrip", {"extra": extra}, env={"KVBM_TEST_DUMP_DIR": dump3})
+    (r,), err, _ = scenario("roundtrip", {"extra": extra, "connector": ["SlowExitConnector", "slow_exit"]},
+                            env={"KVBM_TEST_DUMP_DIR": dump3})
     check(r["outputs2"] == baseline, "disk only: round 2 outputs equal a run without the connector")
     check(sum(1 for c in r["cached2"] if c > 0) >= len(baseline) // 2, f"disk only: external hits ({r['cached2']})")
     compared, bad = compare_dumps(dump3)
     check(compared > 0 and bad == 0, f"disk only: {compared} loaded blocks equal the computed ones ({bad} differ)")
+    # Without kvbm finishing first, this recording ended early (check exit 3).
+    check("force killing remaining process EngineCore" in err,
+          "vLLM killed its engine core, still waiting for the slow worker, 5 s after asking it to stop")
+    c = subprocess.run([recorder, "check", rec3], capture_output=True, text=True)
+    check(c.returncode == 0, "the recording was finished before that: kvbm-recorder check exits 0 "
+          f"({c.stdout.strip()}{c.stderr.strip()})")
 
 
 def test_breakpoints(tmp, baseline):

@@ -28,7 +28,8 @@ def roundtrip(args):
     """Round 1 computes and stores; the device cache is reset; round 2
     must hit kvbm's tiers and produce the same tokens."""
     t0 = time.time()
-    llm = engine.engine(extra=args.get("extra", {}))
+    llm = engine.engine(extra=args.get("extra", {}),
+                        connector_class=tuple(args.get("connector", ("KvbmConnector", "kvbm.vllm"))))
     up = engine.elapsed(t0)
     ps = engine.prompts()
     outs1, cached1 = engine.generate(llm, ps)
