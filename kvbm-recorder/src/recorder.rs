@@ -611,8 +611,16 @@ pub fn open_log(dir: &Path) -> Result<LogReader, LogError> {
 
 /// Reads every event of the log in `dir`; `on_progress(events)` is called
 /// now and then for long reads.
-pub fn read_events(dir: &Path, mut on_progress: impl FnMut(u64)) -> Result<EventsRead, LogError> {
-    let reader = open_log(dir)?;
+pub fn read_events(dir: &Path, on_progress: impl FnMut(u64)) -> Result<EventsRead, LogError> {
+    Ok(read_all(&open_log(dir)?, on_progress))
+}
+
+/// Reads every event of a log already open (whose [`LogInfo`] the caller
+/// wanted first: a progress total, the index for a verdict), as
+/// [`read_events`] does.
+///
+/// [`LogInfo`]: crate::log::LogInfo
+pub fn read_all(reader: &LogReader, mut on_progress: impl FnMut(u64)) -> EventsRead {
     let mut out = EventsRead::default();
     for r in reader.iter() {
         match r {
@@ -628,7 +636,7 @@ pub fn read_events(dir: &Path, mut on_progress: impl FnMut(u64)) -> Result<Event
             }
         }
     }
-    Ok(out)
+    out
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ use super::Format;
 use anyhow::{Context, Result, bail};
 use kvbm_events::Event;
 use kvbm_recorder::analysis::{self, ReplayMode, Replayer};
+use kvbm_recorder::log::LogInfo;
 use kvbm_recorder::progress::Progress;
 use kvbm_recorder::recorder::{self, Ended};
 use kvbm_recorder::sidecar::{self, Sidecar};
@@ -12,16 +13,26 @@ use kvbm_recorder::verdict::{self, Assessment, LogHolds, Verdict};
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-/// Reads a log; damage becomes an error for commands that need it all.
-fn load(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
-    let total = recorder::open_log(dir)
-        .map(|r| r.info().total_records)
-        .unwrap_or(0);
-    let p = Progress::new(total, "events read");
-    let read = recorder::read_events(dir, |n| p.set(n))
-        .with_context(|| format!("opening log {}", dir.display()))?;
+/// A log read whole: its index's view (taken when it was opened), the
+/// events read, and the damage that stopped the read, if any.
+struct Loaded {
+    info: LogInfo,
+    events: Vec<Event>,
+    damage: Option<String>,
+}
+
+/// Reads a log, opened once, with a progress line for long reads.
+fn load(dir: &Path) -> Result<Loaded> {
+    let reader =
+        recorder::open_log(dir).with_context(|| format!("opening log {}", dir.display()))?;
+    let p = Progress::new(reader.info().total_records, "events read");
+    let read = recorder::read_all(&reader, |n| p.set(n));
     p.done();
-    Ok((read.events, read.damage.map(|d| d.to_string())))
+    Ok(Loaded {
+        info: reader.info().clone(),
+        events: read.events,
+        damage: read.damage.map(|d| d.to_string()),
+    })
 }
 
 /// Reads a log for a command that works on whatever it holds (`stats`,
@@ -30,11 +41,11 @@ fn load(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
 /// that stopped the read, or a finished recording whose log holds fewer
 /// events than were written (a segment removed).
 pub fn load_for_analysis(dir: &Path) -> Result<(Vec<Event>, Option<String>)> {
-    let info = recorder::open_log(dir)
-        .with_context(|| format!("opening log {}", dir.display()))?
-        .info()
-        .clone();
-    let (events, damage) = load(dir)?;
+    let Loaded {
+        info,
+        events,
+        damage,
+    } = load(dir)?;
     if damage.is_some() {
         return Ok((events, damage));
     }
@@ -61,11 +72,7 @@ fn warn_partial(log: &Path, problem: Option<&str>, what: &str) -> i32 {
 }
 
 /// What the recording in `log` can be trusted to hold, given what was read.
-fn assess(
-    log: &Path,
-    info: &kvbm_recorder::log::LogInfo,
-    events: &[Event],
-) -> (Sidecar, Assessment) {
+fn assess(log: &Path, info: &LogInfo, events: &[Event]) -> (Sidecar, Assessment) {
     let side = sidecar::load(log);
     let holds = LogHolds {
         events: events.len() as u64,
@@ -101,10 +108,11 @@ fn ending(side: &Sidecar) -> String {
 /// `inspect`: header, counts by kind, time range, losses and how the
 /// recording ended.
 pub fn inspect(log: &Path, json: bool) -> Result<i32> {
-    let reader =
-        recorder::open_log(log).with_context(|| format!("opening log {}", log.display()))?;
-    let info = reader.info().clone();
-    let (events, damage) = load(log)?;
+    let Loaded {
+        info,
+        events,
+        damage,
+    } = load(log)?;
     let st = kvbm_events::reducer::fold(&events);
     let counts: Vec<(&str, u64)> = st.counts_by_kind().filter(|(_, n)| *n > 0).collect();
     let (side, a) = assess(log, &info, &events);
@@ -260,11 +268,11 @@ pub fn check(log: &Path) -> Result<i32> {
 /// [`check`] of one log, each line it prints led by `prefix` (a fleet
 /// recording's engine name).
 pub fn check_one(log: &Path, prefix: &str) -> Result<i32> {
-    let info = recorder::open_log(log)
-        .with_context(|| format!("opening log {}", log.display()))?
-        .info()
-        .clone();
-    let (events, damage) = load(log)?;
+    let Loaded {
+        info,
+        events,
+        damage,
+    } = load(log)?;
     let (_, a) = assess(log, &info, &events);
     if let Some(d) = damage {
         println!("{prefix}damaged log: {d}");
