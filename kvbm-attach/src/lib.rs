@@ -17,6 +17,14 @@
     allow(rustdoc::broken_intra_doc_links)
 )]
 
+/// How long a breakpoint (or a step) that a command set without naming
+/// its owner lives — over HTTP without a client (the attach server's
+/// default `ServerConfig::lease`), over NATS without a session — before
+/// it is removed and what it paused resumes. Such a breakpoint gets a
+/// lease of its own as its owner, so it never outlives its owner, and
+/// both control planes give it the same time.
+pub const ANONYMOUS_LEASE: std::time::Duration = std::time::Duration::from_secs(300);
+
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "nats")]

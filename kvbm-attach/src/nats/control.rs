@@ -11,7 +11,13 @@
 //! (it crashed, or lost NATS), the responder releases it: its breakpoints
 //! are removed and the calls they paused resume — the attach server's
 //! release-on-disconnect. A command naming a session that is not open is
-//! refused, so a breakpoint never outlives its owner.
+//! refused, so a breakpoint never outlives its owner. A breakpoint (or a
+//! step) set by a command that names no session gets an owner all the
+//! same, as one set over HTTP without a client does: a lease of
+//! [`ANONYMOUS_LEASE`](crate::ANONYMOUS_LEASE) (5 minutes) that cannot be
+//! renewed, after which it is removed and what it paused resumes. The
+//! reply names the lease. At most [`MAX_LEASES`] are alive at once; past
+//! that such a command is refused (`busy`, counted).
 //!
 //! Requests and replies are JSON (at most [`MAX_REQUEST_BYTES`]); a
 //! malformed request gets an error reply naming what was wrong. At most
@@ -37,6 +43,11 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 /// this is room for many operators and a few crashed consoles whose
 /// leases have not lapsed yet.
 pub const MAX_SESSIONS: usize = 64;
+/// Most leases of breakpoints set without a session alive at once on one
+/// engine (the attach server's own bound for those set without a client):
+/// a controller that adds in a loop without a session is refused rather
+/// than growing the engine's memory for [`ANONYMOUS_LEASE`](crate::ANONYMOUS_LEASE).
+pub const MAX_LEASES: usize = 4096;
 
 /// A request to an engine's control.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -85,6 +96,10 @@ pub enum ControlReply {
     Result {
         /// What it returned.
         result: ControlResult,
+        /// Present when the command named no session and set something (a
+        /// breakpoint, a step): its owner, removed when the lease runs out.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lease: Option<kvbm_schema::protocol::Lease>,
     },
     /// Refused.
     Error {
@@ -121,11 +136,23 @@ pub struct ResponderCounters {
     pub expired: u64,
     /// Sessions refused because [`MAX_SESSIONS`] were open.
     pub sessions_refused: u64,
+    /// Leases of breakpoints set without a session, alive now.
+    pub leases: u64,
+    /// Such leases that ran out (their breakpoints removed).
+    pub leases_expired: u64,
+    /// Commands without a session refused because [`MAX_LEASES`] were
+    /// alive.
+    pub leases_refused: u64,
 }
 
 struct Sessions {
+    /// The next owner id, for sessions and leases alike: one space, so a
+    /// lease never names a session.
     next: u64,
     open: HashMap<u64, Instant>,
+    /// Owners of what commands without a session set, and when each runs
+    /// out. Not renewable, and not a session: no command can name one.
+    leased: HashMap<u64, Instant>,
 }
 
 /// The engine side: answers `kvbm.control.<engine>`.
@@ -137,6 +164,8 @@ pub struct ControlResponder {
     malformed: AtomicU64,
     expired: AtomicU64,
     sessions_refused: AtomicU64,
+    leases_expired: AtomicU64,
+    leases_refused: AtomicU64,
 }
 
 impl std::fmt::Debug for ControlResponder {
@@ -157,22 +186,32 @@ impl ControlResponder {
             sessions: Mutex::new(Sessions {
                 next: 1,
                 open: HashMap::new(),
+                leased: HashMap::new(),
             }),
             requests: AtomicU64::new(0),
             malformed: AtomicU64::new(0),
             expired: AtomicU64::new(0),
             sessions_refused: AtomicU64::new(0),
+            leases_expired: AtomicU64::new(0),
+            leases_refused: AtomicU64::new(0),
         })
     }
 
     /// The counters now.
     pub fn counters(&self) -> ResponderCounters {
+        let (sessions, leases) = {
+            let s = lock(&self.sessions);
+            (s.open.len() as u64, s.leased.len() as u64)
+        };
         ResponderCounters {
             requests: self.requests.load(Ordering::Relaxed),
             malformed: self.malformed.load(Ordering::Relaxed),
-            sessions: lock(&self.sessions).open.len() as u64,
+            sessions,
             expired: self.expired.load(Ordering::Relaxed),
             sessions_refused: self.sessions_refused.load(Ordering::Relaxed),
+            leases,
+            leases_expired: self.leases_expired.load(Ordering::Relaxed),
+            leases_refused: self.leases_refused.load(Ordering::Relaxed),
         }
     }
 
@@ -243,16 +282,57 @@ impl ControlResponder {
             ControlRequest::Command { session, command } => {
                 // Under the sessions lock, so the session cannot lapse (and
                 // be released) between the check and the command.
-                let s = lock(&self.sessions);
-                if let Some(id) = session
-                    && !s.open.contains_key(&id)
+                let mut s = lock(&self.sessions);
+                let (owner, lease) = match session {
+                    Some(id) if !s.open.contains_key(&id) => return no_session(id),
+                    Some(id) => (Some(id), None),
+                    // What a command without a session sets gets an owner
+                    // of its own, or nothing would ever remove it (HTTP's
+                    // lease for a breakpoint set without a client).
+                    None if matches!(
+                        command,
+                        ControlCommand::Add { .. } | ControlCommand::Step
+                    ) =>
+                    {
+                        if s.leased.len() >= MAX_LEASES {
+                            // Not pruned by what the engine lists: a step
+                            // a lease armed is not listed, and forgetting
+                            // its lease would leave it ownerless.
+                            self.leases_refused.fetch_add(1, Ordering::Relaxed);
+                            return ControlReply::error(
+                                "busy",
+                                format!(
+                                    "{MAX_LEASES} breakpoints set without a session are alive on \
+                                     this engine, the most it keeps: open a session, or wait for \
+                                     their leases to run out ({} s)",
+                                    crate::ANONYMOUS_LEASE.as_secs()
+                                ),
+                            );
+                        }
+                        let id = s.next;
+                        s.next += 1;
+                        s.leased.insert(id, Instant::now() + crate::ANONYMOUS_LEASE);
+                        (Some(id), Some(id))
+                    }
+                    None => (None, None),
+                };
+                let r = self.control.execute(command, owner);
+                if let Some(id) = lease
+                    && r.is_err()
                 {
-                    return no_session(id);
+                    // Nothing was set: nothing to own.
+                    s.leased.remove(&id);
                 }
-                let r = self.control.execute(command, session);
                 drop(s);
                 match r {
-                    Ok(result) => ControlReply::Result { result },
+                    Ok(result) => ControlReply::Result {
+                        result,
+                        lease: lease.map(|owner| kvbm_schema::protocol::Lease {
+                            owner,
+                            expires_in_ms: u64::try_from(crate::ANONYMOUS_LEASE.as_millis())
+                                .unwrap_or(u64::MAX),
+                        }),
+                    },
                     Err(ControlError::Refused(e)) => ControlReply::error("refused", e.to_string()),
                     Err(e @ ControlError::NoBreakpoints) => {
                         ControlReply::error("no_breakpoints", e.to_string())
@@ -263,36 +343,50 @@ impl ControlResponder {
         }
     }
 
-    /// Releases the sessions whose lease lapsed; returns how many.
+    /// Releases the sessions whose lease lapsed, and the leases of
+    /// breakpoints set without a session that ran out; returns how many
+    /// owners it released.
     pub fn expire(&self, now: Instant) -> usize {
-        let lapsed: Vec<u64> = {
-            let mut s = lock(&self.sessions);
-            let ids: Vec<u64> = s
-                .open
+        fn take_lapsed(owners: &mut HashMap<u64, Instant>, now: Instant) -> Vec<u64> {
+            let ids: Vec<u64> = owners
                 .iter()
                 .filter(|(_, t)| **t <= now)
                 .map(|(id, _)| *id)
                 .collect();
             for id in &ids {
-                s.open.remove(id);
+                owners.remove(id);
             }
             ids
+        }
+        let (sessions, leases) = {
+            let mut s = lock(&self.sessions);
+            (
+                take_lapsed(&mut s.open, now),
+                take_lapsed(&mut s.leased, now),
+            )
         };
-        for id in &lapsed {
+        // Counted before the release: whoever sees a paused call resume
+        // also sees why.
+        self.expired
+            .fetch_add(sessions.len() as u64, Ordering::Relaxed);
+        self.leases_expired
+            .fetch_add(leases.len() as u64, Ordering::Relaxed);
+        for id in sessions.iter().chain(&leases) {
             self.control.release_owner(*id);
         }
-        self.expired
-            .fetch_add(lapsed.len() as u64, Ordering::Relaxed);
-        lapsed.len()
+        sessions.len() + leases.len()
     }
 
-    /// Releases every session (the engine is going away).
+    /// Releases every session and lease (the engine is going away).
     pub fn release_all(&self) {
-        let ids: Vec<u64> = lock(&self.sessions)
-            .open
-            .drain()
-            .map(|(id, _)| id)
-            .collect();
+        let ids: Vec<u64> = {
+            let mut s = lock(&self.sessions);
+            let sessions: Vec<u64> = s.open.drain().map(|(id, _)| id).collect();
+            sessions
+                .into_iter()
+                .chain(s.leased.drain().map(|(id, _)| id))
+                .collect()
+        };
         for id in ids {
             self.control.release_owner(id);
         }
@@ -514,6 +608,7 @@ async fn keep(client: async_nats::Client, subject: String, state: Arc<Mutex<Cont
         };
         if let Ok(ControlReply::Result {
             result: ControlResult::List(v),
+            ..
         }) = request(&client, &subject, &list, COMMAND_TIMEOUT).await
         {
             lock(&state).view = v;
@@ -564,6 +659,7 @@ impl Control for NatsControl {
         // Read the engine's view at once, so the screen shows the change.
         if let Ok(ControlReply::Result {
             result: ControlResult::List(v),
+            ..
         }) = self.call(ControlRequest::Command {
             session: None,
             command: ControlCommand::List,
@@ -571,7 +667,7 @@ impl Control for NatsControl {
             lock(&self.state).view = v;
         }
         match reply {
-            ControlReply::Result { result } => Ok(result),
+            ControlReply::Result { result, .. } => Ok(result),
             ControlReply::Error { code, message } => {
                 if code == "no_session" {
                     lock(&self.state).session = None;
@@ -637,7 +733,8 @@ mod tests {
         assert_eq!(
             send(&r, &add),
             ControlReply::Result {
-                result: ControlResult::Added(7)
+                result: ControlResult::Added(7),
+                lease: None,
             }
         );
         assert_eq!(*lock(&probe.owners), vec![Some(session)]);
@@ -707,6 +804,135 @@ mod tests {
             (c.sessions, c.expired, c.sessions_refused),
             (1, MAX_SESSIONS as u64, 2)
         );
+    }
+
+    /// A command that names no session still gives what it sets an
+    /// owner: a lease as long as the attach server's for a breakpoint set
+    /// over HTTP without a client, after which the breakpoint is removed.
+    /// (It used to stay ownerless until the engine exited.)
+    #[test]
+    fn a_breakpoint_set_without_a_session_lapses_with_its_lease() {
+        let bps = Arc::new(kvbm_core::hooks::Breakpoints::new(
+            None,
+            kvbm_events::breakpoint::DEFAULT_DEADLINE,
+        ));
+        let session_lease = Duration::from_millis(200);
+        let r = ControlResponder::new(bps.clone(), session_lease);
+        // As the tester's script sends it.
+        let add = br#"{"op":"command","command":{"command":"add","spec":{"request":{"Exact":"no-such-request"}}}}"#;
+        let added = Instant::now();
+        let ControlReply::Result {
+            result: ControlResult::Added(id),
+            lease: Some(lease),
+        } = r.handle(add)
+        else {
+            panic!("not added with a lease")
+        };
+        assert_eq!(
+            lease.expires_in_ms,
+            crate::ANONYMOUS_LEASE.as_millis() as u64
+        );
+        let listed = || {
+            let Ok(ControlResult::List(v)) = bps.execute(ControlCommand::List, None) else {
+                panic!("no list")
+            };
+            v.breakpoints
+        };
+        let owner = listed()
+            .iter()
+            .find(|b| b.id == id)
+            .and_then(|b| b.spec.owner);
+        assert_eq!(owner, Some(lease.owner), "{:?}", listed());
+        // The lease is no session: it can neither be renewed nor named.
+        let as_session = ControlRequest::Command {
+            session: Some(lease.owner),
+            command: ControlCommand::ClearAll,
+        };
+        assert!(
+            matches!(send(&r, &as_session), ControlReply::Error { code, .. } if code == "no_session")
+        );
+        assert!(matches!(
+            send(&r, &ControlRequest::Renew { session: lease.owner }),
+            ControlReply::Error { code, .. } if code == "no_session"
+        ));
+        // A command that sets nothing gets no lease.
+        let list = ControlRequest::Command {
+            session: None,
+            command: ControlCommand::List,
+        };
+        assert!(matches!(
+            send(&r, &list),
+            ControlReply::Result { lease: None, .. }
+        ));
+        assert_eq!(r.counters().leases, 1);
+        // Not when a session's lease would lapse ...
+        assert_eq!(r.expire(Instant::now() + 2 * session_lease), 0);
+        assert_eq!(listed().len(), 1);
+        // ... but once its own ran out.
+        assert_eq!(
+            r.expire(added + crate::ANONYMOUS_LEASE + Duration::from_secs(1)),
+            1
+        );
+        assert!(listed().is_empty(), "outlived its lease: {:?}", listed());
+        let c = r.counters();
+        assert_eq!((c.leases, c.leases_expired, c.expired), (0, 1, 0));
+    }
+
+    /// A step without a session is leased too; a command without a
+    /// session that fails leaves no lease; past [`MAX_LEASES`] such
+    /// commands are refused and counted; the engine going away releases
+    /// every lease.
+    #[test]
+    fn leases_of_commands_without_a_session_are_bounded_and_released() {
+        let probe = Arc::new(Probe::default());
+        let r = ControlResponder::new(probe.clone(), DEFAULT_LEASE);
+        let step = ControlRequest::Command {
+            session: None,
+            command: ControlCommand::Step,
+        };
+        let ControlReply::Result { lease: Some(l), .. } = send(&r, &step) else {
+            panic!("a step without a lease")
+        };
+        assert_eq!(*lock(&probe.owners), vec![Some(l.owner)]);
+        // Refused by the engine: nothing set, nothing leased.
+        let bps = Arc::new(kvbm_core::hooks::Breakpoints::new(
+            None,
+            kvbm_events::breakpoint::DEFAULT_DEADLINE,
+        ));
+        let strict = ControlResponder::new(bps, DEFAULT_LEASE);
+        let bad = br#"{"op":"command","command":{"command":"add","spec":{"state":"NoSuchState"}}}"#;
+        assert!(matches!(strict.handle(bad), ControlReply::Error { .. }));
+        assert_eq!(strict.counters().leases, 0);
+        let add = ControlRequest::Command {
+            session: None,
+            command: ControlCommand::Add {
+                spec: BreakpointSpec::default(),
+            },
+        };
+        for _ in 1..MAX_LEASES {
+            assert!(matches!(
+                send(&r, &add),
+                ControlReply::Result { lease: Some(_), .. }
+            ));
+        }
+        match send(&r, &add) {
+            ControlReply::Error { code, message } => {
+                assert_eq!(code, "busy");
+                assert!(message.contains(&MAX_LEASES.to_string()), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let c = r.counters();
+        assert_eq!((c.leases, c.leases_refused), (MAX_LEASES as u64, 1));
+        // Sessions are not held back by leases.
+        assert!(matches!(
+            send(&r, &ControlRequest::Open { client: None }),
+            ControlReply::Opened { .. }
+        ));
+        r.release_all();
+        assert_eq!(lock(&probe.released).len(), MAX_LEASES + 1);
+        let c = r.counters();
+        assert_eq!((c.leases, c.sessions), (0, 0));
     }
 
     #[test]

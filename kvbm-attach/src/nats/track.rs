@@ -43,7 +43,9 @@ pub struct Tracker {
     /// dropped them.
     pub before_start: u64,
     /// The most the publisher declared it dropped (it declares a running
-    /// total, so the largest seen is the latest).
+    /// total, so the largest seen is the latest). Kept, never lowered, so
+    /// a declaration must be possible to be taken: [`wire`](super::wire)
+    /// refuses a batch declaring more than its first seq.
     pub declared_dropped: u64,
 }
 

@@ -17,11 +17,13 @@
 //! | 24..32 | last seq |
 //! | 32..36 | event count, at least 1 |
 //! | 36..40 | length of the block once decompressed, at most [`MAX_BLOCK_BYTES`] |
-//! | 40..48 | events of this run the publisher dropped before this batch (cumulative: the tap overflowing, the buffer overflowing while NATS was out of reach) |
+//! | 40..48 | events of this run the publisher dropped before this batch (cumulative: the tap overflowing, the buffer overflowing while NATS was out of reach), at most first seq |
 //! | 48.. | body |
 //!
 //! The header's seqs and count are checked against the block's own
-//! columns, so a consumer may trust them once [`decode`] (or
+//! columns, and its declared losses against its first seq (a run's seqs
+//! start at 0, so no more than `first seq` events can have been dropped
+//! before it), so a consumer may trust them once [`decode`] (or
 //! [`check`]) has accepted the message. The message id is
 //! [`message_id`]`(engine, run, first seq)`.
 
@@ -51,7 +53,8 @@ pub struct BatchHeader {
     pub last_seq: u64,
     /// Events in the batch.
     pub count: u32,
-    /// Events of this run the publisher dropped before this batch.
+    /// Events of this run the publisher dropped before this batch (seqs
+    /// below `first_seq`, so at most `first_seq`).
     pub dropped_before: u64,
 }
 
@@ -94,6 +97,21 @@ pub enum WireError {
     /// The block itself is bad.
     #[error(transparent)]
     Block(#[from] BlockError),
+    /// The header declares more events dropped before the batch than
+    /// there are seqs before it. Refused rather than clamped: a header
+    /// that contradicts itself comes from a broken or lying publisher, and
+    /// a consumer keeps the largest declaration of a run, so one accepted
+    /// would explain away every later hole of that engine.
+    #[error(
+        "batch header declares {dropped_before} events dropped before seq {first_seq}: at most \
+         {first_seq} can be (a run's seqs start at 0)"
+    )]
+    DroppedBeforeFirst {
+        /// Header's declared losses.
+        dropped_before: u64,
+        /// Header's first seq.
+        first_seq: u64,
+    },
     /// The header does not agree with the block.
     #[error("batch header says seqs {first}..={last} ({count} events), its block holds {found}")]
     Mismatch {
@@ -252,7 +270,8 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(a)
 }
 
-/// Reads a batch's header without checking its body.
+/// Reads a batch's header without checking its body (only the header
+/// against itself: its declared losses against its first seq).
 pub fn header(bytes: &[u8]) -> Result<BatchHeader, WireError> {
     if bytes.len() < HEADER_BYTES {
         return Err(WireError::TooShort { len: bytes.len() });
@@ -265,13 +284,22 @@ pub fn header(bytes: &[u8]) -> Result<BatchHeader, WireError> {
     if version != VERSION {
         return Err(WireError::Version { found: version });
     }
-    Ok(BatchHeader {
+    let h = BatchHeader {
         run: u64_at(bytes, 8),
         first_seq: u64_at(bytes, 16),
         last_seq: u64_at(bytes, 24),
         count: u32_at(bytes, 32),
         dropped_before: u64_at(bytes, 40),
-    })
+    };
+    // What the publisher dropped before the batch had seqs below its
+    // first: a declaration past that cannot be true.
+    if h.dropped_before > h.first_seq {
+        return Err(WireError::DroppedBeforeFirst {
+            dropped_before: h.dropped_before,
+            first_seq: h.first_seq,
+        });
+    }
+    Ok(h)
 }
 
 /// A batch whose block passed every check a reader of the log makes: the
@@ -414,6 +442,9 @@ mod tests {
             dropped in any::<u64>(),
             compress in any::<bool>(),
         ) {
+            // Anything a publisher can truly declare: at most the seqs
+            // before the first batch (and so before every later one).
+            let dropped = dropped % (events[0].seq + 1);
             let batches = encode(&events, run, dropped, compress);
             let mut back = Vec::new();
             for b in &batches {
@@ -512,6 +543,49 @@ mod tests {
         assert!(value_errors >= 4, "{value_errors}");
     }
 
+    /// `dropped_before` counts events of the run with seqs below the
+    /// batch's first (seqs start at 0), so it can be at most `first_seq`.
+    /// A header declaring more (a lying or broken publisher) would explain
+    /// away every later hole of its engine; it is refused like any other
+    /// header that contradicts itself, by `check` as by `decode`.
+    #[test]
+    fn a_declaration_of_more_losses_than_seqs_before_the_batch_is_refused() {
+        let events: Vec<Event> = (5..9)
+            .map(|i| Event {
+                engine: 0,
+                seq: i,
+                ts_ns: i,
+                iteration: 0,
+                request: None,
+                kind: kvbm_events::EventKind::Resumed {
+                    breakpoint: i,
+                    cause: kvbm_events::ResumeCause::Resume,
+                },
+            })
+            .collect();
+        for compress in [false, true] {
+            let mut b = encode(&events, 3, 0, compress).remove(0);
+            let mut scratch = Vec::new();
+            // Every seq below the first one lost: possible.
+            set_dropped_before(&mut b, 5);
+            assert_eq!(decode(&b).unwrap().0.dropped_before, 5);
+            assert_eq!(check(&b, &mut scratch).unwrap().header.dropped_before, 5);
+            for lie in [6, u64::MAX] {
+                set_dropped_before(&mut b, lie);
+                let refused = WireError::DroppedBeforeFirst {
+                    dropped_before: lie,
+                    first_seq: 5,
+                };
+                assert_eq!(decode(&b).map(|(h, _)| h), Err(refused.clone()));
+                let c = check(&b, &mut scratch).map(|c| c.header);
+                assert_eq!(c, Err(refused.clone()));
+                assert_eq!(header(&b), Err(refused.clone()));
+                // The reason a consumer counts the refusal under.
+                assert!(refused.to_string().contains("at most 5"), "{refused}");
+            }
+        }
+    }
+
     #[test]
     fn a_header_that_lies_about_its_block_is_refused() {
         let events: Vec<Event> = renumber(
@@ -543,8 +617,9 @@ mod tests {
         b[36..40].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(decode(&b), Err(WireError::BlockLength(_))));
         let mut b = encode(&events, 7, 0, true).remove(0);
-        set_dropped_before(&mut b, 42);
-        assert_eq!(decode(&b).unwrap().0.dropped_before, 42);
+        // Its first seq is 1: one event can have been dropped before it.
+        set_dropped_before(&mut b, 1);
+        assert_eq!(decode(&b).unwrap().0.dropped_before, 1);
         assert_eq!(decode(&b).unwrap().0.run, 7);
     }
 }

@@ -198,7 +198,7 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_secs(10),
             ping_interval: Duration::from_secs(5),
             silence_timeout: Duration::from_secs(15),
-            lease: Duration::from_secs(300),
+            lease: crate::ANONYMOUS_LEASE,
             max_body_bytes: 64 * 1024,
             release_on_disconnect: true,
             send_timeout: Duration::from_secs(5),
