@@ -400,3 +400,56 @@ fn record_from_across_a_restart_accounts_for_the_gap() {
     want.extend(472..772);
     assert_eq!(seqs, want, "every event once, in order");
 }
+
+/// Attached after the server's ring had overwritten the engine's first
+/// events: the recording starts mid-stream, and `check` does not take
+/// what began before it (requests, transfers, blocks) for a broken
+/// invariant.
+#[test]
+fn record_from_after_the_ring_wrapped_then_check_passes() {
+    let (_sim, url) = serve_sim(&[
+        "--requests",
+        "2000",
+        "--rate",
+        "40",
+        "--prompt-len",
+        "256",
+        "--output-len",
+        "16",
+        "--real-time",
+        "4",
+        "--ring",
+        "256",
+        "--linger-s",
+        "20",
+    ]);
+    // Long enough for far more than 256 events.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("late.kvbm");
+    let out = recorder()
+        .args(["record", "--from", &url, "--out"])
+        .arg(&log)
+        .args(["--duration-s", "3"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("the server no longer held the"), "{stdout}");
+    let check = recorder().arg("check").arg(&log).output().unwrap();
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{said}");
+    assert!(said.contains("began before its first event"), "{said}");
+    let inspect = recorder()
+        .args(["inspect", "--json"])
+        .arg(&log)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
+    assert!(v["first_seq"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["seq_gaps"], 0, "{v}");
+}

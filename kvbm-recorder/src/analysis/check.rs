@@ -35,6 +35,15 @@
 //!    starts after the engine did (first `seq > 0`) is not a gap: events
 //!    emitted before anyone listened were never offered to the recorder.
 //!
+//! Such a recording (attached late, or after its server's ring had
+//! overwritten the engine's first events) meets requests, transfers, batches, registered blocks and pauses that began
+//! before it. What the reducer cannot place for that reason alone (an
+//! unknown slot, transfer or batch, an eviction of a hash it never saw
+//! registered, a release below zero, a resume with nothing paused) is not
+//! judged in such a recording: it is counted in
+//! [`CheckReport::not_judged_before_start`]. Anything else is judged as
+//! usual.
+//!
 //! With losses, checks 2–4 may fire on events whose context was lost; the
 //! report says how many were lost, and check 5 tells whether the losses are
 //! at least accounted for.
@@ -201,6 +210,11 @@ pub struct CheckReport {
     /// device blocks: their release may simply not have come before the
     /// cut (listed, not judged).
     pub unreleased_at_end: Vec<RequestId>,
+    /// In a recording that starts after its engine did, events the reducer
+    /// could not place only because what they act on began before the
+    /// first event (see the module docs): counted, not judged.
+    #[serde(default)]
+    pub not_judged_before_start: u64,
 }
 
 impl CheckReport {
@@ -257,6 +271,13 @@ impl fmt::Display for CheckReport {
                 self.promoted_in_flight.len()
             )?;
         }
+        if self.not_judged_before_start > 0 {
+            write!(
+                f,
+                ", {} events on what began before the first not judged",
+                self.not_judged_before_start
+            )?;
+        }
         writeln!(f)?;
         for v in &self.violations {
             writeln!(f, "  {v}")?;
@@ -291,7 +312,22 @@ pub struct Checker {
     lost_pending: u64,
     events: u64,
     unreleased_at_end: Vec<RequestId>,
+    /// The first event's seq was above 0: the engine ran before it.
+    joined_late: bool,
+    not_judged_before_start: u64,
 }
+
+/// The reducer's counters that rise when an event acts on something the
+/// stream never showed beginning: in a recording that starts late, that
+/// is what began before it.
+const CONTEXT_BEFORE_START: &[&str] = &[
+    "unknown_slot",
+    "unknown_transfer",
+    "unknown_batch",
+    "evict_unregistered",
+    "blocks_underflow",
+    "unmatched_resume",
+];
 
 impl Checker {
     /// A checker at the start of a stream.
@@ -309,6 +345,8 @@ impl Checker {
             lost_pending: 0,
             events: 0,
             unreleased_at_end: Vec::new(),
+            joined_late: false,
+            not_judged_before_start: 0,
         }
     }
 
@@ -351,6 +389,9 @@ impl Checker {
 
     /// Takes one event.
     pub fn observe(&mut self, ev: &Event) {
+        if self.events == 0 {
+            self.joined_late = ev.seq > 0;
+        }
         self.events += 1;
         // A marker followed by an event is a loss in the middle, which must
         // show as a hole; only markers after the last event are the tail.
@@ -492,6 +533,15 @@ impl Checker {
         if what.is_empty() {
             what.push("inconsistency".into());
         }
+        self.incons = now;
+        if self.joined_late
+            && what
+                .iter()
+                .all(|k| CONTEXT_BEFORE_START.contains(&k.as_str()))
+        {
+            self.not_judged_before_start += 1;
+            return;
+        }
         let who = ev
             .request
             .as_deref()
@@ -503,7 +553,6 @@ impl Checker {
             describe(&ev.kind),
             what.join(", ")
         );
-        self.incons = now;
         self.violate(
             Some(ev.seq),
             ViolationKind::Inconsistency,
@@ -627,6 +676,7 @@ impl Checker {
             stream_complete: self.opts.stream_complete,
             losses_known: self.opts.losses_known,
             unreleased_at_end: self.unreleased_at_end,
+            not_judged_before_start: self.not_judged_before_start,
         }
     }
 }
@@ -710,6 +760,47 @@ mod tests {
         );
         assert_eq!(r.seq_range, Some((0, s.events().len() as u64 - 1)));
         assert!(r.to_string().starts_with("ok: "), "{r}");
+    }
+
+    /// Events on a request, a transfer and blocks that began earlier,
+    /// then a new request moved from a state it is not in.
+    fn joined(late: bool) -> Stream {
+        let d = kvbm_events::Direction::DEVICE_TO_HOST;
+        let mut s = Stream::new();
+        if late {
+            s.lose(100); // the server no longer held seqs 0..100
+        }
+        s.at(0)
+            .to("old", Prefilling, Decoding)
+            .release("old", Tier::Device, 3)
+            .complete("old", 7, d, 1);
+        s.at(1).create("new", 8);
+        s.at(2).to("new", Decoding, Finished);
+        s
+    }
+
+    #[test]
+    fn a_recording_that_starts_late_does_not_judge_what_began_before_it() {
+        let r = check(joined(true).events(), CheckOptions::default());
+        assert_eq!(
+            kinds(&r),
+            [(Some(104), ViolationKind::Inconsistency)],
+            "{r}"
+        );
+        assert!(
+            r.violations[0].message.contains("slot_from_mismatch"),
+            "{r}"
+        );
+        assert_eq!(r.not_judged_before_start, 3, "{r}");
+        assert!(
+            r.to_string()
+                .contains("3 events on what began before the first not judged"),
+            "{r}"
+        );
+        // From seq 0 nothing began before: every one is judged.
+        let r = check(joined(false).events(), CheckOptions::default());
+        assert_eq!(r.violation_count(), 4, "{r}");
+        assert_eq!(r.not_judged_before_start, 0);
     }
 
     #[test]

@@ -185,7 +185,19 @@ pub fn inspect(log: &Path, json: bool) -> Result<i32> {
         );
     }
     match lost {
-        Some(n) => println!("lost          {n} (tap), {} (seq gaps)", st.seq_gaps()),
+        Some(n) => {
+            // Who counted the losses: the local tap, a remote server's
+            // gaps, or batches missing from vLLM's publisher.
+            let counted_by = match rec.and_then(|r| r.source.as_deref()) {
+                None => "tap",
+                Some(s) if s.starts_with("zmq://") => "publisher batches",
+                Some(_) => "gaps the server reported",
+            };
+            println!(
+                "lost          {n} ({counted_by}), {} (seq gaps)",
+                st.seq_gaps()
+            )
+        }
         None => println!(
             "lost          unknown (no finished sidecar), {} (seq gaps)",
             st.seq_gaps()
@@ -294,6 +306,13 @@ pub fn check_one(log: &Path, prefix: &str) -> Result<i32> {
     let mut what = format!("{} events", events.len());
     if let Some(s) = events.last().map(|e| e.seq) {
         what.push_str(&format!(" (up to seq {s})"));
+    }
+    if report.not_judged_before_start > 0 {
+        what.push_str(&format!(
+            "; not judged: {} events on requests, transfers or blocks that began before \
+             its first event (the engine ran before the recording started)",
+            report.not_judged_before_start
+        ));
     }
     if !report.unreleased_at_end.is_empty() || !report.promoted_in_flight.is_empty() {
         what.push_str(&format!(
