@@ -29,9 +29,10 @@ pub struct DemoArgs {
     /// Events the ring keeps for the console.
     #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..=50_000_000))]
     pub ring: u64,
-    /// Seconds a paused call waits before it resumes by itself.
-    #[arg(long, default_value_t = 120)]
-    pub bp_deadline_s: u64,
+    /// Seconds a paused call waits before it resumes by itself (0.001 to
+    /// 86400).
+    #[arg(long, default_value = "120", value_parser = kvbm_sim::args::deadline_seconds)]
+    pub bp_deadline_s: Duration,
 }
 
 /// The demo's own defaults for the simulator's options, shown by
@@ -124,7 +125,7 @@ impl Embedded {
                 .context("creating the ring")?,
         );
         let stop = Arc::new(AtomicBool::new(false));
-        let deadline = Duration::from_secs(args.bp_deadline_s.max(1));
+        let deadline = args.bp_deadline_s;
         // The simulator is built on its own thread (it must not be built on
         // a runtime worker) and hands back what the console needs.
         let (tx, rx) = std::sync::mpsc::sync_channel(1);

@@ -15,8 +15,10 @@ use crate::workload::{
     LengthDist, MooncakeOptions, RequestSpec, SkippedLine, SyntheticConfig, WorkloadError,
     generate, parse_mooncake_lenient,
 };
+use kvbm_events::breakpoint::{MAX_DEADLINE, MIN_DEADLINE};
 use std::io::BufReader;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// A built-in scenario instead of a workload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -50,6 +52,12 @@ pub struct SimArgs {
     /// Use at most this many requests of the trace.
     #[arg(long, help_heading = "Workload")]
     pub max_requests: Option<usize>,
+    /// Most tokens, prompts and outputs together, the requests used from
+    /// the trace may ask for: every prompt is held in memory (4 bytes a
+    /// token) and computed, and a few-KB trace can ask for a Gi tokens. A
+    /// trace asking for more is refused, naming the line that crossed it.
+    #[arg(long, default_value_t = DEFAULT_MAX_TRACE_TOKENS, help_heading = "Workload")]
+    pub max_trace_tokens: u64,
     /// Multiply trace timestamps by this (2.0 = half the arrival rate).
     #[arg(long, default_value_t = 1.0, help_heading = "Workload")]
     pub time_scale: f64,
@@ -157,6 +165,26 @@ pub enum SimArgsError {
         #[source]
         source: std::io::Error,
     },
+    /// The trace has no line but blank ones: nothing to run.
+    #[error("no usable request in trace {path}: it is empty or blank")]
+    EmptyTrace {
+        /// The trace.
+        path: PathBuf,
+    },
+    /// The trace asks for more tokens than `--max-trace-tokens`.
+    #[error(
+        "trace {path}: by line {line} it asks for more than --max-trace-tokens {max} tokens \
+         (prompts and outputs together); use fewer requests (--max-requests) or raise \
+         --max-trace-tokens"
+    )]
+    TraceTooBig {
+        /// The trace.
+        path: PathBuf,
+        /// The line whose request crossed the cap.
+        line: usize,
+        /// The cap.
+        max: u64,
+    },
     /// Every line of the trace was skipped: nothing to run.
     #[error(
         "no usable request in trace {path}: all {skipped} of its lines were skipped (line {first_line}: {first})"
@@ -194,6 +222,21 @@ pub struct Loaded {
     pub skipped: Vec<SkippedLine>,
 }
 
+/// Default for `--max-trace-tokens`: 256 Mi tokens, 1 GiB of prompt
+/// tokens held (the simulator builds every prompt before it runs). The
+/// sample trace in `data/mooncake` asks for 61.8 M (61,194,628 prompt and
+/// 595,432 output tokens), a quarter of it, so traces a few times its size
+/// run unasked; a few KB of lines each asking for the per-line cap of 1 Mi
+/// tokens do not.
+pub const DEFAULT_MAX_TRACE_TOKENS: u64 = 256 << 20;
+
+/// The most `--kv-bytes-per-token` takes: 1 GiB. The largest real models
+/// hold a few MiB of KV per token (Llama-3.1-405B, with grouped-query
+/// attention, 504 KiB in bf16; GPT-3 175B, with full multi-head attention,
+/// 4.5 MiB in fp16), so this is over 200 times any of them, and keeps a
+/// block's bytes and the byte totals far from a u64's limit.
+pub const MAX_KV_BYTES_PER_TOKEN: u64 = 1 << 30;
+
 fn bad(option: &'static str, reason: impl Into<String>) -> SimArgsError {
     SimArgsError::Bad {
         option,
@@ -205,6 +248,20 @@ fn bad(option: &'static str, reason: impl Into<String>) -> SimArgsError {
 /// or wait anyone means, well inside what a deadline (`Instant` plus it)
 /// can hold on every platform.
 pub const MAX_SECONDS: f64 = 100.0 * 365.0 * 86_400.0;
+
+/// A clap value parser for a breakpoint's pause deadline in seconds
+/// (`--bp-deadline-s`): [`seconds`], within what a pause may last
+/// ([`MIN_DEADLINE`] to [`MAX_DEADLINE`], 1 ms to a day).
+pub fn deadline_seconds(s: &str) -> Result<Duration, String> {
+    let (min, max) = (MIN_DEADLINE.as_secs_f64(), MAX_DEADLINE.as_secs_f64());
+    let out_of_range = || format!("{s} is not a number of seconds from {min} to {max} (a day)");
+    let v = seconds(s).map_err(|_| out_of_range())?;
+    if (min..=max).contains(&v) {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        Err(out_of_range())
+    }
+}
 
 /// A clap value parser for an option that is a span of seconds (`--…-s`):
 /// a number from 0 to [`MAX_SECONDS`]. Every binary's seconds go through
@@ -270,8 +327,22 @@ impl SimArgs {
         }
         positive("pcie-gbps", self.pcie_gbps)?;
         positive("disk-gbps", self.disk_gbps)?;
-        if self.kv_bytes_per_token == Some(0) {
-            return Err(bad("kv-bytes-per-token", "must be at least 1"));
+        if let Some(v) = self.kv_bytes_per_token
+            && !(1..=MAX_KV_BYTES_PER_TOKEN).contains(&v)
+        {
+            return Err(bad(
+                "kv-bytes-per-token",
+                format!(
+                    "{v} is not from 1 to {MAX_KV_BYTES_PER_TOKEN} (1 GiB, over 200 times \
+                     any real model's)"
+                ),
+            ));
+        }
+        if self.max_requests == Some(0) {
+            return Err(bad("max-requests", "must be at least 1"));
+        }
+        if self.max_trace_tokens == 0 {
+            return Err(bad("max-trace-tokens", "must be at least 1"));
         }
         if self.real_bytes_per_token == 0 {
             return Err(bad("real-bytes-per-token", "must be at least 1"));
@@ -330,21 +401,30 @@ impl SimArgs {
                 let opts = MooncakeOptions {
                     max_requests: self.max_requests,
                     time_scale: self.time_scale,
+                    max_total_tokens: Some(self.max_trace_tokens),
                     ..MooncakeOptions::default()
                 };
                 let report =
-                    parse_mooncake_lenient(BufReader::new(f), &opts).map_err(|source| {
-                        SimArgsError::Workload {
+                    parse_mooncake_lenient(BufReader::new(f), &opts).map_err(|e| match e {
+                        WorkloadError::TooManyTokens { line, max } => SimArgsError::TraceTooBig {
+                            path: path.clone(),
+                            line,
+                            max,
+                        },
+                        source => SimArgsError::Workload {
                             what: format!("reading trace {}", path.display()),
                             source,
-                        }
+                        },
                     })?;
-                if let (true, Some(first)) = (report.requests.is_empty(), report.skipped.first()) {
-                    return Err(SimArgsError::NothingInTrace {
-                        path: path.clone(),
-                        skipped: report.skipped.len(),
-                        first_line: first.line,
-                        first: first.error.to_string(),
+                if report.requests.is_empty() {
+                    return Err(match report.skipped.first() {
+                        Some(first) => SimArgsError::NothingInTrace {
+                            path: path.clone(),
+                            skipped: report.skipped.len(),
+                            first_line: first.line,
+                            first: first.error.to_string(),
+                        },
+                        None => SimArgsError::EmptyTrace { path: path.clone() },
                     });
                 }
                 (report.requests, report.skipped)
@@ -457,6 +537,18 @@ mod tests {
             // overflow (this panicked in the engine before).
             (&["--prefill-us-per-token", "1e300"], "prefill-us-per-token"),
             (&["--decode-ms-per-step", "1e300"], "decode-ms-per-step"),
+            // Past any real model: its products with block sizes and block
+            // counts overflowed (a panic in the engine, or totals wrapped).
+            (
+                &["--kv-bytes-per-token", "18446744073709551615"],
+                "kv-bytes-per-token",
+            ),
+            (
+                &["--kv-bytes-per-token", "1073741825"],
+                "kv-bytes-per-token",
+            ),
+            (&["--max-requests", "0"], "max-requests"),
+            (&["--max-trace-tokens", "0"], "max-trace-tokens"),
         ] {
             let err = parse(args).load().unwrap_err().to_string();
             assert!(err.starts_with(&format!("--{option}:")), "{err}");
@@ -487,6 +579,110 @@ mod tests {
         .unwrap();
         let l = parse(&["--trace", t.to_str().unwrap()]).load().unwrap();
         assert_eq!((l.workload.len(), l.skipped.len()), (1, 1));
+    }
+
+    #[test]
+    fn the_largest_kv_bytes_per_token_is_taken() {
+        let max = MAX_KV_BYTES_PER_TOKEN.to_string();
+        let l = parse(&["--kv-bytes-per-token", &max]).load().unwrap();
+        assert_eq!(l.config.worker.model_kv_bytes_per_token, 1 << 30);
+    }
+
+    #[test]
+    fn the_sample_trace_fits_the_default_token_cap() {
+        use crate::workload::MooncakeReader;
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../data/mooncake/synthetic_trace.jsonl"
+        );
+        let f = std::fs::File::open(path).unwrap();
+        let opts = MooncakeOptions {
+            max_total_tokens: Some(DEFAULT_MAX_TRACE_TOKENS),
+            ..MooncakeOptions::default()
+        };
+        // Lines only: the cap is checked before any prompt is built.
+        let mut r = MooncakeReader::new(BufReader::new(f), opts).unwrap();
+        let mut lines = 0;
+        while let Some(l) = r.next_line() {
+            l.unwrap();
+            lines += 1;
+        }
+        assert_eq!(lines, 3993);
+    }
+
+    #[test]
+    fn an_empty_or_blank_trace_is_nothing_to_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.jsonl");
+        for text in ["", "\n", "  \n\t\n\r\n"] {
+            std::fs::write(&t, text).unwrap();
+            let err = parse(&["--trace", t.to_str().unwrap()]).load().unwrap_err();
+            assert!(matches!(err, SimArgsError::EmptyTrace { .. }), "{err}");
+            let err = err.to_string();
+            assert!(
+                err.contains("no usable request") && err.contains("t.jsonl"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_trace_asking_for_too_many_tokens_is_refused_at_the_line_that_crossed() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.jsonl");
+        // 1 Mi + 1 tokens a line: the 256th crosses the default 256 Mi.
+        // (Outputs count as prompts do, and cost this test no memory.)
+        let text: String = (0..300)
+            .map(|i| {
+                format!(
+                    "{{\"timestamp\": {i}, \"input_length\": 1, \"output_length\": 1048576, \"hash_ids\": []}}\n"
+                )
+            })
+            .collect();
+        std::fs::write(&t, text).unwrap();
+        let err = parse(&["--trace", t.to_str().unwrap()]).load().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SimArgsError::TraceTooBig {
+                    line: 256,
+                    max: DEFAULT_MAX_TRACE_TOKENS,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = err.to_string();
+        assert!(
+            err.contains("line 256") && err.contains("--max-trace-tokens 268435456"),
+            "{err}"
+        );
+        // The flag moves the bound; fewer requests keep under it.
+        let err = parse(&[
+            "--trace",
+            t.to_str().unwrap(),
+            "--max-trace-tokens",
+            "3000000",
+        ])
+        .load()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("line 3"), "{err}");
+        let l = parse(&["--trace", t.to_str().unwrap(), "--max-requests", "2"])
+            .load()
+            .unwrap();
+        assert_eq!(l.workload.len(), 2);
+    }
+
+    #[test]
+    fn a_pause_deadline_is_from_a_millisecond_to_a_day() {
+        assert_eq!(deadline_seconds("60"), Ok(Duration::from_secs(60)));
+        assert_eq!(deadline_seconds("0.001"), Ok(Duration::from_millis(1)));
+        assert_eq!(deadline_seconds("86400"), Ok(Duration::from_secs(86_400)));
+        for bad in ["0", "0.0009", "86400.5", "1e300", "-1", "nan", "soon"] {
+            let err = deadline_seconds(bad).unwrap_err();
+            assert!(err.contains("from 0.001 to 86400"), "{bad}: {err}");
+        }
     }
 
     #[test]

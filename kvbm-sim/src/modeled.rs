@@ -126,7 +126,7 @@ impl TransferEngine for ModeledEngine {
         // returned here resolves, which is after the inner one resolves.
         let inner = unsafe { self.inner.submit_holding(pairs, hold) }?;
         let due = self.reserve(blocks);
-        let bytes = blocks as u64 * self.model.bytes_per_block;
+        let bytes = (blocks as u64).saturating_mul(self.model.bytes_per_block);
         let (completer, ticket) = TransferTicket::pending(self.inner.name());
         self.runtime.spawn(async move {
             let (result, hold) = inner.finish().await;

@@ -210,9 +210,17 @@ pub struct SimReport {
     pub model: String,
     /// Its KV bytes per block (what byte figures count).
     pub kv_bytes_per_block: u64,
+    /// True when the run stopped before its workload ended (the engine
+    /// stopped stepping, e.g. on Ctrl-C): every figure then counts only
+    /// the requests that had arrived.
+    pub interrupted: bool,
+    /// Requests in the workload.
+    pub requests_total: usize,
+    /// Requests that arrived (all of them unless `interrupted`).
+    pub requests_arrived: usize,
     /// Requests that finished.
     pub requests_finished: usize,
-    /// Prompt tokens over all requests.
+    /// Prompt tokens over the requests that arrived.
     pub prompt_tokens: u64,
     /// Prompt tokens served from cache at first admission, all tiers.
     pub prefix_hit_tokens: u64,
@@ -420,7 +428,8 @@ impl Simulator {
             Pacing::Virtual => None,
             Pacing::RealTime { speed } => Some(speed),
         };
-        let bytes_per_block = bs as u64 * cfg.worker.model_kv_bytes_per_token;
+        // Saturating: both factors come from the command line.
+        let bytes_per_block = (bs as u64).saturating_mul(cfg.worker.model_kv_bytes_per_token);
         let mut copiers = Vec::new();
         let mut make = |d: Direction,
                         e: Arc<dyn TransferEngine>,
@@ -557,7 +566,6 @@ impl Simulator {
         let worker = Worker::new(&leader, runtime.clone());
         let mut arrivals: Vec<RequestSpec> = workload;
         arrivals.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
-        let prompt_tokens = arrivals.iter().map(|r| r.prompt.len() as u64).sum();
         let model_name = cfg.model.clone();
         let requests_total = arrivals.len();
         Ok(Simulator {
@@ -578,7 +586,7 @@ impl Simulator {
             now_ns: 0,
             started: Instant::now(),
             report: SimReport {
-                prompt_tokens,
+                requests_total,
                 model: model_name,
                 kv_bytes_per_block: bytes_per_block,
                 ..SimReport::default()
@@ -644,7 +652,7 @@ impl Simulator {
     }
 
     fn advance(&mut self, ns: u64) {
-        self.now_ns += ns;
+        self.now_ns = self.now_ns.saturating_add(ns);
         if let Some(c) = &self.virtual_clock {
             c.advance_to(self.now_ns);
         } else if let Pacing::RealTime { speed } = self.cfg.pacing {
@@ -694,6 +702,10 @@ impl Simulator {
             let Some(spec) = self.arrivals.pop_front() else {
                 break;
             };
+            // Counted on arrival, so a run stopped early counts only what
+            // it was given.
+            self.report.requests_arrived += 1;
+            self.report.prompt_tokens += spec.prompt.len() as u64;
             let id: RequestId = Arc::from(spec.id.as_str());
             let seq = match TokenSequence::from_tokens(&spec.prompt, self.cfg.block_size, self.salt)
             {
@@ -922,10 +934,11 @@ impl Simulator {
                 continue;
             };
             let got = l.blocks.len();
-            let per_block = bs as u64 * self.cfg.worker.model_kv_bytes_per_token;
-            load_bytes += got as u64 * per_block;
+            let per_block = self.report.kv_bytes_per_block;
+            load_bytes = load_bytes.saturating_add((got as u64).saturating_mul(per_block));
             // Disk blocks cross the disk link first.
-            disk_bytes += got.saturating_sub(l.from_host) as u64 * per_block;
+            disk_bytes = disk_bytes
+                .saturating_add((got.saturating_sub(l.from_host) as u64).saturating_mul(per_block));
             let planned = l.planned_tokens / bs;
             // Loaded blocks sit right after the G1 hits.
             let at = r.full.len();
@@ -960,9 +973,13 @@ impl Simulator {
         let w = &self.cfg.worker;
         let prefill: u64 = out.scheduled.iter().map(|s| s.prefill_tokens as u64).sum();
         let decodes = out.scheduled.iter().filter(|s| s.decode_tokens > 0).count() as u64;
-        let mut ns = prefill * w.prefill_ns_per_token;
+        // Saturating: the costs and the batch size come from the command
+        // line.
+        let mut ns = prefill.saturating_mul(w.prefill_ns_per_token);
         if decodes > 0 {
-            ns += w.decode_ns_per_step + decodes * w.decode_ns_per_seq;
+            ns = ns
+                .saturating_add(w.decode_ns_per_step)
+                .saturating_add(decodes.saturating_mul(w.decode_ns_per_seq));
         }
         ns.max(1)
     }
@@ -1074,7 +1091,9 @@ impl Simulator {
             );
         }
         let c = self.emitter.bus().counters();
+        let interrupted = !self.is_done();
         let r = &mut self.report;
+        r.interrupted = interrupted;
         r.iterations = self.iteration;
         r.virtual_time_ms = self.now_ns as f64 / 1e6;
         r.wall_time_ms = self.started.elapsed().as_secs_f64() * 1e3;

@@ -45,6 +45,12 @@ pub const DEFAULT_MAX_TOKENS: u64 = 1 << 20;
 /// has about 2,048 hash ids, i.e. tens of KiB; 16 MiB leaves plenty of room
 /// while keeping a newline-free garbage file from being read whole.
 pub const DEFAULT_MAX_LINE_BYTES: usize = 16 << 20;
+/// Default cap on how far past [`DEFAULT_MAX_LINE_BYTES`] an over-long line
+/// is skipped in search of its end (64 MiB). A line that long is garbage
+/// already; skipping it keeps the lines after it, but input with no newline
+/// in 80 MiB (`/dev/zero`, a binary file) is not a trace, and skipping it
+/// to the end could take forever.
+pub const DEFAULT_MAX_SKIP_BYTES: u64 = 64 << 20;
 
 // Domain separators, so that the token stream of hash id `n`, the filler of
 // line `n`, the synthetic prefix `n` and so on are unrelated streams even
@@ -138,6 +144,35 @@ pub enum WorkloadError {
         #[source]
         source: io::Error,
     },
+    /// A line is longer than [`MooncakeOptions::max_line_bytes`] and no
+    /// newline came within [`MooncakeOptions::max_skip_bytes`] more: the
+    /// input is not a trace (`/dev/zero`, a binary file). Reading stops
+    /// here rather than skipping without end.
+    #[error(
+        "line {line}: no end of line in the {read} bytes read from its start \
+         (a line may have at most {max_line}); this is not a trace, giving up"
+    )]
+    EndlessLine {
+        /// The line (1-based).
+        line: usize,
+        /// Bytes read from the line's start before giving up.
+        read: u64,
+        /// [`MooncakeOptions::max_line_bytes`].
+        max_line: usize,
+    },
+    /// The requests read so far ask for more tokens, prompts and outputs
+    /// together, than [`MooncakeOptions::max_total_tokens`]. Reading stops
+    /// at the line that crossed it.
+    #[error(
+        "line {line}: by this line the trace asks for more than {max} tokens \
+         (prompts and outputs together)"
+    )]
+    TooManyTokens {
+        /// The line whose request crossed the cap (1-based).
+        line: usize,
+        /// The cap.
+        max: u64,
+    },
     /// An option or configuration value is out of range.
     #[error("invalid setting `{field}`: {reason}")]
     InvalidSetting {
@@ -152,7 +187,10 @@ impl WorkloadError {
     /// The trace line the error is about, if it is about one.
     pub fn line(&self) -> Option<usize> {
         match self {
-            WorkloadError::Line { line, .. } | WorkloadError::Io { line, .. } => Some(*line),
+            WorkloadError::Line { line, .. }
+            | WorkloadError::Io { line, .. }
+            | WorkloadError::EndlessLine { line, .. }
+            | WorkloadError::TooManyTokens { line, .. } => Some(*line),
             WorkloadError::InvalidSetting { .. } => None,
         }
     }
@@ -336,6 +374,16 @@ pub struct MooncakeOptions {
     /// Lines longer than this (excluding the newline) are rejected without
     /// being held in memory whole.
     pub max_line_bytes: usize,
+    /// How many bytes past `max_line_bytes` an over-long line is skipped in
+    /// search of its end; past that, reading stops with
+    /// [`WorkloadError::EndlessLine`].
+    pub max_skip_bytes: u64,
+    /// Most tokens, prompts and outputs together, the requests read may ask
+    /// for; the line that crosses it ends reading with
+    /// [`WorkloadError::TooManyTokens`]. `None`: no cap (a reader that
+    /// keeps only the hash ids needs none; one that builds every prompt
+    /// holds 4 bytes a token, and a few-KB trace can ask for a Gi tokens).
+    pub max_total_tokens: Option<u64>,
 }
 
 impl Default for MooncakeOptions {
@@ -348,6 +396,8 @@ impl Default for MooncakeOptions {
             max_input_tokens: DEFAULT_MAX_TOKENS,
             max_output_tokens: DEFAULT_MAX_TOKENS,
             max_line_bytes: DEFAULT_MAX_LINE_BYTES,
+            max_skip_bytes: DEFAULT_MAX_SKIP_BYTES,
+            max_total_tokens: None,
         }
     }
 }
@@ -382,6 +432,9 @@ impl MooncakeOptions {
         }
         if self.max_line_bytes == 0 {
             return Err(invalid("max_line_bytes", "must be at least 1"));
+        }
+        if self.max_total_tokens == Some(0) {
+            return Err(invalid("max_total_tokens", "must be at least 1"));
         }
         Ok(())
     }
@@ -529,7 +582,10 @@ impl MooncakeLine {
 ///
 /// Yields `Ok(request)` for each good line and `Err(WorkloadError::Line)` for
 /// each malformed one, then carries on with the next line; blank lines are
-/// skipped silently. An I/O error is yielded once and ends the iteration.
+/// skipped silently. An I/O error, a line with no end in sight
+/// ([`WorkloadError::EndlessLine`]) or the token cap crossed
+/// ([`WorkloadError::TooManyTokens`]) is yielded once and ends the
+/// iteration.
 /// Requests come out in file order (the published traces are sorted by
 /// timestamp; this reader does not re-sort).
 #[derive(Debug)]
@@ -538,6 +594,8 @@ pub struct MooncakeReader<R> {
     opts: MooncakeOptions,
     line: usize,
     emitted: usize,
+    /// Tokens (prompt and output) of the lines yielded so far.
+    tokens: u64,
     buf: Vec<u8>,
     done: bool,
 }
@@ -551,6 +609,7 @@ impl<R: BufRead> MooncakeReader<R> {
             opts,
             line: 0,
             emitted: 0,
+            tokens: 0,
             buf: Vec::new(),
             done: false,
         })
@@ -582,7 +641,13 @@ impl<R: BufRead> MooncakeReader<R> {
         }
         if self.buf.len() > max {
             if !ended {
-                skip_line(&mut self.reader).map_err(LineOrIo::Io)?;
+                let skipped =
+                    skip_line(&mut self.reader, self.opts.max_skip_bytes).map_err(LineOrIo::Io)?;
+                if skipped.is_none() {
+                    return Err(LineOrIo::Endless {
+                        read: (n as u64).saturating_add(self.opts.max_skip_bytes),
+                    });
+                }
             }
             return Err(LineOrIo::Line(LineError::TooLong { max }));
         }
@@ -593,23 +658,38 @@ impl<R: BufRead> MooncakeReader<R> {
 enum LineOrIo {
     Line(LineError),
     Io(io::Error),
+    /// No newline within the skip cap; `read` bytes of the line were read.
+    Endless {
+        read: u64,
+    },
 }
 
-/// Discards input up to and including the next newline.
-fn skip_line(r: &mut impl BufRead) -> io::Result<()> {
+/// Discards input up to and including the next newline, reading at most
+/// `max` bytes: `Some(bytes discarded)` once past the newline or at the end
+/// of input, `None` when `max` bytes went by without one.
+fn skip_line(r: &mut impl BufRead, max: u64) -> io::Result<Option<u64>> {
+    let mut skipped = 0u64;
     loop {
+        let left = max - skipped;
         let (consume, found) = match r.fill_buf() {
-            Ok([]) => return Ok(()),
-            Ok(buf) => match buf.iter().position(|&b| b == b'\n') {
-                Some(i) => (i + 1, true),
-                None => (buf.len(), false),
-            },
+            Ok([]) => return Ok(Some(skipped)),
+            Ok(buf) => {
+                let window = &buf[..buf.len().min(usize::try_from(left).unwrap_or(usize::MAX))];
+                match window.iter().position(|&b| b == b'\n') {
+                    Some(i) => (i + 1, true),
+                    None => (window.len(), false),
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
         r.consume(consume);
+        skipped += consume as u64;
         if found {
-            return Ok(());
+            return Ok(Some(skipped));
+        }
+        if skipped >= max {
+            return Ok(None);
         }
     }
 }
@@ -641,12 +721,32 @@ impl<R: BufRead> MooncakeReader<R> {
                     self.done = true;
                     return Some(Err(WorkloadError::Io { line, source }));
                 }
+                Err(LineOrIo::Endless { read }) => {
+                    self.done = true;
+                    return Some(Err(WorkloadError::EndlessLine {
+                        line,
+                        read,
+                        max_line: self.opts.max_line_bytes,
+                    }));
+                }
             }
             if self.buf.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
             return Some(match parse_record(&self.buf, line, &self.opts) {
                 Ok(rec) => {
+                    // Checked before the caller builds the prompt, so the
+                    // cap bounds what is ever held.
+                    self.tokens = self
+                        .tokens
+                        .saturating_add(rec.input_length as u64)
+                        .saturating_add(rec.output_length as u64);
+                    if let Some(max) = self.opts.max_total_tokens
+                        && self.tokens > max
+                    {
+                        self.done = true;
+                        return Some(Err(WorkloadError::TooManyTokens { line, max }));
+                    }
                     self.emitted += 1;
                     Ok(rec)
                 }
@@ -692,26 +792,28 @@ pub struct ParseReport {
 }
 
 /// Parses a whole trace, keeping every good line and recording each bad one,
-/// so one corrupt line does not lose the rest. Fails only on invalid options
-/// or an I/O error.
+/// so one corrupt line does not lose the rest. Fails only on invalid options,
+/// an I/O error, a line with no end in sight or the token cap crossed.
 pub fn parse_mooncake_lenient(
     reader: impl BufRead,
     opts: &MooncakeOptions,
 ) -> Result<ParseReport, WorkloadError> {
-    let mut report = ParseReport {
-        requests: Vec::new(),
-        skipped: Vec::new(),
-    };
-    for item in MooncakeReader::new(reader, opts.clone())? {
+    let mut lines = Vec::new();
+    let mut skipped = Vec::new();
+    let mut r = MooncakeReader::new(reader, opts.clone())?;
+    // Every line first, prompts after: a trace that fails (the token cap
+    // crossed, say) fails before any prompt is built.
+    while let Some(item) = r.next_line() {
         match item {
-            Ok(r) => report.requests.push(r),
-            Err(WorkloadError::Line { line, error }) => {
-                report.skipped.push(SkippedLine { line, error })
-            }
+            Ok(l) => lines.push(l),
+            Err(WorkloadError::Line { line, error }) => skipped.push(SkippedLine { line, error }),
             Err(e) => return Err(e),
         }
     }
-    Ok(report)
+    Ok(ParseReport {
+        requests: lines.into_iter().map(|l| l.into_request(opts)).collect(),
+        skipped,
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -1392,6 +1494,85 @@ mod tests {
     }
 
     #[test]
+    fn a_line_with_no_end_in_sight_stops_reading_instead_of_skipping_forever() {
+        let opts = MooncakeOptions {
+            max_line_bytes: 100,
+            max_skip_bytes: 1_000,
+            ..small()
+        };
+        // Endless input, like /dev/zero: before the skip cap, this never
+        // returned.
+        let endless = io::BufReader::new(io::repeat(b'x'));
+        let mut r = MooncakeReader::new(endless, opts.clone()).unwrap();
+        match r.next() {
+            Some(Err(WorkloadError::EndlessLine {
+                line: 1,
+                read: 1_101,
+                max_line: 100,
+            })) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(r.next().is_none());
+        // A newline just inside the skip cap is still found, and the next
+        // line kept.
+        let text = format!("{}\n{}\n", "x".repeat(1_100), line(0, 4, 1, &[1]));
+        let report = parse_mooncake_lenient(Cursor::new(text.as_bytes()), &opts).unwrap();
+        assert_eq!((report.requests.len(), report.skipped.len()), (1, 1));
+        // One byte further and it is not.
+        let text = format!("{}\n{}\n", "x".repeat(1_102), line(0, 4, 1, &[1]));
+        let err = parse_mooncake_lenient(Cursor::new(text.as_bytes()), &opts).unwrap_err();
+        assert!(
+            matches!(err, WorkloadError::EndlessLine { line: 1, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("1101 bytes"), "{err}");
+    }
+
+    #[test]
+    fn the_token_cap_stops_reading_at_the_line_that_crosses_it() {
+        let opts = MooncakeOptions {
+            max_total_tokens: Some(20),
+            ..small()
+        };
+        // 5 + 5 + 5 tokens, a bad line (not counted), then 5 + 1 more.
+        let text = [
+            line(0, 4, 1, &[1]),
+            line(0, 4, 1, &[2]),
+            line(0, 4, 1, &[3]),
+            "bad".into(),
+            line(0, 4, 1, &[4]),
+            line(0, 4, 2, &[5]),
+            line(0, 4, 1, &[6]),
+        ]
+        .join("\n");
+        let err = parse_mooncake_lenient(Cursor::new(text.as_bytes()), &opts).unwrap_err();
+        assert!(
+            matches!(err, WorkloadError::TooManyTokens { line: 6, max: 20 }),
+            "{err}"
+        );
+        assert_eq!(err.line(), Some(6));
+        // Exactly at the cap is fine: 26 by line 6, 31 by line 7.
+        let cap = |max| MooncakeOptions {
+            max_total_tokens: Some(max),
+            ..opts.clone()
+        };
+        let err = parse_mooncake_lenient(Cursor::new(text.as_bytes()), &cap(26)).unwrap_err();
+        assert_eq!(err.line(), Some(7), "{err}");
+        let report = parse_mooncake_lenient(Cursor::new(text.as_bytes()), &cap(31)).unwrap();
+        assert_eq!(report.requests.len(), 6);
+        // `max_requests` ends reading before the cap is looked at.
+        let report = parse_mooncake_lenient(
+            Cursor::new(text.as_bytes()),
+            &MooncakeOptions {
+                max_requests: Some(4),
+                ..opts
+            },
+        )
+        .unwrap();
+        assert_eq!(report.requests.len(), 4);
+    }
+
+    #[test]
     fn invalid_utf8_is_a_json_error() {
         let mut bytes = line(0, 4, 1, &[1]).into_bytes();
         bytes.push(b'\n');
@@ -1480,6 +1661,10 @@ mod tests {
             },
             MooncakeOptions {
                 max_line_bytes: 0,
+                ..Default::default()
+            },
+            MooncakeOptions {
+                max_total_tokens: Some(0),
                 ..Default::default()
             },
         ];

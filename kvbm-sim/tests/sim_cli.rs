@@ -1,10 +1,60 @@
 //! End to end: the real `kvbm-sim` binary.
 
-use std::io::Write;
-use std::process::Command;
+use std::io::{BufRead, Read, Write};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 fn sim() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvbm-sim"))
+}
+
+/// Runs `cmd` to the end like `Command::output`, but kills it and fails
+/// the test once it has run `limit`: a run that hangs fails rather than
+/// stalling the suite.
+fn output_within(cmd: &mut Command, limit: Duration) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let read_all = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let out = read_all(Box::new(child.stdout.take().unwrap()));
+    let err = read_all(Box::new(child.stderr.take().unwrap()));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+    }
+}
+
+/// Asserts `out` is a failure with a clear error containing each of
+/// `needles`, not a panic.
+fn assert_refused(out: &Output, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "succeeded: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for n in needles {
+        assert!(err.contains(n), "no {n:?} in: {err}");
+    }
 }
 
 #[test]
@@ -134,5 +184,225 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!err.contains("panicked"), "{args:?}: {err}");
         assert!(err.to_lowercase().contains("error"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_the_output_quietly() {
+    for json in [false, true] {
+        let mut cmd = sim();
+        cmd.args(["--requests", "3"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if json {
+            cmd.arg("--json");
+        }
+        let mut child = cmd.spawn().unwrap();
+        // As `| true` does: the reader is gone before the report is written.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{err}");
+        assert_eq!(out.status.code(), Some(0), "{err}");
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_full_stdout_is_an_error_naming_stdout() {
+    for args in [&["--requests", "3"][..], &["--requests", "3", "--json"]] {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let out = sim()
+            .args(args)
+            .stdout(full)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        assert_refused(
+            &out,
+            &["Error: writing the report to stdout", "No space left"],
+        );
+        assert_eq!(out.status.code(), Some(1));
+    }
+}
+
+#[test]
+fn out_of_range_options_are_refused_by_name_with_their_range() {
+    for (args, needles) in [
+        // Panicked multiplying it by the block size.
+        (
+            &["--kv-bytes-per-token", "18446744073709551615"][..],
+            &["--kv-bytes-per-token", "from 1 to 1073741824"][..],
+        ),
+        // Wrapped the byte totals.
+        (
+            &["--kv-bytes-per-token", "1000000000000000"],
+            &["--kv-bytes-per-token", "from 1 to 1073741824"],
+        ),
+        // Silently 1 s, and silently a day.
+        (
+            &["--bp-deadline-s", "0"],
+            &["--bp-deadline-s", "from 0.001 to 86400"],
+        ),
+        (
+            &["--bp-deadline-s", "1e9"],
+            &["--bp-deadline-s", "from 0.001 to 86400"],
+        ),
+        (&["--max-trace-tokens", "0"], &["--max-trace-tokens"]),
+    ] {
+        let mut a = args.to_vec();
+        a.extend(["--requests", "1"]);
+        assert_refused(&sim().args(&a).output().unwrap(), needles);
+    }
+    // The bounds themselves are taken.
+    let out = sim()
+        .args([
+            "--requests",
+            "2",
+            "--kv-bytes-per-token",
+            "1073741824",
+            "--bp-deadline-s",
+            "0.001",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["kv_bytes_per_block"], 16u64 << 30);
+}
+
+#[test]
+fn an_empty_or_blank_trace_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in [("empty.jsonl", ""), ("blank.jsonl", "\n  \n")] {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        let out = sim()
+            .args(["--trace", path.to_str().unwrap(), "--json"])
+            .output()
+            .unwrap();
+        assert_refused(&out, &["no usable request", name, "empty or blank"]);
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn a_few_kb_trace_asking_for_too_many_tokens_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("amp.jsonl");
+    // 27 KB asking for 300 Mi tokens: 100 of these lines ran on for
+    // minutes in ~1 GB before.
+    let text: String = (0..300u64)
+        .map(|i| {
+            format!(
+                "{{\"timestamp\": {}, \"input_length\": 1048576, \"output_length\": 1, \"hash_ids\": []}}\n",
+                i * 1_000_000_000
+            )
+        })
+        .collect();
+    std::fs::write(&path, text).unwrap();
+    let out = output_within(
+        sim().args([
+            "--trace",
+            path.to_str().unwrap(),
+            "--json",
+            "--device-capacity-tokens",
+            "2097152",
+        ]),
+        Duration::from_secs(30),
+    );
+    assert_refused(
+        &out,
+        &["amp.jsonl", "line 256", "--max-trace-tokens 268435456"],
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn a_trace_that_never_ends_a_line_is_refused_not_skipped_forever() {
+    let out = output_within(
+        sim().args(["--trace", "/dev/zero"]),
+        Duration::from_secs(60),
+    );
+    assert_refused(
+        &out,
+        &[
+            "/dev/zero",
+            "line 1",
+            "no end of line in the 83886081 bytes",
+        ],
+    );
+}
+
+/// SIGINT or SIGTERM before the workload ends: the report says so and
+/// counts only what arrived, and the status is 128 + the signal.
+#[cfg(unix)]
+#[test]
+fn an_interrupted_served_run_says_so_and_exits_with_the_signals_status() {
+    for (signal, status, json) in [("INT", 130, true), ("TERM", 143, false)] {
+        let mut cmd = sim();
+        cmd.args([
+            "--serve",
+            "127.0.0.1:0",
+            "--requests",
+            "2000",
+            "--rate",
+            "5",
+            "--real-time",
+            "1",
+            "--max-len",
+            "4096",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        if json {
+            cmd.arg("--json");
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        stdout.read_line(&mut first).unwrap();
+        assert!(first.starts_with("serving on http://"), "{first}");
+        // A few requests arrive (5 a second).
+        std::thread::sleep(Duration::from_millis(1500));
+        let killed = Command::new("kill")
+            .args([format!("-{signal}"), child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        let mut report = String::new();
+        stdout.read_to_string(&mut report).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(status), "SIG{signal}: {err}");
+        assert!(
+            err.contains(&format!(
+                "interrupted by SIG{signal} before the workload ended"
+            )),
+            "{err}"
+        );
+        if json {
+            let v: serde_json::Value = serde_json::from_str(&report).unwrap();
+            assert_eq!(v["interrupted"], true, "{v}");
+            assert_eq!(v["requests_total"], 2000, "{v}");
+            let arrived = v["requests_arrived"].as_u64().unwrap();
+            assert!((1..2000).contains(&arrived), "{v}");
+            // Prompts of at most 4096 tokens: only the arrived ones count.
+            let prompt = v["prompt_tokens"].as_u64().unwrap();
+            assert!(prompt > 0 && prompt <= arrived * 4096, "{v}");
+        } else {
+            assert!(
+                report.starts_with("INTERRUPTED ") && report.contains("of 2000 requests"),
+                "{report}"
+            );
+        }
     }
 }

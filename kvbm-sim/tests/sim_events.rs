@@ -367,3 +367,36 @@ fn a_breakpoint_pauses_the_engine_and_resume_releases_it() {
     assert_eq!(st.paused_count(), 0);
     assert!(st.count_of("HookCall") > 0);
 }
+
+/// A run stopped before its workload ends says so, and counts only the
+/// requests that arrived (before, `prompt_tokens` counted the whole
+/// workload, diluting the hit ratio of an interrupted `--serve` run).
+#[test]
+fn a_run_stopped_early_says_so_and_counts_only_what_arrived() {
+    let rt = runtime();
+    let workload = vec![
+        req("first", 0.0, (0..64).collect(), 2),
+        req("much-later", 3_600_000.0, (1000..1100).collect(), 2),
+    ];
+    let mut sim = Simulator::new(SimConfig::default(), workload.clone(), rt.handle()).unwrap();
+    // Prefill, decode, then an idle step up to the second's arrival: it
+    // would be admitted on the next.
+    while sim.iteration() < 3 && sim.step() {}
+    let report = sim.finish();
+    assert!(report.interrupted);
+    assert_eq!(
+        (
+            report.requests_total,
+            report.requests_arrived,
+            report.requests_finished
+        ),
+        (2, 1, 1)
+    );
+    assert_eq!(report.prompt_tokens, 64);
+    // Run to the end, it counts them all and is not interrupted.
+    let report = Simulator::new(SimConfig::default(), workload, rt.handle())
+        .unwrap()
+        .run();
+    assert!(!report.interrupted);
+    assert_eq!((report.requests_arrived, report.prompt_tokens), (2, 164));
+}

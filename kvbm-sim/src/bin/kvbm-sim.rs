@@ -17,6 +17,15 @@
 //! stream and answers control on `kvbm.control.NAME` (see
 //! `kvbm_attach::nats`); on exit the publisher's counters go to stderr as
 //! one line, `publisher {json}`.
+//!
+//! Served or publishing, SIGINT (Ctrl-C) or SIGTERM before the workload
+//! ends stops the engine: the report says the run was interrupted and
+//! counts only the requests that had arrived, and the exit status is 130
+//! or 143. After the workload they only end the lingering (status 0).
+//!
+//! A reader of stdout that has gone (`| head`) ends the output quietly,
+//! status 0 as if it had read it all; any other failure to write stdout
+//! (a full disk) is an error naming stdout.
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -26,8 +35,10 @@ use kvbm_events::Emitter;
 use kvbm_events::ring::{RingBuffer, RingConfig};
 use kvbm_sim::args::SimArgs;
 use kvbm_sim::sim::{SimReport, Simulator};
-use std::io::Write;
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::net::SocketAddr;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -80,9 +91,10 @@ struct Args {
     /// Events the server's ring keeps.
     #[arg(long, default_value_t = 1 << 20, requires = "serve")]
     ring: usize,
-    /// Seconds a paused call waits before it resumes by itself.
-    #[arg(long, default_value_t = 60)]
-    bp_deadline_s: u64,
+    /// Seconds a paused call waits before it resumes by itself (0.001 to
+    /// 86400).
+    #[arg(long, default_value = "60", value_parser = kvbm_sim::args::deadline_seconds)]
+    bp_deadline_s: Duration,
     /// Publish every event to NATS JetStream (`nats://HOST:PORT`) as
     /// engine `--engine-id`, with breakpoint control on
     /// `kvbm.control.<engine-id>`.
@@ -115,7 +127,7 @@ enum Extra {
     },
 }
 
-fn main() -> Result<()> {
+fn main() -> Result<ExitCode> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -130,10 +142,8 @@ fn main() -> Result<()> {
         // and `| head` closes stdout early.
         let mut script = Vec::new();
         clap_complete::generate(shell, &mut Args::command(), "kvbm-sim", &mut script);
-        return match std::io::stdout().write_all(&script) {
-            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
-            _ => Ok(()),
-        };
+        write_stdout(&script).context("writing the completion script to stdout")?;
+        return Ok(ExitCode::SUCCESS);
     }
     let loaded = a.sim.load()?;
     if let Some(path) = &a.sim.trace {
@@ -155,7 +165,7 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     let sim = Simulator::new(cfg, workload, rt.handle())?;
-    let report = match (a.serve, &a.publish) {
+    let (report, signal) = match (a.serve, &a.publish) {
         (Some(addr), _) => serve(&a, addr, sim)?,
         (None, Some(url)) => publish(&a, url, sim)?,
         (None, None) => {
@@ -176,27 +186,45 @@ fn main() -> Result<()> {
                 bar.set_position(done as u64);
             });
             bar.finish_and_clear();
-            report
+            (report, None)
         }
     };
-    print_report(&report, a.json)?;
-    Ok(())
+    if report.interrupted {
+        eprintln!(
+            "interrupted{} before the workload ended: {} of {} requests had arrived; \
+             the report counts only those",
+            signal.map_or(String::new(), |s| format!(" by {}", s.name())),
+            report.requests_arrived,
+            report.requests_total
+        );
+    }
+    let text = if a.json {
+        serde_json::to_string(&report)? + "\n"
+    } else {
+        summary(&report)
+    };
+    write_stdout(text.as_bytes()).context("writing the report to stdout")?;
+    Ok(match (report.interrupted, signal) {
+        (false, _) => ExitCode::SUCCESS,
+        (true, Some(s)) => ExitCode::from(s.exit_status()),
+        (true, None) => ExitCode::FAILURE,
+    })
 }
 
-fn print_report(report: &SimReport, json: bool) -> Result<()> {
-    if json {
-        println!("{}", serde_json::to_string(report)?);
-    } else {
-        print_summary(report);
+/// Writes `bytes` to stdout and flushes. A reader that has gone (`| head`)
+/// is not an error: there is nobody left to tell, so the rest is dropped.
+fn write_stdout(bytes: &[u8]) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(bytes).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r,
     }
-    std::io::stdout().flush()?;
-    Ok(())
 }
 
 /// Runs the engine with breakpoints and an attach server; returns the
-/// report once the engine finished and the server stopped (Ctrl-C, or
-/// `--linger-s` after the workload).
-fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
+/// report once the engine finished and the server stopped (a signal, or
+/// `--linger-s` after the workload), with the signal if one came.
+fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<(SimReport, Option<Signal>)> {
     let token = a
         .token
         .clone()
@@ -230,8 +258,9 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
         ..ServerConfig::default()
     };
     let server = server_rt.block_on(Server::bind(cfg, engine))?;
-    println!("serving on http://{}", server.local_addr());
-    std::io::stdout().flush()?;
+    // Without a reader on stdout the server still serves.
+    write_stdout(format!("serving on http://{}\n", server.local_addr()).as_bytes())
+        .context("writing the address to stdout")?;
     let handle = {
         let _g = server_rt.enter();
         server.spawn()
@@ -241,7 +270,7 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
         Some(s) => Linger::For(s),
         None => Linger::UntilCtrlC("workload finished; serving until Ctrl-C"),
     };
-    server_rt.block_on(engine.wait(linger));
+    let signal = server_rt.block_on(engine.wait(linger));
     // No client can set a breakpoint once the server is down; then nothing
     // may stay paused.
     let served = server_rt.block_on(handle.shutdown());
@@ -250,13 +279,13 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<SimReport> {
     let report = engine.join()?;
     feeder.stop();
     served?;
-    Ok(report)
+    Ok((report, signal))
 }
 
 /// Runs the engine with breakpoints, publishing to NATS and answering
-/// control there; returns the report once the engine finished (or Ctrl-C)
-/// and the publisher drained.
-fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
+/// control there; returns the report once the engine finished (or a
+/// signal came) and the publisher drained, with the signal if one came.
+fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<(SimReport, Option<Signal>)> {
     use kvbm_attach::nats::control::{ControlResponder, spawn_responder};
     use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
     let engine_id = a.engine_id.clone().unwrap_or_default();
@@ -284,7 +313,7 @@ fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
         publisher.run()
     );
     let engine = EngineThread::spawn(sim)?;
-    rt.block_on(engine.wait(a.publish_linger_s.map_or(Linger::No, Linger::For)));
+    let signal = rt.block_on(engine.wait(a.publish_linger_s.map_or(Linger::No, Linger::For)));
     // Nothing may stay paused once control is gone.
     control.abort();
     responder.release_all();
@@ -295,18 +324,19 @@ fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<SimReport> {
     eprintln!("publisher {}", serde_json::to_string(&counters)?);
     // What control through NATS answered, refused and released.
     eprintln!("control {}", serde_json::to_string(&responder.counters())?);
-    Ok(report)
+    Ok((report, signal))
 }
 
 /// Breakpoints on the simulator's leader (a pause lasting at most
-/// `deadline_s`, at least 1 s), with its emitter: what a served or
-/// publishing engine is controlled through.
-fn install_breakpoints(sim: &mut Simulator, deadline_s: u64) -> (Arc<Emitter>, Arc<Breakpoints>) {
+/// `deadline`, which `--bp-deadline-s`'s parser keeps in the range
+/// `Breakpoints` takes), with its emitter: what a served or publishing
+/// engine is controlled through.
+fn install_breakpoints(
+    sim: &mut Simulator,
+    deadline: Duration,
+) -> (Arc<Emitter>, Arc<Breakpoints>) {
     let emitter = sim.emitter().clone();
-    let bps = Arc::new(Breakpoints::new(
-        Some(emitter.clone()),
-        Duration::from_secs(deadline_s.max(1)),
-    ));
+    let bps = Arc::new(Breakpoints::new(Some(emitter.clone()), deadline));
     sim.leader_mut().set_hooks(
         HookSet::none()
             .with_emitter(emitter.clone())
@@ -317,12 +347,69 @@ fn install_breakpoints(sim: &mut Simulator, deadline_s: u64) -> (Arc<Emitter>, A
 
 /// What a served or publishing engine does once its workload is done.
 enum Linger {
-    /// Stays up this many seconds (or until Ctrl-C).
+    /// Stays up this many seconds (or until a signal).
     For(f64),
-    /// Says this, then stays up until Ctrl-C.
+    /// Says this, then stays up until a signal.
     UntilCtrlC(&'static str),
     /// Ends at once.
     No,
+}
+
+/// A signal that stops a served or publishing engine.
+#[derive(Debug, Clone, Copy)]
+enum Signal {
+    /// Ctrl-C.
+    Int,
+    /// `kill`, a service manager stopping it.
+    Term,
+}
+
+impl Signal {
+    fn name(self) -> &'static str {
+        match self {
+            Signal::Int => "SIGINT",
+            Signal::Term => "SIGTERM",
+        }
+    }
+
+    /// 128 + the signal's number, as a shell reports a process the signal
+    /// killed.
+    fn exit_status(self) -> u8 {
+        match self {
+            Signal::Int => 130,
+            Signal::Term => 143,
+        }
+    }
+
+    /// The next SIGINT or SIGTERM. One whose handler cannot be installed is
+    /// never awaited, rather than taken as having come.
+    async fn next() -> Signal {
+        let int = async {
+            match tokio::signal::ctrl_c().await {
+                Ok(()) => Signal::Int,
+                Err(_) => std::future::pending().await,
+            }
+        };
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let term = async {
+                match signal(SignalKind::terminate()) {
+                    Ok(mut s) => {
+                        s.recv().await;
+                        Signal::Term
+                    }
+                    Err(_) => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                s = int => s,
+                s = term => s,
+            }
+        }
+        #[cfg(not(unix))]
+        int.await
+    }
 }
 
 /// The simulator stepping on its own thread, while the caller's runtime
@@ -345,35 +432,34 @@ impl EngineThread {
         Ok(EngineThread { stop, thread })
     }
 
-    /// Until the workload finishes and then `linger`, or until Ctrl-C,
-    /// which stops the engine.
-    async fn wait(&self, linger: Linger) {
-        let ctrl_c = tokio::signal::ctrl_c();
-        tokio::pin!(ctrl_c);
+    /// Until the workload finishes and then `linger`, or until SIGINT or
+    /// SIGTERM, which stops the engine; returns the signal if one came.
+    async fn wait(&self, linger: Linger) -> Option<Signal> {
+        let signal = Signal::next();
+        tokio::pin!(signal);
         let finished = async {
             while !self.thread.is_finished() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         };
-        let interrupted = tokio::select! {
-            _ = &mut ctrl_c => true,
-            _ = finished => {
-                match linger {
-                    Linger::For(s) => tokio::select! {
-                        _ = &mut ctrl_c => {}
-                        _ = tokio::time::sleep(Duration::from_secs_f64(s)) => {}
-                    },
-                    Linger::UntilCtrlC(say) => {
-                        eprintln!("{say}");
-                        let _ = (&mut ctrl_c).await;
-                    }
-                    Linger::No => {}
-                }
-                false
+        tokio::select! {
+            s = &mut signal => {
+                // The engine sees this between two steps; its report then
+                // says whether the workload had ended.
+                self.stop.store(true, Ordering::Relaxed);
+                Some(s)
             }
-        };
-        if interrupted {
-            self.stop.store(true, Ordering::Relaxed);
+            _ = finished => match linger {
+                Linger::For(secs) => tokio::select! {
+                    s = &mut signal => Some(s),
+                    _ = tokio::time::sleep(Duration::from_secs_f64(secs)) => None,
+                },
+                Linger::UntilCtrlC(say) => {
+                    eprintln!("{say}");
+                    Some((&mut signal).await)
+                }
+                Linger::No => None,
+            },
         }
     }
 
@@ -384,39 +470,54 @@ impl EngineThread {
     }
 }
 
-fn print_summary(r: &SimReport) {
-    println!(
+/// The readable report.
+fn summary(r: &SimReport) -> String {
+    let mut s = String::new();
+    // Writing to a String cannot fail.
+    let mut line = |args: std::fmt::Arguments| {
+        let _ = s.write_fmt(args);
+        s.push('\n');
+    };
+    if r.interrupted {
+        line(format_args!(
+            "INTERRUPTED         before the workload ended: {} of {} requests had arrived, \
+             and every figure counts only those",
+            r.requests_arrived, r.requests_total
+        ));
+    }
+    line(format_args!(
         "model               {} ({} KV bytes per block; byte figures count these, \
          the simulated storages copy far fewer)",
         r.model, r.kv_bytes_per_block
-    );
-    println!("requests finished   {}", r.requests_finished);
-    println!(
+    ));
+    line(format_args!("requests finished   {}", r.requests_finished));
+    line(format_args!(
         "prompt tokens       {}  (prefix hits {} = {:.1}%)",
         r.prompt_tokens,
         r.prefix_hit_tokens,
         100.0 * r.prefix_hit_ratio
-    );
+    ));
     for (tier, t) in &r.prefix_hit_tokens_by_tier {
-        println!("  hits on {tier:<7}   {t}");
+        line(format_args!("  hits on {tier:<7}   {t}"));
     }
-    println!("preemptions         {}", r.preemptions);
-    for (d, s) in &r.transfers_by_direction {
-        println!(
+    line(format_args!("preemptions         {}", r.preemptions));
+    for (d, t) in &r.transfers_by_direction {
+        line(format_args!(
             "transfers {d}      {} completed, {} skipped, {} blocks, {} bytes ({} really copied)",
-            s.completed, s.skipped, s.blocks, s.bytes, s.real_bytes
-        );
+            t.completed, t.skipped, t.blocks, t.bytes, t.real_bytes
+        ));
     }
-    println!(
+    line(format_args!(
         "TTFT ms             p50 {:.1}  p90 {:.1}  p99 {:.1}  max {:.1}",
         r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99, r.ttft_ms.max
-    );
-    println!(
+    ));
+    line(format_args!(
         "events              {} emitted, {} lost",
         r.events_emitted, r.events_lost
-    );
-    println!(
+    ));
+    line(format_args!(
         "iterations          {} ({:.0} ms virtual, {:.0} ms wall)",
         r.iterations, r.virtual_time_ms, r.wall_time_ms
-    );
+    ));
+    s
 }
