@@ -385,8 +385,13 @@ fn pipeline_counts_gaps_restarts_and_malformed_messages() {
         from_seq: 2,
         to_seq: 3
     }));
-    // Malformed payload: counted, its seq still tracked (no gap after it).
+    // Malformed payload: counted, its seq still tracked (no gap after it
+    // for batch 6), and its batch lost (one of its own).
     feed(&mut p, 5, b"\xc1garbage", &mut out);
+    assert!(out.contains(&ZmqItem::Gap {
+        from_seq: 5,
+        to_seq: 5
+    }));
     feed(&mut p, 6, &good(4), &mut out);
     // Bad frames.
     block_on(p.message(&[b"only one frame".as_slice()], &mut NoReplay, &mut out));
@@ -409,10 +414,13 @@ fn pipeline_counts_gaps_restarts_and_malformed_messages() {
     let c = p.counters();
     assert_eq!(c.messages, 8);
     assert_eq!(c.malformed, 3);
-    assert_eq!((c.gaps, c.missed, c.restarts), (1, 2, 1));
+    assert_eq!((c.gaps, c.missed, c.restarts), (2, 3, 1));
     assert_eq!(
         c.missed_ranges,
-        vec![kvbm_ingest::vllm::SeqRange { from: 2, to: 3 }]
+        vec![
+            kvbm_ingest::vllm::SeqRange { from: 2, to: 3 },
+            kvbm_ingest::vllm::SeqRange { from: 5, to: 5 }
+        ]
     );
     assert_eq!(c.translate.registered, 5);
     assert_eq!(c.translate.restarts, 1);

@@ -7,8 +7,9 @@
 use kvbm_events::EventKind;
 use kvbm_events::tier::Tier;
 use kvbm_ingest::vllm::{
-    KvBatch, KvEvent, Medium, NoReplay, Pipeline, Replay, RestartAt, RestartCause, SeqRange,
-    Skipped, Translator, TranslatorConfig, ZmqConfig, ZmqEndpoint, ZmqItem, split_replay_frames,
+    KvBatch, KvEvent, MAX_SEQ_JUMP, Medium, NoReplay, Pipeline, Replay, ReplayFailure, RestartAt,
+    RestartCause, SeqRange, Skipped, Translator, TranslatorConfig, ZmqConfig, ZmqEndpoint, ZmqItem,
+    split_replay_frames,
 };
 use rmpv::Value;
 
@@ -51,20 +52,31 @@ struct MemReplay {
     buffer: Vec<(u64, Vec<u8>)>,
     requests: Vec<(u64, u64)>,
     fail: bool,
+    /// Fails after this many batches of the answer (an answer cut short:
+    /// a deadline or frame cap reached), handing them on.
+    cut_after: Option<usize>,
 }
 
 impl Replay for MemReplay {
-    async fn fetch(&mut self, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+    async fn fetch(&mut self, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, ReplayFailure> {
         self.requests.push((from, to));
         if self.fail {
             return Err("no answer".into());
         }
-        Ok(self
+        let mut answer: Vec<_> = self
             .buffer
             .iter()
             .filter(|(s, _)| (from..=to).contains(s))
             .cloned()
-            .collect())
+            .collect();
+        if let Some(n) = self.cut_after {
+            answer.truncate(n);
+            return Err(ReplayFailure {
+                error: "cut short".into(),
+                partial: answer,
+            });
+        }
+        Ok(answer)
     }
 }
 
@@ -169,6 +181,48 @@ fn a_gap_is_filled_in_order_and_what_the_buffer_lacks_is_placed_as_lost() {
     let c = p.counters();
     assert_eq!((c.gaps, c.replayed, c.missed), (1, 3, 2));
     assert_eq!(c.missed_ranges, vec![SeqRange { from: 2, to: 3 }]);
+}
+
+/// A batch whose seq is in order but whose payload cannot be read, live or
+/// in a replay answer: its events are lost like a batch that never came
+/// (a hole in the kvbm seq and a gap the recording places), not only a
+/// malformed message beside a stream that looks whole.
+#[test]
+fn a_batch_that_cannot_be_read_is_a_loss_not_only_a_malformed_message() {
+    let mut p = pipeline(true, None);
+    let mut r = MemReplay {
+        buffer: vec![(1, b"not msgpack".to_vec()), (2, stored(&[102]))],
+        ..MemReplay::default()
+    };
+    let a = feed(&mut p, &mut r, 0, &stored(&[100]));
+    let b = feed(&mut p, &mut r, 1, b"\xc1 garbage");
+    assert_eq!(
+        b,
+        vec![ZmqItem::Gap {
+            from_seq: 1,
+            to_seq: 1
+        }]
+    );
+    let c = feed(&mut p, &mut r, 2, &stored(&[102]));
+    // The kvbm seq has the hole where batch 1's events would be.
+    let (a, c) = (seqs(&a), seqs(&c));
+    assert!(c[0] > a[a.len() - 1] + 1, "{a:?} then {c:?}");
+    let counters = p.counters();
+    assert_eq!(
+        (counters.malformed, counters.gaps, counters.missed),
+        (1, 1, 1)
+    );
+    assert_eq!(counters.missed_ranges, vec![SeqRange { from: 1, to: 1 }]);
+    // In a replay answer: batch 1 fetched but unreadable is lost too.
+    let mut p = pipeline(true, None);
+    feed(&mut p, &mut r, 0, &stored(&[100]));
+    let items = feed(&mut p, &mut r, 3, &stored(&[103]));
+    assert_eq!(registered(&items), vec![102, 103]);
+    assert!(items.contains(&ZmqItem::Gap {
+        from_seq: 1,
+        to_seq: 1
+    }));
+    assert_eq!(p.counters().missed, 1);
 }
 
 /// After a reconnection, the replay endpoint's copy of the last batch seen
@@ -294,6 +348,111 @@ fn a_failed_replay_is_reported_and_leaves_a_loss() {
     let c = p.counters();
     assert_eq!((c.replay_failures, c.missed), (1, 2));
     assert_eq!(c.last_replay_error.as_deref(), Some("no answer"));
+}
+
+/// A replay answer cut short (its deadline or frame cap reached) counts as
+/// failed; the batches it brought are real and kept, the rest of the gap
+/// is lost.
+#[test]
+fn an_answer_cut_short_is_a_failure_that_keeps_what_it_brought() {
+    let mut p = pipeline(true, None);
+    let mut r = MemReplay {
+        buffer: (0..10).map(|s| (s, stored(&[100 + s]))).collect(),
+        cut_after: Some(3),
+        ..MemReplay::default()
+    };
+    feed(&mut p, &mut r, 0, &stored(&[100]));
+    let items = feed(&mut p, &mut r, 9, &stored(&[109]));
+    assert_eq!(
+        items[0],
+        ZmqItem::ReplayFailed {
+            error: "cut short".into()
+        }
+    );
+    assert_eq!(registered(&items), vec![101, 102, 103, 109]);
+    assert!(items.contains(&ZmqItem::Gap {
+        from_seq: 4,
+        to_seq: 8
+    }));
+    let c = p.counters();
+    assert_eq!((c.replay_failures, c.replayed, c.missed), (1, 3, 5));
+}
+
+/// Every kvbm event's seq, in order.
+fn seqs(items: &[ZmqItem]) -> Vec<u64> {
+    items
+        .iter()
+        .flat_map(|i| match i {
+            ZmqItem::Events(e) => e.iter().map(|e| e.seq).collect(),
+            _ => vec![],
+        })
+        .collect()
+}
+
+/// A hostile seq near `u64::MAX` (0, 2^64-2, 2^64-1, 0, 1): the jump was
+/// taken for a gap of 2^64-3 batches, whose holes took the kvbm seq to
+/// `u64::MAX`, and the next stamp overflowed (a panic in debug that killed
+/// the source, a wrap in release). No engine publishes that many batches
+/// in between: it is a restart, nothing is placed as lost, no replay of
+/// 2^64 batches is asked for, and every batch still arrives.
+#[test]
+fn a_seq_jump_near_u64_max_is_a_restart_and_every_batch_still_arrives() {
+    for with_replay in [false, true] {
+        let mut p = pipeline(with_replay, None);
+        let mut r = MemReplay::default();
+        let mut items = Vec::new();
+        for (seq, h) in [(0, 1), (u64::MAX - 1, 2), (u64::MAX, 3), (0, 4), (1, 5)] {
+            items.extend(feed(&mut p, &mut r, seq, &stored(&[h])));
+        }
+        assert!(
+            items.contains(&ZmqItem::Restart(RestartAt {
+                last_seq: 0,
+                new_seq: u64::MAX - 1,
+                cause: RestartCause::SeqJumped,
+            })),
+            "{items:?}"
+        );
+        assert!(!items.iter().any(|i| matches!(i, ZmqItem::Gap { .. })));
+        assert!(r.requests.is_empty(), "{:?}", r.requests);
+        assert_eq!(registered(&items), vec![1, 2, 3, 4, 5]);
+        // The kvbm seq is gapless: no hole stands for batches never sent.
+        let s = seqs(&items);
+        assert_eq!(s, (0..s.len() as u64).collect::<Vec<_>>());
+        let c = p.counters();
+        assert_eq!((c.restarts, c.missed, c.seq_too_far), (1, 0, 1));
+    }
+}
+
+/// The bound is exact: [`MAX_SEQ_JUMP`] batches missing is a gap, one
+/// hole per batch; one more is a restart.
+#[test]
+fn a_jump_of_max_seq_jump_batches_is_a_gap_and_one_more_a_restart() {
+    let mut p = pipeline(false, None);
+    let first = feed(&mut p, &mut NoReplay, 0, &stored(&[1]));
+    let after_first = seqs(&first).last().unwrap() + 1;
+    let items = feed(&mut p, &mut NoReplay, MAX_SEQ_JUMP + 1, &stored(&[2]));
+    assert_eq!(
+        items[0],
+        ZmqItem::Gap {
+            from_seq: 1,
+            to_seq: MAX_SEQ_JUMP
+        }
+    );
+    assert_eq!(
+        seqs(&items)[0],
+        after_first + MAX_SEQ_JUMP,
+        "one hole a batch"
+    );
+    let items = feed(&mut p, &mut NoReplay, 2 * MAX_SEQ_JUMP + 3, &stored(&[3]));
+    assert!(matches!(
+        items[0],
+        ZmqItem::Restart(RestartAt {
+            cause: RestartCause::SeqJumped,
+            ..
+        })
+    ));
+    assert!(!items.iter().any(|i| matches!(i, ZmqItem::Gap { .. })));
+    assert_eq!(p.counters().missed, MAX_SEQ_JUMP);
 }
 
 /// Joining at batch 879: said, and what the buffer holds is fetched.

@@ -943,3 +943,38 @@ fn a_quiet_engine_s_log_is_closed_and_reopened_without_loss() {
     assert!(open <= 2, "{line}");
     assert_exactly_once(&out, &emitted, &rlog);
 }
+
+/// A `nats-server` that requires a user and password, given in the URLs
+/// (`nats://USER:PASSWORD@HOST:PORT`) to an engine and the recorder: the
+/// events arrive exactly once, and the password is in nothing printed or
+/// kept (the recorder's output, the manifest, the engine's stderr).
+#[test]
+fn credentials_in_the_url_reach_a_server_that_requires_them_and_are_never_kept() {
+    let one = serial();
+    let nats = NatsServer::start_with_args(&["--user", "kv", "--pass", "s3cret-pw"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("fleet");
+    let rlog = tmp.path().join("recorder.log");
+    let url = format!("nats://kv:s3cret-pw@127.0.0.1:{}", nats.port());
+    // Built first, so no build counts as the recorder's idle time.
+    let _ = (sim_bin(), recorder_bin());
+    let mut rec = spawn_recorder(&url, &out, "3", &rlog);
+    let emitted = small_engines(&url, &["auth-a"], 7, tmp.path());
+    assert!(wait(&mut rec, "the recorder", Duration::from_secs(60)).success());
+    assert_exactly_once(&out, &emitted, &rlog);
+    let kept = [
+        std::fs::read_to_string(&rlog).unwrap(),
+        std::fs::read_to_string(out.join("fleet.json")).unwrap(),
+        std::fs::read_to_string(tmp.path().join("auth-a.err")).unwrap(),
+    ];
+    for text in &kept {
+        assert!(!text.contains("s3cret-pw"), "the password was kept: {text}");
+    }
+    let manifest: Value = serde_json::from_str(&kept[1]).unwrap();
+    assert_eq!(
+        manifest["source"],
+        format!("nats://***@127.0.0.1:{}", nats.port()),
+        "{manifest}"
+    );
+    drop(one);
+}

@@ -82,6 +82,8 @@ pub struct NatsServer {
     port: u16,
     store: PathBuf,
     jetstream: bool,
+    /// More arguments for `nats-server` (credentials a test requires).
+    extra: Vec<String>,
     _tmp: Option<tempfile_dir::TempDir>,
 }
 
@@ -108,7 +110,17 @@ impl NatsServer {
         Self::start_with(false)
     }
 
+    /// Starts a server with JetStream and `args` besides (for instance
+    /// `--user U --pass P`, so that clients must give them).
+    pub fn start_with_args(args: &[&str]) -> NatsServer {
+        Self::start_full(true, args)
+    }
+
     fn start_with(jetstream: bool) -> NatsServer {
+        Self::start_full(jetstream, &[])
+    }
+
+    fn start_full(jetstream: bool, args: &[&str]) -> NatsServer {
         let store =
             std::env::temp_dir().join(format!("kvbm-nats-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&store).expect("creating the store directory");
@@ -117,6 +129,7 @@ impl NatsServer {
             port: free_port(),
             store: store.clone(),
             jetstream,
+            extra: args.iter().map(|a| a.to_string()).collect(),
             _tmp: Some(tempfile_dir::TempDir(store)),
         };
         s.spawn();
@@ -132,6 +145,7 @@ impl NatsServer {
         let child = cmd
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
             .arg(self.store.join("js"))
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

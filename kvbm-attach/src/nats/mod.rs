@@ -135,17 +135,45 @@ pub fn is_nats_url(url: &str) -> bool {
 /// connecting); returns it unchanged.
 pub fn check_url(url: &str) -> Result<&str, NatsError> {
     let bad = |reason| NatsError::BadUrl {
-        url: kvbm_events::text::clip(url, kvbm_events::text::MAX_QUOTED_CHARS),
+        url: kvbm_events::text::clip(&redacted(url), kvbm_events::text::MAX_QUOTED_CHARS),
         reason,
     };
     let rest = url
         .strip_prefix("nats://")
         .ok_or(bad("the scheme must be nats"))?;
-    // Credentials (`nats://USER:PASSWORD@HOST:PORT`) are the client's to
-    // read; only what follows them is checked here.
+    // Credentials (`nats://USER:PASSWORD@HOST:PORT`, `nats://TOKEN@…`) are
+    // read by `credentials`; only what follows them is checked here.
     let authority = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
     kvbm_events::addr::parse_authority(authority).map_err(bad)?;
     Ok(url)
+}
+
+/// `url` with its credentials (`USER:PASSWORD@` or `TOKEN@`) replaced by
+/// `***`: the form to print, log or keep in a recording.
+pub fn redacted(url: &str) -> String {
+    match url.strip_prefix("nats://").and_then(|r| r.rsplit_once('@')) {
+        Some((_, host)) => format!("nats://***@{host}"),
+        None => url.to_string(),
+    }
+}
+
+/// The options carrying `url`'s credentials: `nats://USER:PASSWORD@…` or
+/// `nats://TOKEN@…`, as NATS URLs give them.
+///
+/// Why here: async-nats (0.51) parses a URL's credentials into its
+/// `ServerAddr` but sends only those of its `ConnectOptions`, so a server
+/// that requires them refused every connection made from a URL alone.
+fn credentials(url: &str) -> Result<async_nats::ConnectOptions, NatsError> {
+    let addr: async_nats::ServerAddr = url.parse().map_err(|_| NatsError::BadUrl {
+        url: kvbm_events::text::clip(&redacted(url), kvbm_events::text::MAX_QUOTED_CHARS),
+        reason: "the NATS client cannot read it as a server address",
+    })?;
+    let opts = async_nats::ConnectOptions::new();
+    Ok(match (addr.username(), addr.password()) {
+        (Some(user), Some(pass)) => opts.user_and_password(user.into(), pass.into()),
+        (Some(token), None) => opts.token(token.into()),
+        _ => opts,
+    })
 }
 
 /// Connects to `url`, retrying in the background if the server is not up
@@ -153,7 +181,7 @@ pub fn check_url(url: &str) -> Result<&str, NatsError> {
 /// for ever after a loss. `name` shows in the server's connection list.
 pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsError> {
     check_url(url)?;
-    async_nats::ConnectOptions::new()
+    credentials(url)?
         .name(name)
         .retry_on_initial_connect()
         .max_reconnects(None)
@@ -165,7 +193,7 @@ pub async fn connect(url: &str, name: &str) -> Result<async_nats::Client, NatsEr
         })
         .connect(url)
         .await
-        .map_err(|e| NatsError::Nats(format!("connecting to {url}: {e}")))
+        .map_err(|e| NatsError::Nats(format!("connecting to {}: {e}", redacted(url))))
 }
 
 /// The stream's limits, used when it has to be created.
@@ -231,7 +259,8 @@ pub async fn ensure_stream(
             Kind::TimedOut
                 if js.client().connection_state() != async_nats::connection::State::Connected =>
             {
-                " (no NATS server answers at that address: is `nats-server -js` running there?)"
+                " (no NATS server answers at that address, or it refused the URL's credentials: \
+                 is `nats-server -js` running there?)"
                     .to_string()
             }
             Kind::JetStreamUnavailable => {
@@ -298,5 +327,25 @@ mod tests {
             e.contains("the host must be a name or an IP address"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn credentials_are_read_from_the_url_and_never_shown() {
+        assert_eq!(
+            redacted("nats://kv:pw@127.0.0.1:4222"),
+            "nats://***@127.0.0.1:4222"
+        );
+        assert_eq!(redacted("nats://tok@h:1"), "nats://***@h:1");
+        assert_eq!(redacted("nats://h:1"), "nats://h:1");
+        // A bad host after credentials is named without them.
+        let e = check_url("nats://kv:pw@a b:4222").unwrap_err().to_string();
+        assert!(!e.contains("pw"), "{e}");
+        for url in [
+            "nats://kv:pw@127.0.0.1:4222",
+            "nats://tok@127.0.0.1:4222",
+            "nats://127.0.0.1:1",
+        ] {
+            assert!(credentials(url).is_ok(), "{url}");
+        }
     }
 }

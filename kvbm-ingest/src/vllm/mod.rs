@@ -34,10 +34,11 @@ pub use decode::{
     DecodeError, KvBatch, KvEvent, Medium, Skipped, decode_payload, hash_of, tier_of_medium,
 };
 pub use source::{
-    END_SEQ, NoReplay, Pipeline, Replay, RestartAt, RestartCause, SeqRange, ZmqConfig, ZmqCounters,
-    ZmqHandle, ZmqItem, ZmqReplay, ZmqSource, ZmqState, split_frames, split_replay_frames,
+    END_SEQ, MAX_SEQ_JUMP, NoReplay, Pipeline, Replay, ReplayFailure, RestartAt, RestartCause,
+    SeqRange, SourceError, ZmqConfig, ZmqCounters, ZmqHandle, ZmqItem, ZmqReplay, ZmqSource,
+    ZmqState, split_frames, split_replay_frames,
 };
-pub use translate::{TranslateCounters, Translator, TranslatorConfig};
+pub use translate::{HOLE_LIMIT, TranslateCounters, Translator, TranslatorConfig};
 
 use std::fmt;
 

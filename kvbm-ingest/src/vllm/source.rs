@@ -24,6 +24,12 @@
 //!   seen (from its seq 0) are fetched from its replay endpoint or counted
 //!   lost;
 //! - **a seq going back** on the same connection: a restart too;
+//! - **a seq jumping ahead further than any engine publishes** (more than
+//!   [`MAX_SEQ_JUMP`] batches, or once the kvbm seq has reached
+//!   [`HOLE_LIMIT`]): a restart ([`RestartCause::SeqJumped`]), not a loss
+//!   of that many batches, so a hostile seq cannot use up the kvbm seq; a
+//!   new publisher whose first seq is that far on has the batches before
+//!   it counted in [`ZmqCounters::seq_too_far`], not as lost;
 //! - **joining late** (the first batch seen has seq > 0): with
 //!   [`ZmqConfig::since`] and a replay endpoint, the batches from `since`
 //!   are fetched; what was not fetched is reported ([`ZmqItem::Joined`])
@@ -31,16 +37,25 @@
 //!
 //! Replay answers are read in both framings engines use: vLLM's and
 //! SGLang's `["", topic, seq, payload]` (and `["", "", END_SEQ, ""]`), and
-//! the older `["", seq, payload]`; a missing delimiter is tolerated.
+//! the older `["", seq, payload]`; a missing delimiter is tolerated. One
+//! answer is bounded in time ([`ZmqConfig::replay_deadline`]) and frames
+//! ([`ZmqConfig::max_replay_frames`]): past either it counts as failed,
+//! what it brought in range is kept, the rest of the range is lost, and
+//! live reading resumes.
+//!
+//! A panic in the source's task ends it like a consumer going away would,
+//! but is kept: [`ZmqHandle::failure`] says so, and
+//! [`ZmqCounters::failure`] carries it into a recording.
 
 use super::ZmqEndpoint;
 use super::decode::{DecodeError, decode_payload};
-use super::translate::{TranslateCounters, Translator, TranslatorConfig};
+use super::translate::{HOLE_LIMIT, TranslateCounters, Translator, TranslatorConfig};
 use crate::vllm::decode::Skipped;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use kvbm_events::Event;
 use serde::Serialize;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -53,6 +68,26 @@ pub const END_SEQ: u64 = u64::MAX;
 /// Most unrecovered ranges (and restarts) the counters keep, in order;
 /// later ones are only counted.
 pub const MAX_LOGGED: usize = 1024;
+
+/// The most publisher batches one jump in its seq is believed to have lost
+/// (2^32). vLLM publishes at most one batch per engine step (a few hundred
+/// a second): losing 2^32 of them between two batches received on one
+/// connection would take months. A longer jump is not a count of batches
+/// but a publisher that is not the one seen before (or a hostile one), and
+/// placing it as holes could use up the kvbm seq.
+pub const MAX_SEQ_JUMP: u64 = 1 << 32;
+
+/// The default bound on one replay request. vLLM answers from its replay
+/// buffer in memory (10,000 batches by default, each a few KB: tens of
+/// MB) in well under a second on loopback or a LAN; 5 s is several times
+/// that, and no longer than that does a slow endpoint stop live reading.
+const REPLAY_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The default cap on one replay answer's frames: 6.5 times vLLM's default
+/// buffer (10,000 batches), so an answer from a buffer several times
+/// larger still fits; an endpoint sending more without an end marker is
+/// not answering.
+const MAX_REPLAY_FRAMES: usize = 1 << 16;
 
 /// How a [`ZmqSource`] connects.
 #[derive(Debug, Clone)]
@@ -68,8 +103,16 @@ pub struct ZmqConfig {
     pub translator: TranslatorConfig,
     /// [`ZmqItem`]s buffered for the consumer (≥ 1).
     pub channel_capacity: usize,
-    /// Longest wait for one replay answer frame.
+    /// Longest wait for one replay answer frame (and for connecting to
+    /// the replay endpoint and sending the request).
     pub replay_timeout: Duration,
+    /// Longest one replay request may take, end marker included; past it
+    /// the replay counts as failed. Live reading waits while a replay is
+    /// answered, so this bounds that stall.
+    pub replay_deadline: Duration,
+    /// Most frames one replay answer may send before its end marker, kept
+    /// or not; past it the replay counts as failed.
+    pub max_replay_frames: usize,
     /// Most batches one replay answer may bring; the rest of a longer
     /// answer is read but not kept (counted lost).
     pub max_replay_batches: usize,
@@ -96,7 +139,9 @@ impl ZmqConfig {
             translator: TranslatorConfig::default(),
             channel_capacity: 256,
             replay_timeout: Duration::from_secs(2),
+            replay_deadline: REPLAY_DEADLINE,
             max_replay_batches: 1 << 14,
+            max_replay_frames: MAX_REPLAY_FRAMES,
             since: None,
             connect_timeout: Duration::from_secs(1),
             reconnect_min: Duration::from_millis(100),
@@ -118,6 +163,11 @@ pub enum RestartCause {
     /// holds the last batch seen). It may be the same; kvbm assumes a new
     /// one rather than merge two engines' states.
     Unverified,
+    /// Its seq jumped ahead by more than [`MAX_SEQ_JUMP`] batches (or the
+    /// kvbm seq has no room left for the holes): no engine publishes that
+    /// many in between, so it is taken for another publisher rather than
+    /// counted as that many lost batches.
+    SeqJumped,
 }
 
 impl RestartCause {
@@ -127,6 +177,7 @@ impl RestartCause {
             RestartCause::SeqWentBack => "its seq went back",
             RestartCause::ReplayDiffers => "its replay buffer holds other batches",
             RestartCause::Unverified => "it reconnected and could not be proved the same publisher",
+            RestartCause::SeqJumped => "its seq jumped further ahead than an engine publishes",
         }
     }
 }
@@ -262,6 +313,14 @@ pub struct ZmqCounters {
     pub missed_before_start: u64,
     /// The last malformed message's error (or connection error).
     pub last_error: Option<String>,
+    /// New publishers whose first seq was too far on (more than
+    /// [`MAX_SEQ_JUMP`], or no room left in the kvbm seq) for the batches
+    /// before it to be counted: those are in neither `missed` nor the
+    /// restart's gap.
+    pub seq_too_far: u64,
+    /// Why the source's task died, if it did (a panic); the counters stop
+    /// where it did.
+    pub failure: Option<String>,
     /// The translator's counters.
     pub translate: TranslateCounters,
 }
@@ -272,6 +331,45 @@ impl ZmqCounters {
             self.missed_ranges.push(SeqRange { from, to });
         }
     }
+
+    /// What was lost, refused or skipped, in one line for a command's
+    /// exit line: `2 gaps (7 batches lost), 1 malformed messages, 3 events
+    /// skipped (unknown medium 1, …; last: …), 0 restarts`, then the
+    /// failure of a source that died. Every consumer says the same.
+    pub fn summary(&self) -> impl std::fmt::Display + '_ {
+        Summary(self)
+    }
+}
+
+struct Summary<'a>(&'a ZmqCounters);
+
+impl std::fmt::Display for Summary<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = self.0;
+        write!(
+            f,
+            "{} gaps ({} batches lost), {} malformed messages, ",
+            c.gaps, c.missed, c.malformed
+        )?;
+        if c.skipped.total() > 0 {
+            // `Skipped`'s own form: the total, then by reason.
+            write!(f, "skipped events {}", c.skipped)?;
+        } else {
+            write!(f, "0 events skipped")?;
+        }
+        write!(f, ", {} restarts", c.restarts)?;
+        if c.seq_too_far > 0 {
+            write!(
+                f,
+                " ({} with a first seq too far on to count what came before)",
+                c.seq_too_far
+            )?;
+        }
+        if let Some(e) = &c.failure {
+            write!(f, "; {e}")?;
+        }
+        Ok(())
+    }
 }
 
 #[derive(Default)]
@@ -280,6 +378,16 @@ struct Shared {
     counters: Mutex<ZmqCounters>,
     received: AtomicU64,
     gone_since: Mutex<Option<Instant>>,
+    failure: Mutex<Option<SourceError>>,
+}
+
+/// Why a [`ZmqSource`] ended other than by its consumer going away.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    /// Its task panicked (a bug): what it had read until then was handed
+    /// on; nothing after.
+    #[error("the ZMQ source's task panicked: {0}")]
+    Panicked(String),
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -326,6 +434,13 @@ impl ZmqHandle {
     pub fn counters(&self) -> ZmqCounters {
         lock(&self.shared.counters).clone()
     }
+
+    /// Why the source's task died, if it did. Set before its channel
+    /// closes, so a consumer whose [`ZmqSource::recv`] returned `None`
+    /// sees it.
+    pub fn failure(&self) -> Option<SourceError> {
+        lock(&self.shared.failure).clone()
+    }
 }
 
 /// A running source: one task reading the publisher. Dropping it stops
@@ -352,11 +467,12 @@ impl ZmqSource {
             shared: shared.clone(),
             url: cfg.endpoint.to_string(),
         };
-        let task = rt.spawn(run(cfg, tx, shared));
+        let task = rt.spawn(guarded(run(cfg, tx.clone(), shared.clone()), tx, shared));
         ZmqSource { rx, handle, task }
     }
 
-    /// The next item; `None` once the task ended.
+    /// The next item; `None` once the task ended ([`ZmqHandle::failure`]
+    /// then says whether it died rather than stopped).
     pub async fn recv(&mut self) -> Option<ZmqItem> {
         self.rx.recv().await
     }
@@ -365,6 +481,25 @@ impl ZmqSource {
     pub fn handle(&self) -> ZmqHandle {
         self.handle.clone()
     }
+}
+
+/// Runs the source's task `f`; a panic in it is kept as its failure. `tx`
+/// is held until then, so the consumer's channel closes only after the
+/// failure is readable: a dead source must not look like one that ended
+/// cleanly.
+async fn guarded(f: impl Future<Output = ()>, tx: mpsc::Sender<ZmqItem>, shared: Arc<Shared>) {
+    if let Err(panic) = AssertUnwindSafe(f).catch_unwind().await {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_string());
+        let e = SourceError::Panicked(why);
+        lock(&shared.counters).failure = Some(e.to_string());
+        *lock(&shared.failure) = Some(e);
+        shared.state.store(STOPPED, Ordering::Relaxed);
+    }
+    drop(tx);
 }
 
 /// Reads a live message: `[topic, seq, payload]` (or `[seq, payload]`).
@@ -402,15 +537,42 @@ pub fn split_replay_frames<'a>(frames: &[&'a [u8]]) -> Result<(u64, &'a [u8]), D
     Ok((seq_of(seq)?, payload))
 }
 
+/// A replay request that failed, with what it brought before it did.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{error}")]
+pub struct ReplayFailure {
+    /// Why.
+    pub error: String,
+    /// Batches in the asked range received before it failed (an answer
+    /// cut short), in the order sent: real batches, kept rather than lost.
+    pub partial: Vec<(u64, Vec<u8>)>,
+}
+
+impl From<String> for ReplayFailure {
+    fn from(error: String) -> Self {
+        ReplayFailure {
+            error,
+            partial: Vec::new(),
+        }
+    }
+}
+
+impl From<&str> for ReplayFailure {
+    fn from(error: &str) -> Self {
+        error.to_string().into()
+    }
+}
+
 /// Asks a replay endpoint for batches.
 pub trait Replay {
     /// The batches it holds with `from <= seq <= to`, in the order sent
-    /// (at most `max` kept), or why the request failed.
+    /// (at most `max` kept), or why the request failed (with what it had
+    /// brought).
     fn fetch(
         &mut self,
         from: u64,
         to: u64,
-    ) -> impl Future<Output = Result<Vec<(u64, Vec<u8>)>, String>> + Send;
+    ) -> impl Future<Output = Result<Vec<(u64, Vec<u8>)>, ReplayFailure>> + Send;
 }
 
 /// [`Replay`] over ZeroMQ: a fresh DEALER per request (so a half-read
@@ -418,23 +580,41 @@ pub trait Replay {
 pub struct ZmqReplay {
     endpoint: ZmqEndpoint,
     timeout: Duration,
+    deadline: Duration,
     max: usize,
+    max_frames: usize,
 }
 
 impl ZmqReplay {
-    /// A replay client for `endpoint`.
+    /// A replay client for `endpoint`: `timeout` per frame,
+    /// `max_batches` kept per answer, and the defaults of [`ZmqConfig`]
+    /// for the bounds on a whole answer ([`bounded`](Self::bounded)
+    /// changes them).
     pub fn new(endpoint: ZmqEndpoint, timeout: Duration, max_batches: usize) -> Self {
         ZmqReplay {
             endpoint,
             timeout,
+            deadline: REPLAY_DEADLINE,
             max: max_batches.max(1),
+            max_frames: MAX_REPLAY_FRAMES,
         }
+    }
+
+    /// Bounds one whole request: at most `deadline`, and at most
+    /// `max_frames` frames before the end marker.
+    pub fn bounded(mut self, deadline: Duration, max_frames: usize) -> Self {
+        self.deadline = deadline;
+        self.max_frames = max_frames.max(1);
+        self
     }
 }
 
 impl Replay for ZmqReplay {
-    async fn fetch(&mut self, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+    async fn fetch(&mut self, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, ReplayFailure> {
         let ep = &self.endpoint;
+        // The per-frame timeout alone lets an endpoint that drips frames
+        // (or streams them without end) hold live reading forever.
+        let deadline = tokio::time::Instant::now() + self.deadline;
         let mut opts = SocketOptions::default();
         opts.connect_timeout(self.timeout);
         let mut d = zeromq::DealerSocket::with_options(opts);
@@ -448,23 +628,47 @@ impl Replay for ZmqReplay {
             .map_err(|_| format!("replay endpoint {ep}: the request could not be sent"))?
             .map_err(|e| format!("replay endpoint {ep}: {e}"))?;
         let mut got = Vec::new();
+        let fail = |error: String, partial| ReplayFailure {
+            error: format!("replay endpoint {ep}: {error}"),
+            partial,
+        };
+        let mut frames = 0usize;
         loop {
-            let m = match tokio::time::timeout(self.timeout, d.recv()).await {
-                Err(_) => {
-                    return Err(format!(
-                        "replay endpoint {ep}: no answer within {:.1} s",
-                        self.timeout.as_secs_f64()
+            let frame_by = (tokio::time::Instant::now() + self.timeout).min(deadline);
+            let m = match tokio::time::timeout_at(frame_by, d.recv()).await {
+                Err(_) if frame_by == deadline => {
+                    return Err(fail(
+                        format!(
+                            "no end marker within {:.1} s ({frames} frames)",
+                            self.deadline.as_secs_f64()
+                        ),
+                        got,
                     ));
                 }
-                Ok(Err(e)) => return Err(format!("replay endpoint {ep}: {e}")),
+                Err(_) => {
+                    return Err(fail(
+                        format!("no answer within {:.1} s", self.timeout.as_secs_f64()),
+                        got,
+                    ));
+                }
+                Ok(Err(e)) => return Err(fail(e.to_string(), got)),
                 Ok(Ok(m)) => m,
             };
-            let frames: Vec<&[u8]> = m.iter().map(|b| b.as_ref()).collect();
-            let (seq, payload) =
-                split_replay_frames(&frames).map_err(|e| format!("replay endpoint {ep}: {e}"))?;
+            let parts: Vec<&[u8]> = m.iter().map(|b| b.as_ref()).collect();
+            let (seq, payload) = match split_replay_frames(&parts) {
+                Ok(x) => x,
+                Err(e) => return Err(fail(e.to_string(), got)),
+            };
             if seq == END_SEQ {
                 tracing::debug!("replay {from}..={to} answered: {} batches", got.len());
                 return Ok(got);
+            }
+            frames += 1;
+            if frames > self.max_frames {
+                return Err(fail(
+                    format!("more than {} frames without an end marker", self.max_frames),
+                    got,
+                ));
             }
             if (from..=to).contains(&seq) && got.len() < self.max {
                 got.push((seq, payload.to_vec()));
@@ -477,7 +681,7 @@ impl Replay for ZmqReplay {
 pub struct NoReplay;
 
 impl Replay for NoReplay {
-    async fn fetch(&mut self, _from: u64, _to: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
+    async fn fetch(&mut self, _from: u64, _to: u64) -> Result<Vec<(u64, Vec<u8>)>, ReplayFailure> {
         Err("no replay endpoint".into())
     }
 }
@@ -571,8 +775,12 @@ impl Pipeline {
             }
             Some(last) if self.fresh => self.reconnected(last, seq, replay, out).await,
             Some(last) if seq == last.wrapping_add(1) => {}
-            Some(last) if seq > last => {
+            Some(last) if seq > last && self.believable(seq - last - 1) => {
                 self.fill(last + 1, seq - 1, replay, Missing::Lost, out)
+                    .await;
+            }
+            Some(last) if seq > last => {
+                self.restart(last, seq, RestartCause::SeqJumped, replay, out)
                     .await;
             }
             Some(last) => {
@@ -584,9 +792,22 @@ impl Pipeline {
         self.last = Some(seq);
         self.last_hash = hash;
         self.counters.last_seq = Some(seq);
-        // The seq is real even when the payload is not: it is tracked, and
-        // counted as malformed rather than missing.
-        self.apply_payload(payload, out);
+        // The seq is real even when the payload is not: it is tracked, the
+        // message counted as malformed, and its events are lost as surely
+        // as a batch that never came: one hole in the kvbm seq, placed in
+        // the recording, so its verdict does not call the stream whole.
+        if !self.apply_payload(payload, out) {
+            self.counters.gaps += 1;
+            self.missing(seq, seq, Missing::Lost, out);
+        }
+    }
+
+    /// Whether `n` batches missing inside the stream can be taken at the
+    /// publisher's word and placed as `n` holes in the kvbm seq: not a
+    /// jump no engine makes ([`MAX_SEQ_JUMP`]), and the kvbm seq not yet
+    /// at [`HOLE_LIMIT`] (so holes can never use it up).
+    fn believable(&self, n: u64) -> bool {
+        n <= MAX_SEQ_JUMP && self.tr.next_seq() < HOLE_LIMIT
     }
 
     fn apply_payload(&mut self, payload: &[u8], out: &mut Vec<ZmqItem>) -> bool {
@@ -613,13 +834,19 @@ impl Pipeline {
             self.counters.missed_before_start,
         );
         match self.since {
-            Some(since) if since < seq && self.has_replay => {
+            // A later hole in the answer is a loss inside the stream, so
+            // the range must be one whose holes can be placed.
+            Some(since) if since < seq && self.has_replay && self.believable(seq - since) => {
                 self.fill(since, seq - 1, replay, Missing::BeforeStart, out)
                     .await;
                 // What lies before `since` was not asked for.
-                self.counters.missed_before_start += since;
+                self.counters.missed_before_start =
+                    self.counters.missed_before_start.saturating_add(since);
             }
-            _ => self.counters.missed_before_start += seq,
+            _ => {
+                self.counters.missed_before_start =
+                    self.counters.missed_before_start.saturating_add(seq)
+            }
         }
         out.push(ZmqItem::Joined {
             first_seq: seq,
@@ -640,30 +867,37 @@ impl Pipeline {
                 .restart(last, seq, RestartCause::SeqWentBack, replay, out)
                 .await;
         }
+        if !self.believable(seq - last - 1) {
+            return self
+                .restart(last, seq, RestartCause::SeqJumped, replay, out)
+                .await;
+        }
         if !self.has_replay {
             return self
                 .restart(last, seq, RestartCause::Unverified, replay, out)
                 .await;
         }
         self.counters.replay_requests += 1;
-        let cause = match replay.fetch(last, seq - 1).await {
-            Ok(answer) => match answer.first() {
-                Some((s, p)) if *s == last && xxhash_rust::xxh3::xxh3_64(p) == self.last_hash => {
-                    // The same publisher: the rest of the answer fills the gap.
-                    self.counters.same_publisher += 1;
-                    if seq > last + 1 {
-                        self.counters.gaps += 1;
-                        self.apply_answer(last + 1, seq - 1, &answer[1..], Missing::Lost, out);
-                    }
-                    return;
-                }
-                Some((s, _)) if *s == last => RestartCause::ReplayDiffers,
-                _ => RestartCause::Unverified,
-            },
-            Err(e) => {
-                self.replay_failed(e, out);
-                RestartCause::Unverified
+        let answer = match replay.fetch(last, seq - 1).await {
+            Ok(answer) => answer,
+            Err(f) => {
+                self.replay_failed(f.error, out);
+                // An answer cut short may still hold the proof.
+                f.partial
             }
+        };
+        let cause = match answer.first() {
+            Some((s, p)) if *s == last && xxhash_rust::xxh3::xxh3_64(p) == self.last_hash => {
+                // The same publisher: the rest of the answer fills the gap.
+                self.counters.same_publisher += 1;
+                if seq > last + 1 {
+                    self.counters.gaps += 1;
+                    self.apply_answer(last + 1, seq - 1, &answer[1..], Missing::Lost, out);
+                }
+                return;
+            }
+            Some((s, _)) if *s == last => RestartCause::ReplayDiffers,
+            _ => RestartCause::Unverified,
         };
         self.restart(last, seq, cause, replay, out).await;
     }
@@ -691,8 +925,12 @@ impl Pipeline {
         if !evs.is_empty() {
             out.push(ZmqItem::Events(evs));
         }
-        if seq > 0 {
+        if seq > 0 && self.believable(seq) {
             self.fill(0, seq - 1, replay, Missing::Lost, out).await;
+        } else if seq > 0 {
+            // Not a count of batches this publisher sent: nothing is
+            // placed as lost, but the user is told.
+            self.counters.seq_too_far += 1;
         }
     }
 
@@ -719,9 +957,10 @@ impl Pipeline {
             self.counters.replay_requests += 1;
             match replay.fetch(from, to).await {
                 Ok(a) => a,
-                Err(e) => {
-                    self.replay_failed(e, out);
-                    Vec::new()
+                Err(f) => {
+                    self.replay_failed(f.error, out);
+                    // What it brought before failing is kept.
+                    f.partial
                 }
             }
         } else {
@@ -753,7 +992,10 @@ impl Pipeline {
             } else {
                 self.counters.replayed += 1;
             }
-            self.apply_payload(payload, out);
+            if !self.apply_payload(payload, out) {
+                // Fetched but unreadable: missing as the rest of the range.
+                self.missing(*s, *s, how, out);
+            }
             // Once something is in, a later hole is a loss inside.
             how = Missing::Lost;
             next = *s + 1;
@@ -764,11 +1006,15 @@ impl Pipeline {
     }
 
     fn missing(&mut self, from: u64, to: u64, how: Missing, out: &mut Vec<ZmqItem>) {
-        let n = to - from + 1;
+        // Saturating: `from..=to` may be every seq before a first batch.
+        let n = (to - from).saturating_add(1);
         match how {
-            Missing::BeforeStart => self.counters.missed_before_start += n,
+            Missing::BeforeStart => {
+                self.counters.missed_before_start =
+                    self.counters.missed_before_start.saturating_add(n)
+            }
             Missing::Lost => {
-                self.counters.missed += n;
+                self.counters.missed = self.counters.missed.saturating_add(n);
                 self.counters.log_missed(from, to);
                 self.tr.skip(n);
                 out.push(ZmqItem::Gap {
@@ -811,10 +1057,10 @@ async fn connect(
 
 async fn run(cfg: ZmqConfig, tx: mpsc::Sender<ZmqItem>, shared: Arc<Shared>) {
     let mut pipe = Pipeline::new(&cfg);
-    let mut zmq_replay = cfg
-        .replay
-        .clone()
-        .map(|ep| ZmqReplay::new(ep, cfg.replay_timeout, cfg.max_replay_batches));
+    let mut zmq_replay = cfg.replay.clone().map(|ep| {
+        ZmqReplay::new(ep, cfg.replay_timeout, cfg.max_replay_batches)
+            .bounded(cfg.replay_deadline, cfg.max_replay_frames)
+    });
     let publish = |pipe: &Pipeline| *lock(&shared.counters) = pipe.counters();
     let set_state = |s: u8| shared.state.store(s, Ordering::Relaxed);
     let mut out = Vec::new();
@@ -890,4 +1136,120 @@ async fn run(cfg: ZmqConfig, tx: mpsc::Sender<ZmqItem>, shared: Arc<Shared>) {
         tokio::time::sleep(cfg.reconnect_min).await;
     }
     set_state(STOPPED);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pipeline() -> Pipeline {
+        Pipeline::new(&ZmqConfig::new(
+            ZmqEndpoint::parse("zmq://127.0.0.1:1").unwrap(),
+        ))
+    }
+
+    fn feed(p: &mut Pipeline, seq: u64, payload: &[u8]) -> Vec<ZmqItem> {
+        let mut out = Vec::new();
+        let s = seq.to_be_bytes();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(p.message(&[b"".as_slice(), &s, payload], &mut NoReplay, &mut out));
+        out
+    }
+
+    /// `[ts, [], None]`: a batch with no events.
+    const EMPTY: &[u8] = &[0x93, 0x01, 0x90, 0xc0];
+
+    /// Jumps each within [`MAX_SEQ_JUMP`] could still, many of them, use
+    /// up the kvbm seq with holes; once it is at [`HOLE_LIMIT`] a jump is a
+    /// restart, and the stamp stays far from `u64::MAX`.
+    #[test]
+    fn no_hole_is_placed_past_the_hole_limit() {
+        let mut p = pipeline();
+        feed(&mut p, 0, EMPTY);
+        p.tr.skip(HOLE_LIMIT);
+        let items = feed(&mut p, 2, EMPTY);
+        assert!(
+            matches!(
+                items[..],
+                [ZmqItem::Restart(RestartAt {
+                    cause: RestartCause::SeqJumped,
+                    ..
+                })]
+            ),
+            "{items:?}"
+        );
+        assert_eq!(p.tr.next_seq(), HOLE_LIMIT, "no hole left");
+        let c = p.counters();
+        assert_eq!((c.missed, c.seq_too_far), (0, 1));
+    }
+
+    /// A panic in the source's task closed its channel like a clean stop
+    /// (the recorder then exited 0 with a recording that looked whole).
+    /// The failure is kept, and readable once the channel has closed.
+    #[test]
+    fn a_panic_in_the_task_is_kept_as_its_failure() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let shared = Arc::new(Shared::default());
+        let handle = ZmqHandle {
+            shared: shared.clone(),
+            url: String::new(),
+        };
+        let (tx, mut rx) = mpsc::channel::<ZmqItem>(1);
+        let task_tx = tx.clone();
+        rt.block_on(async {
+            let task = tokio::spawn(guarded(
+                async move {
+                    let _tx = task_tx;
+                    panic!("attempt to add with overflow");
+                },
+                tx,
+                shared,
+            ));
+            assert_eq!(rx.recv().await, None);
+            // The failure was recorded before the channel closed.
+            assert_eq!(
+                handle.failure(),
+                Some(SourceError::Panicked("attempt to add with overflow".into()))
+            );
+            task.await.unwrap();
+        });
+        assert_eq!(handle.state(), ZmqState::Stopped);
+        let c = handle.counters();
+        assert!(
+            c.failure.as_deref().is_some_and(|f| f.contains("panicked")),
+            "{c:?}"
+        );
+        assert!(c.summary().to_string().contains("panicked"));
+    }
+
+    /// The bridge's exit line said nothing of skipped events; every
+    /// consumer's summary now says what was skipped, by reason.
+    #[test]
+    fn the_summary_says_what_was_skipped_by_reason() {
+        let mut c = ZmqCounters {
+            gaps: 2,
+            missed: 7,
+            malformed: 1,
+            ..ZmqCounters::default()
+        };
+        assert_eq!(
+            c.summary().to_string(),
+            "2 gaps (7 batches lost), 1 malformed messages, 0 events skipped, 0 restarts"
+        );
+        c.skipped = Skipped {
+            unknown_medium: 2,
+            unknown_type: 2,
+            malformed: 9,
+            last: Some("medium `TAPE` is not one kvbm maps".into()),
+        };
+        assert_eq!(
+            c.summary().to_string(),
+            "2 gaps (7 batches lost), 1 malformed messages, skipped events 13 (unknown medium 2, \
+             unknown type 2, malformed 9; last: medium `TAPE` is not one kvbm maps), 0 restarts"
+        );
+    }
 }

@@ -97,6 +97,12 @@ pub struct TranslateCounters {
     pub restarts: u64,
 }
 
+/// The kvbm seq past which no more holes are left for lost batches (2^62):
+/// holes are claims of the publisher's seq, and a hostile one could claim
+/// enough to use up the seq space; past this, the 3·2^62 seqs left are more
+/// than events can ever use.
+pub const HOLE_LIMIT: u64 = 1 << 62;
+
 /// Most holders tracked per hash (groups × media; real models have a few).
 pub const MAX_HOLDERS: usize = 64;
 
@@ -178,6 +184,10 @@ impl Translator {
 
     /// `n` publisher batches were lost: leaves `n` seqs unused, one per
     /// lost batch, so the loss shows in the kvbm stream as a seq gap.
+    /// Saturates rather than wraps: a caller taking a publisher's seq at
+    /// its word keeps the holes it asks for far below `u64::MAX` (the ZMQ
+    /// pipeline refuses jumps past [`MAX_SEQ_JUMP`](super::source::MAX_SEQ_JUMP)
+    /// and places none past [`HOLE_LIMIT`]).
     pub fn skip(&mut self, n: u64) {
         self.seq = self.seq.saturating_add(n);
     }
@@ -196,7 +206,10 @@ impl Translator {
             request: None,
             kind,
         });
-        self.seq += 1;
+        // Saturating: holes stop at HOLE_LIMIT, so only 2^63 events could
+        // reach the end of the seq space; a hostile seq must never panic
+        // (debug) or wrap (release) the stamp.
+        self.seq = self.seq.saturating_add(1);
         self.counters.events += 1;
     }
 
@@ -425,5 +438,41 @@ impl Translator {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `skip` saturated the seq at `u64::MAX` and the next stamp added 1:
+    /// a panic in debug (the ZMQ source's task died), a wrap to 0 in
+    /// release. The stamp saturates now; callers keep holes below
+    /// [`HOLE_LIMIT`], so it never gets there from a publisher's seq.
+    #[test]
+    fn a_stamp_at_the_end_of_the_seq_space_does_not_overflow() {
+        let mut tr = Translator::new(TranslatorConfig::default());
+        tr.skip(u64::MAX - 1);
+        tr.skip(5);
+        assert_eq!(tr.next_seq(), u64::MAX);
+        let mut out = Vec::new();
+        tr.batch(
+            &KvBatch {
+                ts: 1.0,
+                events: vec![KvEvent::Stored {
+                    block_hashes: vec![7],
+                    parent: None,
+                    num_tokens: 16,
+                    block_size: Some(16),
+                    medium: Medium::Gpu,
+                    group: None,
+                }],
+                skipped: Default::default(),
+                dp_rank: None,
+            },
+            &mut out,
+        );
+        assert!(!out.is_empty());
+        assert!(out.iter().all(|e| e.seq == u64::MAX));
     }
 }

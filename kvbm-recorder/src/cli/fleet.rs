@@ -90,9 +90,12 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             "--receive-only keeps nothing it acknowledges: give it a --consumer of its own (not {RECORDER_CONSUMER}) and a new --out"
         );
     }
+    // What the recording and the screen keep of the URL: never its
+    // credentials.
+    let shown = kvbm_attach::nats::redacted(url);
     let mut writer = FleetWriter::open(
         out,
-        url,
+        &shown,
         Some(&consumer),
         RecorderConfig {
             log,
@@ -160,7 +163,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 .ready_chunks(ROUTE_CHUNK),
         );
         eprintln!(
-            "recording {} from {url} (consumer {consumer}, {threads} writer threads, hand-offs of {} messages or more, pull requests of {} messages)",
+            "recording {} from {shown} (consumer {consumer}, {threads} writer threads, hand-offs of {} messages or more, pull requests of {} messages)",
             cfg.filter.subject(),
             remote.handoff_batch,
             cfg.pull_batch
@@ -283,12 +286,12 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     );
     if remote.receive_only {
         println!(
-            "received {written} events in this session, counted and not recorded (--receive-only; {refused} messages without a header, {} acknowledged) from {url} ({why})",
+            "received {written} events in this session, counted and not recorded (--receive-only; {refused} messages without a header, {} acknowledged) from {shown} ({why})",
             stats.acked,
         );
     } else {
         println!(
-            "recorded {written} events in this session ({duplicates} duplicates skipped, {refused} messages refused, {} acknowledged) from {url} into {} ({} logs; {why})",
+            "recorded {written} events in this session ({duplicates} duplicates skipped, {refused} messages refused, {} acknowledged) from {shown} into {} ({} logs; {why})",
             stats.acked,
             out.display(),
             manifest.logs.len()
@@ -782,7 +785,12 @@ pub fn bridge(a: &BridgeArgs) -> Result<i32> {
     let deadline = a
         .duration_s
         .map(|d| Instant::now() + Duration::from_secs_f64(d));
-    eprintln!("bridging {} to {} as engine {}", a.from, a.to, a.engine_id);
+    eprintln!(
+        "bridging {} to {} as engine {}",
+        a.from,
+        kvbm_attach::nats::redacted(&a.to),
+        a.engine_id
+    );
     // The pure-Rust ZMQ socket refuses to connect to a publisher that is not
     // listening yet (an engine still starting), so the source is started
     // again until it connects; once subscribed, ZMQ reconnects by itself.
@@ -833,6 +841,8 @@ pub fn bridge(a: &BridgeArgs) -> Result<i32> {
             };
             match ended {
                 Some(why) => return (why, handle),
+                // A task that died is not a publisher to wait for.
+                None if handle.failure().is_some() => return ("the zmq source failed", handle),
                 None if got_any => return ("the zmq source stopped", handle),
                 None => {
                     reconnects += 1;
@@ -847,17 +857,21 @@ pub fn bridge(a: &BridgeArgs) -> Result<i32> {
             .join()
     })
     .map_err(|_| anyhow::anyhow!("the publisher panicked"))?;
+    // The source's own summary: what it lost, refused and skipped (by
+    // reason), as `record --from zmq://` reports it.
     println!(
-        "bridged {} events to {} as {} ({} batches; {} dropped, {} publish errors; zmq: {} gaps, {} malformed, {reconnects} connection retries) ({why})",
+        "bridged {} events to {} as {} ({} batches; {} dropped, {} publish errors; zmq: {}, {reconnects} connection retries) ({why})",
         c.events_sent,
-        a.to,
+        kvbm_attach::nats::redacted(&a.to),
         a.engine_id,
         c.batches_sent,
         c.lost(),
         c.publish_errors,
-        zmq.gaps,
-        zmq.malformed
+        zmq.summary()
     );
+    if let Some(e) = handle.failure() {
+        anyhow::bail!("the bridge stopped: {e}");
+    }
     Ok(0)
 }
 

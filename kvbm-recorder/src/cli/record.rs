@@ -352,7 +352,12 @@ fn record_from_zmq(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
         loop {
             tokio::select! {
                 item = src.recv() => match item {
-                    None => return Ok("the source stopped"),
+                    // Its task died (its failure is in the sidecar's
+                    // counters too): an error, not a clean stop.
+                    None => match handle.failure() {
+                        Some(e) => return Err(e.into()),
+                        None => return Ok("the source stopped"),
+                    },
                     Some(ZmqItem::Events(events)) => {
                         for ev in &events {
                             sink.append(ev)?;

@@ -309,7 +309,8 @@ fn publish(a: &Args, url: &str, mut sim: Simulator) -> Result<(SimReport, Option
     ))?;
     let control = spawn_responder(responder.clone(), client, engine_id.clone(), rt.handle());
     eprintln!(
-        "publishing to {url} as engine {engine_id} (run {:016x})",
+        "publishing to {} as engine {engine_id} (run {:016x})",
+        kvbm_attach::nats::redacted(url),
         publisher.run()
     );
     let engine = EngineThread::spawn(sim)?;
