@@ -53,6 +53,27 @@ fn recorder() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvbm-recorder"))
 }
 
+/// `record --from url --out log --duration-s secs`, which must succeed,
+/// then `check log`, which must pass: what each printed.
+fn record_then_check(url: &str, log: &std::path::Path, secs: &str) -> (String, String) {
+    let out = recorder()
+        .args(["record", "--from", url, "--out"])
+        .arg(log)
+        .args(["--duration-s", secs])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let check = recorder().arg("check").arg(log).output().unwrap();
+    let said = String::from_utf8_lossy(&check.stdout).into_owned();
+    assert!(check.status.success(), "{said}");
+    (stdout, said)
+}
+
 /// Record a whole (short) run from the attach server, then check it.
 #[test]
 fn record_from_a_served_sim_then_check_passes() {
@@ -72,25 +93,8 @@ fn record_from_a_served_sim_then_check_passes() {
     ]);
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("remote.kvbm");
-    let out = recorder()
-        .args(["record", "--from", &url, "--out"])
-        .arg(&log)
-        .args(["--duration-s", "4"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (stdout, _) = record_then_check(&url, &log, "4");
     assert!(stdout.contains("recorded "), "{stdout}");
-    let check = recorder().arg("check").arg(&log).output().unwrap();
-    assert!(
-        check.status.success(),
-        "{}",
-        String::from_utf8_lossy(&check.stdout)
-    );
     let inspect = recorder()
         .args(["inspect", "--json"])
         .arg(&log)
@@ -427,22 +431,8 @@ fn record_from_after_the_ring_wrapped_then_check_passes() {
     std::thread::sleep(std::time::Duration::from_secs(2));
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("late.kvbm");
-    let out = recorder()
-        .args(["record", "--from", &url, "--out"])
-        .arg(&log)
-        .args(["--duration-s", "3"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (stdout, said) = record_then_check(&url, &log, "3");
     assert!(stdout.contains("the server no longer held the"), "{stdout}");
-    let check = recorder().arg("check").arg(&log).output().unwrap();
-    let said = String::from_utf8_lossy(&check.stdout);
-    assert!(check.status.success(), "{said}");
     assert!(said.contains("began before its first event"), "{said}");
     let inspect = recorder()
         .args(["inspect", "--json"])

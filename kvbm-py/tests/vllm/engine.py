@@ -230,3 +230,10 @@ def close(llm):
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
         core.shutdown()
+    # How the engine core ended (-9: vLLM killed it), where this vLLM
+    # keeps its processes.
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    procs = getattr(manager, "processes", [])
+    for p in procs:
+        p.join(timeout=10)  # a SIGKILL just sent is not yet reaped
+    return [p.exitcode for p in procs]

@@ -90,7 +90,7 @@ def test_bytes(tmp, baseline, recorder):
     dump = os.path.join(tmp, "dump-host")
     rec = os.path.join(tmp, "rec-host")
     extra = {"host_capacity_tokens": 8192, "shm_dir": tmp, "record": rec}
-    (r,), _, _ = scenario("roundtrip", {"extra": extra}, env={"KVBM_TEST_DUMP_DIR": dump})
+    (r, _), _, _ = scenario("roundtrip", {"extra": extra}, env={"KVBM_TEST_DUMP_DIR": dump})
     check(r["outputs1"] == baseline, "round 1 outputs equal a run without the connector")
     check(r["outputs2"] == baseline, "round 2 outputs (loaded from G2) equal a run without the connector")
     hits = sum(1 for c in r["cached2"] if c > 0)
@@ -145,15 +145,16 @@ def test_bytes(tmp, baseline, recorder):
         "shm_dir": tmp,
         "record": rec3,
     }
-    (r,), err, _ = scenario("roundtrip", {"extra": extra, "connector": ["SlowExitConnector", "slow_exit"]},
-                            env={"KVBM_TEST_DUMP_DIR": dump3})
+    (r, ended), _, _ = scenario("roundtrip", {"extra": extra, "connector": ["SlowExitConnector", "slow_exit"]},
+                                env={"KVBM_TEST_DUMP_DIR": dump3})
     check(r["outputs2"] == baseline, "disk only: round 2 outputs equal a run without the connector")
     check(sum(1 for c in r["cached2"] if c > 0) >= len(baseline) // 2, f"disk only: external hits ({r['cached2']})")
     compared, bad = compare_dumps(dump3)
     check(compared > 0 and bad == 0, f"disk only: {compared} loaded blocks equal the computed ones ({bad} differ)")
     # Without kvbm finishing first, this recording ended early (check exit 3).
-    check("force killing remaining process EngineCore" in err,
-          "vLLM killed its engine core, still waiting for the slow worker, 5 s after asking it to stop")
+    check(ended.get("engine_core_exit") == [-9],
+          "vLLM killed its engine core (SIGKILL), still waiting for the slow worker, 5 s after asking "
+          f"it to stop (exit codes {ended.get('engine_core_exit')})")
     c = subprocess.run([recorder, "check", rec3], capture_output=True, text=True)
     check(c.returncode == 0, "the recording was finished before that: kvbm-recorder check exits 0 "
           f"({c.stdout.strip()}{c.stderr.strip()})")

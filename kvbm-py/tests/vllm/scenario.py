@@ -36,7 +36,7 @@ def roundtrip(args):
     llm.reset_prefix_cache()
     outs2, cached2 = engine.generate(llm, ps)
     engine.say(up_s=up, outputs1=outs1, cached1=cached1, outputs2=outs2, cached2=cached2)
-    engine.close(llm)
+    engine.say(engine_core_exit=engine.close(llm))
 
 
 def http(method, url, body=None, timeout=10):
