@@ -156,7 +156,8 @@ impl FleetFollower {
             rx,
             status,
             task,
-            url: url.to_string(),
+            // Shown in the header: never the URL's credentials.
+            url: kvbm_attach::nats::redacted(url),
         })
     }
 
@@ -177,7 +178,7 @@ impl FleetFollower {
         }
     }
 
-    /// The server's URL.
+    /// The server's URL, its credentials hidden (`nats://***@HOST:PORT`).
     pub fn url(&self) -> &str {
         &self.url
     }
