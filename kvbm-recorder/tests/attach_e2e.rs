@@ -74,6 +74,16 @@ fn record_then_check(url: &str, log: &std::path::Path, secs: &str) -> (String, S
     (stdout, said)
 }
 
+/// `inspect --json log`, parsed.
+fn inspect_json(log: &std::path::Path) -> serde_json::Value {
+    let out = recorder()
+        .args(["inspect", "--json"])
+        .arg(log)
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// Record a whole (short) run from the attach server, then check it.
 #[test]
 fn record_from_a_served_sim_then_check_passes() {
@@ -95,12 +105,7 @@ fn record_from_a_served_sim_then_check_passes() {
     let log = dir.path().join("remote.kvbm");
     let (stdout, _) = record_then_check(&url, &log, "4");
     assert!(stdout.contains("recorded "), "{stdout}");
-    let inspect = recorder()
-        .args(["inspect", "--json"])
-        .arg(&log)
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
+    let v = inspect_json(&log);
     assert_eq!(v["first_seq"], 0, "{v}");
     assert_eq!(v["lost"], 0, "{v}");
     assert_eq!(v["seq_gaps"], 0, "{v}");
@@ -434,12 +439,7 @@ fn record_from_after_the_ring_wrapped_then_check_passes() {
     let (stdout, said) = record_then_check(&url, &log, "3");
     assert!(stdout.contains("the server no longer held the"), "{stdout}");
     assert!(said.contains("began before its first event"), "{said}");
-    let inspect = recorder()
-        .args(["inspect", "--json"])
-        .arg(&log)
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
+    let v = inspect_json(&log);
     assert!(v["first_seq"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(v["seq_gaps"], 0, "{v}");
 }

@@ -474,51 +474,54 @@ impl EngineThread {
 /// The readable report.
 fn summary(r: &SimReport) -> String {
     let mut s = String::new();
-    // Writing to a String cannot fail.
-    let mut line = |args: std::fmt::Arguments| {
-        let _ = s.write_fmt(args);
-        s.push('\n');
-    };
+    // Writing to a String cannot fail: the results are ignored.
     if r.interrupted {
-        line(format_args!(
+        let _ = writeln!(
+            s,
             "INTERRUPTED         before the workload ended: {} of {} requests had arrived, \
              and every figure counts only those",
             r.requests_arrived, r.requests_total
-        ));
+        );
     }
-    line(format_args!(
+    let _ = writeln!(
+        s,
         "model               {} ({} KV bytes per block; byte figures count these, \
          the simulated storages copy far fewer)",
         r.model, r.kv_bytes_per_block
-    ));
-    line(format_args!("requests finished   {}", r.requests_finished));
-    line(format_args!(
+    );
+    let _ = writeln!(s, "requests finished   {}", r.requests_finished);
+    let _ = writeln!(
+        s,
         "prompt tokens       {}  (prefix hits {} = {:.1}%)",
         r.prompt_tokens,
         r.prefix_hit_tokens,
         100.0 * r.prefix_hit_ratio
-    ));
+    );
     for (tier, t) in &r.prefix_hit_tokens_by_tier {
-        line(format_args!("  hits on {tier:<7}   {t}"));
+        let _ = writeln!(s, "  hits on {tier:<7}   {t}");
     }
-    line(format_args!("preemptions         {}", r.preemptions));
+    let _ = writeln!(s, "preemptions         {}", r.preemptions);
     for (d, t) in &r.transfers_by_direction {
-        line(format_args!(
+        let _ = writeln!(
+            s,
             "transfers {d}      {} completed, {} skipped, {} blocks, {} bytes ({} really copied)",
             t.completed, t.skipped, t.blocks, t.bytes, t.real_bytes
-        ));
+        );
     }
-    line(format_args!(
+    let _ = writeln!(
+        s,
         "TTFT ms             p50 {:.1}  p90 {:.1}  p99 {:.1}  max {:.1}",
         r.ttft_ms.p50, r.ttft_ms.p90, r.ttft_ms.p99, r.ttft_ms.max
-    ));
-    line(format_args!(
+    );
+    let _ = writeln!(
+        s,
         "events              {} emitted, {} lost",
         r.events_emitted, r.events_lost
-    ));
-    line(format_args!(
+    );
+    let _ = writeln!(
+        s,
         "iterations          {} ({:.0} ms virtual, {:.0} ms wall)",
         r.iterations, r.virtual_time_ms, r.wall_time_ms
-    ));
+    );
     s
 }
