@@ -8,9 +8,12 @@
 #
 # Prepares what it needs: the vLLM environment (scripts/setup-vllm.sh, cached
 # in ~/.cache/kvbm/vllm-venv), kvbm's Python package installed into it the way
-# the README says (`pip install ./kvbm-py`), and release builds of
-# kvbm-recorder and kvbm-console. About 15 minutes on 2 cores once the
-# environment exists (each vLLM start takes ~40 s).
+# the README says (`pip install ./kvbm-py`, an optimised build), and
+# kvbm-recorder and kvbm-console built in the dev profile: debug assertions
+# and overflow checks on, and `cargo test` has built most of it already (a
+# release build of the two took 4.4 minutes of CI's 2 cores);
+# KVBM_TEST_PROFILE=release tests release builds instead. About 11 minutes
+# on 2 cores once the environment exists (each vLLM start takes ~40 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,18 +25,24 @@ echo "== installing kvbm into $VENV (pip install ./kvbm-py)"
 "$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
 "$PY" -c 'import kvbm, kvbm.vllm; print("kvbm", kvbm.__version__, "from", kvbm.__file__)'
 
-echo "== building kvbm-recorder and kvbm-console (release)"
-cargo build --release -q -p kvbm-recorder -p kvbm-console
+PROFILE="${KVBM_TEST_PROFILE:-dev}"
+case "$PROFILE" in
+  dev) BIN=target/debug ;;
+  release) BIN=target/release ;;
+  *) echo "KVBM_TEST_PROFILE must be dev or release, not '$PROFILE'" >&2; exit 2 ;;
+esac
+echo "== building kvbm-recorder and kvbm-console ($PROFILE profile)"
+cargo build --profile "$PROFILE" -q -p kvbm-recorder -p kvbm-console
 
 command -v tmux >/dev/null || { echo "tmux is needed (apt-get install tmux)" >&2; exit 1; }
 
 echo "== the connector against vLLM"
-"$PY" kvbm-py/tests/vllm/run.py --recorder target/release/kvbm-recorder
+"$PY" kvbm-py/tests/vllm/run.py --recorder "$BIN/kvbm-recorder"
 echo "== the fleet bridge: vLLM's own KV events onto NATS, into the fleet recorder"
 NATS_BIN="$(bash scripts/setup-nats.sh)"
-"$PY" kvbm-py/tests/vllm/fleet_bridge.py --recorder target/release/kvbm-recorder --nats-server "$NATS_BIN"
+"$PY" kvbm-py/tests/vllm/fleet_bridge.py --recorder "$BIN/kvbm-recorder" --nats-server "$NATS_BIN"
 echo "== the connector's publish: kvbm inside vLLM onto NATS, into the fleet recorder"
-"$PY" kvbm-py/tests/vllm/fleet_publish.py --recorder target/release/kvbm-recorder --nats-server "$NATS_BIN" \
-  --console target/release/kvbm-console
+"$PY" kvbm-py/tests/vllm/fleet_publish.py --recorder "$BIN/kvbm-recorder" --nats-server "$NATS_BIN" \
+  --console "$BIN/kvbm-console"
 echo "== the console attached to vLLM, in tmux"
-"$PY" kvbm-py/tests/vllm/console.py --console target/release/kvbm-console
+"$PY" kvbm-py/tests/vllm/console.py --console "$BIN/kvbm-console"
