@@ -3,8 +3,8 @@
 //! pause, a breakpoint set without an owner, bodies that never come or
 //! claim to be huge, one address taking every place, a flood of refusals,
 //! requests the HTTP layer cannot parse, bodies that are not objects, a
-//! client id borrowed by someone else, and a client that pipelines
-//! commands. Each test states the promise it checks.
+//! flood of breakpoints set without an owner, a client id borrowed by
+//! someone else, and a client that pipelines commands. Each test states the promise it checks.
 
 use futures_util::{SinkExt, StreamExt};
 use kvbm_attach::server::{ServedEngine, Server, ServerConfig, ServerHandle};
@@ -291,6 +291,57 @@ async fn a_breakpoint_set_without_a_client_has_a_lease() {
     let stepped = std::thread::spawn(move || b.check(&CallInfo::new(EntryPoint::CreateSlot)));
     joined_within(stepped, 10).await;
     assert_eq!(h.stats().leases_expired, 2);
+    h.shutdown().await.unwrap();
+}
+
+/// Leases are bounded (4,096). Past the bound a new one is refused while
+/// every lease still owns something, and counted; once what they set is
+/// cleared, they are forgotten to make room, but not the lease of an armed
+/// step, which the listed breakpoints do not show: forgotten, that step
+/// would never lapse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_lease_bound_only_leases_that_own_nothing_are_forgotten() {
+    const BOUND: usize = 4096;
+    let bps =
+        Arc::new(Breakpoints::new(None, Duration::from_secs(120)).with_max_breakpoints(BOUND));
+    let ring = Arc::new(RingBuffer::with_capacity(1024).unwrap());
+    let engine = ServedEngine::new(ring, 0).with_control(bps.clone());
+    let cfg = ServerConfig {
+        lease: Duration::from_secs(600),
+        ..local()
+    };
+    let h = serve(cfg, engine).await;
+    let addr = h.local_addr();
+    let add = br#"{"request":{"Exact":"never"}}"#;
+    assert_eq!(http(addr, "POST", "/step", &[], b"").await.status, 200);
+    for _ in 1..BOUND {
+        let r = http(addr, "POST", "/breakpoints", &[], add).await;
+        assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+    }
+    let r = http(addr, "POST", "/breakpoints", &[], add).await;
+    assert_eq!(r.status, 409, "{:?}", String::from_utf8_lossy(&r.body));
+    let st = h.stats();
+    assert_eq!((st.leases_alive, st.leases_refused), (BOUND, 1));
+    // Cleared one by one (clearing all would disarm the step too).
+    for b in bps.list() {
+        assert!(bps.clear(b.id));
+    }
+    assert!(bps.is_armed());
+    let r = http(addr, "POST", "/breakpoints", &[], add).await;
+    assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+    let st = h.stats();
+    assert_eq!(
+        (st.leases_alive, st.leases_refused),
+        (2, 1),
+        "the step's lease and the new breakpoint's"
+    );
+    let m = http(addr, "GET", "/metrics", &[], b"").await;
+    let m = String::from_utf8_lossy(&m.body);
+    assert!(m.contains("\nkvbm_breakpoint_leases 2\n"), "{m}");
+    assert!(
+        m.contains("\nkvbm_breakpoint_leases_refused_total 1\n"),
+        "{m}"
+    );
     h.shutdown().await.unwrap();
 }
 

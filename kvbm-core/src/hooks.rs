@@ -710,6 +710,27 @@ impl Breakpoints {
         }
     }
 
+    /// Every owner that holds something now: a breakpoint, the armed step,
+    /// or a pause not yet released. What a lease or a client still has to
+    /// answer for; [`release_owner`](Self::release_owner) of anyone else
+    /// would do nothing.
+    pub fn owners(&self) -> HashSet<u64> {
+        let inner = self.lock();
+        inner
+            .breakpoints
+            .values()
+            .filter_map(|e| e.spec.owner)
+            .chain(inner.step.and_then(|s| s.owner))
+            .chain(
+                inner
+                    .paused
+                    .values()
+                    .filter(|p| p.release.is_none())
+                    .filter_map(|p| p.owner),
+            )
+            .collect()
+    }
+
     /// Sets the deadline of pauses that start from now on (pauses already
     /// running keep theirs).
     pub fn set_default_deadline(&self, deadline: Duration) -> Result<(), BreakpointError> {
@@ -982,6 +1003,10 @@ impl Control for Breakpoints {
     fn release_owner(&self, owner: u64) -> OwnerReleased {
         Breakpoints::release_owner(self, owner)
     }
+
+    fn owners(&self) -> Option<HashSet<u64>> {
+        Some(Breakpoints::owners(self))
+    }
 }
 
 #[cfg(test)]
@@ -1014,6 +1039,35 @@ mod tests {
 
     fn call(entry: EntryPoint, request: &str) -> CallInfo {
         CallInfo::new(entry).with_request(Arc::from(request))
+    }
+
+    /// `owners` names whoever holds something: a breakpoint, the armed
+    /// step (not among the listed breakpoints), a pause its step made;
+    /// nobody once each is released or used up.
+    #[test]
+    fn owners_are_those_holding_a_breakpoint_a_step_or_a_pause() {
+        let bp = Arc::new(Breakpoints::new(None, DEFAULT_DEADLINE));
+        assert!(bp.owners().is_empty());
+        let id = bp
+            .add(BreakpointSpec {
+                owner: Some(1),
+                ..BreakpointSpec::default().with_request("never")
+            })
+            .unwrap();
+        bp.add(BreakpointSpec::default().with_request("nobody's"))
+            .unwrap();
+        bp.step_for(2);
+        assert_eq!(bp.owners(), HashSet::from([1, 2]));
+        assert_eq!(bp.list().len(), 2, "the armed step is not listed");
+        // The step fires: its pause is still owner 2's.
+        let b = bp.clone();
+        let paused = thread::spawn(move || b.check(&call(EntryPoint::CreateSlot, "r")));
+        wait_paused(&bp, 1);
+        assert_eq!(bp.owners(), HashSet::from([1, 2]));
+        assert_eq!(bp.release_owner(2).resumed, 1);
+        paused.join().unwrap();
+        assert!(bp.clear(id));
+        assert!(bp.owners().is_empty(), "{:?}", bp.owners());
     }
 
     /// Waits (bounded) until `n` calls are paused.

@@ -98,6 +98,15 @@ pub trait Control: Send + Sync {
         OwnerReleased::default()
     }
 
+    /// Every owner that holds something now: a breakpoint, the armed
+    /// step, or a call paused for it and not yet released. `None` where the
+    /// control cannot tell (a remote one); whoever keeps leases then keeps
+    /// each until it runs out. The listed breakpoints are not enough to
+    /// tell: an armed step is not among them.
+    fn owners(&self) -> Option<std::collections::HashSet<u64>> {
+        None
+    }
+
     /// The breakpoints and paused calls now (empty when unavailable).
     fn view(&self) -> BreakpointsView {
         match self.execute(ControlCommand::List, None) {

@@ -17,7 +17,9 @@
 //! [`ANONYMOUS_LEASE`](crate::ANONYMOUS_LEASE) (5 minutes) that cannot be
 //! renewed, after which it is removed and what it paused resumes. The
 //! reply names the lease. At most [`MAX_LEASES`] are alive at once; past
-//! that such a command is refused (`busy`, counted).
+//! that, leases that own nothing any more (what they set was cleared,
+//! fired or resumed) are forgotten, and if every one still owns something
+//! (or the control cannot say) the command is refused (`busy`, counted).
 //!
 //! Requests and replies are JSON (at most [`MAX_REQUEST_BYTES`]); a
 //! malformed request gets an error reply naming what was wrong. At most
@@ -294,10 +296,16 @@ impl ControlResponder {
                         ControlCommand::Add { .. } | ControlCommand::Step
                     ) =>
                     {
+                        if s.leased.len() >= MAX_LEASES
+                            && let Some(owners) = self.control.owners()
+                        {
+                            // Forget the leases that own nothing any more.
+                            // Asked of the engine, not read from what it
+                            // lists: an armed step is not listed, and its
+                            // lease forgotten, it would never lapse.
+                            s.leased.retain(|id, _| owners.contains(id));
+                        }
                         if s.leased.len() >= MAX_LEASES {
-                            // Not pruned by what the engine lists: a step
-                            // a lease armed is not listed, and forgetting
-                            // its lease would leave it ownerless.
                             self.leases_refused.fetch_add(1, Ordering::Relaxed);
                             return ControlReply::error(
                                 "busy",
@@ -933,6 +941,60 @@ mod tests {
         assert_eq!(lock(&probe.released).len(), MAX_LEASES + 1);
         let c = r.counters();
         assert_eq!((c.leases, c.sessions), (0, 0));
+    }
+
+    /// Past [`MAX_LEASES`], an engine that can say who owns what has the
+    /// leases that own nothing forgotten rather than the command refused,
+    /// and keeps the lease of an armed step, which it does not list.
+    #[test]
+    fn leases_that_own_nothing_are_forgotten_and_an_armed_steps_is_kept() {
+        let bps = Arc::new(kvbm_core::hooks::Breakpoints::new(
+            None,
+            kvbm_events::breakpoint::DEFAULT_DEADLINE,
+        ));
+        let r = ControlResponder::new(bps.clone(), DEFAULT_LEASE);
+        let command = |command| ControlRequest::Command {
+            session: None,
+            command,
+        };
+        let ControlReply::Result {
+            lease: Some(step), ..
+        } = send(&r, &command(ControlCommand::Step))
+        else {
+            panic!("a step without a lease")
+        };
+        let add = command(ControlCommand::Add {
+            spec: BreakpointSpec::default().with_request("never"),
+        });
+        // Cleared one by one: clearing all would disarm the step too.
+        let clear_each = |bps: &kvbm_core::hooks::Breakpoints| {
+            for b in bps.list() {
+                assert!(bps.clear(b.id));
+            }
+        };
+        // The engine keeps at most 1024 breakpoints: set and clear them.
+        for _ in 1..MAX_LEASES {
+            assert!(matches!(
+                send(&r, &add),
+                ControlReply::Result { lease: Some(_), .. }
+            ));
+            if bps.list().len() == kvbm_events::breakpoint::DEFAULT_MAX_BREAKPOINTS {
+                clear_each(&bps);
+            }
+        }
+        clear_each(&bps);
+        assert_eq!(r.counters().leases, MAX_LEASES as u64);
+        let ControlReply::Result { lease: Some(_), .. } = send(&r, &add) else {
+            panic!("refused though 4095 leases own nothing")
+        };
+        let c = r.counters();
+        assert_eq!((c.leases, c.leases_refused), (2, 0));
+        assert_eq!(bps.owners().len(), 2);
+        assert!(bps.owners().contains(&step.owner) && bps.is_armed());
+        // The step's lease is still there to end it.
+        r.release_all();
+        assert!(bps.owners().is_empty());
+        assert!(!bps.is_armed());
     }
 
     #[test]

@@ -7,7 +7,6 @@ use axum::http::StatusCode;
 use kvbm_events::breakpoint::{BreakpointError, BreakpointInfo, PausedCall};
 use kvbm_events::control::{BreakpointsView, ControlCommand, ControlError, ControlResult};
 use kvbm_schema::protocol::{ApiError, CLIENT_KEY_HEADER, Lease};
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -106,9 +105,9 @@ pub(super) fn execute_for(
     r
 }
 
-/// Most leases alive at once; past it, leases whose breakpoints are gone
+/// Most leases alive at once; past it, leases that own nothing any more
 /// are forgotten first.
-const MAX_LEASES: usize = 4096;
+pub(super) const MAX_LEASES: usize = 4096;
 
 /// Runs a command that came over HTTP without naming a client. A new
 /// breakpoint, or a step (a one-shot breakpoint), gets an owner all the
@@ -127,15 +126,20 @@ pub(super) fn execute_leased(
     let lease = state.cfg.lease;
     {
         let mut leases = state.leases.lock().unwrap_or_else(|e| e.into_inner());
-        if leases.len() >= MAX_LEASES {
-            let owners: HashSet<u64> = view(state)
-                .breakpoints
-                .iter()
-                .filter_map(|b| b.spec.owner)
-                .collect();
+        if leases.len() >= MAX_LEASES
+            && let Some(owners) = state.engine.control.as_deref().and_then(|c| c.owners())
+        {
+            // Forget the leases whose breakpoints were cleared, whose step
+            // fired, whose pauses ended. Asked of the engine rather than
+            // read from its listed breakpoints, which do not show an armed
+            // step: its lease forgotten, the step would never lapse.
             leases.retain(|id, _| owners.contains(id));
         }
         if leases.len() >= MAX_LEASES {
+            state
+                .counters
+                .leases_refused
+                .fetch_add(1, Ordering::Relaxed);
             return Err((
                 StatusCode::CONFLICT,
                 ApiError::new(

@@ -64,7 +64,7 @@ pub(super) fn render(state: &AppState) -> String {
     let mut o = Out(String::with_capacity(8 * 1024));
     let ring = state.engine.ring.counters();
     let bus = state.engine.bus_counters.as_ref().map(|f| f());
-    let stats = state.counters.stats();
+    let stats = state.stats();
     events(&mut o, &ring, bus);
     ring_buffer(&mut o, &ring, state.engine.ring.capacity());
     server(&mut o, &stats, &state.cfg);
@@ -273,6 +273,18 @@ fn server(o: &mut Out, stats: &ServerStats, cfg: &ServerConfig) {
         "counter",
         "Leases of breakpoints set over HTTP without a client that ran out (their breakpoints removed).",
         stats.leases_expired,
+    );
+    o.one(
+        "kvbm_breakpoint_leases",
+        "gauge",
+        "Leases of breakpoints and steps set over HTTP without a client, alive now.",
+        stats.leases_alive,
+    );
+    o.one(
+        "kvbm_breakpoint_leases_refused_total",
+        "counter",
+        "Breakpoints and steps set over HTTP without a client refused because as many leases as the server keeps owned something.",
+        stats.leases_refused,
     );
 }
 
@@ -637,6 +649,7 @@ mod tests {
         c.silent.store(2, Ordering::Relaxed);
         c.request_timeouts.store(5, Ordering::Relaxed);
         c.leases_expired.store(6, Ordering::Relaxed);
+        c.leases_refused.store(2, Ordering::Relaxed);
         c.conns.unlogged.store(7, Ordering::Relaxed);
         c.conns.reserve_used.store(8, Ordering::Relaxed);
         c.conns.unparsable.store(9, Ordering::Relaxed);

@@ -445,6 +445,11 @@ pub struct ServerStats {
     pub request_timeouts: u64,
     /// Breakpoint leases that ran out (their breakpoints removed).
     pub leases_expired: u64,
+    /// Breakpoints and steps without a client refused because as many
+    /// leases as the server keeps owned something (`409`).
+    pub leases_refused: u64,
+    /// Leases of breakpoints and steps set without a client, alive now.
+    pub leases_alive: usize,
 }
 
 #[derive(Debug, Default)]
@@ -457,6 +462,7 @@ struct Counters {
     too_large: AtomicU64,
     request_timeouts: AtomicU64,
     leases_expired: AtomicU64,
+    leases_refused: AtomicU64,
     events_sent: AtomicU64,
     gaps_sent: AtomicU64,
     gap_events: AtomicU64,
@@ -485,6 +491,9 @@ impl Counters {
             unparsable_requests: self.conns.unparsable.load(Ordering::Relaxed),
             request_timeouts: self.request_timeouts.load(Ordering::Relaxed),
             leases_expired: self.leases_expired.load(Ordering::Relaxed),
+            leases_refused: self.leases_refused.load(Ordering::Relaxed),
+            // Filled in by `AppState::stats`, which holds the leases.
+            leases_alive: 0,
         }
     }
 }
@@ -514,6 +523,14 @@ struct AppState {
 }
 
 impl AppState {
+    /// The counters, and the gauges kept outside them.
+    fn stats(&self) -> ServerStats {
+        ServerStats {
+            leases_alive: self.leases.lock().unwrap_or_else(|e| e.into_inner()).len(),
+            ..self.counters.stats()
+        }
+    }
+
     fn new(
         cfg: ServerConfig,
         engine: ServedEngine,
@@ -683,7 +700,7 @@ impl Server {
 
     /// The server's counters.
     pub fn stats(&self) -> ServerStats {
-        self.state.counters.stats()
+        self.state.stats()
     }
 
     /// Serves until `shutdown` completes; then closes every WebSocket
@@ -770,7 +787,7 @@ impl ServerHandle {
 
     /// The server's counters.
     pub fn stats(&self) -> ServerStats {
-        self.state.counters.stats()
+        self.state.stats()
     }
 
     /// Stops the server and waits for it.
