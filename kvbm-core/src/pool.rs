@@ -59,6 +59,19 @@ pub enum PoolError {
         /// The limit.
         max: usize,
     },
+    /// The pool's bookkeeping (some 100 bytes a block) could not be
+    /// allocated: a capacity far beyond the machine's memory.
+    #[error(
+        "{tier} pool of {capacity} blocks: its bookkeeping, about {bytes} bytes, could not be allocated"
+    )]
+    OutOfMemory {
+        /// Tier.
+        tier: Tier,
+        /// What was asked.
+        capacity: usize,
+        /// About how many bytes that needs.
+        bytes: u128,
+    },
     /// Not enough empty or evictable blocks; nothing was allocated.
     #[error("{tier} pool exhausted: asked for {requested} blocks, {available} empty or evictable")]
     Exhausted {
@@ -211,11 +224,32 @@ impl BlockPool {
                 max,
             });
         }
-        let slots = (0..config.capacity)
-            .map(|_| BlockEntry::default())
-            .collect();
+        // Reserved fallibly: a capacity from a user's configuration that
+        // the machine cannot hold is an error naming it, not an abort.
+        let out_of_memory = |_| {
+            let per_block = std::mem::size_of::<BlockEntry>()
+                + std::mem::size_of::<BlockId>()
+                + std::mem::size_of::<(SequenceHash, BlockId)>();
+            PoolError::OutOfMemory {
+                tier,
+                capacity: config.capacity,
+                bytes: config.capacity as u128 * per_block as u128,
+            }
+        };
+        let mut slots = Vec::new();
+        slots
+            .try_reserve_exact(config.capacity)
+            .map_err(out_of_memory)?;
+        slots.resize_with(config.capacity, BlockEntry::default);
         // Pop order 0, 1, 2, ...: a fresh pool hands out ids in order.
-        let free = (0..config.capacity as BlockId).rev().collect();
+        let mut free = Vec::new();
+        free.try_reserve_exact(config.capacity)
+            .map_err(out_of_memory)?;
+        free.extend((0..config.capacity as BlockId).rev());
+        let mut registry = Registry::default();
+        registry
+            .try_reserve(config.capacity)
+            .map_err(out_of_memory)?;
         Ok(BlockPool {
             shared: Arc::new(PoolShared {
                 id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
@@ -226,10 +260,7 @@ impl BlockPool {
                 state: Mutex::new(PoolState {
                     slots,
                     free,
-                    registry: HashMap::with_capacity_and_hasher(
-                        config.capacity,
-                        Default::default(),
-                    ),
+                    registry,
                     lru: BTreeMap::new(),
                     next_epoch: 1,
                     mutable: 0,
@@ -757,6 +788,43 @@ mod tests {
         let s = p.status();
         assert_eq!(s.active + s.inactive + s.empty, s.capacity, "{s:?}");
         s
+    }
+
+    /// The most blocks a pool may have need some 400 GB of bookkeeping:
+    /// where the kernel refuses such an allocation (overcommit's default
+    /// heuristic, less memory than that), building the pool is an error
+    /// naming the tier and the capacity, not an abort. Elsewhere it could
+    /// succeed and take the memory, so the test says it did not run.
+    #[test]
+    fn a_pool_the_machine_cannot_hold_is_an_error() {
+        let capacity = (u32::MAX - 1) as usize;
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib = |key: &str| -> u128 {
+            meminfo
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+                .unwrap_or(u128::MAX / 4096)
+        };
+        let heuristic = std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
+            .is_ok_and(|v| v.trim() == "0");
+        let have = (kib("MemTotal:") + kib("SwapTotal:")) * 1024;
+        let need = capacity as u128 * std::mem::size_of::<BlockEntry>() as u128;
+        if !heuristic || have * 2 > need {
+            eprintln!("not run: this kernel may grant {need} bytes (memory and swap: {have})");
+            return;
+        }
+        let e = BlockPool::new(PoolConfig {
+            tier: Tier::Host,
+            capacity,
+            block_size: 16,
+        })
+        .unwrap_err();
+        assert!(
+            matches!(e, PoolError::OutOfMemory { tier: Tier::Host, capacity: c, .. } if c == capacity),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains(&capacity.to_string()), "{e}");
     }
 
     #[test]
