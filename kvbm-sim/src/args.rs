@@ -369,6 +369,20 @@ impl SimArgs {
         if !(0.0..=1.0).contains(&self.shared_prefix_ratio) {
             return Err(bad("shared-prefix-ratio", "must be in [0, 1]"));
         }
+        // Checked here too, so the error names the option typed rather
+        // than the engine's setting.
+        if self.device_capacity_tokens < self.block_size {
+            return Err(bad(
+                "device-capacity-tokens",
+                format!(
+                    "{} tokens hold no {}-token block (--block-size)",
+                    self.device_capacity_tokens, self.block_size
+                ),
+            ));
+        }
+        if self.max_batch_tokens == 0 {
+            return Err(bad("max-batch-tokens", "must be at least 1"));
+        }
         let mut config = SimConfig {
             block_size: self.block_size,
             device_capacity_tokens: self.device_capacity_tokens,
@@ -549,6 +563,11 @@ mod tests {
             ),
             (&["--max-requests", "0"], "max-requests"),
             (&["--max-trace-tokens", "0"], "max-trace-tokens"),
+            (
+                &["--device-capacity-tokens", "15"],
+                "device-capacity-tokens",
+            ),
+            (&["--max-batch-tokens", "0"], "max-batch-tokens"),
         ] {
             let err = parse(args).load().unwrap_err().to_string();
             assert!(err.starts_with(&format!("--{option}:")), "{err}");

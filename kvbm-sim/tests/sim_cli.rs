@@ -252,6 +252,26 @@ fn out_of_range_options_are_refused_by_name_with_their_range() {
             &["--bp-deadline-s", "from 0.001 to 86400"],
         ),
         (&["--max-trace-tokens", "0"], &["--max-trace-tokens"]),
+        // Named as the engine's and the server's fields before.
+        (
+            &["--device-capacity-tokens", "8"],
+            &["--device-capacity-tokens: 8 tokens hold no 16-token block"],
+        ),
+        (
+            &["--serve", "127.0.0.1:0", "--max-clients", "0"],
+            &["--max-clients: must be at least 1"],
+        ),
+        (
+            &[
+                "--serve",
+                "127.0.0.1:0",
+                "--max-clients",
+                "8",
+                "--max-connections",
+                "4",
+            ],
+            &["--max-connections: must be at least --max-clients"],
+        ),
     ] {
         let mut a = args.to_vec();
         a.extend(["--requests", "1"]);

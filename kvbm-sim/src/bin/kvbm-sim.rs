@@ -29,7 +29,9 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kvbm_attach::server::{FeederConfig, ServedEngine, Server, ServerConfig, spawn_feeder};
+use kvbm_attach::server::{
+    FeederConfig, ServedEngine, Server, ServerConfig, ServerError, spawn_feeder,
+};
 use kvbm_core::hooks::{Breakpoints, HookSet};
 use kvbm_events::Emitter;
 use kvbm_events::ring::{RingBuffer, RingConfig};
@@ -211,6 +213,23 @@ fn main() -> Result<ExitCode> {
     })
 }
 
+/// A server setting this program takes as an option is named as the
+/// option (`--max-clients`), not as the library's field.
+fn said_as_options(e: ServerError) -> anyhow::Error {
+    const OPTIONS: [&str; 3] = ["max_connections_per_ip", "max_connections", "max_clients"];
+    match e {
+        ServerError::BadConfig { field, reason } if OPTIONS.contains(&field) => {
+            // Longest first, so `max_connections` does not eat the start
+            // of `max_connections_per_ip`.
+            let reason = OPTIONS.iter().fold(reason, |r, f| {
+                r.replace(f, &format!("--{}", f.replace('_', "-")))
+            });
+            anyhow::anyhow!("--{}: {reason}", field.replace('_', "-"))
+        }
+        e => e.into(),
+    }
+}
+
 /// Writes `bytes` to stdout and flushes. A reader that has gone (`| head`)
 /// is not an error: there is nobody left to tell, so the rest is dropped.
 fn write_stdout(bytes: &[u8]) -> std::io::Result<()> {
@@ -257,7 +276,9 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<(SimReport, O
         release_on_disconnect: !a.keep_breakpoints_on_disconnect,
         ..ServerConfig::default()
     };
-    let server = server_rt.block_on(Server::bind(cfg, engine))?;
+    let server = server_rt
+        .block_on(Server::bind(cfg, engine))
+        .map_err(said_as_options)?;
     // Without a reader on stdout the server still serves.
     write_stdout(format!("serving on http://{}\n", server.local_addr()).as_bytes())
         .context("writing the address to stdout")?;
