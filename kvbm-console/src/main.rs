@@ -142,7 +142,17 @@ fn log_to_file(path: &std::path::Path) {
     }
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    match run_main() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", kvbm_events::text::said(e.as_ref()));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_main() -> Result<()> {
     let cli = Cli::from_arg_matches(&cli_command().get_matches())?;
     if let Command::Completions { shell } = cli.command {
         use std::io::Write;

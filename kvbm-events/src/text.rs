@@ -27,9 +27,49 @@ pub fn clip(s: &str, max_chars: usize) -> String {
     }
 }
 
+/// An error and its causes on one line, each said once: a message that
+/// already quotes its cause (as most here do) is not followed by it again,
+/// as `anyhow`'s "Caused by:" list would.
+pub fn said(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut msg = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !msg.contains(&text) {
+            msg.push_str(": ");
+            msg.push_str(&text);
+        }
+        cause = c.source();
+    }
+    msg
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("{what}")]
+    struct Wrapped {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn causes_are_said_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let quoted = Wrapped {
+            what: "opening trace t: no such file".into(),
+            source: io(),
+        };
+        assert_eq!(said(&quoted), "opening trace t: no such file");
+        let bare = Wrapped {
+            what: "opening trace t".into(),
+            source: io(),
+        };
+        assert_eq!(said(&bare), "opening trace t: no such file");
+    }
 
     #[test]
     fn clips_by_characters_and_marks_the_cut() {

@@ -185,6 +185,20 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
         assert!(err.to_lowercase().contains("error"), "{args:?}: {err}");
     }
+    // One line, the cause said once (anyhow's report said it twice, under
+    // "Caused by:", and added a backtrace when RUST_BACKTRACE was set).
+    let out = sim()
+        .args(["--trace", "/nonexistent/trace.jsonl"])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.starts_with("error: opening trace /nonexistent/trace.jsonl: ")
+            && err.lines().count() == 1,
+        "{err}"
+    );
 }
 
 #[test]
@@ -223,7 +237,7 @@ fn a_full_stdout_is_an_error_naming_stdout() {
             .unwrap();
         assert_refused(
             &out,
-            &["Error: writing the report to stdout", "No space left"],
+            &["error: writing the report to stdout", "No space left"],
         );
         assert_eq!(out.status.code(), Some(1));
     }

@@ -304,15 +304,7 @@ fn parse_capacities(s: &str) -> Result<Capacities, String> {
 /// The error and its causes, each said once: a message that already
 /// quotes its cause (as most do) is not followed by it again.
 pub fn said(e: &anyhow::Error) -> String {
-    let mut msg = e.to_string();
-    for cause in e.chain().skip(1) {
-        let c = cause.to_string();
-        if !msg.contains(&c) {
-            msg.push_str(": ");
-            msg.push_str(&c);
-        }
-    }
-    msg
+    kvbm_events::text::said(e.as_ref())
 }
 
 /// What `dir` holds, or why it is not a recording.
