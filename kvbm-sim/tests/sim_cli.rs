@@ -185,6 +185,26 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
         assert!(err.to_lowercase().contains("error"), "{args:?}: {err}");
     }
+    // A token is named by where it came from.
+    for (flag, env, needle) in [
+        (Some("bad token"), None, "error: --token: unusable token"),
+        (
+            None,
+            Some("bad token"),
+            "error: the KVBM_TOKEN environment variable: unusable token",
+        ),
+    ] {
+        let mut cmd = sim();
+        cmd.args(["--requests", "1", "--serve", "127.0.0.1:0"]);
+        cmd.env_remove("KVBM_TOKEN");
+        if let Some(t) = flag {
+            cmd.args(["--token", t]);
+        }
+        if let Some(t) = env {
+            cmd.env("KVBM_TOKEN", t);
+        }
+        assert_refused(&cmd.output().unwrap(), &[needle]);
+    }
     // One line, the cause said once (anyhow's report said it twice, under
     // "Caused by:", and added a backtrace when RUST_BACKTRACE was set).
     let out = sim()

@@ -224,10 +224,16 @@ fn run() -> Result<ExitCode> {
 }
 
 /// A server setting this program takes as an option is named as the
-/// option (`--max-clients`), not as the library's field.
-fn said_as_options(e: ServerError) -> anyhow::Error {
+/// option (`--max-clients`), not as the library's field; a token as where
+/// it came from (`--token`, or the KVBM_TOKEN environment variable when
+/// `token_from_env`).
+fn said_as_options(e: ServerError, token_from_env: bool) -> anyhow::Error {
     const OPTIONS: [&str; 3] = ["max_connections_per_ip", "max_connections", "max_clients"];
     match e {
+        ServerError::BadToken(why) if token_from_env => {
+            anyhow::anyhow!("the KVBM_TOKEN environment variable: unusable token: {why}")
+        }
+        ServerError::BadToken(why) => anyhow::anyhow!("--token: unusable token: {why}"),
         ServerError::BadConfig { field, reason } if OPTIONS.contains(&field) => {
             // Longest first, so `max_connections` does not eat the start
             // of `max_connections_per_ip`.
@@ -254,6 +260,7 @@ fn write_stdout(bytes: &[u8]) -> std::io::Result<()> {
 /// report once the engine finished and the server stopped (a signal, or
 /// `--linger-s` after the workload), with the signal if one came.
 fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<(SimReport, Option<Signal>)> {
+    let from_env = a.token.is_none();
     let token = a
         .token
         .clone()
@@ -288,7 +295,7 @@ fn serve(a: &Args, addr: SocketAddr, mut sim: Simulator) -> Result<(SimReport, O
     };
     let server = server_rt
         .block_on(Server::bind(cfg, engine))
-        .map_err(said_as_options)?;
+        .map_err(|e| said_as_options(e, from_env))?;
     // Without a reader on stdout the server still serves.
     write_stdout(format!("serving on http://{}\n", server.local_addr()).as_bytes())
         .context("writing the address to stdout")?;
