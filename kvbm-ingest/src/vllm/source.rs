@@ -358,6 +358,13 @@ impl std::fmt::Display for Summary<'_> {
             write!(f, "0 events skipped")?;
         }
         write!(f, ", {} restarts", c.restarts)?;
+        if c.translate.bad_timestamps > 0 {
+            write!(
+                f,
+                ", {} batch timestamps refused (not a time, or over a day ahead of this clock)",
+                c.translate.bad_timestamps
+            )?;
+        }
         if c.seq_too_far > 0 {
             write!(
                 f,

@@ -95,7 +95,16 @@ pub struct TranslateCounters {
     pub bound_evicted: u64,
     /// Publisher restarts (every live block evicted).
     pub restarts: u64,
+    /// Batch timestamps not taken: not a positive number, or more than
+    /// [`MAX_CLOCK_AHEAD`] past this machine's clock. Their events keep
+    /// the time before, so one bad stamp cannot throw the rest of the
+    /// timeline into the far future.
+    pub bad_timestamps: u64,
 }
+
+/// How far past this machine's clock a publisher's timestamp may be (a
+/// day: any clock skew, not a stamp from centuries on).
+pub const MAX_CLOCK_AHEAD: std::time::Duration = std::time::Duration::from_secs(86_400);
 
 /// The kvbm seq past which no more holes are left for lost batches (2^62):
 /// holes are claims of the publisher's seq, and a hostile one could claim
@@ -214,10 +223,16 @@ impl Translator {
     }
 
     fn set_time(&mut self, ts: f64) {
-        if ts.is_finite() && ts > 0.0 {
+        let latest = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            + MAX_CLOCK_AHEAD;
+        if ts.is_finite() && ts > 0.0 && ts <= latest.as_secs_f64() {
             // Saturating float → int conversion.
             let ns = (ts * 1e9) as u64;
             self.ts_ns = self.ts_ns.max(ns);
+        } else {
+            self.counters.bad_timestamps += 1;
         }
     }
 
@@ -474,5 +489,52 @@ mod tests {
         );
         assert!(!out.is_empty());
         assert!(out.iter().all(|e| e.seq == u64::MAX));
+    }
+
+    /// A stamp of 1e300 s saturated the time at u64::MAX ns, and as time
+    /// only moves forward, every later event kept it. It is refused and
+    /// counted now, as are stamps that are not positive numbers; a stamp
+    /// within a day of this machine's clock is taken.
+    #[test]
+    fn absurd_timestamps_are_counted_and_do_not_move_the_time() {
+        let mut tr = Translator::new(TranslatorConfig::default());
+        let mut out = Vec::new();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        let batch = |ts: f64, hash: u64| KvBatch {
+            ts,
+            events: vec![KvEvent::Stored {
+                block_hashes: vec![hash],
+                parent: None,
+                num_tokens: 16,
+                block_size: Some(16),
+                medium: Medium::Gpu,
+                group: None,
+            }],
+            skipped: Default::default(),
+            dp_rank: None,
+        };
+        tr.batch(&batch(now, 1), &mut out);
+        let good = out.last().unwrap().ts_ns;
+        for (i, ts) in [
+            1e300,
+            f64::INFINITY,
+            f64::NAN,
+            -1.0,
+            0.0,
+            now + 2.0 * 86_400.0,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            tr.batch(&batch(ts, 10 + i as u64), &mut out);
+            assert_eq!(out.last().unwrap().ts_ns, good, "{ts}");
+        }
+        assert_eq!(tr.counters().bad_timestamps, 6);
+        tr.batch(&batch(now + 3600.0, 99), &mut out);
+        assert!(out.last().unwrap().ts_ns > good);
+        assert_eq!(tr.counters().bad_timestamps, 6);
     }
 }
