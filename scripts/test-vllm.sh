@@ -4,7 +4,8 @@
 # configuration (kvbm-py/tests/vllm/run.py), the fleet through a real
 # nats-server (vLLM's own events bridged: fleet_bridge.py; the connector's
 # `publish`: fleet_publish.py), and the console attached to the running
-# engine in tmux (kvbm-py/tests/vllm/console.py).
+# engine in tmux (kvbm-py/tests/vllm/console.py); first, without an engine,
+# the module against hostile arguments (kvbm-py/tests/vllm/api_inputs.py).
 #
 # Prepares what it needs: the vLLM environment (scripts/setup-vllm.sh, cached
 # in ~/.cache/kvbm/vllm-venv), kvbm's Python package installed into it the way
@@ -24,6 +25,8 @@ PY="$VENV/bin/python"
 echo "== installing kvbm into $VENV (pip install ./kvbm-py)"
 "$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
 "$PY" -c 'import kvbm, kvbm.vllm; print("kvbm", kvbm.__version__, "from", kvbm.__file__)'
+echo "== the module against inputs vLLM would never give (no engine)"
+"$PY" kvbm-py/tests/vllm/api_inputs.py
 
 PROFILE="${KVBM_TEST_PROFILE:-dev}"
 case "$PROFILE" in

@@ -126,14 +126,38 @@ fn text<'a>(key: &'static str, v: &'a Value) -> Result<&'a str, ConfigError> {
     }
 }
 
-fn seconds(key: &'static str, v: &Value) -> Result<Duration, ConfigError> {
+/// The shortest `ship_timeout_s`: the pipelines flush their batches every
+/// millisecond, so a shorter wait would fail loads that were on their way.
+pub const MIN_SHIP_TIMEOUT: Duration = Duration::from_millis(1);
+
+/// Seconds in `[min, 86400]`. The bounds are checked on the duration the
+/// number becomes, not the number: 1e-300 s is more than 0 but 0 ns.
+fn seconds(key: &'static str, v: &Value, min: Duration) -> Result<Duration, ConfigError> {
     let s = v
         .as_f64()
         .ok_or_else(|| bad(key, format!("expected a number of seconds, got {v}")))?;
-    if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
-        return Err(bad(key, format!("{s} is not in (0, 86400] seconds")));
+    let max = Duration::from_secs(86_400);
+    match Duration::try_from_secs_f64(s) {
+        Ok(d) if d >= min && d <= max => Ok(d),
+        _ => Err(bad(
+            key,
+            format!(
+                "{s} is not in [{}, {}] seconds",
+                min.as_secs_f64(),
+                max.as_secs()
+            ),
+        )),
     }
-    Ok(Duration::from_secs_f64(s))
+}
+
+/// The attach server's rules for a bearer token, checked here so the
+/// refusal names `token` before the scheduler starts (the server itself
+/// would refuse it only then).
+fn check_token(t: &str) -> Result<(), ConfigError> {
+    match kvbm_attach::server::token_unusable(t) {
+        None => Ok(()),
+        Some(why) => Err(bad("token", format!("unusable token: {why}"))),
+    }
 }
 
 impl Default for Config {
@@ -196,12 +220,22 @@ impl Config {
                         )
                     })?);
                 }
-                "token" => c.token = Some(text("token", v)?.to_string()),
+                "token" => {
+                    let t = text("token", v)?;
+                    check_token(t)?;
+                    c.token = Some(t.to_string());
+                }
                 "record" => c.record = Some(PathBuf::from(text("record", v)?)),
                 "breakpoint_deadline_s" => {
-                    c.breakpoint_deadline = seconds("breakpoint_deadline_s", v)?
+                    c.breakpoint_deadline = seconds(
+                        "breakpoint_deadline_s",
+                        v,
+                        kvbm_events::breakpoint::MIN_DEADLINE,
+                    )?
                 }
-                "ship_timeout_s" => c.ship_timeout = seconds("ship_timeout_s", v)?,
+                "ship_timeout_s" => {
+                    c.ship_timeout = seconds("ship_timeout_s", v, MIN_SHIP_TIMEOUT)?
+                }
                 "shm_dir" => c.shm_dir = Some(PathBuf::from(text("shm_dir", v)?)),
                 "publish" => {
                     let url = text("publish", v)?;
@@ -342,6 +376,27 @@ mod tests {
             (json!({"disk_capacity_tokens": 10}), "disk_capacity_tokens"),
             (json!({"host_capacity_tokens": 0}), "host_capacity_tokens"),
             (json!({"breakpoint_deadline_s": 0}), "breakpoint_deadline_s"),
+            // More than 0, but 0 ns (or less than the least) once a duration.
+            (
+                json!({"breakpoint_deadline_s": 5e-324}),
+                "breakpoint_deadline_s",
+            ),
+            (
+                json!({"breakpoint_deadline_s": 0.0009}),
+                "breakpoint_deadline_s",
+            ),
+            (json!({"ship_timeout_s": 1e-300}), "ship_timeout_s"),
+            (json!({"ship_timeout_s": 1e-9}), "ship_timeout_s"),
+            (json!({"ship_timeout_s": 86400.5}), "ship_timeout_s"),
+            (
+                json!({"serve": "127.0.0.1:0", "token": "secret\n"}),
+                "token",
+            ),
+            (json!({"serve": "127.0.0.1:0", "token": "a b"}), "token"),
+            (
+                json!({"serve": "127.0.0.1:0", "token": "t".repeat(4097)}),
+                "token",
+            ),
             (json!({"token": "t"}), "token"),
             (json!({"record": ""}), "record"),
             (
@@ -363,6 +418,16 @@ mod tests {
             assert!(e.contains(&format!("`{key}`")), "{v}: {e}");
         }
         assert!(Config::from_json(&json!([1])).is_err());
+        // The least of each is accepted, and a token the server takes.
+        let c = Config::from_json(&json!({
+            "breakpoint_deadline_s": 0.001,
+            "ship_timeout_s": 0.001,
+            "serve": "127.0.0.1:0",
+            "token": "t".repeat(4096),
+        }))
+        .unwrap();
+        assert_eq!(c.breakpoint_deadline, kvbm_events::breakpoint::MIN_DEADLINE);
+        assert_eq!(c.ship_timeout, MIN_SHIP_TIMEOUT);
         assert!(
             Config::blocks("host_capacity_tokens", 10, 32)
                 .unwrap_err()

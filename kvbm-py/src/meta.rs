@@ -102,6 +102,11 @@ pub struct MetaError {
 }
 
 impl StepPlan {
+    /// Whether it copies anything (most steps' plans do not).
+    pub fn copies(&self) -> bool {
+        !self.stores.is_empty() || !self.loads.is_empty()
+    }
+
     /// JSON bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
         // Plain data of known types: serialising cannot fail.

@@ -176,9 +176,19 @@ impl Observers {
                 token,
                 ..ServerConfig::default()
             };
+            // The config's token was checked with the config; a bad one
+            // here came from the environment.
             let server = runtime
                 .block_on(Server::bind(scfg, engine))
-                .map_err(|e| format!("kv_connector_extra_config `serve`: {e}"))?;
+                .map_err(|e| match e {
+                    kvbm_attach::server::ServerError::BadToken(_) if cfg.token.is_none() => {
+                        format!("the KVBM_TOKEN environment variable: {e}")
+                    }
+                    kvbm_attach::server::ServerError::BadToken(_) => {
+                        format!("kv_connector_extra_config `token`: {e}")
+                    }
+                    _ => format!("kv_connector_extra_config `serve`: {e}"),
+                })?;
             let _g = runtime.enter();
             obs.server = Some(server.spawn());
         }

@@ -4,8 +4,19 @@
 //! vLLM's objects stays small. Errors become Python exceptions with the
 //! Rust message intact: `ValueError` for settings, `RuntimeError` for the
 //! rest.
+//!
+//! Each object keeps its side behind a mutex, and the GIL is never taken
+//! back while that mutex is held (a call that lets the GIL go does so
+//! before it locks): a thread holding the GIL may then wait for the mutex
+//! without ever waiting for itself through another thread.
+//!
+//! The module is private to the Python class in `kvbm/vllm.py`, and trusts
+//! it: `Worker` copies to and from the addresses its tensor descriptions
+//! give (`data_ptr`, checked only for null and size), which must be vLLM's
+//! own KV tensors, kept alive by the caller.
 
 use crate::config::{Config, ConfigError};
+use crate::meta::StepPlan;
 use crate::scheduler::{Scheduled, SchedulerError, SchedulerSide, StepInput};
 use crate::tiers::Geometry;
 use crate::worker::{KvTensor, WorkerError, WorkerSide};
@@ -220,13 +231,15 @@ impl PyScheduler {
     }
 
     /// The attach server's address (`host:port`), when serving.
-    fn serving(&self) -> Option<String> {
-        self.lock().as_ref()?.serving().map(|a| a.to_string())
+    fn serving(&self, py: Python<'_>) -> Option<String> {
+        // Without the GIL: another thread's call may hold the side,
+        // paused at a breakpoint.
+        py.detach(|| self.lock().as_ref()?.serving().map(|a| a.to_string()))
     }
 
     /// The connector's counters and its own time per step, as JSON text.
-    fn counters(&self) -> String {
-        self.lock().as_ref().map(counters_json).unwrap_or_default()
+    fn counters(&self, py: Python<'_>) -> String {
+        py.detach(|| self.lock().as_ref().map(counters_json).unwrap_or_default())
     }
 
     /// Stops everything (idempotent). Returns the final counters (JSON
@@ -263,6 +276,8 @@ impl PyWorker {
     /// `tensors_json`: a list of `{name, data_ptr, nbytes, num_blocks,
     /// block_stride_bytes, contiguous, device}`, one per layer. The caller
     /// (the Python class) keeps the tensors alive as long as this object.
+    /// `data_ptr` is trusted to be the address of vLLM's own tensor: this
+    /// private module's contract with its one caller.
     #[new]
     fn new(
         config_json: &str,
@@ -295,31 +310,33 @@ impl PyWorker {
         py: Python<'py>,
         plan: &[u8],
     ) -> PyResult<(Option<Bound<'py, PyBytes>>, Vec<String>, Vec<u32>)> {
-        let run = |w: &mut WorkerSide| {
+        let plan = StepPlan::from_bytes(plan).map_err(|e| worker_err(WorkerError::Meta(e)))?;
+        let copies = plan.copies();
+        let run = move || {
+            let mut g = self.lock();
+            let w = g.as_mut().ok_or_else(gone)?;
+            w.bind_plan(plan);
             w.run();
-            (
+            Ok::<_, PyErr>((
                 w.take_report(),
                 w.take_finished_sending(),
                 w.take_load_errors(),
-            )
+            ))
         };
-        let mut g = self.lock();
-        let w = g.as_mut().ok_or_else(gone)?;
-        w.bind(plan).map_err(worker_err)?;
         // The GIL is let go only around copies (for another thread that
         // may want it meanwhile); a plan with none is bookkeeping, cheaper
-        // than handing the GIL over and taking it back.
-        let (report, sending, errors) = if w.bound_copies() {
-            py.detach(|| run(w))
-        } else {
-            run(w)
-        };
-        drop(g);
+        // than handing the GIL over and taking it back. Either way the
+        // mutex is taken and let go inside (see the module docs).
+        let (report, sending, errors) = if copies { py.detach(run) } else { run() }?;
         Ok((report.map(|b| PyBytes::new(py, &b)), sending, errors))
     }
 
-    fn shutdown(&self) {
-        self.lock().take();
+    fn shutdown(&self, py: Python<'_>) {
+        // Without the GIL: a `run` on another thread may hold the side.
+        py.detach(|| {
+            let side = self.lock().take();
+            drop(side);
+        });
     }
 }
 

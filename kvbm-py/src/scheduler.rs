@@ -37,7 +37,7 @@
 use crate::config::{Config, Offload};
 use crate::meta::{Batch, Pair, Route, StepPlan, StepReport};
 use crate::observe::{FleetCounters, Observers};
-use crate::tiers::{Geometry, TierSizes, shm_path};
+use crate::tiers::{Geometry, ShmClaim, TierSizes, shm_path};
 use kvbm_core::block::{Empty, ImmutableBlock, MutableBlock};
 use kvbm_core::hooks::{Breakpoints, HookSet};
 use kvbm_core::layout::LayoutKind;
@@ -58,7 +58,6 @@ use kvbm_core::transfer::{
 use kvbm_events::bus::BusConfig;
 use kvbm_events::{BlockId, Direction, Emitter, EventKind, MonotonicClock, RequestId, Tier};
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -103,6 +102,28 @@ fn setup<E: std::fmt::Display>(e: E) -> SchedulerError {
     SchedulerError::Setup(e.to_string())
 }
 
+/// A refusal about `request`, its id clipped (ids come from the caller and
+/// may be any length).
+fn request_err(request: &str, reason: impl Into<String>) -> SchedulerError {
+    SchedulerError::Request {
+        request: kvbm_events::text::clip(request, kvbm_events::text::MAX_QUOTED_CHARS),
+        reason: reason.into(),
+    }
+}
+
+/// What a slot error says, without the request id it repeats
+/// ([`SchedulerError::Request`] names the request once).
+fn slot_reason(e: &kvbm_events::slot::SlotError) -> String {
+    use kvbm_events::slot::SlotError;
+    match e {
+        SlotError::IllegalTransition { from, to, .. } => {
+            format!("illegal slot transition {from} → {to}")
+        }
+        SlotError::UnknownRequest(_) => "kvbm has no slot for it".into(),
+        SlotError::DuplicateRequest(_) => "a slot for it already exists".into(),
+    }
+}
+
 /// What vLLM scheduled for one request in a step.
 #[derive(Debug, Clone, Default)]
 pub struct Scheduled {
@@ -115,7 +136,8 @@ pub struct Scheduled {
     pub prompt_len: usize,
     /// Tokens computed before this step.
     pub computed_before: usize,
-    /// Tokens this step computes.
+    /// Tokens this step computes (`computed_before + scheduled` must not
+    /// overflow).
     pub scheduled: usize,
     /// The request's whole block table now (vLLM block ids, group 0), or
     /// `None` when it is the one last given (vLLM's tables only grow, and
@@ -145,6 +167,9 @@ pub struct Counters {
     pub failed_load_blocks: u64,
     /// Store batches failed before shipping (their G1 blocks were freed).
     pub unshippable_stores: u64,
+    /// Scheduled requests left out of a step because what was passed for
+    /// them was unusable (each logged); the step went on for the others.
+    pub refused_scheduled: u64,
     /// Requests held by a breakpoint at some point.
     pub held_asks: u64,
     /// Requests whose blocks were kept for stores still out.
@@ -167,6 +192,9 @@ struct Req {
     mirrored: usize,
     /// The `num_computed_tokens` of the last lookup (where a load starts).
     lookup_computed: usize,
+    /// The external tokens the last lookup promised (the most a load may
+    /// bring).
+    matched: usize,
     /// Block indices a load filled (not stored again).
     loaded: std::ops::Range<usize>,
     /// Mirror blocks held for this request: `own` are the ones it made
@@ -190,6 +218,7 @@ impl Req {
             block_ids: Vec::new(),
             mirrored: 0,
             lookup_computed: 0,
+            matched: 0,
             loaded: 0..0,
             own: Vec::new(),
             shared: Vec::new(),
@@ -213,7 +242,9 @@ pub struct SchedulerSide {
     pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)>,
     _host: Option<Arc<HostStorage>>,
     _disk: Option<Arc<DiskStorage>>,
-    shm: Option<PathBuf>,
+    /// The shared host tier's file, locked while this side lives; removed
+    /// at shutdown.
+    shm: Option<ShmClaim>,
     requests: HashMap<String, Req>,
     /// Mirror block id → vLLM block id, with how many requests map it.
     g1: HashMap<BlockId, (u32, u32)>,
@@ -317,7 +348,13 @@ impl SchedulerSide {
         };
         // Room for a mirror of every vLLM block and as many load
         // destinations in flight; evicted (LRU) when vLLM's blocks move on.
-        let mirror = pool(Tier::Device, geometry.num_gpu_blocks * 2)?;
+        let mirror_blocks = geometry.num_gpu_blocks.checked_mul(2).ok_or_else(|| {
+            crate::tiers::GeometryError::Invalid(format!(
+                "num_gpu_blocks {} is too large (kvbm mirrors twice as many)",
+                geometry.num_gpu_blocks
+            ))
+        })?;
+        let mirror = pool(Tier::Device, mirror_blocks)?;
         let g2 = (sizes.host_blocks > 0)
             .then(|| pool(Tier::Host, sizes.host_blocks))
             .transpose()?;
@@ -401,16 +438,23 @@ impl SchedulerSide {
                 .map_err(setup)?,
             ))
         };
-        let shm = shm_path(&cfg, engine_id);
         let mut host_storage = None;
+        // Claimed before it is mapped, and removed if this start fails
+        // from here on (the claim is dropped with the error).
+        let mut shm = None;
         if let Some(g2) = &g2 {
+            let claim = ShmClaim::take(&shm_path(&cfg, engine_id)).map_err(setup)?;
             let hl = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
-            let s2 = Arc::new(HostStorage::shared(&shm, hl).map_err(|source| {
+            let s2 = Arc::new(HostStorage::shared(claim.path(), hl).map_err(|source| {
                 SchedulerError::Storage {
-                    what: format!("the host tier's shared file {}", shm.display()),
+                    what: format!(
+                        "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
+                        claim.path().display()
+                    ),
                     source,
                 }
             })?);
+            shm = Some(claim);
             let e12 = remote(
                 "G1→G2 (vLLM worker)",
                 (Tier::Device, mirror.capacity()),
@@ -446,7 +490,10 @@ impl SchedulerSide {
             let dl = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
             let s3 = Arc::new(DiskStorage::open_or_create(path, dl).map_err(|source| {
                 SchedulerError::Storage {
-                    what: format!("the disk tier's file {}", path.display()),
+                    what: format!(
+                        "the disk tier's file {} (kv_connector_extra_config `disk_path`)",
+                        path.display()
+                    ),
                     source,
                 }
             })?);
@@ -546,7 +593,7 @@ impl SchedulerSide {
             .map_err(SchedulerError::Observe)?;
         drop(_guard);
         Ok(SchedulerSide {
-            shm: host_storage.as_ref().map(|_| shm),
+            shm,
             cfg,
             geometry,
             runtime,
@@ -667,14 +714,17 @@ impl SchedulerSide {
         num_computed_tokens: usize,
     ) -> Result<Option<usize>, SchedulerError> {
         let _guard = self.runtime.enter();
-        let fail = |e: kvbm_events::slot::SlotError| SchedulerError::Request {
-            request: request.to_string(),
-            reason: e.to_string(),
+        let fail = |e: kvbm_events::slot::SlotError| request_err(request, slot_reason(&e));
+        let id = match self.requests.get(request) {
+            Some(r) => r.id.clone(),
+            None => RequestId::from(request),
         };
-        let id = self.req(request).id.clone();
         if !self.leader.has_slot(request) {
             self.leader.create_slot(&id, prompt, 0).map_err(fail)?;
         }
+        // Followed from here on: it has a slot (a refused one leaves no
+        // entry behind).
+        self.req(request);
         let r = self
             .leader
             .get_num_new_matched_tokens_or_hold(&id, num_computed_tokens)
@@ -685,7 +735,9 @@ impl SchedulerSide {
                 Ok(None)
             }
             Some((tokens, _)) => {
-                self.req(request).lookup_computed = num_computed_tokens;
+                let r = self.req(request);
+                r.lookup_computed = num_computed_tokens;
+                r.matched = tokens;
                 // vLLM's own prefix cache answered before kvbm was asked:
                 // `num_computed_tokens` is its G1 hit, over the full blocks
                 // it looks up (it computes at least the prompt's last token).
@@ -727,7 +779,24 @@ impl SchedulerSide {
     ) -> Result<(), SchedulerError> {
         let _guard = self.runtime.enter();
         let bs = self.geometry.block_size;
-        let r = self.req(request);
+        // Checked before anything changes: a refused call leaves no trace.
+        self.check_block_ids(request, block_ids)?;
+        let Some(r) = self.requests.get_mut(request) else {
+            return Err(request_err(
+                request,
+                "kvbm has no slot for it (get_num_new_matched_tokens was not asked first)",
+            ));
+        };
+        if num_external_tokens > r.matched {
+            return Err(request_err(
+                request,
+                format!(
+                    "num_external_tokens {num_external_tokens} is more than the {} \
+                     get_num_new_matched_tokens promised",
+                    r.matched
+                ),
+            ));
+        }
         r.block_ids = block_ids.to_vec();
         let id = r.id.clone();
         let first = r.lookup_computed / bs;
@@ -738,10 +807,7 @@ impl SchedulerSide {
             dests = self
                 .mirror
                 .allocate(targets.len())
-                .map_err(|e| SchedulerError::Request {
-                    request: request.to_string(),
-                    reason: format!("no mirror blocks for its load: {e}"),
-                })?;
+                .map_err(|e| request_err(request, format!("no mirror blocks for its load: {e}")))?;
             for (d, v) in dests.iter().zip(&targets) {
                 self.map_g1(request, d.id(), *v);
                 self.req(request).load_dests.push((d.id(), *v));
@@ -752,10 +818,19 @@ impl SchedulerSide {
         }
         self.leader
             .update_state_after_alloc(&id, dests, num_external_tokens)
-            .map_err(|e| SchedulerError::Request {
-                request: request.to_string(),
-                reason: e.to_string(),
-            })
+            .map_err(|e| request_err(request, slot_reason(&e)))
+    }
+
+    /// vLLM's block ids name its device blocks: each must be one of them.
+    fn check_block_ids(&self, request: &str, block_ids: &[u32]) -> Result<(), SchedulerError> {
+        let n = self.geometry.num_gpu_blocks;
+        match block_ids.iter().find(|b| **b as usize >= n) {
+            Some(b) => Err(request_err(
+                request,
+                format!("block id {b} is not one of vLLM's {n} device blocks"),
+            )),
+            None => Ok(()),
+        }
     }
 
     fn map_g1(&mut self, request: &str, mirror: BlockId, vllm: u32) {
@@ -806,18 +881,28 @@ impl SchedulerSide {
     /// the newly registered ones (for eager stores).
     fn mirror_full_blocks(&mut self, s: &Scheduled) -> Result<Vec<ImmutableBlock>, SchedulerError> {
         let bs = self.geometry.block_size;
+        // Checked before anything changes.
+        let computed = s.computed_before.checked_add(s.scheduled).ok_or_else(|| {
+            request_err(
+                &s.request,
+                format!(
+                    "computed before ({}) + scheduled ({}) overflows",
+                    s.computed_before, s.scheduled
+                ),
+            )
+        })?;
+        if let Some(ids) = &s.block_ids {
+            self.check_block_ids(&s.request, ids)?;
+        }
         let known = self
             .leader
             .append_tokens(&s.request, &s.new_tokens)
-            .map_err(|e| SchedulerError::Request {
-                request: s.request.clone(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| request_err(&s.request, slot_reason(&e)))?;
         let r = self.req(&s.request);
         if let Some(ids) = &s.block_ids {
             r.block_ids.clone_from(ids);
         }
-        let full_after = ((s.computed_before + s.scheduled).min(known) / bs).min(r.block_ids.len());
+        let full_after = (computed.min(known) / bs).min(r.block_ids.len());
         let from = r.mirrored;
         if full_after <= from {
             return Ok(Vec::new());
@@ -827,10 +912,7 @@ impl SchedulerSide {
         let blocks = self
             .leader
             .token_blocks(&s.request, from..full_after)
-            .map_err(|e| SchedulerError::Request {
-                request: s.request.clone(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| request_err(&s.request, slot_reason(&e)))?;
         let mut fresh = Vec::new();
         let mut held = Vec::new();
         for (k, (tb, vllm)) in blocks.iter().zip(ids).enumerate() {
@@ -906,8 +988,18 @@ impl SchedulerSide {
             let Some(id) = self.requests.get(&s.request).map(|r| r.id.clone()) else {
                 continue; // a request kvbm never saw (added before the connector)
             };
+            // One request's unusable input leaves it out of this step
+            // (mirror_full_blocks checks before it changes anything); the
+            // others' stores and loads go on.
+            let fresh = match self.mirror_full_blocks(s) {
+                Ok(fresh) => fresh,
+                Err(e) => {
+                    tracing::warn!("{e}; left out of step {}", self.step);
+                    self.counters.refused_scheduled += 1;
+                    continue;
+                }
+            };
             scheduled.insert(s.request.clone());
-            let fresh = self.mirror_full_blocks(s)?;
             let prefill = s
                 .scheduled
                 .min(s.prompt_len.saturating_sub(s.computed_before));
@@ -915,7 +1007,8 @@ impl SchedulerSide {
                 request: id,
                 prefill_tokens: prefill,
                 decode_tokens: s.scheduled - prefill,
-                computed_tokens: s.computed_before + s.scheduled,
+                // Checked by mirror_full_blocks.
+                computed_tokens: s.computed_before.saturating_add(s.scheduled),
                 new_full_blocks: if self.cfg.offload == Offload::Eager {
                     fresh
                 } else {
@@ -1150,11 +1243,12 @@ impl SchedulerSide {
         let Some(id) = self.requests.get(request).map(|r| r.id.clone()) else {
             return Ok(false);
         };
+        self.check_block_ids(request, block_ids)?;
         let mut blocks = Vec::new();
         if self.cfg.offload == Offload::Lazy && !block_ids.is_empty() {
             // Mirror what vLLM computed that no step has yet, then store
             // every block the request made.
-            let computed = block_ids.len() * self.geometry.block_size;
+            let computed = block_ids.len().saturating_mul(self.geometry.block_size);
             let s = Scheduled {
                 request: request.to_string(),
                 new_tokens: Vec::new(),
@@ -1170,13 +1264,10 @@ impl SchedulerSide {
                 .map(|r| r.own.clone())
                 .unwrap_or_default();
         }
-        let outstanding =
-            self.leader
-                .request_finished(&id, &blocks)
-                .map_err(|e| SchedulerError::Request {
-                    request: request.to_string(),
-                    reason: e.to_string(),
-                })?;
+        let outstanding = self
+            .leader
+            .request_finished(&id, &blocks)
+            .map_err(|e| request_err(request, slot_reason(&e)))?;
         if outstanding {
             self.delayed.insert(request.to_string());
             self.counters.delayed_frees += 1;
@@ -1241,9 +1332,8 @@ impl SchedulerSide {
                 .map_err(SchedulerError::Observe),
             None => Ok(()),
         };
-        if let Some(p) = self.shm.take() {
-            let _ = std::fs::remove_file(p);
-        }
+        // Dropping the claim removes the file.
+        self.shm.take();
         r
     }
 }

@@ -9,7 +9,7 @@
 
 use crate::config::Config;
 use crate::meta::{Batch, Done, Pair, Route, StepPlan, StepReport};
-use crate::tiers::{Geometry, TierSizes, shm_path};
+use crate::tiers::{Geometry, TierSizes, same_file, shm_path};
 use kvbm_core::layout::LayoutKind;
 use kvbm_core::storage::{DiskStorage, HostStorage, prefault_in_background};
 use kvbm_core::transfer::{
@@ -183,6 +183,50 @@ pub struct WorkerSide {
     hooks: TestHooks,
     /// Every layer's tensor kept as reported, to check later calls against.
     _tensors: Vec<KvTensor>,
+    /// The shared host tier's file, when this worker made it.
+    _shm_made: Option<ShmMade>,
+}
+
+/// The shared host tier's file when the worker made it (vLLM starts its
+/// workers before its scheduler). Its scheduler claims it
+/// ([`crate::tiers::ShmClaim`]) and removes it at shutdown; dropped while
+/// no scheduler holds it (a worker whose start failed, or whose scheduler
+/// never came), the worker removes it, so nothing is left behind.
+#[derive(Debug)]
+struct ShmMade {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl ShmMade {
+    /// Makes the file at `path` when there is none: `Some` when this call
+    /// made it, `None` when it was there (its scheduler's, or a file a
+    /// crashed run left).
+    fn create(path: &std::path::Path) -> std::io::Result<Option<ShmMade>> {
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+        {
+            Ok(file) => Ok(Some(ShmMade {
+                path: path.to_path_buf(),
+                file,
+            })),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for ShmMade {
+    fn drop(&mut self) {
+        // Locked, no scheduler holds it (nor can claim it meanwhile), and
+        // it is still the file this worker made (not a later engine's).
+        if self.file.try_lock().is_ok() && same_file(&self.file, &self.path) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 impl std::fmt::Debug for WorkerSide {
@@ -253,8 +297,12 @@ impl WorkerSide {
                     t.block_stride_bytes, geometry.page_bytes
                 )));
             }
+            if t.data_ptr == 0 {
+                return Err(bad("its data_ptr is null (0)".into()));
+            }
+            // Cannot overflow: Geometry::check.
             let need = (geometry.num_gpu_blocks * geometry.page_bytes) as u64;
-            if t.nbytes < need || t.data_ptr == 0 {
+            if t.nbytes < need {
                 return Err(bad(format!(
                     "{} bytes at {:#x}, need {need}",
                     t.nbytes, t.data_ptr
@@ -275,12 +323,20 @@ impl WorkerSide {
         let sizes = TierSizes::of(cfg, &geometry)?;
         let mut engines: HashMap<Route, Arc<dyn TransferEngine>> = HashMap::new();
         let mut host = None;
+        let mut shm_made = None;
         if sizes.host_blocks > 0 {
             let path = shm_path(cfg, engine_id);
+            let what = || {
+                format!(
+                    "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
+                    path.display()
+                )
+            };
+            // vLLM starts its workers before its scheduler: the worker may
+            // be the one that makes the file.
+            shm_made = ShmMade::create(&path).map_err(|e| tier_err(what(), e))?;
             let l = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
-            let g2 = Arc::new(HostStorage::shared(&path, l).map_err(|e| {
-                tier_err(format!("the host tier's shared file {}", path.display()), e)
-            })?);
+            let g2 = Arc::new(HostStorage::shared(&path, l).map_err(|e| tier_err(what(), e))?);
             // The worker writes the host tier: fault its pages in now, in
             // the background, rather than one by one inside each offload
             // (see HostStorage::prefault). Not starting it is no error:
@@ -317,10 +373,15 @@ impl WorkerSide {
             host = Some(g2);
         } else if let (true, Some(path)) = (sizes.disk_blocks > 0, &cfg.disk_path) {
             let l = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
-            let g3 =
-                Arc::new(DiskStorage::open_or_create(path, l).map_err(|e| {
-                    tier_err(format!("the disk tier's file {}", path.display()), e)
-                })?);
+            let g3 = Arc::new(DiskStorage::open_or_create(path, l).map_err(|e| {
+                tier_err(
+                    format!(
+                        "the disk tier's file {} (kv_connector_extra_config `disk_path`)",
+                        path.display()
+                    ),
+                    e,
+                )
+            })?);
             engines.insert(
                 Route::DeviceToDisk,
                 Arc::new(
@@ -351,20 +412,19 @@ impl WorkerSide {
             finished_sending: Vec::new(),
             hooks: TestHooks::from_env(),
             _tensors: tensors,
+            _shm_made: shm_made,
         })
     }
 
     /// Takes this step's plan (vLLM's `bind_connector_metadata`).
     pub fn bind(&mut self, plan: &[u8]) -> Result<(), WorkerError> {
-        self.plan = Some(StepPlan::from_bytes(plan)?);
+        self.bind_plan(StepPlan::from_bytes(plan)?);
         Ok(())
     }
 
-    /// Whether the bound plan copies anything (most steps' plans do not).
-    pub fn bound_copies(&self) -> bool {
-        self.plan
-            .as_ref()
-            .is_some_and(|p| !p.stores.is_empty() || !p.loads.is_empty())
+    /// Takes this step's plan, already parsed.
+    pub fn bind_plan(&mut self, plan: StepPlan) {
+        self.plan = Some(plan);
     }
 
     /// Runs the bound plan: stores, then loads. Called once per step before

@@ -426,3 +426,266 @@ fn a_step_without_a_block_table_keeps_the_last_one() {
     assert_eq!(stored, [1, 2], "vLLM blocks stored");
     r.sched.shutdown().unwrap();
 }
+
+fn host_cfg(dir: &std::path::Path, extra: serde_json::Value) -> Config {
+    let mut extra = extra;
+    extra["shm_dir"] = json!(dir.to_str().unwrap());
+    if extra.get("host_capacity_tokens").is_none() {
+        extra["host_capacity_tokens"] = json!(64);
+    }
+    Config::from_json(&extra).unwrap()
+}
+
+fn files(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// A block size no engine has, or more device blocks than can be
+/// mirrored, is refused at start, naming the number, instead of aborting
+/// on the first request.
+#[test]
+fn an_absurd_geometry_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    for (g, name) in [
+        (
+            Geometry {
+                block_size: 1 << 40,
+                ..geometry()
+            },
+            "block_size",
+        ),
+        (
+            Geometry {
+                num_gpu_blocks: 1 << 63,
+                page_bytes: 1,
+                ..geometry()
+            },
+            "num_gpu_blocks",
+        ),
+    ] {
+        let cfg = host_cfg(dir.path(), json!({"host_capacity_tokens": 1u64 << 41}));
+        let e = SchedulerSide::start(cfg, g, "engine-1")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(name), "{g:?}: {e}");
+    }
+    assert!(files(dir.path()).is_empty(), "{:?}", files(dir.path()));
+}
+
+/// A start that fails after the host tier's file was made removes it (it
+/// is a share of the machine's memory in /dev/shm).
+#[test]
+fn a_failed_start_leaves_no_shared_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = dir.path().join("shm");
+    std::fs::create_dir(&shm).unwrap();
+    let exists = dir.path().join("exists");
+    std::fs::create_dir(&exists).unwrap();
+    for extra in [
+        json!({"record": exists.to_str().unwrap()}),
+        json!({"disk_path": dir.path().to_str().unwrap(), "disk_capacity_tokens": 64}),
+    ] {
+        let e = SchedulerSide::start(host_cfg(&shm, extra.clone()), geometry(), "engine-1")
+            .unwrap_err()
+            .to_string();
+        assert!(files(&shm).is_empty(), "{extra}: {e}: {:?}", files(&shm));
+    }
+    // The disk tier's file is named by its key.
+    let e = SchedulerSide::start(
+        host_cfg(
+            &shm,
+            json!({"disk_path": dir.path().to_str().unwrap(), "disk_capacity_tokens": 64}),
+        ),
+        geometry(),
+        "engine-1",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("`disk_path`"), "{e}");
+}
+
+/// vLLM starts its worker first, so a worker makes the file when there is
+/// none; if no scheduler ever claims it, the worker removes it when it
+/// goes. One whose scheduler holds it leaves it to the scheduler.
+#[test]
+fn a_worker_removes_the_file_it_made_when_no_scheduler_holds_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cache = Cache::new();
+    let cfg = host_cfg(dir.path(), json!({}));
+    let w = unsafe { WorkerSide::start(&cfg, geometry(), "alone", cache.tensors()) }.unwrap();
+    assert_eq!(files(dir.path()).len(), 1);
+    drop(w);
+    assert!(files(dir.path()).is_empty(), "{:?}", files(dir.path()));
+
+    let w = unsafe { WorkerSide::start(&cfg, geometry(), "paired", cache.tensors()) }.unwrap();
+    let mut s = SchedulerSide::start(cfg.clone(), geometry(), "paired").unwrap();
+    drop(w);
+    assert_eq!(files(dir.path()).len(), 1, "the scheduler's tier is kept");
+    s.shutdown().unwrap();
+    assert!(files(dir.path()).is_empty(), "{:?}", files(dir.path()));
+}
+
+/// Engine ids that a file name would make equal are different files; the
+/// same id twice is refused while the first engine holds its file, and
+/// shutting one engine down never removes another's.
+#[test]
+fn each_engine_has_its_own_file_and_holds_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = host_cfg(dir.path(), json!({}));
+    let start = |id: &str| SchedulerSide::start(cfg.clone(), geometry(), id);
+    let mut a = start("eng/1").unwrap();
+    let mut b = start("eng1").unwrap();
+    let mut x = start("").unwrap();
+    let mut y = start("\u{e9}\u{e9}").unwrap();
+    assert_eq!(files(dir.path()).len(), 4, "{:?}", files(dir.path()));
+    b.shutdown().unwrap();
+    assert_eq!(files(dir.path()).len(), 3, "{:?}", files(dir.path()));
+    let e = start("eng/1").unwrap_err().to_string();
+    assert!(e.contains("same engine_id"), "{e}");
+    assert_eq!(
+        files(dir.path()).len(),
+        3,
+        "a refused engine removes nothing"
+    );
+    a.shutdown().unwrap();
+    // Free again: a later engine with that id starts.
+    start("eng/1").unwrap().shutdown().unwrap();
+    x.shutdown().unwrap();
+    y.shutdown().unwrap();
+    assert!(files(dir.path()).is_empty(), "{:?}", files(dir.path()));
+}
+
+/// What update_state_after_alloc is given must be what vLLM can give: its
+/// own block ids, and no more external tokens than the lookup promised. A
+/// refused call changes nothing, and leaves no entry behind.
+#[test]
+fn update_state_after_alloc_refuses_what_vllm_cannot_mean() {
+    let mut r = rig(json!({"host_capacity_tokens": 64}));
+    let p = prompt(100, 9);
+    assert_eq!(
+        r.sched.get_num_new_matched_tokens("A", &p, 0).unwrap(),
+        Some(0)
+    );
+    for (blocks, ext, what) in [
+        (vec![1, 99_999, 3], 0, "block id 99999"),
+        (vec![1, u32::MAX], 0, "block id 4294967295"),
+        (vec![1, BLOCKS as u32], 0, "block id 16"),
+        (vec![1, 2, 3], 8, "num_external_tokens 8"),
+    ] {
+        let e = r
+            .sched
+            .update_state_after_alloc("A", &blocks, ext)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("request A:") && e.contains(what), "{e}");
+    }
+    r.sched
+        .update_state_after_alloc("A", &[1, 2, 3], 0)
+        .unwrap();
+    // Requests kvbm never looked up are refused, and not kept.
+    for i in 0..1000 {
+        assert!(
+            r.sched
+                .update_state_after_alloc(&format!("ghost-{i}"), &[1], 0)
+                .is_err()
+        );
+    }
+    assert!(
+        format!("{:?}", r.sched).contains("requests: 1,"),
+        "{:?}",
+        r.sched
+    );
+    // A refused request_finished changes nothing either.
+    assert!(r.sched.request_finished("A", &[1, 70_000]).is_err());
+    r.sched.shutdown().unwrap();
+}
+
+/// A request id is said once, clipped: ids come from the caller.
+#[test]
+fn a_refusal_names_the_request_once_and_clipped() {
+    let mut r = rig(json!({"host_capacity_tokens": 64}));
+    let long = format!("req-{}", "9".repeat(100_000));
+    let e = r
+        .sched
+        .update_state_after_alloc(&long, &[1], 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.len() < 400, "{} bytes", e.len());
+    assert_eq!(e.matches("req-9").count(), 1, "{e}");
+    let e = r
+        .sched
+        .update_state_after_alloc("req-42", &[1], 0)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e.matches("req-42").count(), 1, "{e}");
+    r.sched.shutdown().unwrap();
+}
+
+/// One scheduled request whose numbers cannot be is left out of its step;
+/// the others in the same step are followed (here: B's block is stored).
+#[test]
+fn one_unusable_request_does_not_fail_the_step() {
+    let mut r = rig(json!({"host_capacity_tokens": 64}));
+    let a = prompt(100, 9);
+    let b = prompt(700, 9);
+    r.admit_without_hit("A", &a, &[1, 2, 3]);
+    r.admit_without_hit("B", &b, &[4, 5, 6]);
+    let s = |req: &str, before: usize, n: usize, blocks: Vec<u32>| Scheduled {
+        request: req.into(),
+        new_tokens: Vec::new(),
+        prompt_len: 9,
+        computed_before: before,
+        scheduled: n,
+        block_ids: Some(blocks),
+    };
+    let mut stored = Vec::new();
+    for bad in [
+        s("A", usize::MAX, 2, vec![1, 2, 3]),
+        s("A", 0, 9, vec![1, 2, 99_999]),
+    ] {
+        let input = StepInput {
+            scheduled: vec![bad, s("B", 0, 9, vec![4, 5, 6])],
+            ..StepInput::default()
+        };
+        let (plan, _) = r.step_plan(input, &[(4, &b, 0), (5, &b, 1)]);
+        stored.extend(
+            plan.stores
+                .iter()
+                .flat_map(|b| b.pairs.iter().map(|p| p.src)),
+        );
+    }
+    assert_eq!(r.sched.counters().refused_scheduled, 2);
+    for _ in 0..50 {
+        let (plan, _) = r.step_plan(StepInput::default(), &[]);
+        stored.extend(
+            plan.stores
+                .iter()
+                .flat_map(|b| b.pairs.iter().map(|p| p.src)),
+        );
+        if stored.len() >= 2 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    stored.sort_unstable();
+    assert_eq!(stored, [4, 5], "B's blocks stored");
+    r.sched.shutdown().unwrap();
+}
+
+#[test]
+fn a_null_tensor_is_said_to_be_null() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cache = Cache::new();
+    let mut t = cache.tensors();
+    t[1].data_ptr = 0;
+    let cfg = host_cfg(dir.path(), json!({}));
+    let e = unsafe { WorkerSide::start(&cfg, geometry(), "e", t) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("layer.1") && e.contains("null"), "{e}");
+}

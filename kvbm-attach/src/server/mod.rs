@@ -589,18 +589,25 @@ pub fn is_loopback_exempt(addr: &SocketAddr) -> bool {
     }
 }
 
+/// Why `token` cannot be a bearer token (it goes in an HTTP header), if
+/// it cannot: so a program taking one from its user can refuse it where
+/// it was given, before any server starts.
+pub fn token_unusable(token: &str) -> Option<&'static str> {
+    if token.is_empty() {
+        Some("it is empty")
+    } else if token.len() > 4096 {
+        Some("it is longer than 4096 bytes")
+    } else if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        Some("it must be printable ASCII without spaces")
+    } else {
+        None
+    }
+}
+
 fn check_config(cfg: &ServerConfig) -> Result<(), ServerError> {
     if let Some(t) = &cfg.token {
-        if t.is_empty() {
-            return Err(ServerError::BadToken("it is empty"));
-        }
-        if t.len() > 4096 {
-            return Err(ServerError::BadToken("it is longer than 4096 bytes"));
-        }
-        if !t.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(ServerError::BadToken(
-                "it must be printable ASCII without spaces",
-            ));
+        if let Some(why) = token_unusable(t) {
+            return Err(ServerError::BadToken(why));
         }
     } else if !is_loopback_exempt(&cfg.addr) {
         return Err(ServerError::TokenRequired { addr: cfg.addr });

@@ -32,6 +32,11 @@ class Scheduler:
     def shutdown(self) -> None: ...
 
 class Worker:
+    """The worker side. It copies to and from the addresses in
+    `tensors_json` (`data_ptr`, checked only for null and size): they must
+    be vLLM's own KV tensors, kept alive by the caller for as long as this
+    object. This private module trusts its one caller, `kvbm.vllm`."""
+
     def __init__(
         self, config_json: str, geometry: Geometry, engine_id: str, tensors_json: str
     ) -> None: ...
