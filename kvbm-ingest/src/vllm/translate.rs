@@ -460,6 +460,23 @@ impl Translator {
 mod tests {
     use super::*;
 
+    /// A batch at `ts` storing one GPU block, `hash`.
+    fn stored(ts: f64, hash: u64) -> KvBatch {
+        KvBatch {
+            ts,
+            events: vec![KvEvent::Stored {
+                block_hashes: vec![hash],
+                parent: None,
+                num_tokens: 16,
+                block_size: Some(16),
+                medium: Medium::Gpu,
+                group: None,
+            }],
+            skipped: Default::default(),
+            dp_rank: None,
+        }
+    }
+
     /// `skip` saturated the seq at `u64::MAX` and the next stamp added 1:
     /// a panic in debug (the ZMQ source's task died), a wrap to 0 in
     /// release. The stamp saturates now; callers keep holes below
@@ -471,22 +488,7 @@ mod tests {
         tr.skip(5);
         assert_eq!(tr.next_seq(), u64::MAX);
         let mut out = Vec::new();
-        tr.batch(
-            &KvBatch {
-                ts: 1.0,
-                events: vec![KvEvent::Stored {
-                    block_hashes: vec![7],
-                    parent: None,
-                    num_tokens: 16,
-                    block_size: Some(16),
-                    medium: Medium::Gpu,
-                    group: None,
-                }],
-                skipped: Default::default(),
-                dp_rank: None,
-            },
-            &mut out,
-        );
+        tr.batch(&stored(1.0, 7), &mut out);
         assert!(!out.is_empty());
         assert!(out.iter().all(|e| e.seq == u64::MAX));
     }
@@ -503,20 +505,7 @@ mod tests {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_secs_f64();
-        let batch = |ts: f64, hash: u64| KvBatch {
-            ts,
-            events: vec![KvEvent::Stored {
-                block_hashes: vec![hash],
-                parent: None,
-                num_tokens: 16,
-                block_size: Some(16),
-                medium: Medium::Gpu,
-                group: None,
-            }],
-            skipped: Default::default(),
-            dp_rank: None,
-        };
-        tr.batch(&batch(now, 1), &mut out);
+        tr.batch(&stored(now, 1), &mut out);
         let good = out.last().unwrap().ts_ns;
         for (i, ts) in [
             1e300,
@@ -529,11 +518,11 @@ mod tests {
         .into_iter()
         .enumerate()
         {
-            tr.batch(&batch(ts, 10 + i as u64), &mut out);
+            tr.batch(&stored(ts, 10 + i as u64), &mut out);
             assert_eq!(out.last().unwrap().ts_ns, good, "{ts}");
         }
         assert_eq!(tr.counters().bad_timestamps, 6);
-        tr.batch(&batch(now + 3600.0, 99), &mut out);
+        tr.batch(&stored(now + 3600.0, 99), &mut out);
         assert!(out.last().unwrap().ts_ns > good);
         assert_eq!(tr.counters().bad_timestamps, 6);
     }
