@@ -344,7 +344,15 @@ impl SchedulerSide {
                 },
                 observer.clone(),
             )
-            .map_err(setup)
+            .map_err(|e| {
+                // Named by what sized it: a setting, or vLLM's own count.
+                let what = match tier {
+                    Tier::Host => "kv_connector_extra_config `host_capacity_tokens`",
+                    Tier::Disk => "kv_connector_extra_config `disk_capacity_tokens`",
+                    Tier::Device => "vLLM's num_gpu_blocks",
+                };
+                setup(format!("{e} ({what})"))
+            })
         };
         // Room for a mirror of every vLLM block and as many load
         // destinations in flight; evicted (LRU) when vLLM's blocks move on.
