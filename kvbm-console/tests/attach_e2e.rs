@@ -43,7 +43,11 @@ impl Drop for Sim {
 fn serve_sim() -> (Sim, String) {
     let mut child = Command::new(sim_bin())
         .args(["--serve", "127.0.0.1:0", "--real-time", "1"])
-        .args(["--requests", "10", "--rate", "2", "--seed", "3"])
+        // Arrivals over 15 s: the second round needs a request still
+        // decoding after the first round's has finished, and a loaded
+        // machine can take that long over the first (10 requests, all
+        // done by then, failed a CI run).
+        .args(["--requests", "30", "--rate", "2", "--seed", "3"])
         .args(["--prompt-len", "256", "--output-len", "200"])
         .args(["--bp-deadline-s", "120", "--linger-s", "60"])
         .stdout(Stdio::piped())
