@@ -71,3 +71,48 @@ fn no_server_and_no_jetstream_are_told_apart_with_what_to_do() {
     });
     assert!(err.contains("start it with `nats-server -js`"), "{err}");
 }
+
+/// An engine whose last events found the tap full, and that stopped before
+/// its bus closed: no later event carries those losses and the close never
+/// comes, so the publisher takes them when it stops. They were never
+/// counted before (a CI run's engine said it emitted 57 events more than
+/// its publisher took in or dropped).
+#[test]
+fn losses_at_the_end_are_counted_when_the_publisher_stops() {
+    use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
+    use kvbm_events::bus::BusConfig;
+    use kvbm_events::{Emitter, EventKind, HookPhase, VirtualClock};
+    use std::sync::Arc;
+    let nats = NatsServer::start();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let bus = BusConfig {
+        tap_capacity: 4,
+        ..BusConfig::default()
+    };
+    let emitter = Emitter::new(1, bus, Arc::new(VirtualClock::new())).unwrap();
+    let tap = emitter.bus().take_tap().unwrap();
+    // Four fit; the last six are dropped, and nothing after them.
+    for _ in 0..10 {
+        emitter.emit(
+            None,
+            EventKind::HookCall {
+                entry: kvbm_events::EntryPoint::CreateSlot,
+                phase: HookPhase::Will,
+            },
+        );
+    }
+    let publisher = Publisher::spawn(
+        tap,
+        PublisherConfig::new(nats.url(), "end-losses"),
+        rt.handle(),
+    )
+    .unwrap();
+    let c = publisher.stop(std::time::Duration::from_secs(10));
+    assert_eq!((c.events_in, c.tap_dropped), (4, 6), "{c:?}");
+    assert_eq!(c.events_sent, 4, "{c:?}");
+    drop(emitter);
+}

@@ -575,6 +575,28 @@ impl<E> TapReceiver<E> {
         }
     }
 
+    /// Losses after the last event received that no later event carried
+    /// (the tap was full for the last events published, and nothing has
+    /// got through since), as a gap taken now; `None` while items wait or
+    /// there were none. For a consumer that stops before the bus closes:
+    /// the close would hand them over, but it never sees the close, and
+    /// uncounted they would be a silent loss.
+    pub fn take_uncarried(&mut self) -> Option<TapItem<E>> {
+        if self.held.is_some() {
+            return None;
+        }
+        // Under the publishing lock nothing is pushed meanwhile: with the
+        // ring empty, these losses come after everything received.
+        let mut p = self.shared.lock();
+        if !self.rx.is_empty() {
+            return None;
+        }
+        match std::mem::take(&mut p.pending) {
+            0 => None,
+            dropped => Some(TapItem::Gap { dropped }),
+        }
+    }
+
     /// The next item if one is waiting.
     pub fn try_recv(&mut self) -> Result<TapItem<E>, TryRecvError> {
         if let Some(e) = self.held.take() {
@@ -746,6 +768,32 @@ mod tests {
         assert_eq!(clones.load(Relaxed), 0);
         drop(sub);
         assert_eq!(b.counters().subscribers, 0);
+    }
+
+    /// Losses at the end that no event carried are handed to a consumer
+    /// that stops before the bus closes, once, after everything it had
+    /// to receive; a later event carries only its own losses.
+    #[test]
+    fn losses_no_event_carried_are_taken_by_a_consumer_that_stops_first() {
+        let b = bus::<u32>(4, 4);
+        let mut tap = b.take_tap().unwrap();
+        for i in 0..10 {
+            b.publish(i);
+        }
+        // Four in the ring, six dropped after them: not before they are read.
+        assert_eq!(tap.take_uncarried(), None);
+        let got: Vec<_> = std::iter::from_fn(|| tap.try_recv().ok()).collect();
+        assert_eq!(got, (0..4).map(TapItem::Event).collect::<Vec<_>>());
+        assert_eq!(tap.take_uncarried(), Some(TapItem::Gap { dropped: 6 }));
+        assert_eq!(tap.take_uncarried(), None, "taken once");
+        b.publish(10);
+        assert_eq!(tap.try_recv(), Ok(TapItem::Event(10)), "no gap again");
+        drop(b);
+        assert_eq!(
+            tap.try_recv(),
+            Err(TryRecvError::Closed),
+            "nor at the close"
+        );
     }
 
     #[test]

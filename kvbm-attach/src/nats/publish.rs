@@ -358,6 +358,15 @@ fn encode_loop(mut tap: TapReceiver<Event>, cfg: &PublisherConfig, shared: &Shar
                     started = None;
                 }
                 if shared.stop.load(Ordering::Acquire) {
+                    // The engine has stopped, but the bus lives on: losses
+                    // at the end that no event carried would never reach
+                    // this loop. Counted, after the last batch is sealed
+                    // (they came after its events; no batch follows to
+                    // declare them).
+                    seal(&mut enc, tap_dropped);
+                    if let Some(TapItem::Gap { dropped }) = tap.take_uncarried() {
+                        shared.tap_dropped.fetch_add(dropped, Ordering::Relaxed);
+                    }
                     break;
                 }
                 std::thread::sleep(cfg.idle_poll);

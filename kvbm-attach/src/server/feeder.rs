@@ -134,6 +134,12 @@ fn feed(
                     signal.notify(ring.counters().pushed);
                 }
                 if stop.load(Ordering::Acquire) {
+                    // The bus outlives this stop: losses at the end that
+                    // no event carried are placed now, or never.
+                    if let Some(TapItem::Gap { dropped }) = tap.take_uncarried() {
+                        ring.record_gap(dropped);
+                        stats.lost += dropped;
+                    }
                     break;
                 }
                 std::thread::sleep(cfg.idle_poll);
