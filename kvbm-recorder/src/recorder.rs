@@ -710,13 +710,8 @@ mod tests {
         drop(e);
     }
 
-    /// The stop flag with losses at the end that no event carried (the
-    /// connector's recording stops while its engine's bus lives): they are
-    /// placed at the end, so the recording does not claim to be whole.
-    /// Before, they were never seen: `check` passed a log that had lost 6.
-    #[test]
-    fn a_stop_flag_places_the_losses_no_event_carried() {
-        let dir = tempfile::tempdir().unwrap();
+    /// An emitter whose tap holds 4 events, and that tap.
+    fn four_slot_tap() -> (Emitter, TapReceiver<Event>) {
         let e = Emitter::new(
             0,
             BusConfig {
@@ -727,6 +722,17 @@ mod tests {
         )
         .unwrap();
         let tap = e.bus().take_tap().unwrap();
+        (e, tap)
+    }
+
+    /// The stop flag with losses at the end that no event carried (the
+    /// connector's recording stops while its engine's bus lives): they are
+    /// placed at the end, so the recording does not claim to be whole.
+    /// Before, they were never seen: `check` passed a log that had lost 6.
+    #[test]
+    fn a_stop_flag_places_the_losses_no_event_carried() {
+        let dir = tempfile::tempdir().unwrap();
+        let (e, tap) = four_slot_tap();
         for _ in 0..10 {
             e.emit(None, gauge()); // 4 fit, the last 6 are dropped
         }
@@ -756,16 +762,7 @@ mod tests {
     #[test]
     fn losses_are_recorded_where_they_happened_and_checked() {
         let dir = tempfile::tempdir().unwrap();
-        let e = Emitter::new(
-            0,
-            BusConfig {
-                tap_capacity: 4,
-                ..BusConfig::default()
-            },
-            std::sync::Arc::new(VirtualClock::new()),
-        )
-        .unwrap();
-        let tap = e.bus().take_tap().unwrap();
+        let (e, tap) = four_slot_tap();
         for _ in 0..50 {
             e.emit(None, gauge()); // 4 fit, 46 are dropped
         }

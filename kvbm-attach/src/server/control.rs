@@ -107,7 +107,7 @@ pub(super) fn execute_for(
 
 /// Most leases alive at once; past it, leases that own nothing any more
 /// are forgotten first.
-pub(super) const MAX_LEASES: usize = 4096;
+const MAX_LEASES: usize = 4096;
 
 /// Runs a command that came over HTTP without naming a client. A new
 /// breakpoint, or a step (a one-shot breakpoint), gets an owner all the
