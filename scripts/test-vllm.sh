@@ -9,12 +9,14 @@
 #
 # Prepares what it needs: the vLLM environment (scripts/setup-vllm.sh, cached
 # in ~/.cache/kvbm/vllm-venv), kvbm's Python package installed into it the way
-# the README says (`pip install ./kvbm-py`, an optimised build), and
-# kvbm-recorder and kvbm-console built in the dev profile: debug assertions
-# and overflow checks on, and `cargo test` has built most of it already (a
-# release build of the two took 4.4 minutes of CI's 2 cores);
-# KVBM_TEST_PROFILE=release tests release builds instead. About 11 minutes
-# on 2 cores once the environment exists (each vLLM start takes ~40 s).
+# the README says (`pip install ./kvbm-py`), and kvbm-recorder and
+# kvbm-console. All three are built in the dev profile: debug assertions and
+# overflow checks on, and `cargo test` has built most of what they need
+# already. Optimised, the Python module alone took 5 to 8 minutes of CI's 2
+# cores from nothing (45 s in the dev profile after `cargo test`), and the two
+# binaries 4.4 minutes. KVBM_TEST_PROFILE=release tests release builds of all
+# three instead. About 11 minutes on 2 cores once the environment exists
+# (each vLLM start takes ~40 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,20 +24,29 @@ bash scripts/setup-vllm.sh
 VENV="${KVBM_VLLM_VENV:-$HOME/.cache/kvbm/vllm-venv}"
 PY="$VENV/bin/python"
 
-echo "== installing kvbm into $VENV (pip install ./kvbm-py)"
-"$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
-"$PY" -c 'import kvbm, kvbm.vllm; print("kvbm", kvbm.__version__, "from", kvbm.__file__)'
-echo "== the module against inputs vLLM would never give (no engine)"
-"$PY" kvbm-py/tests/vllm/api_inputs.py
-
 PROFILE="${KVBM_TEST_PROFILE:-dev}"
 case "$PROFILE" in
   dev) BIN=target/debug ;;
   release) BIN=target/release ;;
   *) echo "KVBM_TEST_PROFILE must be dev or release, not '$PROFILE'" >&2; exit 2 ;;
 esac
+
+echo "== installing kvbm into $VENV (pip install ./kvbm-py, $PROFILE profile)"
+# maturin's build backend takes its cargo arguments from MATURIN_PEP517_ARGS;
+# without them it builds optimised, as a user's `pip install` does.
+if [ "$PROFILE" = dev ]; then
+  MATURIN_PEP517_ARGS="--profile dev" "$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
+else
+  "$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
+fi
+"$PY" -c 'import kvbm, kvbm.vllm; print("kvbm", kvbm.__version__, "from", kvbm.__file__)'
+echo "== the module against inputs vLLM would never give (no engine)"
+"$PY" kvbm-py/tests/vllm/api_inputs.py
+
 echo "== building kvbm-recorder and kvbm-console ($PROFILE profile)"
-cargo build --profile "$PROFILE" -q -p kvbm-recorder -p kvbm-console
+# With the whole workspace's binaries and examples, features resolve as for
+# `cargo test --workspace`, so what it built is reused as it is.
+cargo build --profile "$PROFILE" -q --workspace --bins --examples
 
 command -v tmux >/dev/null || { echo "tmux is needed (apt-get install tmux)" >&2; exit 1; }
 
