@@ -39,7 +39,15 @@ if [ "$PROFILE" = dev ]; then
 else
   "$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
 fi
-"$PY" -c 'import kvbm, kvbm.vllm; print("kvbm", kvbm.__version__, "from", kvbm.__file__)'
+# The module says how it was built: a check that maturin took the profile.
+"$PY" - "$PROFILE" <<'EOF'
+import sys, kvbm, kvbm.vllm
+from kvbm import _kvbm
+built = "dev" if _kvbm.DEBUG_BUILD else "release"
+print("kvbm", kvbm.__version__, f"({built} build)", "from", kvbm.__file__)
+if built != sys.argv[1]:
+    sys.exit(f"asked for a {sys.argv[1]} build of kvbm-py, pip installed a {built} one")
+EOF
 echo "== the module against inputs vLLM would never give (no engine)"
 "$PY" kvbm-py/tests/vllm/api_inputs.py
 

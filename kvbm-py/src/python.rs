@@ -347,5 +347,8 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // So a benchmark can refuse to time a debug build: the real-engine
+    // tests install one (scripts/test-vllm.sh) into the same environment.
+    m.add("DEBUG_BUILD", cfg!(debug_assertions))?;
     Ok(())
 }

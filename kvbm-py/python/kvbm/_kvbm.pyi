@@ -3,6 +3,9 @@
 from typing import List, Optional, Tuple
 
 __version__: str
+DEBUG_BUILD: bool
+"""True when built without optimisation (debug assertions on), as
+scripts/test-vllm.sh installs it; `pip install ./kvbm-py` builds optimised."""
 
 def check_config(config_json: str) -> None:
     """Raises ValueError naming the bad key of kv_connector_extra_config."""

@@ -232,7 +232,14 @@ def main():
                          "with a plain memcpy, for the offload's baseline (their wall time is not used)")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave the engine core and front end free to run on the worker's CPUs")
+    ap.add_argument("--allow-debug-build", action="store_true",
+                    help="time kvbm even if the installed module is a debug build")
     a = ap.parse_args()
+    from kvbm import _kvbm  # noqa: E402 (the installed module these trials load)
+    if _kvbm.DEBUG_BUILD and not a.allow_debug_build:
+        sys.exit("bench.py: the kvbm installed here is a debug build (scripts/test-vllm.sh installs "
+                 "one), so its figures would not be kvbm's: install it optimised with "
+                 "`pip install ./kvbm-py`, or pass --allow-debug-build")
     cpu_env = {k: os.environ.get(k, v) for k, v in CPU_ENV.items()}
     print(f"both connectors with {cpu_env}, {'not ' if a.no_pin else ''}kept off the worker's CPUs; "
           f"{a.trials} pairs of trials, {a.rounds} timed rounds each", flush=True)
