@@ -8,12 +8,11 @@ use std::sync::{Mutex, OnceLock};
 /// The path of binary `bin` of workspace package `package`, built first
 /// (with the profile and target directory of the running test) when the
 /// test runs under cargo: every binary and example of the workspace, once
-/// per test process, because that resolves features as `cargo test
-/// --workspace` does, so after it nothing is rebuilt. (Building one package
-/// resolves them for that package alone: `kvbm-attach` and what it links
-/// were compiled again for each of the three binaries the tests use, about a
-/// minute of CI's 2 cores, and the next `cargo test` compiled them back.) `KVBM_BIN_<NAME>` (upper case, `-` as `_`)
-/// overrides it, for a binary built elsewhere.
+/// per test process, which resolves features as `cargo test --workspace`
+/// does, so after it nothing is compiled again. (Building one package
+/// resolves them for that package alone, and compiled `kvbm-attach` and
+/// what it links again for each binary the tests use.) `KVBM_BIN_<NAME>`
+/// (upper case, `-` as `_`) overrides it, for a binary built elsewhere.
 ///
 /// Panics with a message naming the binary when it cannot be built: a test
 /// that needs another program must not pass without it.
