@@ -24,21 +24,17 @@ bash scripts/setup-vllm.sh
 VENV="${KVBM_VLLM_VENV:-$HOME/.cache/kvbm/vllm-venv}"
 PY="$VENV/bin/python"
 
+# maturin's build backend takes its cargo arguments from MATURIN_PEP517_ARGS;
+# without them it builds optimised, as a user's `pip install` does.
 PROFILE="${KVBM_TEST_PROFILE:-dev}"
 case "$PROFILE" in
-  dev) BIN=target/debug ;;
-  release) BIN=target/release ;;
+  dev) BIN=target/debug; export MATURIN_PEP517_ARGS="--profile dev" ;;
+  release) BIN=target/release; unset MATURIN_PEP517_ARGS ;;
   *) echo "KVBM_TEST_PROFILE must be dev or release, not '$PROFILE'" >&2; exit 2 ;;
 esac
 
 echo "== installing kvbm into $VENV (pip install ./kvbm-py, $PROFILE profile)"
-# maturin's build backend takes its cargo arguments from MATURIN_PEP517_ARGS;
-# without them it builds optimised, as a user's `pip install` does.
-if [ "$PROFILE" = dev ]; then
-  MATURIN_PEP517_ARGS="--profile dev" "$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
-else
-  "$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
-fi
+"$PY" -m pip install --disable-pip-version-check -q ./kvbm-py
 # The module says how it was built: a check that maturin took the profile.
 "$PY" - "$PROFILE" <<'EOF'
 import sys, kvbm, kvbm.vllm
