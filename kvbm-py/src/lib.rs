@@ -20,6 +20,7 @@
 pub mod config;
 pub mod meta;
 pub mod observe;
+pub mod parallel;
 pub mod scheduler;
 pub mod tiers;
 pub mod worker;

@@ -59,13 +59,17 @@ pub struct Observers {
 }
 
 impl Observers {
-    /// Starts what `cfg` asks for on `runtime`.
+    /// Starts what `cfg` asks for on `runtime`; `info` says what the engine
+    /// runs as ([`crate::parallel::Parallel::info`]), for the recording's
+    /// sidecar and the attach server's `/health`.
     pub fn start(
         cfg: &Config,
         emitter: &Arc<Emitter>,
         breakpoints: &Arc<Breakpoints>,
         runtime: &tokio::runtime::Handle,
+        info: serde_json::Value,
     ) -> Result<Self, String> {
+        let _ = &info;
         let mut obs = Observers {
             server: None,
             feeder: None,

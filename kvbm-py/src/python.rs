@@ -17,8 +17,8 @@
 
 use crate::config::{Config, ConfigError};
 use crate::meta::StepPlan;
-use crate::scheduler::{Scheduled, SchedulerError, SchedulerSide, StepInput};
-use crate::tiers::Geometry;
+use crate::scheduler::{Parallel, Scheduled, SchedulerError, SchedulerSide, StepInput};
+use crate::tiers::{Geometry, Shard};
 use crate::worker::{KvTensor, WorkerError, WorkerSide};
 use kvbm_core::hooks::Breakpoints;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -129,17 +129,29 @@ type ScheduledArg = (String, Vec<u32>, usize, usize, usize, Option<Vec<u32>>);
 
 #[pymethods]
 impl PyScheduler {
+    /// `ranks`: vLLM's tensor-parallel workers; `stages`: its pipeline
+    /// stages (kvbm refuses more than one, saying why); `async_scheduling`:
+    /// whether vLLM has two steps in flight.
     #[new]
+    #[pyo3(signature = (config_json, geometry_, engine_id, ranks=1, stages=1, async_scheduling=false))]
     fn new(
         py: Python<'_>,
         config_json: &str,
         geometry_: (usize, usize, usize, usize),
         engine_id: &str,
+        ranks: usize,
+        stages: usize,
+        async_scheduling: bool,
     ) -> PyResult<Self> {
         let cfg = config(config_json)?;
         let g = geometry(geometry_);
+        let parallel = Parallel {
+            ranks,
+            stages,
+            async_scheduling,
+        };
         let side = py
-            .detach(|| SchedulerSide::start(cfg, g, engine_id))
+            .detach(|| SchedulerSide::start(cfg, g, engine_id, parallel))
             .map_err(sched_err)?;
         Ok(PyScheduler {
             breakpoints: side.breakpoints().clone(),
@@ -230,6 +242,16 @@ impl PyScheduler {
         })
     }
 
+    /// What kvbm runs as, in one line (ranks, scheduling, tiers and sizes).
+    fn summary(&self, py: Python<'_>) -> String {
+        py.detach(|| {
+            self.lock()
+                .as_ref()
+                .map(|s| s.summary().to_string())
+                .unwrap_or_default()
+        })
+    }
+
     /// The attach server's address (`host:port`), when serving.
     fn serving(&self, py: Python<'_>) -> Option<String> {
         // Without the GIL: another thread's call may hold the side,
@@ -278,13 +300,23 @@ impl PyWorker {
     /// (the Python class) keeps the tensors alive as long as this object.
     /// `data_ptr` is trusted to be the address of vLLM's own tensor: this
     /// private module's contract with its one caller.
+    /// `rank` of `ranks`: this worker's tensor-parallel rank; each keeps
+    /// its own shard in its own host-tier and disk files.
     #[new]
+    #[pyo3(signature = (config_json, geometry_, engine_id, tensors_json, rank=0, ranks=1))]
     fn new(
         config_json: &str,
         geometry_: (usize, usize, usize, usize),
         engine_id: &str,
         tensors_json: &str,
+        rank: usize,
+        ranks: usize,
     ) -> PyResult<Self> {
+        if ranks == 0 || rank >= ranks {
+            return Err(PyValueError::new_err(format!(
+                "kvbm: worker rank {rank} of {ranks} tensor-parallel workers"
+            )));
+        }
         let cfg = config(config_json)?;
         let tensors: Vec<KvTensor> = serde_json::from_str(tensors_json).map_err(|e| {
             PyValueError::new_err(format!("kvbm: the KV tensors' description: {e}"))
@@ -292,8 +324,10 @@ impl PyWorker {
         // SAFETY: the Python class holds vLLM's KV tensors (which vLLM keeps
         // for the engine's life) for as long as this object, and calls `run`
         // only between forward passes.
-        let side = unsafe { WorkerSide::start(&cfg, geometry(geometry_), engine_id, tensors) }
-            .map_err(worker_err)?;
+        let shard = Shard { rank, ranks };
+        let side =
+            unsafe { WorkerSide::start(&cfg, geometry(geometry_), engine_id, tensors, shard) }
+                .map_err(worker_err)?;
         Ok(PyWorker {
             inner: Mutex::new(Some(side)),
         })

@@ -37,7 +37,10 @@
 use crate::config::{Config, Offload};
 use crate::meta::{Batch, Pair, Route, StepPlan, StepReport};
 use crate::observe::{FleetCounters, Observers};
-use crate::tiers::{Geometry, ShmClaim, TierSizes, shm_path};
+pub use crate::parallel::Parallel;
+use crate::tiers::{
+    Geometry, Shard, ShmClaim, TierSizes, disk_path, human, remove_stale, shm_dir, shm_path,
+};
 use kvbm_core::block::{Empty, ImmutableBlock, MutableBlock};
 use kvbm_core::hooks::{Breakpoints, HookSet};
 use kvbm_core::layout::LayoutKind;
@@ -53,7 +56,8 @@ use kvbm_core::offload::{
 use kvbm_core::pool::{BlockPool, PoolConfig};
 use kvbm_core::storage::{DiskStorage, HostStorage};
 use kvbm_core::transfer::{
-    DiskDirection, DiskEngine, EngineConfig, RemoteEngine, TransferEngine, TransferStats,
+    DiskDirection, DiskEngine, EngineConfig, RemoteEngine, ShardedEngine, TransferEngine,
+    TransferStats,
 };
 use kvbm_events::bus::BusConfig;
 use kvbm_events::{BlockId, Direction, Emitter, EventKind, MonotonicClock, RequestId, Tier};
@@ -176,6 +180,9 @@ pub struct Counters {
     pub delayed_frees: u64,
     /// Reports from the worker that did not parse.
     pub bad_reports: u64,
+    /// Steps whose output vLLM never reported (their stores went when
+    /// more than three steps were out).
+    pub unmatched_outputs: u64,
     /// Steps whose plan had to wait for the pipelines to ship its
     /// transfers, and their wait in all (µs).
     pub ship_waits: u64,
@@ -240,15 +247,26 @@ pub struct SchedulerSide {
     mirror: BlockPool,
     engines: Vec<(Route, Arc<RemoteEngine>)>,
     pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)>,
-    _host: Option<Arc<HostStorage>>,
-    _disk: Option<Arc<DiskStorage>>,
+    /// The host and disk tiers' storages, one per rank.
+    _host: Vec<Arc<HostStorage>>,
+    _disk: Vec<Arc<DiskStorage>>,
+    /// How the engine runs: its workers, its scheduling.
+    parallel: Parallel,
+    /// Batches some ranks have reported and others not yet: (route, id)
+    /// → (reports, the first error, bytes, longest time).
+    partial: HashMap<(Route, u64), Partial>,
+    /// What the engine runs as, for people: the line logged at start.
+    summary: String,
     /// The shared host tier's file, locked while this side lives; removed
     /// at shutdown.
     shm: Option<ShmClaim>,
     requests: HashMap<String, Req>,
     /// Mirror block id → vLLM block id, with how many requests map it.
     g1: HashMap<BlockId, (u32, u32)>,
-    triggers: Vec<PreconditionTrigger>,
+    /// Each shipped step's store trigger (or none), oldest first: a step's
+    /// stores may go once vLLM reports that step's forward pass done, which
+    /// with async scheduling comes after the next step was planned.
+    triggers: std::collections::VecDeque<Option<PreconditionTrigger>>,
     /// Finished requests whose blocks vLLM keeps until their stores drain.
     delayed: HashSet<String>,
     step: u64,
@@ -261,6 +279,19 @@ pub struct SchedulerSide {
     spent_ns: u64,
     step_ns: std::collections::VecDeque<u64>,
 }
+
+/// A batch some of the engine's ranks have reported.
+#[derive(Debug, Default)]
+struct Partial {
+    reports: usize,
+    error: Option<String>,
+    bytes: u64,
+    elapsed_ns: u64,
+}
+
+/// The most steps vLLM has in flight at once (async scheduling: two),
+/// with one to spare.
+const MAX_STEPS_IN_FLIGHT: usize = 3;
 
 /// How long a step waiting for its transfers to ship yields before it
 /// sleeps.
@@ -313,11 +344,19 @@ fn route_of(d: Direction) -> Option<Route> {
 
 impl SchedulerSide {
     /// Starts the block manager for vLLM engine `engine_id` with this
-    /// geometry: the tiers (the host tier's shared file, the disk file),
-    /// the pipelines, breakpoints, and the attach server and recording
-    /// when configured.
-    pub fn start(cfg: Config, geometry: Geometry, engine_id: &str) -> Result<Self, SchedulerError> {
+    /// geometry (one worker's: under tensor parallelism each rank's shard):
+    /// the tiers (each rank's shared host file and disk file), the
+    /// pipelines, breakpoints, and the attach server and recording when
+    /// configured. Host-tier files that no living engine holds are removed
+    /// from `shm_dir` first.
+    pub fn start(
+        cfg: Config,
+        geometry: Geometry,
+        engine_id: &str,
+        parallel: Parallel,
+    ) -> Result<Self, SchedulerError> {
         geometry.check()?;
+        parallel.check().map_err(SchedulerError::Setup)?;
         let sizes = TierSizes::of(&cfg, &geometry)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -446,22 +485,38 @@ impl SchedulerSide {
                 .map_err(setup)?,
             ))
         };
-        let mut host_storage = None;
-        // Claimed before it is mapped, and removed if this start fails
-        // from here on (the claim is dropped with the error).
+        let mut host_storage = Vec::new();
+        // Claimed (room reserved) before it is mapped, and removed if this
+        // start fails from here on (the claim is dropped with the error).
         let mut shm = None;
         if let Some(g2) = &g2 {
-            let claim = ShmClaim::take(&shm_path(&cfg, engine_id)).map_err(setup)?;
+            let dir = shm_dir(&cfg);
+            for (path, size) in remove_stale(&dir) {
+                tracing::warn!(
+                    "kvbm: removed {} ({}), a host-tier file no running engine holds (left by one that was killed)",
+                    path.display(),
+                    human(size)
+                );
+            }
             let hl = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
-            let s2 = Arc::new(HostStorage::shared(claim.path(), hl).map_err(|source| {
-                SchedulerError::Storage {
-                    what: format!(
-                        "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
-                        claim.path().display()
-                    ),
-                    source,
-                }
-            })?);
+            let each = HostStorage::shared_len(&hl).ok_or_else(|| {
+                setup("kv_connector_extra_config `host_capacity_tokens`: the host tier's size overflows")
+            })?;
+            let paths: Vec<_> = Shard::all(parallel.ranks)
+                .map(|r| shm_path(&cfg, engine_id, r))
+                .collect();
+            let claim = ShmClaim::take(&paths, each as u64).map_err(setup)?;
+            for path in claim.paths() {
+                host_storage.push(Arc::new(HostStorage::shared(path, hl.clone()).map_err(
+                    |source| SchedulerError::Storage {
+                        what: format!(
+                            "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
+                            path.display()
+                        ),
+                        source,
+                    },
+                )?));
+            }
             shm = Some(claim);
             let e12 = remote(
                 "G1→G2 (vLLM worker)",
@@ -491,43 +546,47 @@ impl SchedulerSide {
                 false,
                 remote_cfg,
             )?);
-            host_storage = Some(s2);
         }
-        let mut disk_storage = None;
+        let mut disk_storage = Vec::new();
         if let (Some(g3), Some(path)) = (&g3, &cfg.disk_path) {
             let dl = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
-            let s3 = Arc::new(DiskStorage::open_or_create(path, dl).map_err(|source| {
-                SchedulerError::Storage {
-                    what: format!(
-                        "the disk tier's file {} (kv_connector_extra_config `disk_path`)",
-                        path.display()
-                    ),
-                    source,
-                }
-            })?);
-            match (&g2, &host_storage) {
-                (Some(g2), Some(s2)) => {
-                    let e23 = Arc::new(
-                        DiskEngine::new(
-                            s2.clone(),
-                            s3.clone(),
-                            DiskDirection::HostToDisk,
-                            Tier::Host,
-                        )
-                        .map_err(setup)?,
-                    );
-                    let e32 = Arc::new(
-                        DiskEngine::new(
-                            s2.clone(),
-                            s3.clone(),
-                            DiskDirection::DiskToHost,
-                            Tier::Host,
-                        )
-                        .map_err(setup)?,
-                    );
+            for rank in Shard::all(parallel.ranks) {
+                let path = disk_path(path, rank);
+                disk_storage.push(Arc::new(
+                    DiskStorage::open_or_create(&path, dl.clone()).map_err(|source| {
+                        SchedulerError::Storage {
+                            what: format!(
+                                "the disk tier's file {} (kv_connector_extra_config `disk_path`)",
+                                path.display()
+                            ),
+                            source,
+                        }
+                    })?,
+                ));
+            }
+            match &g2 {
+                Some(g2) => {
+                    // Host ↔ disk runs here, in every rank's files.
+                    let sharded =
+                        |d: DiskDirection| -> Result<Arc<dyn TransferEngine>, SchedulerError> {
+                            let shards = host_storage
+                                .iter()
+                                .zip(&disk_storage)
+                                .map(|(s2, s3)| {
+                                    DiskEngine::new(s2.clone(), s3.clone(), d, Tier::Host)
+                                        .map(|e| Arc::new(e) as Arc<dyn TransferEngine>)
+                                })
+                                .collect::<Result<Vec<_>, _>>()
+                                .map_err(setup)?;
+                            Ok(if shards.len() == 1 {
+                                shards.into_iter().next().expect("one shard")
+                            } else {
+                                Arc::new(ShardedEngine::new(shards).map_err(setup)?)
+                            })
+                        };
                     p.offload_host_to_disk = Some(make(
                         Direction::HOST_TO_DISK,
-                        e23,
+                        sharded(DiskDirection::HostToDisk)?,
                         None,
                         g2,
                         g3,
@@ -536,7 +595,7 @@ impl SchedulerSide {
                     )?);
                     p.onboard_disk_to_host = Some(make(
                         Direction::DISK_TO_HOST,
-                        e32,
+                        sharded(DiskDirection::DiskToHost)?,
                         None,
                         g3,
                         g2,
@@ -544,7 +603,7 @@ impl SchedulerSide {
                         local_cfg,
                     )?);
                 }
-                _ => {
+                None => {
                     let e13 = remote(
                         "G1→G3 (vLLM worker)",
                         (Tier::Device, mirror.capacity()),
@@ -575,7 +634,6 @@ impl SchedulerSide {
                     )?);
                 }
             }
-            disk_storage = Some(s3);
         }
         let mut leader = Leader::new(
             wiring,
@@ -597,7 +655,9 @@ impl SchedulerSide {
                 .with_breakpoints(breakpoints.clone()),
         );
         leader.set_hold_requests(true);
-        let observers = Observers::start(&cfg, &emitter, &breakpoints, runtime.handle())
+        let info = parallel.info(&cfg, &geometry, sizes);
+        let summary = info["summary"].as_str().unwrap_or_default().to_string();
+        let observers = Observers::start(&cfg, &emitter, &breakpoints, runtime.handle(), info)
             .map_err(SchedulerError::Observe)?;
         drop(_guard);
         Ok(SchedulerSide {
@@ -615,7 +675,10 @@ impl SchedulerSide {
             _disk: disk_storage,
             requests: HashMap::new(),
             g1: HashMap::new(),
-            triggers: Vec::new(),
+            triggers: std::collections::VecDeque::new(),
+            parallel,
+            partial: HashMap::new(),
+            summary,
             delayed: HashSet::new(),
             step: 0,
             counters: Counters::default(),
@@ -624,6 +687,13 @@ impl SchedulerSide {
             spent_ns: 0,
             step_ns: std::collections::VecDeque::new(),
         })
+    }
+
+    /// What kvbm runs as, in one line: ranks, scheduling, tiers and sizes
+    /// (logged at start; the same facts are in the recording's sidecar and
+    /// the attach server's `/health`).
+    pub fn summary(&self) -> &str {
+        &self.summary
     }
 
     /// The emitter (tests subscribe to it).
@@ -733,6 +803,24 @@ impl SchedulerSide {
         // Followed from here on: it has a slot (a refused one leaves no
         // entry behind).
         self.req(request);
+        // vLLM's own prefix cache answered before kvbm was asked:
+        // `num_computed_tokens` is its G1 hit, over the full blocks it looks
+        // up (it computes at least the prompt's last token). Said before
+        // the leader's lookup emits the host and disk results, so that one
+        // attempt's results come G1, G2, G3, as the simulator's do (a
+        // reader that groups them by order pairs the right ones). A held
+        // ask says it too: vLLM did look its cache up; the verdict is only
+        // known inside the leader's call.
+        let bs = self.geometry.block_size;
+        self.emitter.emit(
+            Some(&id),
+            EventKind::MatchResult {
+                tier: Tier::Device,
+                looked_up: (prompt.len().saturating_sub(1) / bs) as u32,
+                hit_blocks: (num_computed_tokens / bs) as u32,
+                hit_tokens: num_computed_tokens as u32,
+            },
+        );
         let r = self
             .leader
             .get_num_new_matched_tokens_or_hold(&id, num_computed_tokens)
@@ -746,19 +834,6 @@ impl SchedulerSide {
                 let r = self.req(request);
                 r.lookup_computed = num_computed_tokens;
                 r.matched = tokens;
-                // vLLM's own prefix cache answered before kvbm was asked:
-                // `num_computed_tokens` is its G1 hit, over the full blocks
-                // it looks up (it computes at least the prompt's last token).
-                let bs = self.geometry.block_size;
-                self.emitter.emit(
-                    Some(&id),
-                    EventKind::MatchResult {
-                        tier: Tier::Device,
-                        looked_up: (prompt.len().saturating_sub(1) / bs) as u32,
-                        hit_blocks: (num_computed_tokens / bs) as u32,
-                        hit_tokens: num_computed_tokens as u32,
-                    },
-                );
                 Ok(Some(tokens))
             }
         }
@@ -1035,9 +1110,7 @@ impl SchedulerSide {
             }
         }
         let mut md = self.leader.build_connector_metadata(&out);
-        if let Some(t) = md.store_trigger.take() {
-            self.triggers.push(t);
-        }
+        self.triggers.push_back(md.store_trigger.take());
         let loads = self.leader.start_loads(&mut md, self.runtime.handle());
         let waited = self.wait_until_shipped(&loads);
         if !waited.is_zero() {
@@ -1191,8 +1264,20 @@ impl SchedulerSide {
 
     fn update_connector_output_inner(&mut self, reports: &[Vec<u8>]) {
         let _guard = self.runtime.enter();
-        for t in self.triggers.drain(..) {
+        // vLLM reports its steps' outputs in the order it scheduled them:
+        // this is the oldest shipped step's, whose forward pass computed
+        // the blocks its trigger holds back.
+        if let Some(t) = self.triggers.pop_front().flatten() {
             t.trigger();
+        }
+        // More steps shipped than vLLM has in flight (two with async
+        // scheduling) means outputs that never came: their forward passes
+        // are long done, and their stores go rather than wait for good.
+        while self.triggers.len() > MAX_STEPS_IN_FLIGHT {
+            self.counters.unmatched_outputs += 1;
+            if let Some(t) = self.triggers.pop_front().flatten() {
+                t.trigger();
+            }
         }
         for bytes in reports {
             let report = match StepReport::from_bytes(bytes) {
@@ -1204,27 +1289,53 @@ impl SchedulerSide {
                 }
             };
             for d in report.done {
-                let Some((_, engine)) = self.engines.iter().find(|(r, _)| *r == d.route) else {
-                    continue;
-                };
-                let result = match &d.error {
-                    None => Ok(TransferStats {
-                        // The worker reports bytes and time; the engine
-                        // fills in the batch's blocks.
-                        blocks: 0,
-                        bytes: d.bytes,
-                        elapsed: Duration::from_nanos(d.elapsed_ns),
-                    }),
-                    Some(e) => {
-                        if d.route.is_load() {
-                            self.counters.failed_load_blocks += 1;
-                        }
-                        Err(e.clone())
-                    }
-                };
-                engine.complete(d.id, result);
+                self.resolve(d);
             }
         }
+    }
+
+    /// One rank's report of one batch; the batch resolves once every rank
+    /// has reported it (vLLM gathers each step's reports from all its
+    /// workers), failed if any rank failed it.
+    fn resolve(&mut self, d: crate::meta::Done) {
+        let Some(engine) = self
+            .engines
+            .iter()
+            .find(|(r, _)| *r == d.route)
+            .map(|(_, e)| e.clone())
+        else {
+            return;
+        };
+        let ranks = self.parallel.ranks;
+        let p = self.partial.entry((d.route, d.id)).or_default();
+        p.reports += 1;
+        p.bytes = p.bytes.saturating_add(d.bytes);
+        p.elapsed_ns = p.elapsed_ns.max(d.elapsed_ns);
+        if let (None, Some(e)) = (&p.error, d.error) {
+            p.error = Some(e);
+        }
+        if p.reports < ranks {
+            return;
+        }
+        let Some(p) = self.partial.remove(&(d.route, d.id)) else {
+            return;
+        };
+        let result = match p.error {
+            None => Ok(TransferStats {
+                // The workers report bytes and time; the engine fills in
+                // the batch's blocks.
+                blocks: 0,
+                bytes: p.bytes,
+                elapsed: Duration::from_nanos(p.elapsed_ns),
+            }),
+            Some(e) => {
+                if d.route.is_load() {
+                    self.counters.failed_load_blocks += 1;
+                }
+                Err(e)
+            }
+        };
+        engine.complete(d.id, result);
     }
 
     /// vLLM's `request_finished` with the request's computed blocks (group

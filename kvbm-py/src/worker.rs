@@ -9,7 +9,7 @@
 
 use crate::config::Config;
 use crate::meta::{Batch, Done, Pair, Route, StepPlan, StepReport};
-use crate::tiers::{Geometry, TierSizes, same_file, shm_path};
+use crate::tiers::{Geometry, Shard, TierSizes, disk_path, open_locked, same_file, shm_path};
 use kvbm_core::layout::LayoutKind;
 use kvbm_core::storage::{DiskStorage, HostStorage, prefault_in_background};
 use kvbm_core::transfer::{
@@ -81,17 +81,38 @@ pub enum WorkerError {
 struct TestHooks {
     /// `KVBM_TEST_DUMP_DIR`: every stored block's bytes go to
     /// `stored/<hash>`, every loaded block's (as it lies in vLLM's tensor
-    /// after the load) to `loaded/<hash>`.
+    /// after the load) to `loaded/<hash>`; under tensor parallelism in a
+    /// directory per rank, `tp<rank>/`.
     dump: Option<PathBuf>,
-    /// `KVBM_TEST_CORRUPT_LOADS=1`: flips a byte of the first block of each
-    /// load, after the copy.
-    corrupt_loads: bool,
+    /// `KVBM_TEST_CORRUPT_LOADS`: flips a byte of the first block of each
+    /// load, after the copy: always with `1`, or while the file it names
+    /// exists (so that one engine can load both ways in one test).
+    corrupt_loads: Corrupt,
     /// `KVBM_BENCH_MEMCPY_BASELINE=PREFIX`: see [`Baseline`].
     baseline: Option<Baseline>,
 }
 
+/// When loads are corrupted on purpose (tests only).
+#[derive(Debug, Default)]
+enum Corrupt {
+    #[default]
+    Never,
+    Always,
+    WhileExists(PathBuf),
+}
+
+impl Corrupt {
+    fn now(&self) -> bool {
+        match self {
+            Corrupt::Never => false,
+            Corrupt::Always => true,
+            Corrupt::WhileExists(p) => p.exists(),
+        }
+    }
+}
+
 impl TestHooks {
-    fn from_env() -> Self {
+    fn from_env(shard: Shard) -> Self {
         let baseline = std::env::var_os("KVBM_BENCH_MEMCPY_BASELINE").and_then(|prefix| {
             let mut path = prefix;
             path.push(format!(".{}.jsonl", std::process::id()));
@@ -103,9 +124,22 @@ impl TestHooks {
                 }
             }
         });
+        let corrupt_loads = match std::env::var_os("KVBM_TEST_CORRUPT_LOADS") {
+            None => Corrupt::Never,
+            Some(v) if v == "1" => Corrupt::Always,
+            Some(v) if v.is_empty() || v == "0" => Corrupt::Never,
+            Some(v) => Corrupt::WhileExists(PathBuf::from(v)),
+        };
         TestHooks {
-            dump: std::env::var_os("KVBM_TEST_DUMP_DIR").map(PathBuf::from),
-            corrupt_loads: std::env::var("KVBM_TEST_CORRUPT_LOADS").is_ok_and(|v| v == "1"),
+            dump: std::env::var_os("KVBM_TEST_DUMP_DIR").map(|d| {
+                let d = PathBuf::from(d);
+                if shard.ranks > 1 {
+                    d.join(format!("tp{}", shard.rank))
+                } else {
+                    d
+                }
+            }),
+            corrupt_loads,
             baseline,
         }
     }
@@ -183,47 +217,38 @@ pub struct WorkerSide {
     hooks: TestHooks,
     /// Every layer's tensor kept as reported, to check later calls against.
     _tensors: Vec<KvTensor>,
-    /// The shared host tier's file, when this worker made it.
-    _shm_made: Option<ShmMade>,
+    /// This rank's shared host-tier file, held while the worker lives.
+    _shm: Option<ShmHeld>,
 }
 
-/// The shared host tier's file when the worker made it (vLLM starts its
-/// workers before its scheduler). Its scheduler claims it
-/// ([`crate::tiers::ShmClaim`]) and removes it at shutdown; dropped while
-/// no scheduler holds it (a worker whose start failed, or whose scheduler
-/// never came), the worker removes it, so nothing is left behind.
+/// This rank's shared host-tier file, held with a shared lock for the
+/// worker's life (so that no other engine's start takes it for a dead
+/// engine's: [`crate::tiers::remove_stale`]). vLLM starts its workers
+/// before its scheduler, so the worker may be the one that makes it; its
+/// scheduler claims it ([`crate::tiers::ShmClaim`]) and removes it at
+/// shutdown. Dropped while no scheduler holds it (a worker whose start
+/// failed, or whose scheduler never came), a file this worker made is
+/// removed, so nothing is left behind.
 #[derive(Debug)]
-struct ShmMade {
+struct ShmHeld {
     path: PathBuf,
     file: std::fs::File,
+    made: bool,
 }
 
-impl ShmMade {
-    /// Makes the file at `path` when there is none: `Some` when this call
-    /// made it, `None` when it was there (its scheduler's, or a file a
-    /// crashed run left).
-    fn create(path: &std::path::Path) -> std::io::Result<Option<ShmMade>> {
-        match std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(path)
-        {
-            Ok(file) => Ok(Some(ShmMade {
-                path: path.to_path_buf(),
-                file,
-            })),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-}
-
-impl Drop for ShmMade {
+impl Drop for ShmHeld {
     fn drop(&mut self) {
-        // Locked, no scheduler holds it (nor can claim it meanwhile), and
-        // it is still the file this worker made (not a later engine's).
-        if self.file.try_lock().is_ok() && same_file(&self.file, &self.path) {
+        if !self.made {
+            return;
+        }
+        // This worker's own lock goes first; then an exclusive lock is only
+        // to be had when no scheduler (nor anything else) holds the file.
+        let _ = self.file.unlock();
+        if let Ok(f) = std::fs::File::open(&self.path)
+            && f.try_lock().is_ok()
+            && same_file(&f, &self.path)
+            && same_file(&self.file, &self.path)
+        {
             let _ = std::fs::remove_file(&self.path);
         }
     }
@@ -245,8 +270,9 @@ fn tier_err(what: impl Into<String>, e: impl std::fmt::Display) -> WorkerError {
 }
 
 impl WorkerSide {
-    /// Wraps `tensors` (one per layer, in vLLM's order) as G1 and opens the
-    /// tiers `cfg` configures for vLLM engine `engine_id`.
+    /// Wraps `tensors` (one per layer, in vLLM's order) as G1 and opens
+    /// the tiers `cfg` configures for rank `shard` of vLLM engine
+    /// `engine_id`: that rank's own host-tier and disk files.
     ///
     /// # Safety
     ///
@@ -259,6 +285,7 @@ impl WorkerSide {
         geometry: Geometry,
         engine_id: &str,
         tensors: Vec<KvTensor>,
+        shard: Shard,
     ) -> Result<Self, WorkerError> {
         geometry.check()?;
         if tensors.len() != geometry.num_layers {
@@ -323,9 +350,9 @@ impl WorkerSide {
         let sizes = TierSizes::of(cfg, &geometry)?;
         let mut engines: HashMap<Route, Arc<dyn TransferEngine>> = HashMap::new();
         let mut host = None;
-        let mut shm_made = None;
+        let mut shm = None;
         if sizes.host_blocks > 0 {
-            let path = shm_path(cfg, engine_id);
+            let path = shm_path(cfg, engine_id, shard);
             let what = || {
                 format!(
                     "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
@@ -334,7 +361,12 @@ impl WorkerSide {
             };
             // vLLM starts its workers before its scheduler: the worker may
             // be the one that makes the file.
-            shm_made = ShmMade::create(&path).map_err(|e| tier_err(what(), e))?;
+            let (file, made) = open_locked(&path).map_err(|e| tier_err(what(), e))?;
+            shm = Some(ShmHeld {
+                path: path.clone(),
+                file,
+                made,
+            });
             let l = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
             let g2 = Arc::new(HostStorage::shared(&path, l).map_err(|e| tier_err(what(), e))?);
             // The worker writes the host tier: fault its pages in now, in
@@ -372,6 +404,7 @@ impl WorkerSide {
             );
             host = Some(g2);
         } else if let (true, Some(path)) = (sizes.disk_blocks > 0, &cfg.disk_path) {
+            let path = &disk_path(path, shard);
             let l = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
             let g3 = Arc::new(DiskStorage::open_or_create(path, l).map_err(|e| {
                 tier_err(
@@ -410,9 +443,9 @@ impl WorkerSide {
             report: StepReport::default(),
             load_errors: Vec::new(),
             finished_sending: Vec::new(),
-            hooks: TestHooks::from_env(),
+            hooks: TestHooks::from_env(shard),
             _tensors: tensors,
-            _shm_made: shm_made,
+            _shm: shm,
         })
     }
 
@@ -488,7 +521,7 @@ impl WorkerSide {
         match r {
             Ok(stats) => {
                 if b.route.is_load() {
-                    if self.hooks.corrupt_loads
+                    if self.hooks.corrupt_loads.now()
                         && let Some(p) = b.pairs.first()
                     {
                         self.corrupt(p);

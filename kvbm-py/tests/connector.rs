@@ -9,8 +9,8 @@
 use kvbm_events::bus::TapItem;
 use kvbm_events::{Event, EventKind, Tier};
 use kvbm_py::config::Config;
-use kvbm_py::scheduler::{Scheduled, SchedulerSide, StepInput};
-use kvbm_py::tiers::Geometry;
+use kvbm_py::scheduler::{Parallel, Scheduled, SchedulerSide, StepInput};
+use kvbm_py::tiers::{Geometry, Shard};
 use kvbm_py::worker::{KvTensor, WorkerSide};
 use serde_json::json;
 
@@ -108,8 +108,9 @@ fn rig(extra: serde_json::Value) -> Rig {
     let mut cache = Cache::new();
     // The worker starts first, as in vLLM.
     let worker =
-        unsafe { WorkerSide::start(&cfg, geometry(), "engine-1", cache.tensors()) }.unwrap();
-    let sched = SchedulerSide::start(cfg, geometry(), "engine-1").unwrap();
+        unsafe { WorkerSide::start(&cfg, geometry(), "engine-1", cache.tensors(), Shard::ONE) }
+            .unwrap();
+    let sched = SchedulerSide::start(cfg, geometry(), "engine-1", Parallel::default()).unwrap();
     Rig {
         sched,
         worker,
@@ -469,7 +470,7 @@ fn an_absurd_geometry_is_refused_at_start() {
         ),
     ] {
         let cfg = host_cfg(dir.path(), json!({"host_capacity_tokens": 1u64 << 41}));
-        let e = SchedulerSide::start(cfg, g, "engine-1")
+        let e = SchedulerSide::start(cfg, g, "engine-1", Parallel::default())
             .unwrap_err()
             .to_string();
         assert!(e.contains(name), "{g:?}: {e}");
@@ -490,9 +491,14 @@ fn a_failed_start_leaves_no_shared_file() {
         json!({"record": exists.to_str().unwrap()}),
         json!({"disk_path": dir.path().to_str().unwrap(), "disk_capacity_tokens": 64}),
     ] {
-        let e = SchedulerSide::start(host_cfg(&shm, extra.clone()), geometry(), "engine-1")
-            .unwrap_err()
-            .to_string();
+        let e = SchedulerSide::start(
+            host_cfg(&shm, extra.clone()),
+            geometry(),
+            "engine-1",
+            Parallel::default(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(files(&shm).is_empty(), "{extra}: {e}: {:?}", files(&shm));
     }
     // The disk tier's file is named by its key.
@@ -503,6 +509,7 @@ fn a_failed_start_leaves_no_shared_file() {
         ),
         geometry(),
         "engine-1",
+        Parallel::default(),
     )
     .unwrap_err()
     .to_string();
@@ -517,13 +524,16 @@ fn a_worker_removes_the_file_it_made_when_no_scheduler_holds_it() {
     let dir = tempfile::tempdir().unwrap();
     let mut cache = Cache::new();
     let cfg = host_cfg(dir.path(), json!({}));
-    let w = unsafe { WorkerSide::start(&cfg, geometry(), "alone", cache.tensors()) }.unwrap();
+    let w = unsafe { WorkerSide::start(&cfg, geometry(), "alone", cache.tensors(), Shard::ONE) }
+        .unwrap();
     assert_eq!(files(dir.path()).len(), 1);
     drop(w);
     assert!(files(dir.path()).is_empty(), "{:?}", files(dir.path()));
 
-    let w = unsafe { WorkerSide::start(&cfg, geometry(), "paired", cache.tensors()) }.unwrap();
-    let mut s = SchedulerSide::start(cfg.clone(), geometry(), "paired").unwrap();
+    let w = unsafe { WorkerSide::start(&cfg, geometry(), "paired", cache.tensors(), Shard::ONE) }
+        .unwrap();
+    let mut s =
+        SchedulerSide::start(cfg.clone(), geometry(), "paired", Parallel::default()).unwrap();
     drop(w);
     assert_eq!(files(dir.path()).len(), 1, "the scheduler's tier is kept");
     s.shutdown().unwrap();
@@ -537,7 +547,7 @@ fn a_worker_removes_the_file_it_made_when_no_scheduler_holds_it() {
 fn each_engine_has_its_own_file_and_holds_it() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = host_cfg(dir.path(), json!({}));
-    let start = |id: &str| SchedulerSide::start(cfg.clone(), geometry(), id);
+    let start = |id: &str| SchedulerSide::start(cfg.clone(), geometry(), id, Parallel::default());
     let mut a = start("eng/1").unwrap();
     let mut b = start("eng1").unwrap();
     let mut x = start("").unwrap();
@@ -684,8 +694,189 @@ fn a_null_tensor_is_said_to_be_null() {
     let mut t = cache.tensors();
     t[1].data_ptr = 0;
     let cfg = host_cfg(dir.path(), json!({}));
-    let e = unsafe { WorkerSide::start(&cfg, geometry(), "e", t) }
+    let e = unsafe { WorkerSide::start(&cfg, geometry(), "e", t, Shard::ONE) }
         .unwrap_err()
         .to_string();
     assert!(e.contains("layer.1") && e.contains("null"), "{e}");
+}
+
+/// One request run in a step.
+fn run(req: &str, p: &[u32], before: usize, n: usize, blocks: &[u32], new: Vec<u32>) -> Scheduled {
+    Scheduled {
+        request: req.into(),
+        new_tokens: new,
+        prompt_len: p.len(),
+        computed_before: before,
+        scheduled: n,
+        block_ids: Some(blocks.to_vec()),
+    }
+}
+
+/// Issue 40: the console showed no G2 hit for any of vLLM's requests,
+/// because the connector said a lookup's host result before vLLM's device
+/// one (on every step a request waited) and the reducer let the device
+/// result wipe it. After a reset-and-reload round, the reducer folded from
+/// the connector's own events credits each reloaded request, asked about
+/// on several steps before it got in, the G2 hit tokens it loaded: its
+/// blocks moved G2 → G1 × the block size.
+#[test]
+fn each_reloaded_request_is_credited_the_g2_hits_it_loaded() {
+    let mut r = rig(json!({"host_capacity_tokens": 64}));
+    let mut tap = r.sched.emitter().bus().take_tap().unwrap();
+    let a = [prompt(100, 9), prompt(300, 9)];
+    let (ra, rb) = (["A1", "A2"], ["B1", "B2"]);
+    let a_blocks: [&[u32]; 2] = [&[1, 2, 3], &[4, 5, 6]];
+    let b_blocks: [&[u32]; 2] = [&[7, 8, 9], &[10, 11, 12]];
+    for i in 0..2 {
+        r.admit_without_hit(ra[i], &a[i], a_blocks[i]);
+    }
+    let input = |runs: Vec<Scheduled>, used: usize| StepInput {
+        scheduled: runs,
+        preempted: Vec::new(),
+        g1_free: Some(BLOCKS - used),
+    };
+    r.step(
+        input(
+            (0..2)
+                .map(|i| run(ra[i], &a[i], 0, 9, a_blocks[i], Vec::new()))
+                .collect(),
+            6,
+        ),
+        &[(1, &a[0], 0), (2, &a[0], 1), (4, &a[1], 0), (5, &a[1], 1)],
+    );
+    r.step(
+        input(
+            (0..2)
+                .map(|i| run(ra[i], &a[i], 9, 1, a_blocks[i], vec![7]))
+                .collect(),
+            6,
+        ),
+        &[],
+    );
+    let mut sending: Vec<String> = Vec::new();
+    for i in 0..2 {
+        if !r.sched.request_finished(ra[i], &a_blocks[i][..2]).unwrap() {
+            sending.push(ra[i].to_string());
+        }
+    }
+    for _ in 0..100 {
+        if sending.len() == 2 {
+            break;
+        }
+        let (plan, _) = r.step_plan(StepInput::default(), &[]);
+        sending.extend(plan.finished_sending);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(
+        sending.len(),
+        2,
+        "A1 and A2 never finished sending: {sending:?}"
+    );
+    // vLLM forgets its cache (reset_prefix_cache) and reuses the blocks.
+    for b in 1..7 {
+        r.cache.wipe(b);
+    }
+    r.step(StepInput::default(), &[]);
+    // B1 and B2 share A1's and A2's 8-token prefixes. They wait three
+    // steps (vLLM asks about a waiting request on each), then get in.
+    let b: Vec<Vec<u32>> = (0..2)
+        .map(|i| {
+            let mut p = a[i][..8].to_vec();
+            p.extend(prompt(500 + 100 * i as u32, 3));
+            p
+        })
+        .collect();
+    for _ in 0..3 {
+        for i in 0..2 {
+            let hit = r.sched.get_num_new_matched_tokens(rb[i], &b[i], 0);
+            assert_eq!(hit.unwrap(), Some(8), "{}", rb[i]);
+        }
+        r.step(StepInput::default(), &[]);
+    }
+    for i in 0..2 {
+        assert_eq!(
+            r.sched.get_num_new_matched_tokens(rb[i], &b[i], 0).unwrap(),
+            Some(8)
+        );
+        r.sched
+            .update_state_after_alloc(rb[i], b_blocks[i], 8)
+            .unwrap();
+    }
+    let errors = r.step(
+        input(
+            (0..2)
+                .map(|i| run(rb[i], &b[i], 8, 3, b_blocks[i], Vec::new()))
+                .collect(),
+            12,
+        ),
+        &[],
+    );
+    assert!(errors.is_empty(), "{errors:?} {:?}", r.sched.counters());
+    // Completions are events of the pipelines' own tasks.
+    let mut seen = Vec::new();
+    let loaded = |seen: &[Event]| -> std::collections::BTreeMap<String, u32> {
+        let owner: std::collections::HashMap<u64, String> = seen
+            .iter()
+            .filter_map(|e| match (&e.kind, e.request.as_deref()) {
+                (EventKind::TransferPlanned { transfer, .. }, Some(req)) => {
+                    Some((*transfer, req.to_string()))
+                }
+                _ => None,
+            })
+            .collect();
+        let mut out = std::collections::BTreeMap::new();
+        for e in seen {
+            if let EventKind::TransferCompleted {
+                transfer,
+                direction,
+                blocks,
+            } = &e.kind
+                && direction.src == Tier::Host
+                && direction.dst == Tier::Device
+                && let Some(req) = owner.get(transfer)
+            {
+                *out.entry(req.clone()).or_insert(0) += *blocks;
+            }
+        }
+        out
+    };
+    let t = std::time::Instant::now();
+    while t.elapsed() < std::time::Duration::from_secs(10) && loaded(&seen).len() < 2 {
+        seen.extend(events(&mut tap));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    seen.extend(events(&mut tap));
+    let loaded = loaded(&seen);
+    assert_eq!(
+        loaded,
+        [("B1".to_string(), 2), ("B2".to_string(), 2)].into(),
+        "each B loads its two blocks from G2"
+    );
+    // The connector says a lookup's device result first: each of B's
+    // device results comes right before its host one.
+    for req in rb {
+        let tiers: Vec<Tier> = seen
+            .iter()
+            .filter(|e| e.request.as_deref() == Some(req))
+            .filter_map(|e| match &e.kind {
+                EventKind::MatchResult { tier, .. } => Some(*tier),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tiers, [Tier::Device, Tier::Host].repeat(4), "{req}");
+    }
+    let state = kvbm_events::reducer::fold(&seen);
+    for req in rb {
+        let slot = state.slot(req).unwrap();
+        assert_eq!(
+            slot.hit_tokens,
+            [0, u64::from(loaded[req]) * BS as u64, 0],
+            "{req}"
+        );
+    }
+    // A1 and A2 were computed: no hit.
+    for req in ra {
+        assert_eq!(state.slot(req).unwrap().hit_tokens, [0, 0, 0], "{req}");
+    }
+    r.sched.shutdown().unwrap();
 }

@@ -6,7 +6,7 @@
 //! `kvbm-py/tests/vllm/fleet_publish.py`.
 
 use kvbm_py::config::Config;
-use kvbm_py::scheduler::{Scheduled, SchedulerSide, StepInput};
+use kvbm_py::scheduler::{Parallel, Scheduled, SchedulerSide, StepInput};
 use kvbm_py::tiers::Geometry;
 use kvbm_testkit::nats::NatsServer;
 use serde_json::json;
@@ -26,7 +26,13 @@ fn start(extra: serde_json::Value, dir: &tempfile::TempDir) -> SchedulerSide {
     let mut extra = extra;
     extra["shm_dir"] = json!(dir.path().to_str().unwrap());
     extra["host_capacity_tokens"] = json!(64);
-    SchedulerSide::start(Config::from_json(&extra).unwrap(), geometry(), "engine-1").unwrap()
+    SchedulerSide::start(
+        Config::from_json(&extra).unwrap(),
+        geometry(),
+        "engine-1",
+        Parallel::default(),
+    )
+    .unwrap()
 }
 
 /// A request looked up, allocated, scheduled and finished.

@@ -118,6 +118,13 @@ impl HostStorage {
         Ok(storage)
     }
 
+    /// The size of the file [`HostStorage::shared`] maps for `layout`
+    /// (each region starts on a page): what a caller reserving its room
+    /// ahead (`posix_fallocate`) must reserve. `None` when it overflows.
+    pub fn shared_len(layout: &Layout) -> Option<usize> {
+        mapped_stride(layout).checked_mul(layout.num_regions())
+    }
+
     /// Memory every process can see: the file at `path` (created when
     /// missing, sized to hold every region of `layout`, each starting on a
     /// page), mapped shared. Two processes opening the same path with the
@@ -135,8 +142,7 @@ impl HostStorage {
             source,
         };
         let stride = mapped_stride(&layout);
-        let total = stride
-            .checked_mul(layout.num_regions())
+        let total = Self::shared_len(&layout)
             .filter(|t| *t > 0)
             .ok_or(StorageError::ZeroSize)?;
         let file = std::fs::OpenOptions::new()
@@ -394,7 +400,11 @@ pub fn prefault_in_background(
                     Ok(0) => break,
                     Ok(n) => done += n,
                     Err(e) => {
-                        tracing::info!(
+                        // Said, not hidden: on a full tmpfs the copies
+                        // would fault too (a caller reserving the file's
+                        // room ahead, as kvbm's vLLM connector does, makes
+                        // that impossible).
+                        tracing::warn!(
                             error = %e,
                             faulted = done,
                             "host tier: pages not faulted in ahead (the copies will fault them)"

@@ -21,6 +21,8 @@
 //!   dedicated CUDA stream (G1 ↔ G2).
 //! * [`RemoteEngine`]: copies another process performs (the worker of an
 //!   engine that is not ours); batches are handed out and reported back.
+//! * [`ShardedEngine`]: the same move in every shard of a tensor-parallel
+//!   engine (one engine per rank's files), done when every shard's is.
 //!
 //! Dropping an engine stops its worker: the batch being copied finishes,
 //! batches still queued resolve with [`TransferError::EngineStopped`], and
@@ -30,6 +32,7 @@
 mod disk;
 mod memcpy;
 mod remote;
+mod sharded;
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -37,6 +40,7 @@ mod cuda;
 pub use disk::{DiskDirection, DiskEngine};
 pub use memcpy::{MemcpyEngine, Stores, plain_copy};
 pub use remote::{RemoteBatch, RemoteEngine};
+pub use sharded::ShardedEngine;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDirection, CudaEngine};

@@ -18,7 +18,17 @@ ScheduledArg = Tuple[str, List[int], int, int, int, Optional[List[int]]]
 table, or None when it is the one last given)."""
 
 class Scheduler:
-    def __init__(self, config_json: str, geometry: Geometry, engine_id: str) -> None: ...
+    def __init__(
+        self,
+        config_json: str,
+        geometry: Geometry,
+        engine_id: str,
+        ranks: int = 1,
+        stages: int = 1,
+        async_scheduling: bool = False,
+    ) -> None: ...
+    def summary(self) -> str:
+        """What kvbm runs as, in one line: ranks, scheduling, tiers and sizes."""
     def get_num_new_matched_tokens(
         self, request: str, prompt: List[int], num_computed_tokens: int
     ) -> Optional[int]: ...
@@ -41,7 +51,13 @@ class Worker:
     object. This private module trusts its one caller, `kvbm.vllm`."""
 
     def __init__(
-        self, config_json: str, geometry: Geometry, engine_id: str, tensors_json: str
+        self,
+        config_json: str,
+        geometry: Geometry,
+        engine_id: str,
+        tensors_json: str,
+        rank: int = 0,
+        ranks: int = 1,
     ) -> None: ...
     def run(self, plan: bytes) -> Tuple[Optional[bytes], List[str], List[int]]:
         """Runs a step's plan; returns (report, finished sending, failed load blocks)."""

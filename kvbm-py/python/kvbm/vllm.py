@@ -90,6 +90,39 @@ def _geometry(kv_cache_config: Any) -> Tuple[int, int, int, int]:
     )
 
 
+def _parallel(vllm_config: Any) -> Tuple[int, int, bool]:
+    """(tensor-parallel workers, pipeline stages, async scheduling) of the
+    engine. Each tensor-parallel rank keeps its own shard of the KV heads
+    in kvbm's tiers (a host-tier file and a disk file per rank); every rank
+    runs each step's plan, and a copy is done when every rank has done it.
+    With async scheduling (vLLM's default on GPUs) a step's stores wait for
+    vLLM to report that step's output, not the next one planned.
+    Pipeline parallelism is refused by the scheduler side, saying why.
+    Several data-parallel engines are refused here: each would need its own
+    tiers, attach server and recording, which one `kv_connector_extra_config`
+    cannot name apart."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    sc = getattr(vllm_config, "scheduler_config", None)
+    ranks = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    stages = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    dp = int(getattr(pc, "data_parallel_size", 1) or 1)
+    if dp > 1:
+        raise ValueError(
+            f"kvbm: data_parallel_size {dp} is not supported: each data-parallel engine would "
+            "need its own host tier, attach server and recording; run one vLLM (with its own "
+            "kv_connector_extra_config) per engine instead"
+        )
+    return ranks, stages, bool(getattr(sc, "async_scheduling", False))
+
+
+def _tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM's process group is up by the
+    time it registers its KV caches)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def _finish_before_engine_teardown() -> None:
     """Makes vLLM's engine-core teardown finish kvbm's scheduler side
     before anything else (once per process; idempotent).
@@ -140,11 +173,7 @@ class KvbmConnector(KVConnectorBase_V1):
         self._config_json = json.dumps(_extra(vllm_config))
         # Refused here, in both processes, with the key named.
         _kvbm.check_config(self._config_json)
-        if getattr(vllm_config, "max_concurrent_batches", 1) > 1:
-            raise ValueError(
-                "kvbm: needs one batch in flight at a time (its stores run before the next "
-                "step's forward pass); set async_scheduling=False and no pipeline parallelism"
-            )
+        self._parallel = _parallel(vllm_config)
         ktc = vllm_config.kv_transfer_config
         self._engine_id = str(getattr(ktc, "engine_id", None) or "kvbm")
         self._geometry = _geometry(kv_cache_config)
@@ -171,8 +200,14 @@ class KvbmConnector(KVConnectorBase_V1):
                 # building the connector.
                 logger.info("kvbm: kv_load_failure_policy set to 'recompute'")
                 ktc.kv_load_failure_policy = "recompute"
-            self._sched = _kvbm.Scheduler(self._config_json, self._geometry, self._engine_id)
+            ranks, stages, async_scheduling = self._parallel
+            self._sched = _kvbm.Scheduler(
+                self._config_json, self._geometry, self._engine_id, ranks, stages, async_scheduling
+            )
             _finish_before_engine_teardown()
+            # What kvbm runs as, in one line (also in the recording and
+            # the attach server's /health).
+            logger.warning("kvbm: %s", self._sched.summary())
             addr = self._sched.serving()
             if addr:
                 logger.warning("kvbm: attach server on http://%s", addr)
@@ -342,8 +377,10 @@ class KvbmConnector(KVConnectorBase_V1):
                     "device": str(t.device),
                 }
             )
+        ranks = self._parallel[0]
+        rank = _tensor_parallel_rank() if ranks > 1 else 0
         self._worker = _kvbm.Worker(
-            self._config_json, self._geometry, self._engine_id, json.dumps(described)
+            self._config_json, self._geometry, self._engine_id, json.dumps(described), rank, ranks
         )
 
     def _run(self, metadata: Any) -> None:
