@@ -47,6 +47,11 @@ pub struct RecorderConfig {
     pub flush_every: Duration,
     /// The engine run recorded (its emitter's `run()`), for the sidecar.
     pub run: Option<RunId>,
+    /// What the engine runs as (a JSON object whose `summary` is one line
+    /// for a person, with the facts behind it), kept as the sidecar's
+    /// [`engine_info`](Recording::engine_info) from its first write on;
+    /// `inspect` and the console's replay show the summary.
+    pub info: Option<serde_json::Value>,
 }
 
 impl Default for RecorderConfig {
@@ -61,6 +66,7 @@ impl Default for RecorderConfig {
             stop: None,
             flush_every: Duration::from_millis(50),
             run: None,
+            info: None,
         }
     }
 }
@@ -273,6 +279,7 @@ impl RecordingSink {
                 run: cfg.run,
                 schema_version: cfg.log.schema_version,
                 ended: Ended::Unfinished,
+                engine_info: cfg.info.clone(),
                 ..Recording::default()
             },
             since_snapshot: 0,
@@ -441,6 +448,15 @@ impl RecordingSink {
         self.note_start();
     }
 
+    /// Says what the engine runs as ([`RecorderConfig::info`]), for a
+    /// source that tells it after the recording began (an attach
+    /// server's `/health`). Before the first event it is written at once,
+    /// as the source is.
+    pub fn set_engine_info(&mut self, info: serde_json::Value) {
+        self.rec.engine_info = Some(info);
+        self.note_start();
+    }
+
     /// Says why the recording ends, for the sidecar of a clean finish
     /// (`--duration-s` reached, interrupted, the stream ended).
     pub fn end_because(&mut self, why: impl Into<String>) {
@@ -526,6 +542,12 @@ impl RecordingSink {
             }
             rec.gaps.truncate(MAX_GAPS);
         }
+        // What the engine says it runs as now, else what the sidecar said
+        // (even one whose counts are not taken).
+        let engine_info = cfg
+            .info
+            .clone()
+            .or_else(|| side.as_ref().and_then(|s| s.engine_info.clone()));
         if let Some(s) = side
             && (s.last_seq == rec.last_seq || (side_agrees && !fold))
         {
@@ -534,6 +556,7 @@ impl RecordingSink {
         // Under way again: a recorder killed from here on leaves a
         // sidecar that says so.
         rec.ended = Ended::Unfinished;
+        rec.engine_info = engine_info;
         let sink = RecordingSink {
             dir: dir.to_path_buf(),
             writer,
@@ -830,6 +853,58 @@ mod tests {
             })
         );
         assert_eq!(read_sidecar(&dir.path().join("log")), Some(rec));
+    }
+
+    /// The engine's description is in the sidecar from its first write
+    /// (a recorder killed before any event leaves it), stays through a
+    /// reopening that does not name one, and a reopening that names one
+    /// takes the new one.
+    #[test]
+    fn engine_info_is_in_the_sidecar_from_the_first_write() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("log");
+        let info = serde_json::json!({"summary": "vLLM · tp 2", "tensor_parallel": 2});
+        let cfg = RecorderConfig {
+            info: Some(info.clone()),
+            ..RecorderConfig::default()
+        };
+        let mut sink = RecordingSink::create(&dir, &cfg).unwrap();
+        let side = read_sidecar(&dir).unwrap();
+        assert_eq!((side.ended, side.events), (Ended::Unfinished, 0));
+        assert_eq!(side.engine_info.as_ref(), Some(&info));
+        sink.append(&gauge_at(0)).unwrap();
+        sink.checkpoint().unwrap();
+        // Killed: the sink is never finished.
+        drop(sink);
+        assert_eq!(
+            read_sidecar(&dir).unwrap().engine_info.as_ref(),
+            Some(&info)
+        );
+
+        let sink = RecordingSink::resume(&dir, &RecorderConfig::default()).unwrap();
+        assert_eq!(sink.recording().engine_info.as_ref(), Some(&info));
+        let rec = sink.finish().unwrap();
+        assert_eq!(rec.engine_summary().as_deref(), Some("vLLM · tp 2"));
+        assert_eq!(read_sidecar(&dir), Some(rec));
+
+        let now = serde_json::json!({"summary": "vLLM · tp 4"});
+        let cfg4 = RecorderConfig {
+            info: Some(now.clone()),
+            ..RecorderConfig::default()
+        };
+        let rec = RecordingSink::resume(&dir, &cfg4)
+            .unwrap()
+            .finish()
+            .unwrap();
+        assert_eq!(rec.engine_info, Some(now));
+        assert_eq!(read_sidecar(&dir).unwrap().events, 1);
+
+        // Told after the start (a remote source): written at once.
+        let later = tmp.path().join("later");
+        let mut sink = RecordingSink::create(&later, &RecorderConfig::default()).unwrap();
+        assert_eq!(read_sidecar(&later).unwrap().engine_info, None);
+        sink.set_engine_info(info.clone());
+        assert_eq!(read_sidecar(&later).unwrap().engine_info, Some(info));
     }
 
     /// Reopening a recording whose sidecar ends where its log ends takes

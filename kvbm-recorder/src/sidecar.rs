@@ -168,6 +168,43 @@ pub struct Recording {
     /// disk and were dropped (the totals are exact).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub gaps_dropped: bool,
+    /// What the engine runs as, as its embedding described it
+    /// ([`RecorderConfig::info`](crate::recorder::RecorderConfig::info)):
+    /// a JSON object whose `summary` is one line for a person (e.g.
+    /// `"vLLM · tp 2 · async scheduling · G2 8,192 tokens (4.0 MiB a rank)
+    /// · G3 none"`), with the facts behind it beside. Written from the
+    /// first sidecar on, so a recording killed early has it. Absent in an
+    /// older recorder's sidecar, or when the engine said nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_info: Option<serde_json::Value>,
+}
+
+impl Recording {
+    /// The one-line `summary` of [`engine_info`](Self::engine_info), fit
+    /// for a terminal ([`engine_summary`]).
+    pub fn engine_summary(&self) -> Option<String> {
+        self.engine_info.as_ref().and_then(engine_summary)
+    }
+}
+
+/// Most characters of an engine summary shown ([`engine_summary`]).
+pub const MAX_SUMMARY_CHARS: usize = 200;
+
+/// The `summary` string of an engine description (a recording's
+/// [`Recording::engine_info`], an attach server's `/health`
+/// `engine_info`), fit for a terminal: control characters (a line break,
+/// an escape sequence) become spaces, surrounding blanks are trimmed, and
+/// it is cut at [`MAX_SUMMARY_CHARS`] with `…`. `None` when there is no
+/// summary string, or it is blank. It came from elsewhere (an engine, a
+/// file, the network), so it is never printed as it is.
+pub fn engine_summary(info: &serde_json::Value) -> Option<String> {
+    let s = info.get("summary")?.as_str()?;
+    let clean: String = s
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    let clean = clean.trim();
+    (!clean.is_empty()).then(|| kvbm_events::text::clip(clean, MAX_SUMMARY_CHARS))
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -433,6 +470,74 @@ mod tests {
         assert_eq!(r.ended, Ended::legacy());
         assert!(r.ended.is_clean());
         assert_eq!(r.run, None);
+    }
+
+    /// The engine's description goes out and comes back as it was; a
+    /// sidecar without one (an older recorder's, or an engine that said
+    /// nothing) reads as `None` and is written without the field.
+    #[test]
+    fn engine_info_round_trips_and_an_older_sidecar_has_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let info = serde_json::json!({
+            "summary": "vLLM · tp 2 · async scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none",
+            "source": "vllm",
+            "tensor_parallel": 2,
+            "pipeline_parallel": 1,
+            "async_scheduling": true,
+            "block_size": 32,
+            "host_tokens": 8192,
+            "disk_tokens": 0,
+        });
+        let rec = Recording {
+            events: 3,
+            engine_info: Some(info.clone()),
+            ..Recording::default()
+        };
+        write_checkpoint(d, &rec).unwrap();
+        assert_eq!(read(d), Some(rec.clone()));
+        write(d, &rec).unwrap();
+        let back = read(d).unwrap();
+        assert_eq!(back.engine_info, Some(info));
+        assert_eq!(
+            back.engine_summary().as_deref(),
+            Some("vLLM · tp 2 · async scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none")
+        );
+        let raw: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.join(SIDECAR)).unwrap()).unwrap();
+        assert_eq!(raw["engine_info"]["tensor_parallel"], 2);
+
+        // Written by a recorder before the field existed.
+        let old = r#"{"engine":0,"run":"00000000000000ff","events":3,"lost":0,"first_seq":0,
+                      "last_seq":2,"snapshots":0,"schema_version":2,"gaps":[],
+                      "ended":{"how":"finished","why":"the stream ended"}}"#;
+        std::fs::write(d.join(SIDECAR), old).unwrap();
+        let r = match load(d) {
+            Sidecar::Present(r) => r,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((r.events, r.engine_info.clone()), (3, None));
+        assert_eq!(r.engine_summary(), None);
+        let without = serde_json::to_string(&Recording::default()).unwrap();
+        assert!(!without.contains("engine_info"), "{without}");
+    }
+
+    /// Only a non-blank `summary` string is a summary, and it is made safe
+    /// for a terminal: no control characters, bounded.
+    #[test]
+    fn an_engine_summary_is_one_bounded_line() {
+        use serde_json::json;
+        assert_eq!(engine_summary(&json!({"source": "vllm"})), None);
+        assert_eq!(engine_summary(&json!({"summary": 2})), None);
+        assert_eq!(engine_summary(&json!({"summary": " \n "})), None);
+        assert_eq!(engine_summary(&json!("summary")), None);
+        assert_eq!(
+            engine_summary(&json!({"summary": "tp 2\n\u{1b}[2Jasync "})).as_deref(),
+            Some("tp 2  [2Jasync")
+        );
+        let long = engine_summary(&json!({"summary": "x".repeat(1000)})).unwrap();
+        assert_eq!(long.chars().count(), MAX_SUMMARY_CHARS + 1);
+        assert!(long.ends_with('…'));
     }
 
     /// A written sidecar replaces the old one whole, through the reserved

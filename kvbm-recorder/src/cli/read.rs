@@ -155,6 +155,7 @@ pub fn inspect(log: &Path, json: bool) -> Result<i32> {
         "verdict_detail": a.verdict.to_string(),
         "previous": rec.and_then(|r| r.previous.as_ref()),
         "next": rec.and_then(|r| r.next.as_ref()),
+        "engine_info": rec.and_then(|r| r.engine_info.as_ref()),
         "notes": a.notes,
     });
     if json {
@@ -164,6 +165,9 @@ pub fn inspect(log: &Path, json: bool) -> Result<i32> {
     println!("log           {}", log.display());
     if let Some(run) = rec.and_then(|r| r.run) {
         println!("run           {run}");
+    }
+    if let Some(summary) = rec.and_then(|r| r.engine_summary()) {
+        println!("runs as       {summary}");
     }
     println!("segments      {}", info.segments.len());
     match rec {
