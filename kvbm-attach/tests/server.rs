@@ -565,6 +565,72 @@ async fn a_protocol_mismatch_is_a_400_naming_both_versions() {
     h.shutdown().await.unwrap();
 }
 
+/// What the engine runs as (`ServedEngine::with_info`) is `engine_info` in
+/// `/health` and `/snapshot`, as given; without it the field is absent.
+/// Either way both still read as their protocol types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_snapshot_say_what_the_engine_runs_as_when_told() {
+    let info = serde_json::json!({
+        "summary": "vLLM · tp 2 · async scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none",
+        "source": "vllm",
+        "tensor_parallel": 2,
+        "pipeline_parallel": 1,
+        "async_scheduling": true,
+        "block_size": 32,
+        "host_tokens": 8192,
+        "disk_tokens": 0,
+    });
+    let f = fed(1000, false);
+    f.emit(10).await;
+    assert!(f.engine.info().is_none());
+    let plain = serve(local(), f.engine.clone()).await;
+    let told = serve(local(), f.engine.clone().with_info(info.clone())).await;
+
+    let get = |addr, path| async move {
+        let r = http(addr, "GET", path, &[], b"").await;
+        assert_eq!(
+            r.status,
+            200,
+            "{path}: {:?}",
+            String::from_utf8_lossy(&r.body)
+        );
+        r
+    };
+    let r = get(told.local_addr(), "/health").await;
+    let v: serde_json::Value = r.json();
+    assert_eq!(v["engine_info"], info, "{v}");
+    assert_eq!(
+        (v["status"].as_str(), v["engine"].as_u64()),
+        (Some("ok"), Some(3))
+    );
+    let health: Health = r.json();
+    assert_eq!(health.run, f.engine.run());
+
+    let r = get(plain.local_addr(), "/health").await;
+    let v: serde_json::Value = r.json();
+    assert!(v.get("engine_info").is_none(), "{v}");
+    let _: Health = r.json();
+
+    // The snapshot: the reducer's state, with the description beside it.
+    let t = Instant::now();
+    let v = loop {
+        let v: serde_json::Value = get(told.local_addr(), "/snapshot").await.json();
+        if v["stream"]["events"].as_u64() == Some(10) || t.elapsed() > Duration::from_secs(10) {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(v["engine_info"], info);
+    let r = get(told.local_addr(), "/snapshot").await;
+    let st: kvbm_events::reducer::EngineState = r.json();
+    assert_eq!(st.counts_by_kind().map(|(_, n)| n).sum::<u64>(), 10);
+    let v: serde_json::Value = get(plain.local_addr(), "/snapshot").await.json();
+    assert!(v.get("engine_info").is_none());
+
+    plain.shutdown().await.unwrap();
+    told.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn off_loopback_the_server_refuses_to_start_without_a_token() {
     let f = fed(16, false);

@@ -271,13 +271,29 @@ async fn json_errors(req: Request, next: Next) -> Response {
 // Handlers
 // ---------------------------------------------------------------------------
 
+/// A response with what the engine runs as beside it, when the engine
+/// said ([`ServedEngine::with_info`](super::ServedEngine::with_info)):
+/// `engine_info` next to the body's own fields, absent otherwise, so a
+/// reader that knows only the body's type reads it unchanged.
+#[derive(serde::Serialize)]
+struct WithInfo<'a, T: serde::Serialize> {
+    #[serde(flatten)]
+    body: &'a T,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_info: Option<&'a serde_json::Value>,
+}
+
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    json_ok(&Health {
+    let health = Health {
         status: "ok".into(),
         protocol: PROTOCOL_VERSION,
         engine: state.engine.id,
         run: state.engine.run,
         last_seq: state.engine.ring.latest(1).last().map(|e| e.seq),
+    };
+    json_ok(&WithInfo {
+        body: &health,
+        engine_info: state.engine.info(),
     })
 }
 
@@ -285,7 +301,10 @@ async fn snapshot(State(state): State<Arc<AppState>>) -> Response {
     // Serialising a large state takes a while: off the async workers.
     let r = tokio::task::spawn_blocking(move || {
         let g = state.reduced.lock();
-        serde_json::to_vec(&g.state)
+        serde_json::to_vec(&WithInfo {
+            body: &g.state,
+            engine_info: state.engine.info(),
+        })
     })
     .await;
     match r {

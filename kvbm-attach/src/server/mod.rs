@@ -308,7 +308,7 @@ type BusCountersFn = Arc<dyn Fn() -> BusCounters + Send + Sync>;
 
 /// What the server serves: an engine's ring, its breakpoint control (if it
 /// takes commands), its id, and optionally its bus counters (for
-/// `/metrics`).
+/// `/metrics`) and what it runs as (for `/health` and `/snapshot`).
 #[derive(Clone)]
 pub struct ServedEngine {
     ring: Arc<RingBuffer>,
@@ -317,6 +317,7 @@ pub struct ServedEngine {
     run: RunId,
     bus_counters: Option<BusCountersFn>,
     signal: RingSignal,
+    info: Option<Arc<serde_json::Value>>,
 }
 
 impl fmt::Debug for ServedEngine {
@@ -327,6 +328,7 @@ impl fmt::Debug for ServedEngine {
             .field("ring_capacity", &self.ring.capacity())
             .field("control", &self.control.is_some())
             .field("bus_counters", &self.bus_counters.is_some())
+            .field("info", &self.info)
             .finish()
     }
 }
@@ -345,7 +347,24 @@ impl ServedEngine {
             run: RunId::random(),
             bus_counters: None,
             signal: RingSignal::new(),
+            info: None,
         }
+    }
+
+    /// Says what the engine runs as: a JSON object whose `summary` is one
+    /// line for a person (e.g. `"vLLM · tp 2 · async scheduling · G2 8,192
+    /// tokens (4.0 MiB a rank) · G3 none"`), with the facts behind it
+    /// beside (`tensor_parallel`, `async_scheduling`, ...). Served as is
+    /// as `engine_info` in `GET /health` and `GET /snapshot`, where a
+    /// console shows the summary in its header.
+    pub fn with_info(mut self, info: serde_json::Value) -> Self {
+        self.info = Some(Arc::new(info));
+        self
+    }
+
+    /// What the engine runs as ([`with_info`](Self::with_info)), if said.
+    pub fn info(&self) -> Option<&serde_json::Value> {
+        self.info.as_deref()
     }
 
     /// Takes breakpoint commands through `control` (for a kvbm engine, its
