@@ -192,9 +192,16 @@ impl App {
         self.current().list()
     }
 
+    /// The screen's regions at `size`: the header has a third line while
+    /// the source says what the engine runs as.
+    fn areas(&self, size: Rect) -> ui::Areas {
+        let engine = self.source.engine_summary().is_some();
+        ui::areas_with_header(size, chrome::header_lines(engine))
+    }
+
     /// Rows the current view's list has room for.
     fn visible_rows(&self) -> usize {
-        self.current().visible_rows(ui::areas(self.ui.size).body)
+        self.current().visible_rows(self.areas(self.ui.size).body)
     }
 
     /// Recomputes the current view's rows from the model.
@@ -347,7 +354,7 @@ impl App {
         }
         // As the help is drawn: its lines in a popup over the body.
         let lines = chrome::help_lines(self.context());
-        let shown = ui::areas(self.ui.size).body.height.saturating_sub(2);
+        let shown = self.areas(self.ui.size).body.height.saturating_sub(2);
         let last = lines.saturating_sub(shown);
         let page = shown.max(1);
         let scroll = &mut self.ui.help_scroll;
@@ -591,7 +598,7 @@ impl App {
             MouseEventKind::ScrollDown => self.move_selection(3),
             MouseEventKind::ScrollUp => self.move_selection(-3),
             MouseEventKind::Down(MouseButton::Left) => {
-                let areas = ui::areas(self.ui.size);
+                let areas = self.areas(self.ui.size);
                 if ev.row == areas.tabs.y {
                     if let Some(v) = chrome::tab_at(ev.column) {
                         self.ui.view = v;
@@ -616,12 +623,14 @@ impl App {
 
     /// Draws the screen as the last update left it.
     pub fn render(&self, f: &mut Frame) {
-        let a = ui::areas(f.area());
+        let engine = self.source.engine_summary();
+        let a = ui::areas_with_header(f.area(), chrome::header_lines(engine.is_some()));
         let header = Header {
             badge: self.source.badge(Instant::now()),
             lagged: self.source.lagged(),
             dropped: self.source.dropped(),
             label: &self.label,
+            engine: engine.as_deref(),
         };
         chrome::header(f, a.header, &self.model, &header);
         let detail = self.views.detail.as_ref().map(|d| &**d.request());

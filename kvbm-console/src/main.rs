@@ -208,7 +208,11 @@ fn run_command(command: Command) -> Result<()> {
         Command::Demo { engine, view } => {
             let embedded = Embedded::start(&engine)?;
             let result = {
-                let source = LiveSource::new(embedded.ring.clone(), Some(embedded.control()));
+                let mut source = LiveSource::new(embedded.ring.clone(), Some(embedded.control()));
+                if let Some(summary) = kvbm_recorder::sidecar::engine_summary(&embedded.engine_info)
+                {
+                    source = source.with_engine_summary(summary);
+                }
                 let mut app = App::new(Model::new(view.model()), Source::Live(source), "demo");
                 app.views
                     .transfers
@@ -338,10 +342,12 @@ fn run_command(command: Command) -> Result<()> {
             let read = kvbm_recorder::recorder::read_events(&log, |n| bar.set(n))
                 .with_context(|| format!("opening log {}", log.display()))?;
             bar.done();
-            let lost = kvbm_recorder::recorder::read_sidecar(&log).map_or(0, |r| r.lost);
+            let side = kvbm_recorder::recorder::read_sidecar(&log);
+            let lost = side.as_ref().map_or(0, |r| r.lost);
             let events: Arc<[kvbm_events::Event]> = read.events.into();
             let n = events.len();
-            let mut replay = ReplaySource::new(events, lost, view.model());
+            let mut replay = ReplaySource::new(events, lost, view.model())
+                .with_engine_summary(side.and_then(|r| r.engine_summary()));
             if let Some(speed) = play {
                 anyhow::ensure!(
                     (0.25..=64.0).contains(&speed),

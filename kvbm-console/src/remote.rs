@@ -24,6 +24,11 @@
 //! begins is kept ([`Link::run_starts`]), so the live source starts a fresh
 //! model there instead of folding two runs into one, and the badge says
 //! `ATTACHED · RUN n (engine restarted)`.
+//!
+//! At every connection the server's `/health` is read once more
+//! ([`crate::health`]) for what the engine runs as (its `engine_info`),
+//! whose summary the header shows ([`Link::engine_summary`]): an engine
+//! that restarted may run otherwise.
 
 use crate::source::{Badge, Link, LiveSource, Tone};
 use kvbm_attach::client::{
@@ -62,6 +67,7 @@ impl Remote {
     ) -> anyhow::Result<Remote> {
         let ring = Arc::new(RingBuffer::new(RingConfig::with_capacity(ring_capacity))?);
         let url = cfg.endpoint.to_string();
+        let health = (cfg.endpoint.clone(), cfg.token.clone());
         let client = Client::spawn(cfg, rt)?;
         let handle = client.handle();
         let view = Arc::new(Mutex::new(BreakpointsView::default()));
@@ -76,8 +82,9 @@ impl Remote {
             url,
             handle,
             run_starts: Mutex::new(Vec::new()),
+            engine_info: Mutex::new(None),
         });
-        let task = rt.spawn(forward(client, ring.clone(), view, status.clone()));
+        let task = rt.spawn(forward(client, ring.clone(), view, status.clone(), health));
         Ok(Remote {
             ring,
             status,
@@ -128,6 +135,7 @@ async fn forward(
     ring: Arc<RingBuffer>,
     view: Arc<Mutex<BreakpointsView>>,
     status: Arc<RemoteStatus>,
+    (endpoint, token): (kvbm_attach::client::Endpoint, Option<String>),
 ) {
     let handle = client.handle();
     while let Some(ev) = client.recv().await {
@@ -147,6 +155,17 @@ async fn forward(
                 tokio::spawn(async move {
                     if let Ok(ControlResult::List(list)) = h.control(ControlCommand::List).await {
                         *lock(&v) = list;
+                    }
+                });
+                // What the engine (perhaps restarted) runs as now. A
+                // failed read keeps what was known.
+                let (s, e, t) = (status.clone(), endpoint.clone(), token.clone());
+                tokio::spawn(async move {
+                    match crate::health::engine_info(&e, t.as_deref(), crate::health::FETCH_TIMEOUT)
+                        .await
+                    {
+                        Ok(info) => *lock(&s.engine_info) = info,
+                        Err(why) => tracing::debug!("engine_info: {why}"),
                     }
                 });
             }
@@ -173,6 +192,9 @@ pub struct RemoteStatus {
     handle: ClientHandle,
     /// Ring positions where new engine runs began.
     run_starts: Mutex<Vec<u64>>,
+    /// What the engine runs as, from the server's `/health` at the last
+    /// connection.
+    engine_info: Mutex<Option<serde_json::Value>>,
 }
 
 impl RemoteStatus {
@@ -195,6 +217,12 @@ impl RemoteStatus {
     pub fn counters(&self) -> ClientCounters {
         self.handle.counters()
     }
+
+    /// What the engine runs as (the server's `/health` `engine_info` at
+    /// the last connection), if it said.
+    pub fn engine_info(&self) -> Option<serde_json::Value> {
+        lock(&self.engine_info).clone()
+    }
 }
 
 impl Link for RemoteStatus {
@@ -210,6 +238,12 @@ impl Link for RemoteStatus {
 
     fn run_starts(&self) -> Vec<u64> {
         lock(&self.run_starts).clone()
+    }
+
+    fn engine_summary(&self) -> Option<String> {
+        lock(&self.engine_info)
+            .as_ref()
+            .and_then(kvbm_recorder::sidecar::engine_summary)
     }
 }
 

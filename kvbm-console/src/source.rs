@@ -87,6 +87,22 @@ impl Source {
         }
     }
 
+    /// What the engine runs as, in one line (e.g. `vLLM · tp 2 · async
+    /// scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none`), when
+    /// known: from the link (an attach server's `/health`), the source's
+    /// own (the demo), or the recording's sidecar. The header shows it.
+    pub fn engine_summary(&self) -> Option<String> {
+        match self {
+            Source::Live(l) => l
+                .link
+                .as_ref()
+                .and_then(|k| k.engine_summary())
+                .or_else(|| l.engine_summary.clone()),
+            Source::Replay(r) => r.engine_summary.clone(),
+            Source::Fixed => None,
+        }
+    }
+
     /// Why the source has no per-request slots, when it has none.
     pub fn no_slots_reason(&self) -> Option<&str> {
         match self {
@@ -142,6 +158,12 @@ pub trait Link: Send + Sync {
     fn run_starts(&self) -> Vec<u64> {
         Vec::new()
     }
+
+    /// What the engine at the other end runs as, in one line, once known
+    /// (see [`Source::engine_summary`]). None by default.
+    fn engine_summary(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Most events applied per pull, so one pull never holds up input or
@@ -158,6 +180,9 @@ pub struct LiveSource {
     counters: RingCounters,
     link: Option<Arc<dyn Link>>,
     no_slots_reason: Option<String>,
+    /// What the engine runs as, when the source itself knows (not its
+    /// link).
+    engine_summary: Option<String>,
     /// Run starts not applied yet (ring positions, ascending), and the
     /// last one seen.
     run_starts: std::collections::VecDeque<u64>,
@@ -178,6 +203,7 @@ impl LiveSource {
             counters,
             link: None,
             no_slots_reason: None,
+            engine_summary: None,
             run_starts: Default::default(),
             last_run_start: None,
             runs_started: 0,
@@ -187,6 +213,13 @@ impl LiveSource {
     /// Reached through `link`, whose badge the header shows.
     pub fn with_link(mut self, link: Arc<dyn Link>) -> Self {
         self.link = Some(link);
+        self
+    }
+
+    /// An engine that runs as `summary` (one line, for the header), when
+    /// no link says otherwise: an engine in this process.
+    pub fn with_engine_summary(mut self, summary: impl Into<String>) -> Self {
+        self.engine_summary = Some(summary.into());
         self
     }
 
@@ -294,6 +327,7 @@ pub struct ReplaySource {
     checkpoints: Vec<(usize, Model)>,
     checkpoint_every: usize,
     lost: u64,
+    engine_summary: Option<String>,
 }
 
 impl ReplaySource {
@@ -309,7 +343,15 @@ impl ReplaySource {
             checkpoints: vec![(0, Model::new(model_cfg))],
             checkpoint_every: 100_000,
             lost,
+            engine_summary: None,
         }
+    }
+
+    /// Recorded from an engine that ran as `summary` (its sidecar's
+    /// `engine_info`), for the header; `None` leaves it unsaid.
+    pub fn with_engine_summary(mut self, summary: Option<String>) -> Self {
+        self.engine_summary = summary;
+        self
     }
 
     /// Keeps a copy of the model every `n` events (at least 1) so seeking

@@ -1,7 +1,7 @@
-//! What surrounds the views: the two header lines, the tab bar, the
-//! bottom line (a prompt, a message or key hints) and the help and
-//! warnings popups. Drawn from plain values the app hands over; nothing
-//! here keeps or changes state.
+//! What surrounds the views: the header lines (two, or three with what
+//! the engine runs as), the tab bar, the bottom line (a prompt, a message
+//! or key hints) and the help and warnings popups. Drawn from plain
+//! values the app hands over; nothing here keeps or changes state.
 
 use super::filter::Filter;
 use super::{centered, head, panel, tone_color};
@@ -54,6 +54,15 @@ pub struct Header<'a> {
     pub dropped: u64,
     /// A name for the source (`demo`, a file name, a URL).
     pub label: &'a str,
+    /// What the engine runs as, in one line (`vLLM · tp 2 · async
+    /// scheduling · …`), when known: a third line.
+    pub engine: Option<&'a str>,
+}
+
+/// Lines the header takes: two, and one more for what the engine runs as
+/// when that is known.
+pub fn header_lines(engine_known: bool) -> u16 {
+    if engine_known { 3 } else { 2 }
 }
 
 /// Blank columns between two tabs.
@@ -97,8 +106,9 @@ fn sep() -> Span<'static> {
     Span::styled(" │ ", Style::new().fg(Color::DarkGray))
 }
 
-/// Draws the two header lines: the source and its losses, then the
-/// slots and the warnings.
+/// Draws the header lines: the source and its losses, then the slots and
+/// the warnings, then (when known) what the engine runs as, cut with `…`
+/// at the screen's edge.
 pub fn header(f: &mut Frame, area: Rect, model: &Model, h: &Header) {
     let m = model;
     let st = m.state();
@@ -163,7 +173,15 @@ pub fn header(f: &mut Frame, area: Rect, model: &Model, h: &Header) {
         ),
         warn_style,
     ));
-    f.render_widget(Paragraph::new(vec![Line::from(l1), Line::from(l2)]), area);
+    let mut lines = vec![Line::from(l1), Line::from(l2)];
+    if let Some(engine) = h.engine {
+        let text = format!(" runs as {engine}");
+        lines.push(Line::from(Span::styled(
+            super::columns::clip(&text, area.width),
+            Style::new().fg(Color::Cyan),
+        )));
+    }
+    f.render_widget(Paragraph::new(lines), area);
 }
 
 /// Draws the tab bar: `view` highlighted, then the open request and the

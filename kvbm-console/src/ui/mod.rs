@@ -195,7 +195,7 @@ impl Views {
 /// The screen's regions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Areas {
-    /// Two header lines.
+    /// The header lines ([`chrome::header_lines`]).
     pub header: Rect,
     /// The tab bar.
     pub tabs: Rect,
@@ -215,10 +215,15 @@ pub fn strip_colors(buf: &mut ratatui::buffer::Buffer) {
     }
 }
 
-/// Splits the terminal.
+/// Splits the terminal, with a header of two lines.
 pub fn areas(size: Rect) -> Areas {
+    areas_with_header(size, 2)
+}
+
+/// Splits the terminal, with a header of `header_lines` lines.
+pub fn areas_with_header(size: Rect, header_lines: u16) -> Areas {
     let [header, tabs, body, footer] = Layout::vertical([
-        Constraint::Length(2),
+        Constraint::Length(header_lines),
         Constraint::Length(1),
         Constraint::Min(0),
         Constraint::Length(1),
