@@ -141,15 +141,70 @@ def run_isolated(argv, timeout, **kw):
     return subprocess.CompletedProcess(argv, p.returncode, out, err)
 
 
+def make_oracle_model(path):
+    """Saves the tiny Llama with real random weights of a large spread
+    (`initializer_range=0.25`, seeded) as safetensors in `path` (about
+    1 MB), unless it is there. vLLM's `load_format="dummy"` draws weights of
+    about ±1e-3, with which attention is nearly uniform and outputs hardly
+    depend on the KV cache: a corrupted load changes no token and no
+    logprob. With these weights it does."""
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with open(os.path.join(MODEL, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("architectures", None)
+    cfg.pop("model_type", None)
+    cfg.pop("torch_dtype", None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(initializer_range=0.25, **cfg)).to(torch.bfloat16)
+    tmp = path + ".partial"
+    model.save_pretrained(tmp, safe_serialization=True)
+    with open(os.path.join(tmp, "config.json")) as f:
+        saved = json.load(f)
+    saved["torch_dtype"] = "bfloat16"
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(saved, f)
+    os.replace(tmp, path)
+    return path
+
+
+def allow_async_scheduling_on_cpu():
+    """vLLM's CPU platform turns async scheduling off
+    (`CpuPlatform.check_and_update_config`); on GPUs it is vLLM's default.
+    This keeps an explicit `async_scheduling=True` through that override,
+    so the CPU model runner runs with two batches in flight. Must run in
+    every process that builds vLLM's config (the scenario module calls it
+    at import, which vLLM's spawned processes repeat)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+    if getattr(original, "_kvbm_keeps_async", False):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        wanted = vllm_config.scheduler_config.async_scheduling
+        original(cls, vllm_config)
+        if wanted:
+            vllm_config.scheduler_config.async_scheduling = True
+
+    check_and_update_config._kvbm_keeps_async = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8,
-           connector_class=("KvbmConnector", "kvbm.vllm")):
+           connector_class=("KvbmConnector", "kvbm.vllm"), model=None, **more):
     """The tiny engine; `connector_class` is (class, module) of the
-    connector, kvbm's unless a test names a subclass of it."""
+    connector, kvbm's unless a test names a subclass of it. `model`: a
+    directory with weights (`make_oracle_model`); without it, vLLM's dummy
+    weights. `more`: other `LLM` arguments."""
     from vllm import LLM
 
     kw = dict(
-        model=MODEL,
-        load_format="dummy",
+        model=model or MODEL,
+        load_format="auto" if model else "dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=512,
@@ -159,6 +214,7 @@ def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8,
         dtype="bfloat16",
         seed=0,
     )
+    kw.update(more)
     if connector:
         kw["kv_transfer_config"] = {
             "kv_connector": connector_class[0],
@@ -212,6 +268,21 @@ def generate(llm, ps, max_tokens=8):
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(ps, sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def generate_logprobs(llm, ps, max_tokens=8):
+    """Greedy outputs with each generated token's logprob, as the exact
+    bits of the float (hex), and each request's cached prefix length."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    outs = llm.generate(ps, sp, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [float(step[t].logprob).hex() for t, step in zip(c.token_ids, c.logprobs)]
+        res.append({"tokens": list(c.token_ids), "logprobs": lps, "cached": o.num_cached_tokens})
+    return res
 
 
 def say(**kv):

@@ -4,18 +4,23 @@ here. Run through `scripts/test-vllm.sh`, which prepares the environment.
 
     python run.py [--only NAME ...] --recorder PATH/TO/kvbm-recorder
 
-Checks (issue "kvbm inside vLLM"):
-1. correct bytes: outputs equal a run without the connector; after vLLM's
-   prefix cache is reset, requests get external hits; every block loaded
-   back into vLLM's tensors equals, byte for byte, the block vLLM computed
-   for the same tokens; a deliberately corrupted load makes that check
-   fail; the same with only a disk tier;
+Checks:
+1. the KV oracle (`test_oracle`), one engine per configuration: one worker,
+   tensor parallel 2, async scheduling, both, preemption, chunked prefill,
+   a disk tier only. A model with real random weights of a large spread
+   (outputs depend on the KV) runs the same prompts three times: computed,
+   then served by vLLM's own prefix cache (the reference), then, after
+   `reset_prefix_cache()`, served by kvbm. Each generated token's logprob
+   must be bit-equal to the reference's; with every load corrupted on
+   purpose, the same comparison must fail. Every block loaded back into
+   vLLM's tensors equals, byte for byte and rank by rank, the block vLLM
+   computed for the same tokens. The recording passes `kvbm-recorder
+   check` (and holds TTFT, transfer latency both ways, slot transitions,
+   G1 blocks given and released); it is finished even when vLLM kills its
+   engine core because a worker is slow to exit (the disk-only run);
 2. breakpoints: a held request makes no progress while the others finish,
    resumes with the same tokens; a short deadline releases a hold by itself;
 3. (the console, in tmux: scripts/test-vllm.sh);
-4. the recording: `kvbm-recorder check` exits 0, `stats` has TTFT and
-   transfer latency; it is finished even when vLLM kills its engine core
-   because a worker is slow to exit;
 5. bad configuration: vLLM refuses to start, naming the key.
 """
 
@@ -85,79 +90,145 @@ def compare_dumps(dump):
     return compared, mismatched
 
 
-def test_bytes(tmp, baseline, recorder):
-    print("== 1. correct bytes (host tier), 4. the recording", flush=True)
-    dump = os.path.join(tmp, "dump-host")
-    rec = os.path.join(tmp, "rec-host")
-    extra = {"host_capacity_tokens": 8192, "shm_dir": tmp, "record": rec}
-    (r, _), _, _ = scenario("roundtrip", {"extra": extra}, env={"KVBM_TEST_DUMP_DIR": dump})
-    check(r["outputs1"] == baseline, "round 1 outputs equal a run without the connector")
-    check(r["outputs2"] == baseline, "round 2 outputs (loaded from G2) equal a run without the connector")
-    hits = sum(1 for c in r["cached2"] if c > 0)
-    check(hits >= len(baseline) // 2, f"round 2 gets external hits after the reset ({r['cached2']})")
-    compared, bad = compare_dumps(dump)
-    check(compared > 0 and bad == 0, f"{compared} loaded blocks equal the computed ones byte for byte ({bad} differ)")
-    c = subprocess.run([recorder, "check", rec], capture_output=True, text=True)
-    check(c.returncode == 0, f"kvbm-recorder check on the connector's recording exits 0 ({c.stdout.strip()}{c.stderr.strip()})")
-    s = subprocess.run([recorder, "stats", rec, "--json"], capture_output=True, text=True)
-    stats = json.loads(s.stdout) if s.returncode == 0 else {}
-    lat = stats.get("transfer_latency_ns", {})
-    check(stats.get("ttft_ns", {}).get("count", 0) > 0, f"stats has TTFT ({stats.get('ttft_ns')})")
-    check(any(k.startswith("G1→") for k in lat) and any(k.endswith("→G1") for k in lat),
-          f"stats has transfer latency both ways ({sorted(lat)})")
+# The oracle's configurations: (name, LLM arguments, environment, kvbm
+# settings beyond the host tier, other scenario arguments).
+ORACLE = {
+    "one-worker": ({}, {}, {}, {}),
+    "tp2": ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+            {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, {}, {}),
+    "async": ({"async_scheduling": True}, {"KVBM_TEST_ASYNC": "1"}, {}, {}),
+    "tp2-async": ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "async_scheduling": True},
+                  {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "KVBM_TEST_ASYNC": "1"}, {}, {}),
+    # 24 blocks of 32 tokens for 8 requests of 4-5 blocks growing by 40
+    # tokens each: vLLM preempts.
+    "preemption": ({}, {}, {}, {"kv_bytes": 768 * 1024, "max_tokens": 40}),
+    # Prompts of 101-135 tokens, 48 tokens a step: every prefill is chunked.
+    "chunked-prefill": ({"max_num_batched_tokens": 48, "enable_chunked_prefill": True}, {}, {}, {}),
+    # With a worker slow to exit (slow_exit.py): vLLM kills its engine
+    # core, and the recording must be finished before that.
+    "disk-only": ({}, {}, {"host_capacity_tokens": 0, "disk_capacity_tokens": 16384},
+                  {"connector": ["SlowExitConnector", "slow_exit"]}),
+}
+
+
+def compare_passes(ref, run):
+    """(requests compared, bit-equal): a request is compared where both
+    passes served the same prefix length from a cache; equal when its
+    tokens and every generated token's logprob bits are the same."""
+    same = [i for i in range(len(ref)) if ref[i]["cached"] == run[i]["cached"]]
+    equal = sum(1 for i in same if ref[i]["tokens"] == run[i]["tokens"]
+                and ref[i]["logprobs"] == run[i]["logprobs"])
+    return len(same), equal
+
+
+def recorded_kinds(recorder, rec):
+    """Counts of each event kind in a recording, the slots' transitions to
+    Preempted, and the blocks of completed batches and transfers."""
     ev = subprocess.run([recorder, "export", rec, "--format", "jsonl"], capture_output=True, text=True)
     kinds = {}
+    preempted = 0
     blocks = {"BatchCompleted": 0, "TransferCompleted": 0}
     for line in ev.stdout.splitlines():
         kind = json.loads(line).get("kind")
         k = kind.get("kind") if isinstance(kind, dict) else None
         if k:
             kinds[k] = kinds.get(k, 0) + 1
+        if k == "SlotTransition" and kind.get("to") == "Preempted":
+            preempted += 1
         if k in blocks and kind.get("ok", True):
             blocks[k] += kind["blocks"]
+    return kinds, preempted, blocks
+
+
+def check_recording_content(name, recorder, rec, kinds, blocks):
+    """What the connector's recording must hold: TTFT and transfer latency
+    both ways in `stats`, slot transitions, completed transfers, the
+    requests' G1 blocks given and released, and batches whose blocks add
+    up to the transfers they completed."""
+    s = subprocess.run([recorder, "stats", rec, "--json"], capture_output=True, text=True)
+    stats = json.loads(s.stdout) if s.returncode == 0 else {}
+    lat = stats.get("transfer_latency_ns", {})
+    check(stats.get("ttft_ns", {}).get("count", 0) > 0, f"{name}: stats has TTFT ({stats.get('ttft_ns')})")
+    check(any(k.startswith("G1→") for k in lat) and any(k.endswith("→G1") for k in lat),
+          f"{name}: stats has transfer latency both ways ({sorted(lat)})")
     check(kinds.get("TransferCompleted", 0) > 0 and kinds.get("SlotTransition", 0) > 0,
-          f"the recording holds slot transitions and completed transfers ({kinds})")
+          f"{name}: the recording holds slot transitions and completed transfers")
     check(kinds.get("BlocksAllocated", 0) > 0 and kinds.get("BlocksReleased", 0) > 0,
-          "the recording holds the requests' G1 blocks, given and released "
+          f"{name}: the recording holds the requests' G1 blocks, given and released "
           f"({kinds.get('BlocksAllocated', 0)} and {kinds.get('BlocksReleased', 0)} events; "
-          "check's no-leak invariant above covers their counts)")
+          "check's no-leak invariant covers their counts)")
     # The worker reports a batch's bytes and time, not its blocks: the
     # batches' block counts come from what was dispatched, and must add up
     # to the completed transfers' (the transfers view's Blocks column).
     check(blocks["BatchCompleted"] == blocks["TransferCompleted"] > 0,
-          f"completed batches carry the blocks of the transfers they completed ({blocks})")
+          f"{name}: completed batches carry the blocks of the transfers they completed ({blocks})")
 
-    print("== 1b. a corrupted load is caught", flush=True)
-    dump2 = os.path.join(tmp, "dump-corrupt")
-    extra = {"host_capacity_tokens": 8192, "shm_dir": tmp}
-    scenario("roundtrip", {"extra": extra}, env={"KVBM_TEST_DUMP_DIR": dump2, "KVBM_TEST_CORRUPT_LOADS": "1"})
-    compared, bad = compare_dumps(dump2)
-    check(compared > 0 and bad > 0, f"with a byte flipped in each load, the check finds {bad} of {compared} blocks differ")
 
-    print("== 1c. correct bytes with only a disk tier; the recording finishes though vLLM kills "
-          "the engine core (a worker slow to exit: slow_exit.py)", flush=True)
-    dump3 = os.path.join(tmp, "dump-disk")
-    rec3 = os.path.join(tmp, "rec-disk")
-    extra = {
-        "host_capacity_tokens": 0,
-        "disk_path": os.path.join(tmp, "g3.kvbm"),
-        "disk_capacity_tokens": 8192,
-        "shm_dir": tmp,
-        "record": rec3,
-    }
-    (r, ended), _, _ = scenario("roundtrip", {"extra": extra, "connector": ["SlowExitConnector", "slow_exit"]},
-                                env={"KVBM_TEST_DUMP_DIR": dump3})
-    check(r["outputs2"] == baseline, "disk only: round 2 outputs equal a run without the connector")
-    check(sum(1 for c in r["cached2"] if c > 0) >= len(baseline) // 2, f"disk only: external hits ({r['cached2']})")
-    compared, bad = compare_dumps(dump3)
-    check(compared > 0 and bad == 0, f"disk only: {compared} loaded blocks equal the computed ones ({bad} differ)")
-    # Without kvbm finishing first, this recording ended early (check exit 3).
-    check(ended.get("engine_core_exit") == [-9],
-          "vLLM killed its engine core (SIGKILL), still waiting for the slow worker, 5 s after asking "
-          f"it to stop (exit codes {ended.get('engine_core_exit')})")
-    c = subprocess.run([recorder, "check", rec3], capture_output=True, text=True)
-    check(c.returncode == 0, "the recording was finished before that: kvbm-recorder check exits 0 "
-          f"({c.stdout.strip()}{c.stderr.strip()})")
+def test_oracle(tmp, recorder, names):
+    print("== 6. the KV oracle: logprobs bit for bit against vLLM's own prefix cache, "
+          "with a model whose outputs depend on the KV (random weights, spread 0.25)", flush=True)
+    model = engine.make_oracle_model(os.path.join(tmp, "oracle-model"))
+    for name in names:
+        llm_args, env, extra_more, more = ORACLE[name]
+        print(f"-- {name}", flush=True)
+        rec = os.path.join(tmp, f"rec-oracle-{name}")
+        dump = os.path.join(tmp, f"dump-oracle-{name}")
+        extra = {"host_capacity_tokens": 16384, "shm_dir": tmp, "record": rec}
+        if "disk_capacity_tokens" in extra_more:
+            extra["disk_path"] = os.path.join(tmp, f"g3-oracle-{name}.kvbm")
+        extra.update(extra_more)
+        flag = os.path.join(tmp, f"corrupt-{name}")
+        e = dict(env, KVBM_TEST_DUMP_DIR=dump, KVBM_TEST_CORRUPT_LOADS=flag)
+        args = dict(more, extra=extra, model=model, llm=llm_args)
+        slow_exit = "connector" in more
+        res, err, code = scenario("oracle", args, env=e, timeout=420)
+        by = {k: v for r in res for k, v in r.items()}
+        if "kvbm" not in by:
+            fail(f"{name}: no results ({code}): " + "\n".join(err.splitlines()[-20:]))
+            continue
+        n = len(by["ref"])
+        tp = by.get("tp", 1)
+        want_tp = llm_args.get("tensor_parallel_size", 1)
+        want_async = bool(llm_args.get("async_scheduling", False))
+        check(tp == want_tp and by.get("async_scheduling") == want_async,
+              f"{name}: vLLM ran with tensor_parallel_size {tp}, async_scheduling {by.get('async_scheduling')} "
+              f"(max_num_batched_tokens {by.get('max_num_batched_tokens')}) up in {by.get('up_s')} s")
+        hits = sum(1 for r in by["kvbm"] if r["cached"] > 0)
+        check(all(by.get("resets", [])) and hits >= n // 2,
+              f"{name}: after vLLM's prefix cache was reset, {hits}/{n} requests got their prefix from kvbm")
+        compared, equal = compare_passes(by["ref"], by["kvbm"])
+        c_compared, c_equal = compare_passes(by["ref"], by["corrupt"])
+        kinds, preempted, blocks = recorded_kinds(recorder, rec)
+        line = (f"{name}: {equal}/{compared} bit-equal to vLLM's own prefix cache "
+                f"({n - compared} served other prefix lengths); corrupt: {c_compared - c_equal}/{c_compared} differ")
+        print(line, flush=True)
+        if name == "preemption":
+            check(preempted > 0, f"{name}: vLLM preempted requests ({preempted} slot transitions to Preempted)")
+            check(compared >= n // 2, f"{name}: at least half the requests compared ({compared}/{n})")
+        else:
+            check(compared == n, f"{name}: every request had the reference's prefix length ({compared}/{n})")
+        check(compared > 0 and equal == compared, f"{name}: logprobs bit-equal ({equal}/{compared})")
+        check(c_compared > 0 and c_equal < c_compared,
+              f"{name}: a corrupted load makes the comparison fail ({c_compared - c_equal}/{c_compared} differ)")
+        ranks = [os.path.join(dump + "-clean", f"tp{r}") for r in range(tp)] if tp > 1 else [dump + "-clean"]
+        for r, d in enumerate(ranks):
+            compared_b, bad = compare_dumps(d)
+            check(compared_b > 0 and bad == 0,
+                  f"{name}: rank {r}: {compared_b} loaded blocks equal the computed ones byte for byte ({bad} differ)")
+        if slow_exit:
+            # Without kvbm finishing first, this recording ended early
+            # (check exit 3).
+            check(by.get("engine_core_exit") == [-9],
+                  f"{name}: vLLM killed its engine core (SIGKILL), still waiting for the slow worker, "
+                  f"5 s after asking it to stop (exit codes {by.get('engine_core_exit')})")
+        c = subprocess.run([recorder, "check", rec], capture_output=True, text=True)
+        check(c.returncode == 0, f"{name}: kvbm-recorder check on the recording exits 0 "
+              f"({c.stdout.strip()[-200:]}{c.stderr.strip()[-200:]})")
+        if name == "one-worker":
+            check_recording_content(name, recorder, rec, kinds, blocks)
+        loads = kinds.get("TransferCompleted", 0)
+        print(f"   ({kinds.get('SlotCreated', 0)} requests, {loads} transfers completed, "
+              f"{preempted} preemptions recorded)", flush=True)
 
 
 def test_breakpoints(tmp, baseline):
@@ -199,34 +270,59 @@ def test_bad_config(tmp):
         ({"host_capacity_tokens": 0}, "host_capacity_tokens"),
         ({"serve": f"127.0.0.1:{port}", "host_capacity_tokens": 4096, "shm_dir": tmp}, "serve"),
     ]
-    for extra, key in cases:
-        res, err, code = scenario("badconfig", {"extra": extra}, expect_ok=False, timeout=240)
-        lines = [l for l in err.splitlines() if "kvbm" in l and (key in l)]
-        check(code != 0 and not res, f"vLLM refuses to start with {json.dumps(extra)}")
-        check(bool(lines), f"... and says why, naming `{key}`: {lines[-1].strip()[-200:] if lines else err.splitlines()[-3:]}")
-    busy.close()
-    os.chmod(ro, 0o700)
+    # A host tier larger than its filesystem: a 64 MiB tmpfs, as a
+    # container's default /dev/shm, and about 1 GB of tier. Refused at start
+    # with the sizes, never an engine killed by SIGBUS mid-run.
+    small = os.path.join(tmp, "small-shm")
+    os.makedirs(small, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", small],
+                             capture_output=True, text=True).returncode == 0
+    if mounted:
+        cases.append(({"host_capacity_tokens": 1_000_000, "shm_dir": small}, "host_capacity_tokens", "shm_dir", "64.0 MiB"))
+    else:
+        print("note: no 64 MiB tmpfs could be mounted (needs root): the tier-too-large case is not run", flush=True)
+    try:
+        for extra, *keys in cases:
+            res, err, code = scenario("badconfig", {"extra": extra}, expect_ok=False, timeout=240)
+            lines = [l for l in err.splitlines() if "kvbm" in l and all(k in l for k in keys)]
+            check(code != 0 and not res, f"vLLM refuses to start with {json.dumps(extra)}")
+            check(bool(lines), f"... and says why, naming {keys}: {lines[-1].strip()[-300:] if lines else err.splitlines()[-3:]}")
+        if mounted:
+            check(not os.listdir(small), f"... leaving nothing in the small tmpfs ({os.listdir(small)})")
+    finally:
+        busy.close()
+        os.chmod(ro, 0o700)
+        if mounted:
+            subprocess.run(["umount", small])
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--recorder", required=True)
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--oracle", nargs="*", default=list(ORACLE),
+                    help=f"the oracle's configurations to run (default: all of {', '.join(ORACLE)})")
     a = ap.parse_args()
-    only = set(a.only or ["bytes", "breakpoints", "badconfig"])
+    only = set(a.only or ["oracle", "breakpoints", "badconfig"])
     tmp = tempfile.mkdtemp(prefix="kvbm-vllm-")
     try:
+        if "oracle" in only:
+            test_oracle(tmp, a.recorder, a.oracle)
+        if not only - {"oracle"}:
+            return finish()
         print("== baseline: no connector", flush=True)
         (b,), _, _ = scenario("baseline", {})
         baseline = b["outputs"]
-        if "bytes" in only:
-            test_bytes(tmp, baseline, a.recorder)
         if "breakpoints" in only:
             test_breakpoints(tmp, baseline)
         if "badconfig" in only:
             test_bad_config(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    finish()
+
+
+def finish():
     if FAILURES:
         print(f"\n{len(FAILURES)} check(s) failed", flush=True)
         sys.exit(1)

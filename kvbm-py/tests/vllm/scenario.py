@@ -15,6 +15,10 @@ import timing  # noqa: E402
 # vLLM's engine processes import this module again (multiprocessing's
 # spawn): the benchmark's timing wraps the connectors in each of them.
 timing.install()
+# The oracle's async-scheduling runs: vLLM's CPU platform would turn it off
+# (here and in every process vLLM spawns, which imports this module again).
+if os.environ.get("KVBM_TEST_ASYNC") == "1":
+    engine.allow_async_scheduling_on_cpu()
 
 
 def baseline(args):
@@ -36,6 +40,60 @@ def roundtrip(args):
     llm.reset_prefix_cache()
     outs2, cached2 = engine.generate(llm, ps)
     engine.say(up_s=up, outputs1=outs1, cached1=cached1, outputs2=outs2, cached2=cached2)
+    engine.say(engine_core_exit=engine.close(llm))
+
+
+def oracle(args):
+    """The KV oracle, in one engine with real random weights of a large
+    spread (`engine.make_oracle_model`):
+
+    1. the prompts, computed (kvbm stores their blocks);
+    2. the same prompts again: vLLM's own prefix cache serves their
+       prefixes (the reference);
+    3. vLLM's prefix cache reset; the same prompts: kvbm serves the
+       prefixes (the run under test);
+    4. reset again, with every load corrupted on purpose (the file named
+       by `KVBM_TEST_CORRUPT_LOADS` made): the comparison must fail.
+
+    Each pass reports each request's tokens, the exact bits of each
+    generated token's logprob and its cached prefix length. With
+    `KVBM_TEST_DUMP_DIR`, the clean pass's byte dumps are moved to
+    `<dump>-clean` before the corrupt pass."""
+    t0 = time.time()
+    llm = engine.engine(
+        extra=args.get("extra", {}),
+        model=args["model"],
+        kv_bytes=args.get("kv_bytes", 4 * 1024 * 1024),
+        max_num_seqs=args.get("max_num_seqs", 8),
+        connector_class=tuple(args.get("connector", ("KvbmConnector", "kvbm.vllm"))),
+        **args.get("llm", {}),
+    )
+    up = engine.elapsed(t0)
+    cfg = llm.llm_engine.vllm_config
+    ps = engine.prompts(groups=4, per_group=6)
+    mt = args.get("max_tokens", 8)
+    first = engine.generate_logprobs(llm, ps, mt)
+    ref = engine.generate_logprobs(llm, ps, mt)
+    reset1 = llm.reset_prefix_cache()
+    kvbm = engine.generate_logprobs(llm, ps, mt)
+    dump = os.environ.get("KVBM_TEST_DUMP_DIR")
+    if dump and os.path.isdir(dump):
+        os.rename(dump, dump + "-clean")
+    with open(os.environ["KVBM_TEST_CORRUPT_LOADS"], "w"):
+        pass
+    reset2 = llm.reset_prefix_cache()
+    corrupt = engine.generate_logprobs(llm, ps, mt)
+    engine.say(
+        up_s=up,
+        tp=cfg.parallel_config.tensor_parallel_size,
+        async_scheduling=bool(cfg.scheduler_config.async_scheduling),
+        max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
+        resets=[reset1, reset2],
+        first=first,
+        ref=ref,
+        kvbm=kvbm,
+        corrupt=corrupt,
+    )
     engine.say(engine_core_exit=engine.close(llm))
 
 
