@@ -57,12 +57,14 @@
 //!   interval: `state_since_ns` and the history do not change, only
 //!   `transitions` grows. Reaching `Finished` with transfers still
 //!   outstanding is an inconsistency (a slot drains before it finishes).
-//! - `MatchResult {tier, ..}`: the tier's lookup counters grow; with a
-//!   request, the slot's `hit_tokens[tier]` becomes `hit_tokens`: a request
-//!   is looked up again each time the scheduler tries to admit it (and
-//!   after a preemption), and what it got is its latest lookup's, not the
-//!   sum of them. A device (G1) result begins a lookup, so the host and disk
-//!   figures of an earlier one are cleared with it.
+//! - `MatchResult {tier, ..}`: the tier's lookup counters grow (every
+//!   lookup counts there, so a request asked on every step while it waits
+//!   counts once per ask). With a request and the device tier, the slot's
+//!   `hit_tokens[G1]` becomes `hit_tokens`: what the engine's own cache
+//!   gave its latest lookup. A host or disk result does not change the
+//!   slot: see *Per-request hits* below. A host or disk result that hit
+//!   teaches the reducer the block size (`hit_tokens / hit_blocks`) if no
+//!   `PrefixLookup` did.
 //! - `BlocksAllocated {tier, blocks}`: the tier's allocation counter grows;
 //!   with a request, the slot's `blocks[tier] += blocks.len()`.
 //! - `BlocksReleased {tier, count}`: likewise; the slot's count saturates at
@@ -93,8 +95,41 @@
 //!   one that is paused there. A resume with nothing paused is an
 //!   inconsistency.
 //! - `HookCall`: counted per entry point and phase.
-//! - `PrefixLookup`: counted; it changes no state (the recorder's capacity
-//!   analysis reads the hashes it carries).
+//! - `PrefixLookup`: counted; its `block_size` becomes the block size used
+//!   to turn loaded blocks into hit tokens. Nothing else changes (the
+//!   recorder's capacity analysis reads the hashes it carries).
+//!
+//! # Per-request hits
+//!
+//! A slot's `hit_tokens[G2]` and `hit_tokens[G3]` are the tokens actually
+//! **loaded** for the request from that tier: each `TransferCompleted` of a
+//! transfer planned for the request into the device (`G2→G1`, `G3→G1`) adds
+//! its blocks × the block size to the tier it was read from, over the
+//! slot's whole life (a request loaded again after a preemption got both
+//! loads). A disk block loaded through the host (`G3→G2`, then `G2→G1`) is
+//! a disk hit: the blocks a request's `G3→G2` hop completed are claimed by
+//! the next `G2→G1` transfer planned for that request, whose completion
+//! credits that many blocks (at most) to G3 and the rest to G2; what no
+//! such transfer claims is forgotten when the request's next load is
+//! staged or begins (`OnboardStaged`, `Onboarding`) or it finishes.
+//! `hit_tokens[G1]` is the latest lookup's device hit (above).
+//!
+//! Why loads and not lookups: a request is looked up on every scheduling
+//! attempt (vLLM asks its connector again each step while the request
+//! waits, and after a preemption), the results of one attempt arrive in
+//! whatever order the engine emits them (kvbm's vLLM connector emitted its
+//! host result before vLLM's device one; the simulator the other way
+//! round), and nothing in a `MatchResult` says which attempt it belongs to
+//! — so any rule that keeps "the latest lookup" per tier can pair one
+//! attempt's device result with another's host result, and did (issue
+//! 40: every request of a vLLM session showed no G2 hit while the Pools
+//! view gave G2 an 86.5% hit rate). A completed load is one event, owned by its request, and it
+//! is what the request got: the per-request figures then add up to the
+//! `X→G1` blocks moved, whatever the order or number of the lookups. A
+//! lookup that is never loaded (the request aborted, the load failed or
+//! was skipped) is no hit. Loaded blocks are converted with the block size
+//! known when the load completes; a stream that never said it (no
+//! `PrefixLookup` and no host or disk hit) credits nothing.
 //!
 //! An event that needs a slot (transition, tokens, or a per-request
 //! match/allocation/release) and names a request with no slot counts as
@@ -241,6 +276,18 @@ pub struct EngineState {
     // grows the array.
     hooks: [[u64; 2]; EntryPoint::ALL.len()],
     inconsistencies: Inconsistencies,
+    // Tokens per block, once the stream said (0 until then): turns loaded
+    // blocks into per-request hit tokens (module docs, *Per-request hits*).
+    #[serde(default)]
+    block_size: u32,
+    // Blocks a request's G3 → G2 hops brought to the host and no G2 → G1
+    // transfer of that request has claimed yet.
+    #[serde(default)]
+    via_host: HashMap<RequestId, u32>,
+    // In-flight G2 → G1 transfers that carry blocks read from disk (through
+    // the host), and how many.
+    #[serde(default)]
+    from_disk: BTreeMap<u64, u32>,
 }
 
 impl Default for EngineState {
@@ -281,6 +328,9 @@ impl EngineState {
             breakpoints: BreakpointStats::default(),
             hooks: [[0; 2]; EntryPoint::ALL.len()],
             inconsistencies: Inconsistencies::default(),
+            block_size: 0,
+            via_host: HashMap::new(),
+            from_disk: BTreeMap::new(),
         }
     }
 
@@ -322,11 +372,19 @@ impl EngineState {
                 pool.looked_up_blocks += u64::from(*looked_up);
                 pool.hit_blocks += u64::from(*hit_blocks);
                 pool.hit_tokens += u64::from(*hit_tokens);
-                if let Some(slot) = self.request_slot(req, ts) {
-                    if *tier == Tier::Device {
-                        slot.hit_tokens = [0; 3];
-                    }
-                    slot.hit_tokens[tier.index()] = u64::from(*hit_tokens);
+                let learns = *tier != Tier::Device
+                    && self.block_size == 0
+                    && *hit_blocks > 0
+                    && hit_tokens % hit_blocks == 0;
+                if learns {
+                    self.block_size = hit_tokens / hit_blocks;
+                }
+                // Host and disk hits are credited when they are loaded
+                // (module docs, *Per-request hits*).
+                if let Some(slot) = self.request_slot(req, ts)
+                    && *tier == Tier::Device
+                {
+                    slot.hit_tokens[Tier::Device.index()] = u64::from(*hit_tokens);
                 }
             }
             EventKind::BlocksAllocated { tier, blocks } => {
@@ -540,8 +598,12 @@ impl EngineState {
                 }
             }
             // What a request looked up is the capacity analysis's input
-            // (kvbm-recorder); the engine's state does not change.
-            EventKind::PrefixLookup { .. } => {}
+            // (kvbm-recorder); only the block size is kept here.
+            EventKind::PrefixLookup { block_size, .. } => {
+                if *block_size > 0 {
+                    self.block_size = *block_size;
+                }
+            }
         }
     }
 
@@ -603,6 +665,7 @@ impl EngineState {
             self.inconsistencies.missing_request += 1;
             return;
         };
+        self.via_host.remove(&**r);
         let mut slot = SlotView::new(r.clone(), ts, prompt, max_out, &self.limits);
         slot.outstanding = self.outstanding.get(&**r).copied().unwrap_or(0);
         // Rust 1.85 (the MSRV) has no let chains.
@@ -622,6 +685,16 @@ impl EngineState {
     ) {
         if req.is_none() {
             self.inconsistencies.missing_request += 1;
+        }
+        // A new load is staged or begins (its first G2 → G1 hop is planned
+        // between the two; a disk hop only after both), or the request is
+        // done: disk blocks brought to the host for an earlier load that no
+        // G2 → G1 transfer claimed are not this one's.
+        let new_load = matches!(to, SlotState::OnboardStaged(_) | SlotState::Onboarding(_));
+        if let Some(r) = req
+            && (new_load || to.is_terminal())
+        {
+            self.via_host.remove(&**r);
         }
         let cap = self.limits.history_per_slot;
         let Some(slot) = self.request_slot(req, ts) else {
@@ -664,8 +737,16 @@ impl EngineState {
             // to the recent ring, but it no longer counts as outstanding.
             self.inconsistencies.duplicate_transfer += 1;
             self.adjust_outstanding(old.request.as_ref(), false);
+            self.from_disk.remove(&id);
         }
         self.adjust_outstanding(req, true);
+        // The G2 → G1 hop of a disk load: it carries the blocks the
+        // request's G3 → G2 hop brought up.
+        if direction == Direction::HOST_TO_DEVICE
+            && let Some(n) = req.and_then(|r| self.via_host.remove(&**r))
+        {
+            self.from_disk.insert(id, n.min(blocks));
+        }
     }
 
     fn transfer_ended(
@@ -683,6 +764,12 @@ impl EngineState {
         if t.direction != direction {
             self.inconsistencies.transfer_direction_mismatch += 1;
         }
+        let from_disk = self.from_disk.remove(&id).unwrap_or(0);
+        if matches!(status, TransferState::Completed)
+            && let (Some(r), Some(b)) = (t.request.as_ref(), blocks)
+        {
+            self.loaded(r, t.direction, b, from_disk);
+        }
         t.status = status;
         t.updated_ns = ts;
         if let Some(b) = blocks {
@@ -695,6 +782,35 @@ impl EngineState {
             t,
             self.limits.recent_transfers,
         );
+    }
+
+    /// A transfer of `request` completed `blocks` blocks in `direction`, of
+    /// which `from_disk` (for a G2 → G1 hop) came from disk: the request's
+    /// per-tier hits (module docs, *Per-request hits*).
+    fn loaded(&mut self, request: &RequestId, direction: Direction, blocks: u32, from_disk: u32) {
+        if direction == Direction::DISK_TO_HOST {
+            let n = self.via_host.entry(request.clone()).or_insert(0);
+            *n = n.saturating_add(blocks);
+            return;
+        }
+        if direction.dst != Tier::Device || direction.src == Tier::Device {
+            return;
+        }
+        let bs = u64::from(self.block_size);
+        let Some(slot) = self.slots.get_mut(&**request) else {
+            return;
+        };
+        let (host, disk) = match direction.src {
+            Tier::Disk => (0, blocks),
+            _ => {
+                let disk = from_disk.min(blocks);
+                (blocks - disk, disk)
+            }
+        };
+        for (tier, n) in [(Tier::Host, host), (Tier::Disk, disk)] {
+            let h = &mut slot.hit_tokens[tier.index()];
+            *h = h.saturating_add(u64::from(n) * bs);
+        }
     }
 
     /// Keeps `outstanding` equal to the number of in-flight transfers per
@@ -791,6 +907,12 @@ impl EngineState {
     /// Events missing from the sequence.
     pub fn seq_gaps(&self) -> u64 {
         self.stream.seq_gaps
+    }
+
+    /// The block size the stream said (`PrefixLookup`, or a host or disk
+    /// hit), 0 until it did.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
     }
 
     /// Contradictions found so far.

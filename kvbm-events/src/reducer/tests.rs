@@ -206,35 +206,351 @@ fn every_kind_is_counted_under_its_name() {
     );
 }
 
-/// A request asked about again while it waits (each scheduling attempt)
-/// got what its latest lookup found, not the sum of every lookup; a
-/// device result begins a lookup and clears the host and disk figures
-/// of the one before. The pool counters still count every lookup.
-#[test]
-fn a_slot_keeps_its_latest_lookup_s_hits() {
-    let m = |tier, hit_tokens| EventKind::MatchResult {
+fn lookup(tier: Tier, hit_blocks: u32) -> EventKind {
+    EventKind::MatchResult {
         tier,
         looked_up: 8,
-        hit_blocks: hit_tokens / 4,
-        hit_tokens,
-    };
-    let mut s = Script::new();
-    s.req("r", created(40));
-    for _ in 0..3 {
-        s.req("r", m(Tier::Device, 8)).req("r", m(Tier::Host, 16));
+        hit_blocks,
+        hit_tokens: hit_blocks * BS,
     }
-    assert_eq!(s.state().slot("r").unwrap().hit_tokens, [8, 16, 0]);
-    s.req("r", m(Tier::Device, 12))
-        .req("r", m(Tier::Host, 4))
-        .req("r", m(Tier::Disk, 8));
-    assert_eq!(s.state().slot("r").unwrap().hit_tokens, [12, 4, 8]);
-    // Only a device result: the host and disk hits of before are gone.
-    s.req("r", m(Tier::Device, 20));
+}
+
+/// Tokens per block in the per-request hit tests.
+const BS: u32 = 16;
+
+fn prefix_lookup(blocks: u32) -> EventKind {
+    EventKind::PrefixLookup {
+        tokens: (blocks + 1) * BS,
+        block_size: BS,
+        computed_blocks: 0,
+        hashes: (0..u64::from(blocks)).map(SequenceHash).collect(),
+    }
+}
+
+/// One scheduling attempt of `r`: its device and host results, in the
+/// connector's old order (host first) or the simulator's (device first).
+fn ask(s: &mut Script, r: &str, g1: u32, g2: u32, host_first: bool) {
+    if host_first {
+        s.req(r, lookup(Tier::Host, g2))
+            .req(r, lookup(Tier::Device, g1));
+    } else {
+        s.req(r, lookup(Tier::Device, g1))
+            .req(r, lookup(Tier::Host, g2));
+    }
+}
+
+/// `r` is admitted with `blocks` host blocks to load (transfer `id`),
+/// loads them and starts prefilling.
+fn load_from_host(s: &mut Script, r: &str, from: SlotState, id: u64, blocks: u32) {
+    let n = (blocks * BS) as usize;
+    s.req(r, tr(from, OnboardStaged(n)))
+        .req(r, planned(id, Direction::HOST_TO_DEVICE, blocks))
+        .req(r, tr(OnboardStaged(n), Onboarding(n)))
+        .req(r, completed(id, Direction::HOST_TO_DEVICE, blocks))
+        .req(r, tr(Onboarding(n), Prefilling));
+}
+
+/// A lookup is not a hit: a request asked about again while it waits
+/// (each scheduling attempt) shows its latest lookup's device hit, and no
+/// host or disk hit until something is loaded for it, however many times
+/// and in whatever order those tiers answered. The pool counters still
+/// count every lookup.
+#[test]
+fn lookups_alone_give_only_the_latest_device_hit() {
+    let mut s = Script::new();
+    s.req("r", created(160));
+    for _ in 0..3 {
+        ask(&mut s, "r", 2, 4, false);
+    }
+    assert_eq!(s.state().slot("r").unwrap().hit_tokens, [32, 0, 0]);
+    s.req("r", lookup(Tier::Device, 3))
+        .req("r", lookup(Tier::Host, 1))
+        .req("r", lookup(Tier::Disk, 2));
+    assert_eq!(s.state().slot("r").unwrap().hit_tokens, [48, 0, 0]);
+    s.req("r", lookup(Tier::Device, 5));
     let st = s.state();
-    assert_eq!(st.slot("r").unwrap().hit_tokens, [20, 0, 0]);
-    assert_eq!(st.slot("r").unwrap().total_hit_tokens(), 20);
+    assert_eq!(st.slot("r").unwrap().hit_tokens, [80, 0, 0]);
+    assert_eq!(st.slot("r").unwrap().total_hit_tokens(), 80);
     assert_eq!(st.pool(Tier::Device).lookups, 5);
-    assert_eq!(st.pool(Tier::Host).hit_tokens, 3 * 16 + 4);
+    assert_eq!(st.pool(Tier::Host).hit_tokens, u64::from((3 * 4 + 1) * BS));
+    // The host hits taught the reducer the block size.
+    assert_eq!(st.block_size(), BS);
+    assert_eq!(st.inconsistencies().total(), 0);
+}
+
+/// The vLLM connector's order (issue 40): each attempt's host result came
+/// before its device one, on every step while the request waited. Its
+/// G2 hit is what was loaded, as with the simulator's order.
+#[test]
+fn host_hits_are_what_was_loaded_whatever_the_order_of_the_lookups() {
+    for host_first in [true, false] {
+        for asks in [1, 2, 7] {
+            let mut s = Script::new();
+            s.req("r", created(200));
+            s.req("r", prefix_lookup(12));
+            for _ in 0..asks {
+                ask(&mut s, "r", 1, 8, host_first);
+            }
+            // The attempt that got in found 12 blocks on the host.
+            ask(&mut s, "r", 1, 12, host_first);
+            load_from_host(&mut s, "r", Initialized, 1, 12);
+            let st = s.state();
+            let slot = st.slot("r").unwrap();
+            let what = format!("host first {host_first}, {asks} asks");
+            assert_eq!(slot.hit_tokens, [16, 192, 0], "{what}");
+            assert_eq!(st.inconsistencies().total(), 0, "{what}");
+            // The pool counts every lookup.
+            assert_eq!(st.pool(Tier::Host).lookups, asks + 1, "{what}");
+        }
+    }
+}
+
+/// Staged and planned is not loaded: the G2 hit appears when the load
+/// completes, and a load that did not complete is no hit.
+#[test]
+fn a_hit_counts_when_its_load_completes() {
+    let mut s = Script::new();
+    s.req("a", created(100))
+        .req("b", created(100))
+        .req("c", created(100));
+    for r in ["a", "b", "c"] {
+        ask(&mut s, r, 0, 3, true);
+    }
+    s.req("a", planned(1, Direction::HOST_TO_DEVICE, 3))
+        .req("b", planned(2, Direction::HOST_TO_DEVICE, 3))
+        .req("c", planned(3, Direction::HOST_TO_DEVICE, 3));
+    assert_eq!(s.state().slot("a").unwrap().hit_tokens, [0, 0, 0]);
+    s.req("a", completed(1, Direction::HOST_TO_DEVICE, 2))
+        .req(
+            "b",
+            EventKind::TransferFailed {
+                transfer: 2,
+                direction: Direction::HOST_TO_DEVICE,
+                error: "io".into(),
+            },
+        )
+        .req(
+            "c",
+            EventKind::TransferCancelled {
+                transfer: 3,
+                direction: Direction::HOST_TO_DEVICE,
+            },
+        );
+    let st = s.state();
+    // Two of a's three blocks arrived.
+    assert_eq!(st.slot("a").unwrap().hit_tokens, [0, 32, 0]);
+    assert_eq!(st.slot("b").unwrap().hit_tokens, [0, 0, 0]);
+    assert_eq!(st.slot("c").unwrap().hit_tokens, [0, 0, 0]);
+    assert_eq!(st.inconsistencies().total(), 0);
+}
+
+/// A request preempted after its load is looked up again and loaded
+/// again: it got both loads; its device hit is its latest lookup's.
+#[test]
+fn a_preempted_request_keeps_what_each_load_brought() {
+    let mut s = Script::new();
+    s.req("p", created(200)).req("p", prefix_lookup(12));
+    ask(&mut s, "p", 0, 4, true);
+    load_from_host(&mut s, "p", Initialized, 1, 4);
+    s.req("p", tr(Prefilling, Decoding))
+        .req("p", tr(Decoding, Preempted));
+    assert_eq!(s.state().slot("p").unwrap().hit_tokens, [0, 64, 0]);
+    // Asked again on three steps while it waits, host results first; the
+    // engine's cache kept 6 blocks, the host has 2 more.
+    for _ in 0..3 {
+        ask(&mut s, "p", 6, 2, true);
+    }
+    load_from_host(&mut s, "p", Preempted, 2, 2);
+    let st = s.state();
+    assert_eq!(st.slot("p").unwrap().hit_tokens, [96, 96, 0]);
+    assert_eq!(
+        st.direction(Direction::HOST_TO_DEVICE)
+            .unwrap()
+            .completed_blocks
+            * u64::from(BS),
+        st.slot("p").unwrap().hit_tokens[Tier::Host.index()]
+    );
+    assert_eq!(st.inconsistencies().total(), 0);
+}
+
+/// Disk blocks are disk hits, whether they go straight to the device or
+/// through the host (G3 → G2, then a G2 → G1 transfer of their own, which
+/// may complete before or after the host blocks' one).
+#[test]
+fn disk_hits_through_the_host_count_for_the_disk() {
+    for host_hop_last in [false, true] {
+        let mut s = Script::new();
+        s.req("d", created(200)).req("d", prefix_lookup(12));
+        s.req("d", lookup(Tier::Host, 3))
+            .req("d", lookup(Tier::Disk, 2))
+            .req("d", lookup(Tier::Device, 1));
+        s.req("d", tr(Initialized, OnboardStaged(80)))
+            .req("d", planned(1, Direction::HOST_TO_DEVICE, 3))
+            .req("d", tr(OnboardStaged(80), Onboarding(80)))
+            .req("d", planned(2, Direction::DISK_TO_HOST, 2));
+        if !host_hop_last {
+            s.req("d", completed(1, Direction::HOST_TO_DEVICE, 3));
+        }
+        s.req("d", completed(2, Direction::DISK_TO_HOST, 2));
+        s.req("d", planned(3, Direction::HOST_TO_DEVICE, 2));
+        if host_hop_last {
+            s.req("d", completed(3, Direction::HOST_TO_DEVICE, 2))
+                .req("d", completed(1, Direction::HOST_TO_DEVICE, 3));
+        } else {
+            s.req("d", completed(3, Direction::HOST_TO_DEVICE, 2));
+        }
+        s.req("d", tr(Onboarding(80), Prefilling));
+        let st = s.state();
+        assert_eq!(
+            st.slot("d").unwrap().hit_tokens,
+            [16, 48, 32],
+            "host hop last {host_hop_last}"
+        );
+        assert_eq!(st.inconsistencies().total(), 0);
+    }
+    // No host tier: G3 → G1 in one hop.
+    let mut s = Script::new();
+    s.req("e", created(100))
+        .req("e", lookup(Tier::Disk, 2))
+        .req("e", planned(9, Direction::DISK_TO_DEVICE, 2))
+        .req("e", completed(9, Direction::DISK_TO_DEVICE, 2));
+    assert_eq!(s.state().slot("e").unwrap().hit_tokens, [0, 0, 32]);
+}
+
+/// Offloads owned by a request (G1 → G2, G2 → G3) are not hits, and a
+/// disk hop no G2 → G1 transfer claimed does not leak into the next load.
+#[test]
+fn only_loads_into_the_device_are_hits() {
+    let mut s = Script::new();
+    s.req("o", created(100)).req("o", prefix_lookup(6));
+    s.req("o", planned(1, Direction::DEVICE_TO_HOST, 4))
+        .req("o", completed(1, Direction::DEVICE_TO_HOST, 4))
+        .req("o", planned(2, Direction::HOST_TO_DISK, 4))
+        .req("o", completed(2, Direction::HOST_TO_DISK, 4));
+    // A disk hop whose G2 → G1 hop was never planned.
+    s.req("o", tr(Initialized, OnboardStaged(32)))
+        .req("o", tr(OnboardStaged(32), Onboarding(32)))
+        .req("o", planned(3, Direction::DISK_TO_HOST, 2))
+        .req("o", completed(3, Direction::DISK_TO_HOST, 2))
+        .req("o", tr(Onboarding(32), Prefilling))
+        .req("o", tr(Prefilling, Preempted));
+    assert_eq!(s.state().slot("o").unwrap().hit_tokens, [0, 0, 0]);
+    // The next load's host blocks are host hits.
+    load_from_host(&mut s, "o", Preempted, 4, 2);
+    let st = s.state();
+    assert_eq!(st.slot("o").unwrap().hit_tokens, [0, 32, 0]);
+    assert_eq!(st.inconsistencies().total(), 0);
+}
+
+/// A stream that never says its block size credits nothing (it cannot
+/// turn blocks into tokens); once a `PrefixLookup` says it, loads count.
+#[test]
+fn loads_count_from_when_the_block_size_is_known() {
+    let mut s = Script::new();
+    s.req("r", created(100))
+        .req("r", planned(1, Direction::HOST_TO_DEVICE, 2))
+        .req("r", completed(1, Direction::HOST_TO_DEVICE, 2));
+    assert_eq!(s.state().block_size(), 0);
+    assert_eq!(s.state().slot("r").unwrap().hit_tokens, [0, 0, 0]);
+    s.req("r", prefix_lookup(5))
+        .req("r", planned(2, Direction::HOST_TO_DEVICE, 2))
+        .req("r", completed(2, Direction::HOST_TO_DEVICE, 2));
+    assert_eq!(s.state().slot("r").unwrap().hit_tokens, [0, 32, 0]);
+}
+
+/// One request's life for the property below: several scheduling
+/// attempts, each a shuffled set of device, host and disk results, then a
+/// load of `host` host blocks and `disk` disk blocks through the host
+/// (completing in either order).
+#[derive(Debug, Clone)]
+struct Life {
+    asks: Vec<Vec<(Tier, u32)>>,
+    host: u32,
+    disk: u32,
+    disk_hop_first: bool,
+}
+
+fn arb_life() -> impl Strategy<Value = Life> {
+    let one_ask = (0u32..8, 0u32..8, 0u32..8)
+        .prop_map(|(a, b, c)| vec![(Tier::Device, a), (Tier::Host, b), (Tier::Disk, c)])
+        .prop_shuffle();
+    (
+        prop::collection::vec(one_ask, 1..6),
+        0u32..6,
+        0u32..6,
+        any::<bool>(),
+    )
+        .prop_map(|(asks, host, disk, disk_hop_first)| Life {
+            asks,
+            host,
+            disk,
+            disk_hop_first,
+        })
+}
+
+proptest! {
+    /// Per-request hits add up: whatever the order and number of a
+    /// request's lookups, its G2 and G3 hits are the blocks loaded from
+    /// each tier × the block size, its G1 hit its last device result; and
+    /// over all requests they sum to the `X→G1` blocks moved.
+    #[test]
+    fn per_request_hits_are_what_was_loaded(lives in prop::collection::vec(arb_life(), 1..5)) {
+        let mut s = Script::new();
+        let mut id = 0u64;
+        for (i, l) in lives.iter().enumerate() {
+            let r = format!("r{i}");
+            s.req(&r, created(400)).req(&r, prefix_lookup(20));
+            for a in &l.asks {
+                for &(tier, hit) in a {
+                    s.req(&r, lookup(tier, hit));
+                }
+            }
+            let n = ((l.host + l.disk) * BS) as usize;
+            if n == 0 {
+                continue;
+            }
+            s.req(&r, tr(Initialized, OnboardStaged(n)));
+            let first = id;
+            if l.host > 0 {
+                s.req(&r, planned(first, Direction::HOST_TO_DEVICE, l.host));
+            }
+            s.req(&r, tr(OnboardStaged(n), Onboarding(n)));
+            if l.host > 0 && !l.disk_hop_first {
+                s.req(&r, completed(first, Direction::HOST_TO_DEVICE, l.host));
+            }
+            if l.disk > 0 {
+                s.req(&r, planned(first + 1, Direction::DISK_TO_HOST, l.disk))
+                    .req(&r, completed(first + 1, Direction::DISK_TO_HOST, l.disk))
+                    .req(&r, planned(first + 2, Direction::HOST_TO_DEVICE, l.disk))
+                    .req(&r, completed(first + 2, Direction::HOST_TO_DEVICE, l.disk));
+            }
+            if l.host > 0 && l.disk_hop_first {
+                s.req(&r, completed(first, Direction::HOST_TO_DEVICE, l.host));
+            }
+            s.req(&r, tr(Onboarding(n), Prefilling));
+            id += 3;
+        }
+        let st = s.state();
+        let mut loaded = 0;
+        for (i, l) in lives.iter().enumerate() {
+            let slot = st.slot(&format!("r{i}")).unwrap();
+            let g1 = l
+                .asks
+                .iter()
+                .flatten()
+                .rev()
+                .find(|(t, _)| *t == Tier::Device)
+                .map_or(0, |(_, h)| u64::from(h * BS));
+            let want = [g1, u64::from(l.host * BS), u64::from(l.disk * BS)];
+            prop_assert_eq!(slot.hit_tokens, want, "{:?}", l);
+            loaded += slot.hit_tokens[1] + slot.hit_tokens[2];
+        }
+        let moved = st
+            .direction(Direction::HOST_TO_DEVICE)
+            .map_or(0, |d| d.completed_blocks);
+        prop_assert_eq!(loaded, moved * u64::from(BS));
+        prop_assert_eq!(st.inconsistencies().total(), 0);
+    }
 }
 
 #[test]
@@ -306,8 +622,10 @@ fn a_slot_lives_its_whole_life() {
     assert_eq!((a.prompt_tokens, a.max_output_tokens), (40, 4));
     assert_eq!((a.computed, a.prefilled, a.generated), (42, 8, 2));
     assert_eq!(a.blocks, [0, 0, 0]);
-    assert_eq!(a.hit_tokens, [0, 32, 0]);
-    assert_eq!(a.total_hit_tokens(), 32);
+    // Looked up and staged, but no load was seen: no host hit (see
+    // `host_hits_are_what_was_loaded_whatever_the_order_of_the_lookups`).
+    assert_eq!(a.hit_tokens, [0, 0, 0]);
+    assert_eq!(a.total_hit_tokens(), 0);
     assert_eq!(a.first_token_ns, Some(80));
     assert_eq!(a.ttft_ns(), Some(80));
     assert_eq!(a.transitions, 7);

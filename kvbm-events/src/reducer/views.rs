@@ -37,7 +37,10 @@ pub struct SlotView {
     pub generated: u64,
     /// Blocks held, per tier (indexed by [`Tier::index`]).
     pub blocks: [u32; 3],
-    /// Prefix-hit tokens, per tier, of the request's latest lookup.
+    /// Prefix-hit tokens, per tier: for G1 the device hit of the request's
+    /// latest lookup; for G2 and G3 the tokens loaded from that tier into
+    /// the device for the request (completed loads, summed over its life).
+    /// See the reducer's *Per-request hits*.
     pub hit_tokens: [u64; 3],
     /// Transfers of this request in flight.
     pub outstanding: u32,
