@@ -507,7 +507,7 @@ impl SchedulerSide {
                 .collect();
             let claim = ShmClaim::take(&paths, each as u64).map_err(setup)?;
             for path in claim.paths() {
-                host_storage.push(Arc::new(HostStorage::shared(path, hl.clone()).map_err(
+                host_storage.push(Arc::new(HostStorage::shared(path, hl).map_err(
                     |source| SchedulerError::Storage {
                         what: format!(
                             "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
@@ -552,17 +552,15 @@ impl SchedulerSide {
             let dl = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
             for rank in Shard::all(parallel.ranks) {
                 let path = disk_path(path, rank);
-                disk_storage.push(Arc::new(
-                    DiskStorage::open_or_create(&path, dl.clone()).map_err(|source| {
-                        SchedulerError::Storage {
-                            what: format!(
-                                "the disk tier's file {} (kv_connector_extra_config `disk_path`)",
-                                path.display()
-                            ),
-                            source,
-                        }
-                    })?,
-                ));
+                disk_storage.push(Arc::new(DiskStorage::open_or_create(&path, dl).map_err(
+                    |source| SchedulerError::Storage {
+                        what: format!(
+                            "the disk tier's file {} (kv_connector_extra_config `disk_path`)",
+                            path.display()
+                        ),
+                        source,
+                    },
+                )?));
             }
             match &g2 {
                 Some(g2) => {

@@ -355,7 +355,7 @@ fn free_bytes(dir: &Path) -> std::io::Result<u64> {
     }
     // SAFETY: statvfs returned 0, so it filled `st`.
     let st = unsafe { st.assume_init() };
-    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// The scheduler side's hold on its engine's shared host-tier files, one
@@ -666,7 +666,7 @@ mod tests {
     fn a_tier_that_does_not_fit_is_refused_with_the_sizes() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("kvbm-big.g2");
-        let e = ShmClaim::take(&[path.clone()], u64::MAX / 4)
+        let e = ShmClaim::take(std::slice::from_ref(&path), u64::MAX / 4)
             .unwrap_err()
             .to_string();
         assert!(
