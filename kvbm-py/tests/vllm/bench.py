@@ -90,8 +90,8 @@ TARGET_OFFLOAD = 0.80
 CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def run(kind, rounds, tmp, trial, cpu_env, pin, extra_env=None):
-    args = {"connector": kind, "rounds": rounds, "max_tokens": 32, "pin": pin}
+def run(kind, rounds, tmp, trial, cpu_env, pin, extra_env=None, llm=None):
+    args = {"connector": kind, "rounds": rounds, "max_tokens": 32, "pin": pin, "llm": llm or {}}
     env = dict(os.environ)
     env.update(cpu_env)
     env.update(extra_env or {})
@@ -234,7 +234,21 @@ def main():
                     help="leave the engine core and front end free to run on the worker's CPUs")
     ap.add_argument("--allow-debug-build", action="store_true",
                     help="time kvbm even if the installed module is a debug build")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="vLLM's tensor_parallel_size (2: one worker a core, VLLM_CPU_OMP_THREADS_BIND=0|1)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="vLLM's async scheduling (its default on GPUs; the CPU platform's override is bypassed)")
     a = ap.parse_args()
+    llm = {}
+    extra_env = {}
+    if a.tp > 1:
+        llm.update(tensor_parallel_size=a.tp, distributed_executor_backend="mp")
+        # One worker a core: vLLM's reserved core is not to be had.
+        CPU_ENV.clear()
+        CPU_ENV["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c % (os.cpu_count() or 1)) for c in range(a.tp))
+    if a.async_scheduling:
+        llm["async_scheduling"] = True
+        extra_env["KVBM_TEST_ASYNC"] = "1"
     from kvbm import _kvbm  # noqa: E402 (the installed module these trials load)
     if _kvbm.DEBUG_BUILD and not a.allow_debug_build:
         sys.exit("bench.py: the kvbm installed here is a debug build (scripts/test-vllm.sh installs "
@@ -242,7 +256,8 @@ def main():
                  "`pip install ./kvbm-py`, or pass --allow-debug-build")
     cpu_env = {k: os.environ.get(k, v) for k, v in CPU_ENV.items()}
     print(f"both connectors with {cpu_env}, {'not ' if a.no_pin else ''}kept off the worker's CPUs; "
-          f"{a.trials} pairs of trials, {a.rounds} timed rounds each", flush=True)
+          f"{a.trials} pairs of trials, {a.rounds} timed rounds each; vLLM: tensor_parallel_size {a.tp}, "
+          f"async_scheduling {a.async_scheduling}", flush=True)
     tmp = tempfile.mkdtemp(prefix="kvbm-bench-")
     walls = {"kvbm": [], "noop": []}
     ratios = []
@@ -251,7 +266,7 @@ def main():
     for t in range(a.trials):
         pair = {}
         for kind in ("noop", "kvbm") if t % 2 == 0 else ("kvbm", "noop"):
-            res, timed, rec = run(kind, a.rounds, tmp, t, cpu_env, not a.no_pin)
+            res, timed, rec = run(kind, a.rounds, tmp, t, cpu_env, not a.no_pin, extra_env, llm)
             wall = res["wall_s"]
             walls[kind].append(wall)
             pair[kind] = wall
@@ -290,7 +305,7 @@ def main():
     prefix = os.path.join(tmp, "baseline")
     for t in range(a.baseline_trials):
         run("kvbm", a.rounds, tmp, f"baseline-{t}", cpu_env, not a.no_pin,
-            {"KVBM_BENCH_MEMCPY_BASELINE": prefix})
+            dict(extra_env, KVBM_BENCH_MEMCPY_BASELINE=prefix), llm)
     got = [b for rec in recs for b in batches(a.recorder, rec)]
     nbytes = sum(b for b, _ in got)
     ns = sum(n for _, n in got)

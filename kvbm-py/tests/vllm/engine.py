@@ -225,12 +225,14 @@ def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8,
     return LLM(**kw)
 
 
-def noop_engine(kv_bytes=2 * 1024 * 1024, max_num_seqs=8):
+def noop_engine(kv_bytes=2 * 1024 * 1024, max_num_seqs=8, **more):
     """The same engine with a connector that does nothing (the benchmark's
-    baseline: vLLM's connector plumbing without kvbm)."""
+    baseline: vLLM's connector plumbing without kvbm); `more`: other `LLM`
+    arguments."""
     from vllm import LLM
 
     return LLM(
+        **more,
         model=MODEL,
         load_format="dummy",
         skip_tokenizer_init=True,

@@ -218,13 +218,14 @@ def bench(args):
     from vllm import LLM  # noqa: F401
 
     kind = args["connector"]
+    more = args.get("llm", {})
     kw = {}
     if kind == "kvbm":
-        llm = engine.engine(extra=args.get("extra", {}))
+        llm = engine.engine(extra=args.get("extra", {}), **more)
     elif kind == "noop":
-        llm = engine.noop_engine()
+        llm = engine.noop_engine(**more)
     else:
-        llm = engine.engine(connector=False)
+        llm = engine.engine(connector=False, **more)
     ps = engine.prompts(groups=4, per_group=6)
     engine.generate(llm, ps)  # warm up
     llm.reset_prefix_cache()
