@@ -32,8 +32,18 @@ const RING_EVENTS: usize = 1 << 20;
 /// emits in that time, and the console's view lags by at most 5 ms.
 const IDLE_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 
-/// How long the publisher may take, at shutdown, to send what it holds.
-pub const PUBLISH_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long the publisher may take, at shutdown, to send what it holds
+/// (its stop may take 1 s more). Well inside the 5 s vLLM gives its engine
+/// core to stop, so that the connector's teardown (its final counters, its
+/// host-tier file) ends before vLLM's kill.
+pub const PUBLISH_DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a stop waits for the recorder to write what is left and its
+/// sidecar (usually a few milliseconds).
+const RECORDER_STOP: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a stop waits, in all, for the attach server to stop.
+const SERVER_STOP: std::time::Duration = std::time::Duration::from_millis(2500);
 
 /// What the fleet's event plane did, final once the observers stop: the
 /// publisher's counters and control's (both `None` without `publish`).
@@ -212,16 +222,68 @@ impl Observers {
         }
     }
 
-    /// Stops the server, the feeder and the recorder (which writes what is
-    /// left and its sidecar), or the publisher (which sends what it still
-    /// holds, for at most [`PUBLISH_DRAIN`]) and control; returns their
-    /// final counters when publishing.
+    /// Finishes the recording (which writes what is left and its sidecar)
+    /// first, then stops the server and the feeder, or the publisher (which
+    /// sends what it still holds, for at most [`PUBLISH_DRAIN`]) and
+    /// control; returns their final counters when publishing. Every wait is
+    /// bounded ([`RECORDER_STOP`], [`SERVER_STOP`], [`PUBLISH_DRAIN`]), so
+    /// this returns well inside the 5 s vLLM gives its engine core to stop.
+    ///
+    /// Why this order: vLLM kills its engine core a fixed time after asking
+    /// it to stop (5 s; at once from the OpenAI server unless kvbm's
+    /// connector gives it a grace, see `kvbm.vllm`), and the recording is
+    /// what a kill spoils for good (its sidecar would still say it was
+    /// recording). The server and the publisher lose nothing that lasts.
     pub fn stop(mut self, runtime: &tokio::runtime::Runtime) -> Result<FleetCounters, String> {
+        let t0 = std::time::Instant::now();
         let mut first_err = None;
-        if let Some(s) = self.server.take()
-            && let Err(e) = runtime.block_on(s.shutdown())
-        {
-            first_err.get_or_insert(format!("stopping the attach server: {e}"));
+        // Everything is told to stop at once; the recorder wakes within one
+        // idle poll, and the server starts its own shutdown meanwhile.
+        self.recorder_stop.store(true, Ordering::Release);
+        let server = self.server.take().map(|s| runtime.spawn(s.shutdown()));
+        if let Some(r) = self.recorder.take() {
+            // A recorder stuck in a write is left behind rather than held
+            // for: the engine core is killed soon anyway.
+            while !r.is_finished() && t0.elapsed() < RECORDER_STOP {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            if r.is_finished() {
+                match r.join() {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => {
+                        first_err.get_or_insert(format!("the recording: {e}"));
+                    }
+                    Err(_) => {
+                        first_err.get_or_insert("the recorder thread panicked".into());
+                    }
+                }
+            } else {
+                first_err.get_or_insert(format!(
+                    "the recording: the recorder did not finish within {RECORDER_STOP:?}"
+                ));
+            }
+        }
+        if let Some(mut task) = server {
+            // At most SERVER_STOP in all since the stop began: WebSocket
+            // clients get up to 2 s of it to say goodbye (the server's own
+            // bound); past it the server is dropped with its connections
+            // (their drop guards release their breakpoints either way).
+            let left = SERVER_STOP.saturating_sub(t0.elapsed());
+            match runtime.block_on(async { tokio::time::timeout(left, &mut task).await }) {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => {
+                    first_err.get_or_insert(format!("stopping the attach server: {e}"));
+                }
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(format!("stopping the attach server: {e}"));
+                }
+                Err(_) => {
+                    task.abort();
+                    tracing::warn!(
+                        "kvbm: the attach server did not stop within {SERVER_STOP:?}; dropped"
+                    );
+                }
+            }
         }
         if let Some(f) = self.feeder.take() {
             f.stop();
@@ -239,18 +301,6 @@ impl Observers {
                 tracing::warn!("kvbm publisher lost {} events: {c:?}", c.lost());
             }
             finals.publisher = Some(c);
-        }
-        self.recorder_stop.store(true, Ordering::Release);
-        if let Some(r) = self.recorder.take() {
-            match r.join() {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    first_err.get_or_insert(format!("the recording: {e}"));
-                }
-                Err(_) => {
-                    first_err.get_or_insert("the recorder thread panicked".into());
-                }
-            }
         }
         match first_err {
             None => Ok(finals),

@@ -125,9 +125,12 @@ def _tensor_parallel_rank() -> int:
 
 def _finish_before_engine_teardown() -> None:
     """Makes vLLM's engine-core teardown finish kvbm's scheduler side
-    before anything else (once per process; idempotent).
+    before anything else, and gives that teardown time to run where vLLM
+    would kill the engine core at once (once per process; idempotent; run
+    at import, in whichever vLLM process imports this module, and again by
+    the scheduler side).
 
-    Why: ``EngineCore.shutdown`` shuts its executor down first and its
+    Why first: ``EngineCore.shutdown`` shuts its executor down first and its
     scheduler (whose shutdown reaches the connector's) after, and the
     process that started the engine core kills it 5 s after asking it to
     stop. Waiting for the executor's worker to exit took 3.2 of those 5 s
@@ -140,7 +143,38 @@ def _finish_before_engine_teardown() -> None:
     connector's ``shutdown`` then finds it finished. Where vLLM has no
     ``EngineCore.shutdown`` to wrap, the connector finishes when vLLM's
     scheduler shuts down, as before.
+
+    Why a grace: vLLM's OpenAI server, stopped by SIGTERM or SIGINT with its
+    default ``shutdown_timeout`` of 0 ("abort"), sends SIGTERM to its engine
+    core and SIGKILL right after it, without waiting: about 13 ms apart on
+    the test machine, less than kvbm's teardown took with ``serve`` and
+    ``record`` (the recording was left saying it was recording, and the
+    host-tier file stayed behind). vLLM gives its engine core a window
+    before the kill everywhere else (5 s when no timeout is given, 15 s on
+    ROCm after an abort, for the same reason: teardown must not be cut
+    short). This process, the one that imported the connector to read its
+    metrics (vLLM's front end), is where that kill is decided, so its
+    engine-process manager is wrapped to allow the same 5 s when vLLM would
+    allow none. Requests are still aborted at once (the abort is the engine
+    core's, from its own ``shutdown_timeout``); the wait ends as soon as
+    the engine core exits, so a stop takes as long as the teardown does.
     """
+    try:
+        from vllm.v1.engine.utils import CoreEngineProcManager
+    except ImportError:  # pragma: no cover (another vLLM layout)
+        CoreEngineProcManager = None
+    stop = getattr(CoreEngineProcManager, "shutdown", None)
+    if stop is not None and not getattr(stop, "_kvbm_grace", False):
+
+        @functools.wraps(stop)
+        def stop_with_grace(self: Any, timeout: Optional[float] = None) -> Any:
+            if timeout == 0 and getattr(self, "_request_shutdown_timeout", None) == 0:
+                timeout = _ENGINE_CORE_GRACE_S
+            return stop(self, timeout=timeout)
+
+        stop_with_grace._kvbm_grace = True  # type: ignore[attr-defined]
+        CoreEngineProcManager.shutdown = stop_with_grace  # type: ignore[method-assign]
+
     try:
         from vllm.v1.engine.core import EngineCore
     except ImportError:  # pragma: no cover (another vLLM layout)
@@ -163,6 +197,10 @@ def _finish_before_engine_teardown() -> None:
 
     shutdown._kvbm_finishes_first = True  # type: ignore[attr-defined]
     EngineCore.shutdown = shutdown  # type: ignore[method-assign]
+
+
+# What vLLM allows its engine core when no timeout is given (seconds).
+_ENGINE_CORE_GRACE_S = 5.0
 
 
 class KvbmConnector(KVConnectorBase_V1):
@@ -468,3 +506,8 @@ class KvbmConnector(KVConnectorBase_V1):
                     )
         if self._worker is not None:
             self._worker.shutdown()
+
+
+# In vLLM's front end too, which imports this module but builds no
+# connector (see the function).
+_finish_before_engine_teardown()
