@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# kvbm's vLLM connector against a real vLLM (CPU backend, a tiny
-# random-weight Llama): correct bytes, breakpoints, the recording, bad
-# configuration (kvbm-py/tests/vllm/run.py), the fleet through a real
-# nats-server (vLLM's own events bridged: fleet_bridge.py; the connector's
-# `publish`: fleet_publish.py), and the console attached to the running
-# engine in tmux (kvbm-py/tests/vllm/console.py); first, without an engine,
-# the module against hostile arguments (kvbm-py/tests/vllm/api_inputs.py).
+# kvbm's vLLM connector against a real vLLM (CPU backend, a tiny Llama):
+# the KV oracle in seven configurations (one worker, tensor parallel 2, async
+# scheduling, both, preemption, chunked prefill, disk only: logprobs bit for
+# bit against vLLM's own prefix cache with a model whose outputs depend on
+# the KV, and a corrupted load that must fail it), breakpoints, the
+# recording, bad configuration (kvbm-py/tests/vllm/run.py); the OpenAI
+# server stopped with SIGTERM and with kill -9 (server_stop.py); the fleet
+# through a real nats-server (vLLM's own events bridged: fleet_bridge.py;
+# the connector's `publish`: fleet_publish.py), and the console attached to
+# the running engine in tmux (kvbm-py/tests/vllm/console.py); first,
+# without an engine, the module against hostile arguments
+# (kvbm-py/tests/vllm/api_inputs.py).
 #
 # Prepares what it needs: the vLLM environment (scripts/setup-vllm.sh, cached
 # in ~/.cache/kvbm/vllm-venv), kvbm's Python package installed into it the way
@@ -15,8 +20,8 @@
 # already. Optimised, the Python module alone took 5 to 8 minutes of CI's 2
 # cores from nothing (45 s in the dev profile after `cargo test`), and the two
 # binaries 4.4 minutes. KVBM_TEST_PROFILE=release tests release builds of all
-# three instead. About 11 minutes on 2 cores once the environment exists
-# (each vLLM start takes ~40 s).
+# three instead. About 20 minutes on 2 cores once the environment exists
+# (each vLLM start takes 40-90 s; the oracle's seven take about 12).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,6 +61,8 @@ command -v tmux >/dev/null || { echo "tmux is needed (apt-get install tmux)" >&2
 
 echo "== the connector against vLLM"
 "$PY" kvbm-py/tests/vllm/run.py --recorder "$BIN/kvbm-recorder"
+echo "== vLLM's OpenAI server stopped with kill -9, then with SIGTERM"
+"$PY" kvbm-py/tests/vllm/server_stop.py --recorder "$BIN/kvbm-recorder"
 echo "== the fleet bridge: vLLM's own KV events onto NATS, into the fleet recorder"
 NATS_BIN="$(bash scripts/setup-nats.sh)"
 "$PY" kvbm-py/tests/vllm/fleet_bridge.py --recorder "$BIN/kvbm-recorder" --nats-server "$NATS_BIN"
@@ -63,4 +70,4 @@ echo "== the connector's publish: kvbm inside vLLM onto NATS, into the fleet rec
 "$PY" kvbm-py/tests/vllm/fleet_publish.py --recorder "$BIN/kvbm-recorder" --nats-server "$NATS_BIN" \
   --console "$BIN/kvbm-console"
 echo "== the console attached to vLLM, in tmux"
-"$PY" kvbm-py/tests/vllm/console.py --console "$BIN/kvbm-console"
+"$PY" kvbm-py/tests/vllm/console.py --console "$BIN/kvbm-console" --recorder "$BIN/kvbm-recorder"

@@ -79,7 +79,6 @@ impl Observers {
         runtime: &tokio::runtime::Handle,
         info: serde_json::Value,
     ) -> Result<Self, String> {
-        let _ = &info;
         let mut obs = Observers {
             server: None,
             feeder: None,
@@ -138,6 +137,7 @@ impl Observers {
             let bus = emitter.clone();
             ServedEngine::new(ring.clone(), emitter.engine())
                 .with_run(emitter.run())
+                .with_info(info.clone())
                 .with_control(breakpoints.clone())
                 .with_bus_counters(move || bus.bus().counters())
         });
@@ -156,6 +156,7 @@ impl Observers {
                 };
                 rcfg.log.engine_id = u64::from(emitter.engine());
                 rcfg.run = Some(emitter.run());
+                rcfg.info = Some(info);
                 obs.recorder = Some(
                     spawn_recorder(tap, dir.clone(), rcfg, ring.clone()).map_err(|e| {
                         format!("starting the recorder into {}: {e}", dir.display())

@@ -252,6 +252,17 @@ impl PyScheduler {
         })
     }
 
+    /// What the start did that the user should hear of, one line each
+    /// (host-tier files of killed engines it removed).
+    fn start_notes(&self, py: Python<'_>) -> Vec<String> {
+        py.detach(|| {
+            self.lock()
+                .as_ref()
+                .map(|s| s.start_notes().to_vec())
+                .unwrap_or_default()
+        })
+    }
+
     /// The attach server's address (`host:port`), when serving.
     fn serving(&self, py: Python<'_>) -> Option<String> {
         // Without the GIL: another thread's call may hold the side,

@@ -257,6 +257,9 @@ pub struct SchedulerSide {
     partial: HashMap<(Route, u64), Partial>,
     /// What the engine runs as, for people: the line logged at start.
     summary: String,
+    /// What the start did that the user should hear of (host-tier files
+    /// of dead engines it removed), for the caller to log.
+    notes: Vec<String>,
     /// The shared host tier's file, locked while this side lives; removed
     /// at shutdown.
     shm: Option<ShmClaim>,
@@ -486,17 +489,20 @@ impl SchedulerSide {
             ))
         };
         let mut host_storage = Vec::new();
+        // What the start did that the user should hear of (vLLM's
+        // processes print Python's logging, not `tracing`).
+        let mut notes = Vec::new();
         // Claimed (room reserved) before it is mapped, and removed if this
         // start fails from here on (the claim is dropped with the error).
         let mut shm = None;
         if let Some(g2) = &g2 {
             let dir = shm_dir(&cfg);
             for (path, size) in remove_stale(&dir) {
-                tracing::warn!(
-                    "kvbm: removed {} ({}), a host-tier file no running engine holds (left by one that was killed)",
+                notes.push(format!(
+                    "removed {} ({}), a host-tier file no running engine holds (left by one that was killed)",
                     path.display(),
                     human(size)
-                );
+                ));
             }
             let hl = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
             let each = HostStorage::shared_len(&hl).ok_or_else(|| {
@@ -677,6 +683,7 @@ impl SchedulerSide {
             parallel,
             partial: HashMap::new(),
             summary,
+            notes,
             delayed: HashSet::new(),
             step: 0,
             counters: Counters::default(),
@@ -692,6 +699,12 @@ impl SchedulerSide {
     /// the attach server's `/health`).
     pub fn summary(&self) -> &str {
         &self.summary
+    }
+
+    /// What the start did that the user should hear of, one line each:
+    /// the host-tier files of engines that were killed, which it removed.
+    pub fn start_notes(&self) -> &[String] {
+        &self.notes
     }
 
     /// The emitter (tests subscribe to it).

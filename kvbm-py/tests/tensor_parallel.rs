@@ -200,3 +200,34 @@ fn each_rank_keeps_its_own_shard_and_a_batch_waits_for_every_rank() {
         "nothing left behind"
     );
 }
+
+/// A host-tier file a killed engine left (no lock held on it) is removed by
+/// the next start in that directory, which says so; a living engine's stays.
+#[test]
+fn a_start_removes_a_dead_engines_file_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let dead = dir.path().join("kvbm-dead-0123456789abcdef.g2");
+    std::fs::write(&dead, vec![0u8; 4096]).unwrap();
+    let cfg = Config::from_json(&json!({
+        "host_capacity_tokens": 64,
+        "shm_dir": dir.path().to_str().unwrap(),
+    }))
+    .unwrap();
+    let mut living =
+        SchedulerSide::start(cfg.clone(), geometry(), "living", Parallel::default()).unwrap();
+    assert!(!dead.exists());
+    let notes = living.start_notes();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(
+        notes[0].contains(&dead.display().to_string()) && notes[0].contains("4.0 KiB"),
+        "{notes:?}"
+    );
+    let mut next = SchedulerSide::start(cfg, geometry(), "next", Parallel::default()).unwrap();
+    assert!(
+        next.start_notes().is_empty(),
+        "the living engine's file is kept"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+    living.shutdown().unwrap();
+    next.shutdown().unwrap();
+}

@@ -29,6 +29,9 @@ class Scheduler:
     ) -> None: ...
     def summary(self) -> str:
         """What kvbm runs as, in one line: ranks, scheduling, tiers and sizes."""
+    def start_notes(self) -> List[str]:
+        """What the start did that the user should hear of (host-tier files of
+        killed engines it removed), one line each."""
     def get_num_new_matched_tokens(
         self, request: str, prompt: List[int], num_computed_tokens: int
     ) -> Optional[int]: ...

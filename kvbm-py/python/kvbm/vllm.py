@@ -246,6 +246,8 @@ class KvbmConnector(KVConnectorBase_V1):
             # What kvbm runs as, in one line (also in the recording and
             # the attach server's /health).
             logger.warning("kvbm: %s", self._sched.summary())
+            for note in self._sched.start_notes():
+                logger.warning("kvbm: %s", note)
             addr = self._sched.serving()
             if addr:
                 logger.warning("kvbm: attach server on http://%s", addr)

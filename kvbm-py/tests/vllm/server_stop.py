@@ -215,13 +215,8 @@ def run(recorder, work, shm, servers):
     err = s2.stderr()
     dead = [os.path.basename(f) for f in left]
     said = [l.strip() for l in err.splitlines() if "no running engine holds" in l]
-    if said:
-        check(all(any(d in l for l in said) for d in dead), f"server #2 says it removed the dead engine's file: {said}")
-    else:
-        # kvbm says so through `tracing`, which nothing prints inside vLLM
-        # (no subscriber): the removal is seen in shm_dir only.
-        print(f"note: server #2 did not say it removed {dead} (kvbm's tracing warnings reach no stderr in vLLM)",
-              flush=True)
+    check(said and all(any(d in l for l in said) for d in dead),
+          f"server #2 says it removed the dead engine's file: {said}")
     now = host_files(shm)
     check(not set(left) & set(now) and len(now) == 1,
           f"the dead engine's file is gone; server #2 holds its own ({[os.path.basename(f) for f in now]})")
