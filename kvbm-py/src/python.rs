@@ -388,6 +388,18 @@ impl PyWorker {
 /// The Rust core of kvbm's vLLM connector.
 #[pymodule]
 fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Inside vLLM nothing subscribes to `tracing`: without this, kvbm's
+    // warnings (a step's request left out, a host tier whose pages could not
+    // be faulted in, an attach server slow to stop) reached no one. To
+    // stderr, which vLLM's processes keep; `KVBM_LOG` sets the filter
+    // (`warn` by default). A process that installed its own subscriber
+    // keeps it.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVBM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;
