@@ -20,7 +20,9 @@
 //! and resumes with `since = last seq + 1` in the run it was following, so
 //! a consumer sees every event once, or a gap saying it will not.
 //! [`ClientHandle::state`] says where the connection stands ([`ConnState`])
-//! for display.
+//! for display, and [`ClientHandle::engine_info`] what the engine runs as
+//! (its latest hello's `engine_info`, kept while disconnected and replaced
+//! at every connection, so a restarted engine's new description shows).
 //!
 //! **Engine restarts.** Every hello names the engine's run
 //! ([`kvbm_events::RunId`]). When the run after a reconnection is not the
@@ -299,6 +301,10 @@ pub struct Hello {
     pub first_seq: Option<u64>,
     /// Newest.
     pub last_seq: Option<u64>,
+    /// What the engine runs as, when it said (a JSON object whose
+    /// `summary` is one line for a person); `None` from a server that
+    /// says nothing, or is older than the field.
+    pub engine_info: Option<serde_json::Value>,
 }
 
 /// Events `from_seq ..= to_seq` will never arrive.
@@ -638,6 +644,7 @@ pub struct Client {
 pub struct ClientHandle {
     commands: mpsc::Sender<Command>,
     state: watch::Receiver<ConnState>,
+    engine_info: watch::Receiver<Option<Arc<serde_json::Value>>>,
     counters: Arc<Counters>,
     control_timeout: Duration,
     endpoint: Endpoint,
@@ -657,15 +664,17 @@ impl Client {
         let (ev_tx, ev_rx) = mpsc::channel(cfg.channel_capacity.max(1));
         let (cmd_tx, cmd_rx) = mpsc::channel(cfg.command_capacity.max(1));
         let (state_tx, state_rx) = watch::channel(ConnState::Connecting { attempt: 1 });
+        let (info_tx, info_rx) = watch::channel(None);
         let counters = Arc::new(Counters::default());
         let handle = ClientHandle {
             commands: cmd_tx,
             state: state_rx,
+            engine_info: info_rx,
             counters: counters.clone(),
             control_timeout: cfg.control_timeout,
             endpoint: cfg.endpoint.clone(),
         };
-        let task = rt.spawn(run(cfg, ev_tx, cmd_rx, state_tx, counters));
+        let task = rt.spawn(run(cfg, ev_tx, cmd_rx, state_tx, info_tx, counters));
         Ok(Client {
             events: ev_rx,
             handle,
@@ -705,6 +714,15 @@ impl ClientHandle {
     /// A receiver of state changes.
     pub fn watch_state(&self) -> watch::Receiver<ConnState> {
         self.state.clone()
+    }
+
+    /// What the engine runs as: the `engine_info` of the latest hello
+    /// (`None` before the first, or when the engine said nothing). Kept
+    /// while disconnected; replaced at every connection, before the state
+    /// says connected, so a restarted engine's description shows as soon
+    /// as the new connection does.
+    pub fn engine_info(&self) -> Option<Arc<serde_json::Value>> {
+        self.engine_info.borrow().clone()
     }
 
     /// The counters now.
@@ -825,6 +843,7 @@ async fn run(
     tx: mpsc::Sender<ClientEvent>,
     mut commands: mpsc::Receiver<Command>,
     state: watch::Sender<ConnState>,
+    engine_info: watch::Sender<Option<Arc<serde_json::Value>>>,
     counters: Arc<Counters>,
 ) {
     let mut cursor = Cursor {
@@ -836,7 +855,15 @@ async fn run(
         state.send_replace(ConnState::Connecting {
             attempt: failures + 1,
         });
-        let ended = session(&cfg, &mut cursor, &tx, &mut commands, &state, &counters).await;
+        let ended = session(
+            &cfg,
+            &mut cursor,
+            &tx,
+            &mut commands,
+            (&state, &engine_info),
+            &counters,
+        )
+        .await;
         let error = match ended {
             Ended::ConsumerGone => {
                 state.send_replace(ConnState::Stopped);
@@ -995,7 +1022,10 @@ async fn session(
     cursor: &mut Cursor,
     tx: &mpsc::Sender<ClientEvent>,
     commands: &mut mpsc::Receiver<Command>,
-    state: &watch::Sender<ConnState>,
+    (state, engine_info): (
+        &watch::Sender<ConnState>,
+        &watch::Sender<Option<Arc<serde_json::Value>>>,
+    ),
     counters: &Counters,
 ) -> Ended {
     let (ws, deadline) = match open(cfg, cursor.next, cursor.run).await {
@@ -1035,6 +1065,9 @@ async fn session(
     };
     let connected_at = Instant::now();
     bump(&counters.connects, 1);
+    // What the engine (perhaps restarted) runs as now, said before the
+    // state says connected.
+    engine_info.send_replace(hello.engine_info.clone().map(Arc::new));
     state.send_replace(ConnState::Connected {
         hello: hello.clone(),
         since: connected_at,
@@ -1154,6 +1187,7 @@ async fn await_hello(
                 client_key,
                 first_seq,
                 last_seq,
+                engine_info,
             }) => {
                 if protocol != PROTOCOL_VERSION {
                     return Err(Ended::Fatal(ClientError::ProtocolMismatch {
@@ -1169,6 +1203,7 @@ async fn await_hello(
                     client_key,
                     first_seq,
                     last_seq,
+                    engine_info,
                 })
             }
             Ok(ServerMsg::Error(api)) => Err(match fatal_api_error(&api) {
@@ -1610,6 +1645,7 @@ mod tests {
             client_key: String::new(),
             first_seq: None,
             last_seq: None,
+            engine_info: None,
         }
     }
 
@@ -1892,6 +1928,7 @@ mod tests {
                     client_key: "k".into(),
                     first_seq: Some(0),
                     last_seq,
+                    engine_info: None,
                 },
             )
             .await;
@@ -2208,6 +2245,91 @@ mod tests {
             got.last(),
             Some(ClientEvent::Failed(ClientError::GaveUp { failures: 4, .. }))
         ));
+    }
+
+    /// Each hello says what the engine runs as, or not: with the
+    /// description, as an older server writes it (without the field) and
+    /// with another description, one connection after another. The hello
+    /// delivered, the state and the handle agree at each; between two
+    /// connections the handle keeps what the last hello said.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_hello_says_what_the_engine_runs_as_or_not() {
+        let a = serde_json::json!({"summary": "vLLM · tp 2", "tensor_parallel": 2});
+        let b = serde_json::json!({"summary": "vLLM · tp 4 · G3 none", "disk_tokens": 0});
+        let new = |info: &serde_json::Value| {
+            serde_json::to_string(&ServerMsg::Hello {
+                protocol: PROTOCOL_VERSION,
+                engine: 7,
+                run: RunId(7),
+                client: 1,
+                client_key: "k".into(),
+                first_seq: None,
+                last_seq: None,
+                engine_info: Some(info.clone()),
+            })
+            .unwrap()
+        };
+        // Word for word what a server older than the field sends.
+        let old = r#"{"type":"hello","protocol":2,"engine":7,"run":"0000000000000007","client":2,"client_key":"k","first_seq":null,"last_seq":null}"#;
+        let hellos: Arc<[String]> = [new(&a), old.to_string(), new(&b)].into();
+        // One permit lets a connection say hello (after the first), the
+        // next lets it close: the test looks in between.
+        let go = Arc::new(tokio::sync::Semaphore::new(0));
+        let (url, _) = fake::serve({
+            let go = go.clone();
+            move |n, mut ws| {
+                let (go, hello) = (go.clone(), hellos.get(n).cloned());
+                async move {
+                    let Some(hello) = hello else { return };
+                    if n > 0 {
+                        go.acquire().await.unwrap().forget();
+                    }
+                    ws.send(Message::text(hello)).await.unwrap();
+                    go.acquire().await.unwrap().forget();
+                }
+            }
+        })
+        .await;
+        let mut c = Client::spawn(quick(&url), &tokio::runtime::Handle::current()).unwrap();
+        let handle = c.handle();
+        async fn next(c: &mut Client) -> ClientEvent {
+            tokio::time::timeout(Duration::from_secs(10), c.recv())
+                .await
+                .expect("an event within 10 s")
+                .expect("the client still runs")
+        }
+        assert_eq!(handle.engine_info(), None, "before any hello");
+        for (i, want) in [Some(a), None, Some(b)].into_iter().enumerate() {
+            let hello = loop {
+                match next(&mut c).await {
+                    ClientEvent::Connected(h) => break h,
+                    ClientEvent::Failed(e) => panic!("{e}"),
+                    _ => {}
+                }
+            };
+            assert_eq!(hello.engine_info, want, "hello {i}");
+            assert_eq!((hello.engine, hello.run), (7, RunId(7)));
+            assert_eq!(handle.engine_info().as_deref(), want.as_ref(), "hello {i}");
+            match handle.state() {
+                ConnState::Connected { hello, .. } => assert_eq!(hello.engine_info, want),
+                other => panic!("hello {i}: {other:?}"),
+            }
+            if i == 2 {
+                break;
+            }
+            go.add_permits(1); // this connection closes
+            loop {
+                match next(&mut c).await {
+                    ClientEvent::Disconnected { .. } => break,
+                    ClientEvent::Failed(e) => panic!("{e}"),
+                    _ => {}
+                }
+            }
+            // Not connected, the next hello not said: what the last said.
+            assert_eq!(handle.engine_info().as_deref(), want.as_ref(), "after {i}");
+            go.add_permits(1); // the next connection says hello
+        }
+        assert_eq!(handle.counters().connects, 3);
     }
 
     proptest! {

@@ -631,6 +631,78 @@ async fn health_and_snapshot_say_what_the_engine_runs_as_when_told() {
     told.shutdown().await.unwrap();
 }
 
+/// The WebSocket's first frame, as the server wrote it.
+async fn first_text(addr: SocketAddr) -> String {
+    let (mut s, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/events?version=2"))
+        .await
+        .unwrap();
+    loop {
+        match s.next().await.unwrap().unwrap() {
+            tungstenite::Message::Text(t) => return t.as_str().to_string(),
+            tungstenite::Message::Ping(_) | tungstenite::Message::Pong(_) => {}
+            other => panic!("the first frame is text, got {other:?}"),
+        }
+    }
+}
+
+/// The Hello says what the engine runs as, the same `engine_info` as
+/// `/health`; without it the field is absent from the frame. The attach
+/// client hands it on (in its hello and its handle).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hello_says_what_the_engine_runs_as_when_told() {
+    let info = serde_json::json!({
+        "summary": "vLLM · tp 2 · async scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none",
+        "source": "vllm",
+        "tensor_parallel": 2,
+        "async_scheduling": true,
+    });
+    let f = fed(1000, false);
+    f.emit(3).await;
+    let plain = serve(local(), f.engine.clone()).await;
+    let told = serve(local(), f.engine.clone().with_info(info.clone())).await;
+
+    for (h, want) in [(&told, Some(&info)), (&plain, None)] {
+        let text = first_text(h.local_addr()).await;
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["type"], "hello", "{text}");
+        assert_eq!(v.get("engine_info"), want, "{text}");
+        match serde_json::from_str::<ServerMsg>(&text).unwrap() {
+            ServerMsg::Hello {
+                engine,
+                run,
+                engine_info,
+                ..
+            } => {
+                assert_eq!((engine, run), (3, f.engine.run()));
+                assert_eq!(engine_info.as_ref(), want);
+            }
+            other => panic!("{other:?}"),
+        }
+
+        // Through the attach client.
+        let url = format!("http://{}", h.local_addr());
+        let mut c = kvbm_attach::client::Client::spawn(
+            kvbm_attach::client::ClientConfig::new(&url).unwrap(),
+            &tokio::runtime::Handle::current(),
+        )
+        .unwrap();
+        let hello = loop {
+            let ev = tokio::time::timeout(Duration::from_secs(10), c.recv())
+                .await
+                .expect("connected within 10 s")
+                .expect("the client runs");
+            if let kvbm_attach::client::ClientEvent::Connected(h) = ev {
+                break h;
+            }
+        };
+        assert_eq!(hello.engine_info.as_ref(), want);
+        assert_eq!(c.handle().engine_info().as_deref(), want);
+    }
+
+    plain.shutdown().await.unwrap();
+    told.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn off_loopback_the_server_refuses_to_start_without_a_token() {
     let f = fed(16, false);

@@ -18,8 +18,7 @@
 //!   [`keys`]: the key table that dispatches keys and writes the help.
 //! - [`remote`]: a remote engine through the attach server (or a vLLM ZMQ
 //!   stream), fed into a local ring that a [`source::LiveSource`] reads;
-//!   it builds sources, and the caller builds the app. [`health`]: the
-//!   attach server's word on what its engine runs as, for the header.
+//!   it builds sources, and the caller builds the app.
 //! - [`run`]: the terminal and the `tokio::select!` loop;
 //!   [`embedded`]: the simulated engine behind `demo`.
 //! - [`bpspec`]: breakpoint specs as typed at the prompt; [`fmt`]: number
@@ -34,12 +33,12 @@
 //! run      → app
 //! app      → ui, keys, source, model, bpspec
 //! ui       → keys, source (Badge), model, lints, bpspec, fmt
-//! remote   → source, health
+//! remote   → source
 //! source   → model, fmt
 //! model    → lints
 //! lints    → fmt
 //! fleet    → app, run, ui, keys, source, model, fmt
-//! embedded, keys, bpspec, fmt, health: nothing in this crate
+//! embedded, keys, bpspec, fmt: nothing in this crate
 //! ```
 //!
 //! So the views never see the app, and the remote engine never sees the
@@ -50,7 +49,6 @@ pub mod bpspec;
 pub mod embedded;
 pub mod fleet;
 pub mod fmt;
-pub mod health;
 pub mod keys;
 pub mod lints;
 pub mod model;

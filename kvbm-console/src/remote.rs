@@ -25,10 +25,10 @@
 //! model there instead of folding two runs into one, and the badge says
 //! `ATTACHED · RUN n (engine restarted)`.
 //!
-//! At every connection the server's `/health` is read once more
-//! ([`crate::health`]) for what the engine runs as (its `engine_info`),
-//! whose summary the header shows ([`Link::engine_summary`]): an engine
-//! that restarted may run otherwise.
+//! What the engine runs as (its `engine_info`, whose summary the header
+//! shows: [`Link::engine_summary`]) comes with the server's hello at every
+//! connection ([`ClientHandle::engine_info`]): an engine that restarted
+//! may run otherwise.
 
 use crate::source::{Badge, Link, LiveSource, Tone};
 use kvbm_attach::client::{
@@ -67,7 +67,6 @@ impl Remote {
     ) -> anyhow::Result<Remote> {
         let ring = Arc::new(RingBuffer::new(RingConfig::with_capacity(ring_capacity))?);
         let url = cfg.endpoint.to_string();
-        let health = (cfg.endpoint.clone(), cfg.token.clone());
         let client = Client::spawn(cfg, rt)?;
         let handle = client.handle();
         let view = Arc::new(Mutex::new(BreakpointsView::default()));
@@ -82,9 +81,8 @@ impl Remote {
             url,
             handle,
             run_starts: Mutex::new(Vec::new()),
-            engine_info: Mutex::new(None),
         });
-        let task = rt.spawn(forward(client, ring.clone(), view, status.clone(), health));
+        let task = rt.spawn(forward(client, ring.clone(), view, status.clone()));
         Ok(Remote {
             ring,
             status,
@@ -135,7 +133,6 @@ async fn forward(
     ring: Arc<RingBuffer>,
     view: Arc<Mutex<BreakpointsView>>,
     status: Arc<RemoteStatus>,
-    (endpoint, token): (kvbm_attach::client::Endpoint, Option<String>),
 ) {
     let handle = client.handle();
     while let Some(ev) = client.recv().await {
@@ -155,17 +152,6 @@ async fn forward(
                 tokio::spawn(async move {
                     if let Ok(ControlResult::List(list)) = h.control(ControlCommand::List).await {
                         *lock(&v) = list;
-                    }
-                });
-                // What the engine (perhaps restarted) runs as now. A
-                // failed read keeps what was known.
-                let (s, e, t) = (status.clone(), endpoint.clone(), token.clone());
-                tokio::spawn(async move {
-                    match crate::health::engine_info(&e, t.as_deref(), crate::health::FETCH_TIMEOUT)
-                        .await
-                    {
-                        Ok(info) => *lock(&s.engine_info) = info,
-                        Err(why) => tracing::debug!("engine_info: {why}"),
                     }
                 });
             }
@@ -192,9 +178,6 @@ pub struct RemoteStatus {
     handle: ClientHandle,
     /// Ring positions where new engine runs began.
     run_starts: Mutex<Vec<u64>>,
-    /// What the engine runs as, from the server's `/health` at the last
-    /// connection.
-    engine_info: Mutex<Option<serde_json::Value>>,
 }
 
 impl RemoteStatus {
@@ -218,10 +201,10 @@ impl RemoteStatus {
         self.handle.counters()
     }
 
-    /// What the engine runs as (the server's `/health` `engine_info` at
-    /// the last connection), if it said.
+    /// What the engine runs as (the `engine_info` of the server's hello
+    /// at the last connection), if it said.
     pub fn engine_info(&self) -> Option<serde_json::Value> {
-        lock(&self.engine_info).clone()
+        self.handle.engine_info().map(Arc::unwrap_or_clone)
     }
 }
 
@@ -241,9 +224,9 @@ impl Link for RemoteStatus {
     }
 
     fn engine_summary(&self) -> Option<String> {
-        lock(&self.engine_info)
-            .as_ref()
-            .and_then(kvbm_recorder::sidecar::engine_summary)
+        self.handle
+            .engine_info()
+            .and_then(|i| kvbm_recorder::sidecar::engine_summary(&i))
     }
 }
 

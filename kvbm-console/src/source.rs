@@ -89,7 +89,7 @@ impl Source {
 
     /// What the engine runs as, in one line (e.g. `vLLM · tp 2 · async
     /// scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none`), when
-    /// known: from the link (an attach server's `/health`), the source's
+    /// known: from the link (an attach server's hello), the source's
     /// own (the demo), or the recording's sidecar. The header shows it.
     pub fn engine_summary(&self) -> Option<String> {
         match self {

@@ -1,7 +1,7 @@
 //! What the engine runs as, in the console's header: a third header line
 //! (` runs as SUMMARY`, cut with `…` at the screen's edge) when the source
 //! knows it — a replay from its recording's sidecar, an attach from the
-//! server's `/health` — and nothing else moved but the one row the views
+//! server's hello — and nothing else moved but the one row the views
 //! give up for it. Drawn into a `TestBackend`, with `replay` also run for
 //! real in tmux.
 
@@ -108,9 +108,9 @@ fn the_tabs_take_clicks_on_the_row_they_are_drawn_on() {
     assert!(!lines[4].contains("Slots —"), "{}", lines.join("\n"));
 }
 
-/// Attached to a server whose engine says what it runs as: the console
-/// reads `/health` at connect and its header shows the summary; a server
-/// that says nothing leaves the header as it was.
+/// Attached to a server whose engine says what it runs as: the server's
+/// hello says it at connect and the console's header shows the summary; a
+/// server that says nothing leaves the header as it was.
 #[test]
 fn an_attached_header_says_what_the_engine_runs_as() {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -177,7 +177,7 @@ fn an_attached_header_says_what_the_engine_runs_as() {
             assert_eq!(status.engine_info(), Some(info()));
             assert!(lines[3].starts_with("1 Slots"), "{}", lines[3]);
         } else {
-            // Give a late /health a moment to (wrongly) show something.
+            // Give anything late a moment to (wrongly) show something.
             std::thread::sleep(Duration::from_millis(200));
             let lines = draw(&mut app, 120, 30);
             assert!(lines[0].contains("ATTACHED"), "{}", lines.join("\n"));
@@ -188,6 +188,98 @@ fn an_attached_header_says_what_the_engine_runs_as() {
         drop(remote);
         rt.block_on(handle.shutdown()).unwrap();
     }
+}
+
+/// An engine restarted on the same address running otherwise: at the
+/// reconnection the new hello's description replaces the old one in the
+/// header, and one that says nothing takes the third line away.
+#[test]
+fn a_restarted_engine_shows_what_it_runs_as_now() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let ring = Arc::new(RingBuffer::with_capacity(1024).unwrap());
+    let second = "vLLM · tp 4 · G2 none · G3 none";
+    let mut info2 = info();
+    info2["summary"] = second.into();
+    // A new ServedEngine is a new engine run, as a restart is.
+    let start = |addr: std::net::SocketAddr, info: Option<serde_json::Value>| {
+        let mut engine = ServedEngine::new(ring.clone(), 7);
+        if let Some(i) = info {
+            engine = engine.with_info(i);
+        }
+        let cfg = ServerConfig {
+            addr,
+            ..ServerConfig::default()
+        };
+        // The port a stopped server let go of may take a moment to free.
+        let t = Instant::now();
+        let server = loop {
+            match rt.block_on(Server::bind(cfg.clone(), engine.clone())) {
+                Ok(s) => break s,
+                Err(e) if t.elapsed() < Duration::from_secs(10) => {
+                    eprintln!("binding {addr}: {e}; again");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => panic!("binding {addr}: {e}"),
+            }
+        };
+        let addr = server.local_addr();
+        let _g = rt.enter();
+        (addr, server.spawn())
+    };
+    let (addr, first) = start("127.0.0.1:0".parse().unwrap(), Some(info()));
+    let mut cfg = ClientConfig::new(&format!("http://{addr}")).unwrap();
+    cfg.backoff.max = Duration::from_millis(200);
+    let remote = Remote::start(cfg, 1 << 16, rt.handle()).unwrap();
+    let status = remote.status();
+    let mut app = App::new(
+        Model::new(ModelConfig::default()),
+        Source::Live(remote.source()),
+        status.url(),
+    );
+    let mut until = |what: &str, done: &dyn Fn(&[String]) -> bool| {
+        let t = Instant::now();
+        loop {
+            app.pull(Instant::now());
+            let lines = draw(&mut app, 120, 30);
+            if done(&lines) {
+                return lines;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "{what}:\n{}",
+                lines.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    until("the first engine", &|l| {
+        l[0].contains("ATTACHED") && l[2] == format!(" runs as {SUMMARY}")
+    });
+
+    // Restarted, running otherwise.
+    rt.block_on(first.shutdown()).unwrap();
+    let (_, restarted) = start(addr, Some(info2.clone()));
+    let lines = until("the restarted engine", &|l| {
+        l[0].contains("RUN 2") && l[2] == format!(" runs as {second}")
+    });
+    assert!(lines[3].starts_with("1 Slots"), "{}", lines.join("\n"));
+    assert_eq!(status.engine_info(), Some(info2));
+
+    // Restarted again, saying nothing: two header lines again.
+    rt.block_on(restarted.shutdown()).unwrap();
+    let (_, silent) = start(addr, None);
+    until("the silent engine", &|l| {
+        l[0].contains("RUN 3") && l[2].starts_with("1 Slots")
+    });
+    assert_eq!(status.engine_info(), None);
+
+    drop(app);
+    drop(remote);
+    rt.block_on(silent.shutdown()).unwrap();
 }
 
 fn gauge_at(seq: u64) -> Event {

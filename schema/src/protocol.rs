@@ -52,7 +52,15 @@
 //! # WebSocket `/events`
 //! The server speaks first: a text frame with [`ServerMsg::Hello`], which
 //! names the engine's run: a client that followed another run must not
-//! take what follows for a continuation of it. Then
+//! take what follows for a continuation of it. The hello also says what
+//! the engine runs as, when the engine said (`engine_info`: a JSON object
+//! whose `summary` is one line for a person, the facts behind it beside;
+//! the same value as `engine_info` in `GET /health` and `GET /snapshot`),
+//! so a client learns it again at every (re)connection, a restarted
+//! engine's included. The field is absent when the engine said nothing;
+//! it came within version 2, so a hello without it (an older server) is
+//! still a version 2 hello, and a client that knows nothing of it ignores
+//! it (a hello's unknown fields are ignored, never refused). Then
 //! binary frames, each an [`encode_batch`] of events in sequence order,
 //! starting at `since` (or at the oldest event the server holds when
 //! `since` is absent). When events from the requested range are no longer
@@ -190,6 +198,12 @@ pub enum ServerMsg {
         first_seq: Option<u64>,
         /// See `first_seq`.
         last_seq: Option<u64>,
+        /// What the engine runs as, when it said: a JSON object whose
+        /// `summary` is one line for a person (as `engine_info` in
+        /// `GET /health`). Absent from the JSON when `None`, and `None`
+        /// when an older server left it out.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        engine_info: Option<serde_json::Value>,
     },
     /// Events `from_seq ..= to_seq` will not be sent.
     Gap {
@@ -381,6 +395,69 @@ mod tests {
                 r#"{"type":"control","id":1,"command":{"command":"step"},"x":1}"#
             )
             .is_err()
+        );
+    }
+
+    /// A hello with the engine's description, one without it (the field
+    /// absent from the JSON), one from a server older than the field, and
+    /// a new hello read by a client older than the field: each reads.
+    #[test]
+    fn a_hello_reads_with_or_without_the_engine_info() {
+        let info = serde_json::json!({"summary": "vLLM · tp 2", "tensor_parallel": 2});
+        let hello = |engine_info| ServerMsg::Hello {
+            protocol: 2,
+            engine: 3,
+            run: RunId(9),
+            client: 4,
+            client_key: "k".into(),
+            first_seq: Some(0),
+            last_seq: Some(5),
+            engine_info,
+        };
+        for m in [hello(Some(info.clone())), hello(None)] {
+            let json = serde_json::to_string(&m).unwrap();
+            assert_eq!(json.contains("engine_info"), m != hello(None), "{json}");
+            assert_eq!(serde_json::from_str::<ServerMsg>(&json).unwrap(), m);
+        }
+        let v = serde_json::to_value(hello(Some(info.clone()))).unwrap();
+        assert_eq!(v["engine_info"], info);
+
+        // From a server older than the field.
+        let old = r#"{"type":"hello","protocol":2,"engine":3,"run":"0000000000000009","client":4,"client_key":"k","first_seq":0,"last_seq":5}"#;
+        assert_eq!(serde_json::from_str::<ServerMsg>(old).unwrap(), hello(None));
+        // An explicit null is none too.
+        let null = old.replace(r#""last_seq":5"#, r#""last_seq":5,"engine_info":null"#);
+        assert_eq!(
+            serde_json::from_str::<ServerMsg>(&null).unwrap(),
+            hello(None)
+        );
+
+        // Read by a client older than the field: the hello as it knew it.
+        #[derive(Debug, PartialEq, Deserialize)]
+        #[serde(tag = "type", rename_all = "snake_case")]
+        enum OldServerMsg {
+            Hello {
+                protocol: u32,
+                engine: u32,
+                run: RunId,
+                client: u64,
+                client_key: String,
+                first_seq: Option<u64>,
+                last_seq: Option<u64>,
+            },
+        }
+        let json = serde_json::to_string(&hello(Some(info))).unwrap();
+        assert_eq!(
+            serde_json::from_str::<OldServerMsg>(&json).unwrap(),
+            OldServerMsg::Hello {
+                protocol: 2,
+                engine: 3,
+                run: RunId(9),
+                client: 4,
+                client_key: "k".into(),
+                first_seq: Some(0),
+                last_seq: Some(5),
+            }
         );
     }
 

@@ -372,6 +372,8 @@ fn hello(state: &AppState, id: u64) -> ServerMsg {
         client_key,
         first_seq: first.filter(|_| last.is_some()),
         last_seq: last.filter(|_| first.is_some()),
+        // What the engine runs as, as `/health` serves it.
+        engine_info: state.engine.info().cloned(),
     }
 }
 
