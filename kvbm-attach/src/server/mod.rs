@@ -355,8 +355,9 @@ impl ServedEngine {
     /// line for a person (e.g. `"vLLM · tp 2 · async scheduling · G2 8,192
     /// tokens (4.0 MiB a rank) · G3 none"`), with the facts behind it
     /// beside (`tensor_parallel`, `async_scheduling`, ...). Served as is
-    /// as `engine_info` in `GET /health` and `GET /snapshot`, where a
-    /// console shows the summary in its header.
+    /// as `engine_info` in each WebSocket's `Hello` (an attached console
+    /// shows the summary in its header) and in `GET /health` and
+    /// `GET /snapshot` (for scripts).
     pub fn with_info(mut self, info: serde_json::Value) -> Self {
         self.info = Some(Arc::new(info));
         self
