@@ -5,7 +5,8 @@
 //! model behind everything that looks at an engine — the live console, replay
 //! of a recorded log, the recorder's snapshots and the test that checks the
 //! engine against its own events — so that what is seen live is what is seen
-//! in replay, bit for bit (DESIGN.md, principle 3).
+//! in replay, bit for bit (docs/ARCHITECTURE.md, "How an event travels
+//! from the leader to the screen").
 //!
 //! # Properties
 //!
