@@ -302,8 +302,37 @@ def check_scheduler_inputs():
     ok("a tensor at address 0 is said to be null")
 
 
+def check_parallel():
+    """Tensor-parallel ranks and pipeline stages vLLM would never give."""
+    cache = Cache()
+    d = fresh_dir("ranks")
+    for rank, ranks in ((2, 2), (5, 2), (0, 0)):
+        e = raises(ValueError, K.Worker, cfg(d), G, "tp", cache.json(), rank, ranks)
+        assert f"rank {rank} of {ranks}" in e, e
+    assert not os.listdir(d), os.listdir(d)
+    ok("a worker rank outside its tensor-parallel size is refused naming both, and makes no file")
+    e = raises(RuntimeError, K.Scheduler, cfg(d), G, "pp", 1, 2, False)
+    assert "pipeline_parallel_size 2" in e, e
+    e = raises(RuntimeError, K.Scheduler, cfg(d), G, "tp0", 0, 1, False)
+    assert "tensor_parallel_size 0" in e, e
+    e = raises(RuntimeError, K.Scheduler, cfg(d), G, "tp-huge", 1 << 40, 1, False)
+    assert "tensor_parallel_size" in e, e
+    assert not os.listdir(d), os.listdir(d)
+    ok("pipeline stages and absurd tensor-parallel sizes are refused naming them, and make no file")
+    w = [K.Worker(cfg(d), G, "tp2", cache.json(), r, 2) for r in range(2)]
+    s = K.Scheduler(cfg(d), G, "tp2", 2, 1, True)
+    assert "tensor parallel 2" in s.summary() and "async" in s.summary(), s.summary()
+    assert sorted(f.rsplit(".", 2)[1] for f in os.listdir(d)) == ["tp0", "tp1"], os.listdir(d)
+    s.shutdown()
+    for x in w:
+        x.shutdown()
+    assert not os.listdir(d), os.listdir(d)
+    ok("two ranks have a host-tier file each, removed at shutdown; the summary says tensor parallel 2, async")
+
+
 def main():
     try:
+        check_parallel()
         check_geometry()
         check_concurrent_worker_calls()
         check_failed_start_leaves_nothing()

@@ -1,9 +1,12 @@
 """The console on a real engine, in a real terminal (tmux): vLLM with kvbm's
-connector serving the attach protocol, `kvbm-console attach` to it. The
-slots view must show vLLM's requests moving through their states, and the
-transfers view G1→G2 and G2→G1 transfers done, with their blocks.
+connector serving the attach protocol (and recording), `kvbm-console
+attach` to it. The header must say what kvbm runs as; the slots view must
+show vLLM's requests moving through their states, and after a prefix-cache
+reset, requests with G2 hits that equal the G2→G1 blocks the recording
+loaded for them; the transfers view G1→G2 and G2→G1 transfers done, with
+their blocks.
 
-    python console.py --console PATH/TO/kvbm-console
+    python console.py --console PATH/TO/kvbm-console --recorder PATH/TO/kvbm-recorder
 """
 
 import argparse
@@ -68,6 +71,7 @@ def wait_for(session, pred, what, timeout=60, err_path=None, engine_tail=()):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--console", required=True)
+    ap.add_argument("--recorder", required=True)
     a = ap.parse_args()
     if shutil.which("tmux") is None:
         raise SystemExit("FAIL: tmux is not installed (apt-get install tmux)")
@@ -76,7 +80,8 @@ def main():
     session = f"kvbm-vllm-{os.getpid()}"
     # The engine serves longer than the checks below can wait in all
     # (60 + 60 + 90 s); they end it as soon as they pass.
-    args = {"port": port, "seconds": 270, "max_tokens": 48}
+    rec = os.path.join(tmp, "rec")
+    args = {"port": port, "seconds": 270, "max_tokens": 48, "record": rec}
     eng = engine.spawn(
         [sys.executable, os.path.join(HERE, "scenario.py"), "serve_workload", json.dumps(args)],
         stdout=subprocess.PIPE,
@@ -107,11 +112,24 @@ def main():
         first = wait_for(session, lambda s: "ATTACHED" in s and req.search(s) and any(x in s for x in states),
                          "requests with slot states on the slots view", err_path=err_path, engine_tail=engine_tail)
         print("ok: the slots view lists vLLM's requests with their states", flush=True)
+        header = next((l.strip() for l in first.splitlines() if "runs as" in l), "")
+        if not ("vLLM" in header and "1 worker" in header and "sync scheduling" in header):
+            print(first)
+            raise SystemExit(f"FAIL: the header does not say what kvbm runs as (ranks, scheduling): {header!r}")
+        print(f"ok: the header says what kvbm runs as: {header[:150]}", flush=True)
         seen_states = {x for x in states if x in first}
         ids_first = set(req.findall(first))
         # A row: request, state, age, prompt, generated, G1 G2 G3 (blocks
-        # held), Hit G1 (tokens found in vLLM's own prefix cache).
-        row = re.compile(r"\b(\d+-[0-9a-f]{8})\s+(\w+)\s+\S+\s+\d+\s+\d+\s+(\d+)\s+\d+\s+\d+\s+(\d+)")
+        # held), Hit G1 (tokens found in vLLM's own prefix cache), Hit G2
+        # (tokens loaded from kvbm's host tier).
+        row = re.compile(r"\b(\d+-[0-9a-f]{8})\s+(\w+)\s+\S+\s+\d+\s+\d+\s+(\d+)\s+\d+\s+\d+\s+(\d+)\s+([\d,]+)")
+        finished_g2 = {}
+
+        def note_g2(s):
+            """Finished requests' Hit G2 on the screen (final figures)."""
+            for m in row.findall(s):
+                if m[1] == "Finished":
+                    finished_g2[m[0]] = int(m[4].replace(",", ""))
 
         def g1_held(s):
             """The most G1 blocks a running request holds on the screen."""
@@ -127,6 +145,7 @@ def main():
         while time.time() - t1 < 60 and not (moved and g1 > 0 and hit > 0):
             time.sleep(1)
             s = capture(session)
+            note_g2(s)
             seen_states |= {x for x in states if x in s}
             moved = set(req.findall(s)) != ids_first and len(seen_states) >= 2
             g1, hit = max(g1, g1_held(s)), max(hit, g1_hit(s))
@@ -155,8 +174,30 @@ def main():
         wait_for(session, transfers, "G1→G2 and G2→G1 transfers done, with their blocks, on the transfers view", timeout=90,
                  err_path=err_path, engine_tail=engine_tail)
         print("ok: the transfers view shows G1→G2 and G2→G1 transfers done, with their blocks", flush=True)
+        # Back on the slots view, until finished requests with G2 hits
+        # (loaded after a reset) are on the screen.
+        tmux("send-keys", "-t", session, "1")
+        t2 = time.time()
+        while time.time() - t2 < 60 and not any(finished_g2.values()):
+            note_g2(capture(session))
+            time.sleep(0.5)
         tmux("send-keys", "-t", session, "q")
         done = [line.strip() for line in list(engine_tail) if '"round"' in line]
+        engine.kill_group(eng)
+        # What the recording says was loaded for the requests seen finished.
+        import run  # noqa: E402 (this directory)
+
+        loaded = run.loaded_per_request(a.recorder, rec)
+        want = {r: loaded.get(r, {}).get("Host", 0) * engine.BLOCK for r in finished_g2}
+        wrong = {r: (finished_g2[r], want[r]) for r in finished_g2 if finished_g2[r] != want[r]}
+        hit = sum(1 for v in finished_g2.values() if v > 0)
+        if not finished_g2 or hit == 0 or wrong:
+            raise SystemExit(f"FAIL: the slots view's Hit G2 of finished requests against the G2→G1 blocks the "
+                             f"recording loaded for them ({hit} of {len(finished_g2)} with hits; differ "
+                             f"(screen, recording): {dict(list(wrong.items())[:5])})")
+        print(f"ok: after vLLM's prefix cache was reset, the slots view credits {hit} of the {len(finished_g2)} "
+              f"finished requests seen with G2 hits, each equal to the G2→G1 blocks the recording loaded for it "
+              f"(up to {max(finished_g2.values())} tokens)", flush=True)
         print(f"all console checks passed (the engine's last round: {done[-1] if done else 'none yet'})", flush=True)
     finally:
         tmux("kill-session", "-t", session, check=False)

@@ -140,6 +140,44 @@ def recorded_kinds(recorder, rec):
     return kinds, preempted, blocks
 
 
+def loaded_per_request(recorder, rec):
+    """Blocks loaded into G1 for each request, by source tier, from the
+    recording: completed transfers into the device, owned by the request
+    that planned them."""
+    ev = subprocess.run([recorder, "export", rec, "--format", "jsonl"], capture_output=True, text=True)
+    owner = {}
+    loaded = {}
+    for line in ev.stdout.splitlines():
+        e = json.loads(line)
+        k = e.get("kind") or {}
+        d = k.get("direction") or {}
+        if d.get("dst") != "Device":
+            continue
+        if k.get("kind") == "TransferPlanned":
+            owner[k["transfer"]] = e.get("request")
+        elif k.get("kind") == "TransferCompleted" and owner.get(k["transfer"]):
+            per = loaded.setdefault(owner[k["transfer"]], {})
+            per[d["src"]] = per.get(d["src"], 0) + k["blocks"]
+    return loaded
+
+
+def check_hits(name, recorder, rec, by):
+    """Each request's G2 hits in the console's model (the attach server's
+    snapshot) equal the blocks the recording shows loaded for it from G2."""
+    hits = by.get("hits") or {}
+    loaded = loaded_per_request(recorder, rec)
+    wrong = {r: (h, loaded.get(r, {}).get("Host", 0) * engine.BLOCK) for r, h in hits.items()
+             if h[1] != loaded.get(r, {}).get("Host", 0) * engine.BLOCK}
+    credited = sum(1 for h in hits.values() if h[1] > 0)
+    check(hits and by.get("pruned_slots") == 0 and not wrong and credited > 0,
+          f"{name}: each request's G2 hits in the console's model equal the G2→G1 blocks the recording "
+          f"loaded for it ({credited} of {len(hits)} requests credited, "
+          f"{sum(h[1] for h in hits.values())} tokens; {len(wrong)} differ: {dict(list(wrong.items())[:3])})")
+    summary = (by.get("engine_info") or {}).get("summary", "")
+    check("1 worker" in summary and "sync scheduling" in summary,
+          f"{name}: /snapshot says what kvbm runs as: {summary!r}")
+
+
 def check_recording_content(name, recorder, rec, kinds, blocks):
     """What the connector's recording must hold: TTFT and transfer latency
     both ways in `stats`, slot transitions, completed transfers, the
@@ -174,6 +212,8 @@ def test_oracle(tmp, recorder, names):
         rec = os.path.join(tmp, f"rec-oracle-{name}")
         dump = os.path.join(tmp, f"dump-oracle-{name}")
         extra = {"host_capacity_tokens": 16384, "shm_dir": tmp, "record": rec}
+        if name == "one-worker":
+            extra["serve"] = f"127.0.0.1:{engine.free_port()}"
         if "disk_capacity_tokens" in extra_more:
             extra["disk_path"] = os.path.join(tmp, f"g3-oracle-{name}.kvbm")
         extra.update(extra_more)
@@ -226,6 +266,7 @@ def test_oracle(tmp, recorder, names):
               f"({c.stdout.strip()[-200:]}{c.stderr.strip()[-200:]})")
         if name == "one-worker":
             check_recording_content(name, recorder, rec, kinds, blocks)
+            check_hits(name, recorder, rec, by)
         loads = kinds.get("TransferCompleted", 0)
         print(f"   ({kinds.get('SlotCreated', 0)} requests, {loads} transfers completed, "
               f"{preempted} preemptions recorded)", flush=True)

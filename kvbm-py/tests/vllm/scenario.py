@@ -83,6 +83,15 @@ def oracle(args):
         pass
     reset2 = llm.reset_prefix_cache()
     corrupt = engine.generate_logprobs(llm, ps, mt)
+    serve = args.get("extra", {}).get("serve")
+    if serve:
+        # What the console's model (the reducer) credits each request.
+        snap = http("GET", f"http://{serve}/snapshot")
+        engine.say(
+            hits={rid: s.get("hit_tokens") for rid, s in snap.get("slots", {}).items()},
+            pruned_slots=snap.get("pruned_slots"),
+            engine_info=snap.get("engine_info"),
+        )
     engine.say(
         up_s=up,
         tp=cfg.parallel_config.tensor_parallel_size,
@@ -196,7 +205,10 @@ def serve_workload(args):
     """A long-running engine for the console test: rounds of requests, the
     device cache reset between them so blocks come back from kvbm."""
     port = args["port"]
-    llm = engine.engine(extra={"serve": f"127.0.0.1:{port}", "host_capacity_tokens": 8192})
+    extra = {"serve": f"127.0.0.1:{port}", "host_capacity_tokens": 8192}
+    if args.get("record"):
+        extra["record"] = args["record"]
+    llm = engine.engine(extra=extra)
     engine.say(serving=port)
     deadline = time.time() + args["seconds"]
     rounds = 0
