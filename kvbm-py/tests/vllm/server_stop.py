@@ -35,27 +35,14 @@ import urllib.error
 import urllib.request
 
 import engine  # noqa: E402 (this directory; no vLLM import at load)
+from run import FAILURES, check  # noqa: E402 (the same ok:/FAIL: lines as run.py)
 
 PY = sys.executable
-FAILURES = []
 # vLLM gives its engine core 5 s to stop (kvbm's grace where the server would
 # give none); the front end then closes its HTTP server.
 STOP_WITHIN_S = 10.0
 START_WITHIN_S = 300.0
 MAX_TOKENS = 8
-
-
-def fail(msg):
-    print(f"FAIL: {msg}", flush=True)
-    FAILURES.append(msg)
-
-
-def check(cond, msg):
-    if cond:
-        print(f"ok: {msg}", flush=True)
-    else:
-        fail(msg)
-    return cond
 
 
 def host_files(shm):
