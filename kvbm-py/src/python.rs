@@ -399,6 +399,8 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal, not in vLLM's log files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_class::<PyScheduler>()?;

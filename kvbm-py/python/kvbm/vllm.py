@@ -98,21 +98,41 @@ def _parallel(vllm_config: Any) -> Tuple[int, int, bool]:
     With async scheduling (vLLM's default on GPUs) a step's stores wait for
     vLLM to report that step's output, not the next one planned.
     Pipeline parallelism is refused by the scheduler side, saying why.
-    Several data-parallel engines are refused here: each would need its own
-    tiers, attach server and recording, which one `kv_connector_extra_config`
-    cannot name apart."""
+    Data-parallel engines are each an engine of their own
+    (`_per_engine`)."""
     pc = getattr(vllm_config, "parallel_config", None)
     sc = getattr(vllm_config, "scheduler_config", None)
     ranks = int(getattr(pc, "tensor_parallel_size", 1) or 1)
     stages = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
-    dp = int(getattr(pc, "data_parallel_size", 1) or 1)
-    if dp > 1:
-        raise ValueError(
-            f"kvbm: data_parallel_size {dp} is not supported: each data-parallel engine would "
-            "need its own host tier, attach server and recording; run one vLLM (with its own "
-            "kv_connector_extra_config) per engine instead"
-        )
     return ranks, stages, bool(getattr(sc, "async_scheduling", False))
+
+
+def _per_engine(extra: Dict[str, Any], engine_id: str, dp: int, dp_rank: int) -> Tuple[Dict[str, Any], str]:
+    """The settings and engine id of data-parallel engine `dp_rank` of `dp`.
+
+    vLLM's data-parallel engines share one `kv_transfer_config`, but each
+    has its own scheduler, block ids and workers: kvbm makes each a distinct
+    engine, with its own tiers (engine id `<id>-dp<rank>`, so its own
+    host-tier files; `disk_path.dp<rank>`), its own recording
+    (`record-dp<rank>`), attach server (`serve`'s port + rank) and fleet name
+    (`engine_id-dp<rank>`). One engine (`dp` 1) keeps its settings as given."""
+    if dp <= 1:
+        return extra, engine_id
+    extra = dict(extra)
+    suffix = f"-dp{dp_rank}"
+    if isinstance(extra.get("record"), str):
+        extra["record"] = extra["record"] + suffix
+    if isinstance(extra.get("disk_path"), str):
+        extra["disk_path"] = f"{extra['disk_path']}.dp{dp_rank}"
+    if isinstance(extra.get("engine_id"), str):
+        extra["engine_id"] = extra["engine_id"] + suffix
+    serve = extra.get("serve")
+    if isinstance(serve, str) and ":" in serve:
+        host, _, port = serve.rpartition(":")
+        if port.isdigit() and int(port) > 0:
+            # Past 65535 the config check refuses it, naming `serve`.
+            extra["serve"] = f"{host}:{int(port) + dp_rank}"
+    return extra, engine_id + suffix
 
 
 def _tensor_parallel_rank() -> int:
@@ -208,12 +228,18 @@ class KvbmConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._config_json = json.dumps(_extra(vllm_config))
+        ktc = vllm_config.kv_transfer_config
+        pc = getattr(vllm_config, "parallel_config", None)
+        extra, self._engine_id = _per_engine(
+            _extra(vllm_config),
+            str(getattr(ktc, "engine_id", None) or "kvbm"),
+            int(getattr(pc, "data_parallel_size", 1) or 1),
+            int(getattr(pc, "data_parallel_rank", 0) or 0),
+        )
+        self._config_json = json.dumps(extra)
         # Refused here, in both processes, with the key named.
         _kvbm.check_config(self._config_json)
         self._parallel = _parallel(vllm_config)
-        ktc = vllm_config.kv_transfer_config
-        self._engine_id = str(getattr(ktc, "engine_id", None) or "kvbm")
         self._geometry = _geometry(kv_cache_config)
         self._sched: Optional[_kvbm.Scheduler] = None
         self._worker: Optional[_kvbm.Worker] = None

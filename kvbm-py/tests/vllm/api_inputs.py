@@ -330,9 +330,38 @@ def check_parallel():
     ok("two ranks have a host-tier file each, removed at shutdown; the summary says tensor parallel 2, async")
 
 
+def check_data_parallel():
+    """vLLM's data-parallel engines share one kv_transfer_config: each is
+    made an engine of its own (tiers, recording, attach server, fleet
+    name); one engine keeps its settings as given."""
+    from kvbm.vllm import _per_engine  # imports vLLM
+
+    extra = {"record": "/r/run1", "serve": "127.0.0.1:7071", "disk_path": "/d/g3", "engine_id": "pod",
+             "host_capacity_tokens": 64}
+    assert _per_engine(extra, "e", 1, 0) == (extra, "e")
+    got = [_per_engine(extra, "e", 2, r) for r in range(2)]
+    assert got[1][0] == {"record": "/r/run1-dp1", "serve": "127.0.0.1:7072", "disk_path": "/d/g3.dp1",
+                         "engine_id": "pod-dp1", "host_capacity_tokens": 64}, got[1]
+    assert [g[1] for g in got] == ["e-dp0", "e-dp1"], got
+    assert extra["record"] == "/r/run1", "the shared settings are not changed"
+    d = fresh_dir("dp")
+    cache = Cache()
+    ws = [K.Worker(json.dumps(_per_engine(json.loads(cfg(d)), "e", 2, r)[0]), G, f"e-dp{r}", cache.json())
+          for r in range(2)]
+    assert len(os.listdir(d)) == 2, os.listdir(d)
+    for w in ws:
+        w.shutdown()
+    # A port that the rank pushes past 65535 is refused naming `serve`.
+    big = _per_engine({"serve": "127.0.0.1:65535"}, "e", 2, 1)[0]
+    e = raises(ValueError, K.check_config, json.dumps(big))
+    assert "serve" in e, e
+    ok("data-parallel engines get their own tiers, recording, attach port and fleet name")
+
+
 def main():
     try:
         check_parallel()
+        check_data_parallel()
         check_geometry()
         check_concurrent_worker_calls()
         check_failed_start_leaves_nothing()
