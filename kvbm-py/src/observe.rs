@@ -40,10 +40,10 @@ pub const PUBLISH_DRAIN: std::time::Duration = std::time::Duration::from_secs(2)
 
 /// How long a stop waits for the recorder to write what is left and its
 /// sidecar (usually a few milliseconds).
-const RECORDER_STOP: std::time::Duration = std::time::Duration::from_secs(2);
+pub const RECORDER_STOP: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How long a stop waits, in all, for the attach server to stop.
-const SERVER_STOP: std::time::Duration = std::time::Duration::from_millis(2500);
+pub const SERVER_STOP: std::time::Duration = std::time::Duration::from_millis(2500);
 
 /// What the fleet's event plane did, final once the observers stop: the
 /// publisher's counters and control's (both `None` without `publish`).
