@@ -13,7 +13,10 @@
 //! into and out of G1 end in [`RemoteEngine`]s, whose batches this side
 //! ships once per step in a [`StepPlan`] (block ids translated from mirror
 //! ids to vLLM's) and resolves when the worker's [`StepReport`] comes back.
-//! Host ↔ disk copies run here (both tiers are files this process maps).
+//! Host ↔ disk copies run here (both tiers are files this process maps;
+//! under tensor parallelism every rank's files, each rank holding its own
+//! shard). Every rank runs each step's plan on its own tensors and files,
+//! and a batch resolves once every rank has reported it.
 //!
 //! The timing vLLM allows, and what it means here:
 //!
@@ -27,9 +30,10 @@
 //!   those tokens instead (it must run with
 //!   `kv_load_failure_policy="recompute"`, which the Python class sets).
 //! - Eager stores of the blocks a forward pass computes wait for that pass
-//!   (vLLM reports it in `update_connector_output`) and ship with the next
-//!   step, whose worker runs them before its own forward pass, i.e. before
-//!   vLLM can reuse a freed block. A request that finishes with stores
+//!   (vLLM reports it in `update_connector_output`, steps' outputs in the
+//!   order they were planned, two in flight with async scheduling) and
+//!   ship with a later step, whose worker runs them before its own forward
+//!   pass, i.e. before vLLM can reuse a freed block. A request that finishes with stores
 //!   still out keeps its blocks (`request_finished` answers `delay_free`)
 //!   until they drain; a store whose blocks vLLM freed anyway (preemption)
 //!   is failed instead of shipped.
