@@ -81,7 +81,9 @@ def main():
     # The engine serves longer than the checks below can wait in all
     # (60 + 60 + 90 s); they end it as soon as they pass.
     rec = os.path.join(tmp, "rec")
-    args = {"port": port, "seconds": 270, "max_tokens": 48, "record": rec}
+    # The host tier in the test's own directory: the engine is killed at
+    # the end, which would leave its file in /dev/shm until the next start.
+    args = {"port": port, "seconds": 270, "max_tokens": 48, "record": rec, "shm_dir": tmp}
     eng = engine.spawn(
         [sys.executable, os.path.join(HERE, "scenario.py"), "serve_workload", json.dumps(args)],
         stdout=subprocess.PIPE,

@@ -206,8 +206,9 @@ def serve_workload(args):
     device cache reset between them so blocks come back from kvbm."""
     port = args["port"]
     extra = {"serve": f"127.0.0.1:{port}", "host_capacity_tokens": 8192}
-    if args.get("record"):
-        extra["record"] = args["record"]
+    for key in ("record", "shm_dir"):
+        if args.get(key):
+            extra[key] = args[key]
     llm = engine.engine(extra=extra)
     engine.say(serving=port)
     deadline = time.time() + args["seconds"]
