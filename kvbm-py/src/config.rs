@@ -22,7 +22,8 @@ pub enum Offload {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// Host (G2) capacity in tokens; `None`: [`default_host_capacity_tokens`]
-    /// of the machine. 0 disables the host tier.
+    /// of the machine. 0 disables the host tier; with no disk tier either,
+    /// kvbm only observes (see [`Config::observes_only`]).
     pub host_capacity_tokens: Option<u64>,
     /// The disk (G3) tier's file; no disk tier without it.
     pub disk_path: Option<PathBuf>,
@@ -87,6 +88,15 @@ pub const KNOWN: [&str; 12] = [
     "publish",
     "engine_id",
 ];
+
+impl Config {
+    /// No tier of kvbm's own: kvbm follows vLLM's blocks and emits their
+    /// events (lookups, allocations, evictions), keeps nothing and loads
+    /// nothing. The cheapest way to watch an engine.
+    pub fn observes_only(&self) -> bool {
+        self.host_capacity_tokens == Some(0) && self.disk_path.is_none()
+    }
+}
 
 /// The host tier's default share of the machine's memory.
 pub const DEFAULT_HOST_SHARE: f64 = 0.10;
@@ -273,12 +283,6 @@ impl Config {
             }
             _ => {}
         }
-        if c.host_capacity_tokens == Some(0) && c.disk_path.is_none() {
-            return Err(bad(
-                "host_capacity_tokens",
-                "is 0 and there is no disk_path: kvbm would have no tier to keep blocks in",
-            ));
-        }
         if c.token.is_some() && c.serve.is_none() {
             return Err(bad("token", "set without serve"));
         }
@@ -374,7 +378,6 @@ mod tests {
                 "disk_capacity_tokens",
             ),
             (json!({"disk_capacity_tokens": 10}), "disk_capacity_tokens"),
-            (json!({"host_capacity_tokens": 0}), "host_capacity_tokens"),
             (json!({"breakpoint_deadline_s": 0}), "breakpoint_deadline_s"),
             // More than 0, but 0 ns (or less than the least) once a duration.
             (
@@ -434,6 +437,16 @@ mod tests {
                 .to_string()
                 .contains("less than one block")
         );
+    }
+
+    #[test]
+    fn no_tier_at_all_is_an_observer() {
+        let c = Config::from_json(&json!({"host_capacity_tokens": 0})).unwrap();
+        assert!(c.observes_only());
+        assert!(!Config::default().observes_only());
+        let disk =
+            json!({"host_capacity_tokens": 0, "disk_path": "/x", "disk_capacity_tokens": 64});
+        assert!(!Config::from_json(&disk).unwrap().observes_only());
     }
 
     #[test]

@@ -69,8 +69,17 @@ impl Parallel {
                 )
             }
         };
+        let tiers = if sizes.host_blocks == 0 && sizes.disk_blocks == 0 {
+            "observer: no tier of its own".to_string()
+        } else {
+            format!(
+                "{} · {}",
+                tier("G2", sizes.host_blocks),
+                tier("G3", sizes.disk_blocks)
+            )
+        };
         let summary = format!(
-            "vLLM · {} · {} scheduling · block {} tokens · {} · {}",
+            "vLLM · {} · {} scheduling · block {} tokens · {}",
             if self.ranks > 1 {
                 format!("tensor parallel {}", self.ranks)
             } else {
@@ -82,8 +91,7 @@ impl Parallel {
                 "sync"
             },
             g.block_size,
-            tier("G2", sizes.host_blocks),
-            tier("G3", sizes.disk_blocks),
+            tiers,
         );
         serde_json::json!({
             "summary": summary,
@@ -150,5 +158,18 @@ mod tests {
         assert_eq!(info["tensor_parallel"], 2);
         assert_eq!(info["async_scheduling"], true);
         assert_eq!(info["host_bytes_per_rank"], 8 << 20);
+        let none = TierSizes {
+            host_blocks: 0,
+            disk_blocks: 0,
+        };
+        let info = Parallel::default().info(&Config::default(), &g, none);
+        assert!(
+            info["summary"]
+                .as_str()
+                .unwrap()
+                .ends_with("block 32 tokens · observer: no tier of its own"),
+            "{}",
+            info["summary"]
+        );
     }
 }

@@ -67,6 +67,8 @@ wrappers themselves).
 
 import argparse
 import ctypes
+import select
+import signal
 import json
 import mmap
 import os
@@ -218,17 +220,157 @@ def plain_copy_gbps(sizes, cold, pool_bytes=256 << 20):
     return statistics.median(rates)
 
 
+def print_threads(threads, rounds, names):
+    """Where the CPU went, by process and thread name, median over each
+    engine's trials, per timed round; kvbm's own threads (named kvbm-*)
+    are marked."""
+    per = {}
+    for kind, trials in threads.items():
+        for rows in trials:
+            for p, t, n, cpu, vol, inv in rows:
+                per.setdefault((p, t), {}).setdefault(kind, []).append((n, cpu, vol, inv))
+    print("CPU a round by thread, median over trials: ms of CPU / wake-ups / preemptions (threads using "
+          "≥ 0.5 ms a round in some engine)")
+    print(f"  {'process':18} {'thread':18} {'n':>3} " + " ".join(f"{n:>20}" for n in names))
+
+    def med(xs, i):
+        return statistics.median(x[i] for x in xs) if xs else 0
+
+    out = []
+    for (p, t), kinds in per.items():
+        if max(med(kinds.get(n, []), 1) for n in names) * 1e3 / rounds < 0.5:
+            continue
+        out.append((max(med(kinds.get(n, []), 1) for n in names), p, t, kinds))
+    for _, p, t, kinds in sorted(out, reverse=True):
+        cells = []
+        for n in names:
+            xs = kinds.get(n, [])
+            cells.append(f"{med(xs, 1) * 1e3 / rounds:6.1f}/{med(xs, 2) / rounds:5.0f}/{med(xs, 3) / rounds:5.0f}"
+                         if xs else f"{'-':>18}")
+        n = max(med(x, 0) for x in kinds.values())
+        print(f"  {p[:18]:18} {t[:18]:18} {n:3.0f} " + " ".join(f"{c:>20}" for c in cells)
+              + (" (kvbm)" if t.startswith("kvbm") else ""))
+
+
 def pct(x):
     return f"{100 * x:+.1f}%"
+
+
+# kvbm's configurations, each timed against the do-nothing connector:
+# what each part of kvbm costs is the step from one to the next.
+CONFIGS = {
+    # No tier: kvbm follows vLLM's own blocks and emits their events.
+    "observer": lambda tmp, t: {"host_capacity_tokens": 0},
+    # The host tier (offload and loads), nothing recorded.
+    "tiers": lambda tmp, t: {"host_capacity_tokens": 16384, "shm_dir": SHM},
+    # The host tier and the recording.
+    "recording": lambda tmp, t: {"host_capacity_tokens": 16384, "shm_dir": SHM,
+                                 "record": os.path.join(tmp, f"rec-{t}")},
+    # All that and the attach server (nobody attached).
+    "all": lambda tmp, t: {"host_capacity_tokens": 16384, "shm_dir": SHM,
+                           "record": os.path.join(tmp, f"rec-all-{t}"),
+                           "serve": f"127.0.0.1:{engine.free_port()}"},
+}
+
+
+class Served:
+    """One engine of a group (`scenario.py serve`): started, then stopped
+    (SIGSTOP to its whole process group) except while it runs a round."""
+
+    def __init__(self, name, kind, extra, tmp, trial, cpu_env, pin, extra_env, llm, rounds):
+        self.name, self.rounds, self.threads, self.rec = name, [], [], (extra or {}).get("record")
+        self.timing = os.path.join(tmp, f"timing-{name}-{trial}")
+        env = dict(os.environ, **cpu_env, **(extra_env or {}))
+        env["KVBM_BENCH_TIMING"] = self.timing
+        env["KVBM_SCENARIO_TIMEOUT_S"] = str(900 + 60 * rounds)
+        args = {"connector": kind, "max_tokens": 32, "pin": pin, "llm": llm or {}, "extra": extra or {}}
+        self.err = open(os.path.join(tmp, f"stderr-{name}-{trial}"), "w+")
+        self.p = engine.spawn([sys.executable, os.path.join(HERE, "scenario.py"), "serve", json.dumps(args)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                              env=env, cwd=HERE)
+        self.cpus = self._answer(300)["cpus"]
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig):
+        try:
+            os.killpg(self.p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _answer(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            line = self.p.stdout.readline()
+            if not line:
+                break
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        self.kill()
+        self.err.seek(0)
+        print(self.err.read()[-3000:])
+        raise SystemExit(f"{self.name}: the engine did not answer within {timeout} s")
+
+    def round(self):
+        self._signal(signal.SIGCONT)
+        self.p.stdin.write("round\n")
+        self.p.stdin.flush()
+        got = self._answer(300)
+        self._signal(signal.SIGSTOP)
+        self.rounds.append(got["round_s"])
+        self.threads.append(got["threads"])
+
+    def close(self):
+        self._signal(signal.SIGCONT)
+        try:
+            self.p.stdin.write("quit\n")
+            self.p.stdin.flush()
+            self._answer(120)
+        finally:
+            self.kill()
+
+    def kill(self):
+        self._signal(signal.SIGCONT)
+        engine.kill_group(self.p)
+        self.err.close()
+
+
+def order(names, r):
+    """Round r's order: rotated by r, and reversed every other cycle, so
+    each engine runs in each position equally often (AB BA BA AB ...)."""
+    n = len(names)
+    o = names[r % n:] + names[:r % n]
+    return o[::-1] if (r // n) % 2 else o
+
+
+def merge_threads(trials):
+    """Sums a trial's per-round thread rows: [[proc, thread, n, cpu, vol, inv]]."""
+    acc = {}
+    for rows in trials:
+        for p, t, n, cpu, vol, inv in rows:
+            g = acc.setdefault((p, t), [0, 0.0, 0, 0])
+            g[0] = max(g[0], n)
+            g[1] += cpu
+            g[2] += vol
+            g[3] += inv
+    return [[p, t, *g] for (p, t), g in acc.items()]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--recorder", required=True)
-    ap.add_argument("--trials", type=int, default=8, help="pairs of trials, one of each connector")
-    ap.add_argument("--rounds", type=int, default=24, help="timed rounds per trial")
+    ap.add_argument("--trials", type=int, default=6,
+                    help="groups of trials: each starts one engine of every configuration and the "
+                         "do-nothing connector, and times their rounds interleaved")
+    ap.add_argument("--rounds", type=int, default=24, help="timed rounds per engine in a group")
+    ap.add_argument("--configs", default="recording",
+                    help=f"kvbm's configurations to time against the do-nothing connector, comma-separated "
+                         f"(of {', '.join(CONFIGS)}); --breakdown: all of them")
+    ap.add_argument("--breakdown", action="store_true", help="every configuration: what each part costs")
     ap.add_argument("--baseline-trials", type=int, default=4,
-                    help="kvbm trials after the pairs in which the worker also copies each offload "
+                    help="kvbm trials after the groups in which the worker also copies each offload "
                          "with a plain memcpy, for the offload's baseline (their wall time is not used)")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave the engine core and front end free to run on the worker's CPUs")
@@ -239,6 +381,12 @@ def main():
     ap.add_argument("--async-scheduling", action="store_true",
                     help="vLLM's async scheduling (its default on GPUs; the CPU platform's override is bypassed)")
     a = ap.parse_args()
+    configs = list(CONFIGS) if a.breakdown else [c.strip() for c in a.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or not configs:
+        sys.exit(f"bench.py: --configs: unknown {', '.join(bad) or '(none given)'}; known: {', '.join(CONFIGS)}")
+    if a.trials < 1 or a.rounds < 1:
+        sys.exit("bench.py: --trials and --rounds must be at least 1")
     llm = {}
     extra_env = {}
     if a.tp > 1:
@@ -255,51 +403,82 @@ def main():
                  "one), so its figures would not be kvbm's: install it optimised with "
                  "`pip install ./kvbm-py`, or pass --allow-debug-build")
     cpu_env = {k: os.environ.get(k, v) for k, v in CPU_ENV.items()}
-    print(f"both connectors with {cpu_env}, {'not ' if a.no_pin else ''}kept off the worker's CPUs; "
-          f"{a.trials} pairs of trials, {a.rounds} timed rounds each; vLLM: tensor_parallel_size {a.tp}, "
-          f"async_scheduling {a.async_scheduling}", flush=True)
+    names = ["noop"] + configs
+    print(f"engines with {cpu_env}, {'not ' if a.no_pin else ''}kept off the worker's CPUs; "
+          f"{a.trials} groups of trials ({', '.join(names)}), {a.rounds} timed rounds each, interleaved; "
+          f"vLLM: tensor_parallel_size {a.tp}, async_scheduling {a.async_scheduling}", flush=True)
     tmp = tempfile.mkdtemp(prefix="kvbm-bench-")
-    walls = {"kvbm": [], "noop": []}
-    ratios = []
-    steps = {"kvbm": {}, "noop": {}}  # side -> ns per step, every trial
+    walls = {n: [] for n in names}
+    cpu_rounds = {n: [] for n in names}
+    threads = {n: [] for n in names}
+    ratios = {c: [] for c in configs}
+    cpu_ratios = {c: [] for c in configs}
+    round_ratios = {c: [] for c in configs}
+    steps = {n: {} for n in names}
     recs = []
     for t in range(a.trials):
-        pair = {}
-        for kind in ("noop", "kvbm") if t % 2 == 0 else ("kvbm", "noop"):
-            res, timed, rec = run(kind, a.rounds, tmp, t, cpu_env, not a.no_pin, extra_env, llm)
-            wall = res["wall_s"]
-            walls[kind].append(wall)
-            pair[kind] = wall
-            rs = res.get("rounds_s") or [wall]
-            cpus = res.get("cpus")
-            where = f", worker on CPUs {cpus[0]}, the rest on {cpus[1]}" if cpus else ""
-            print(f"pair {t} {kind}: {wall:.3f} s (rounds {min(rs):.3f}-{max(rs):.3f} s{where})", flush=True)
-            for side, ns in timed.items():
-                steps[kind].setdefault(side, []).extend(ns)
-            if rec:
-                recs.append(rec)
-        ratios.append(pair["kvbm"] / pair["noop"] - 1)
-        print(f"pair {t}: overhead {pct(ratios[-1])}", flush=True)
+        group = {}
+        try:
+            # Started in a different order each group; each waits stopped.
+            for n in order(names, t):
+                kind = "noop" if n == "noop" else "kvbm"
+                extra = None if n == "noop" else CONFIGS[n](tmp, t)
+                group[n] = Served(n, kind, extra, tmp, t, cpu_env, not a.no_pin, extra_env, llm, a.rounds)
+            for r in range(a.rounds):
+                for n in order(names, r + t):
+                    group[n].round()
+            for e in group.values():
+                e.close()
+        finally:
+            for e in group.values():
+                if e.p.poll() is None:
+                    e.kill()
+        for n, e in group.items():
+            wall, rows = sum(e.rounds), merge_threads(e.threads)
+            cpu = sum(row[3] for row in rows)
+            walls[n].append(wall)
+            cpu_rounds[n].append(cpu / a.rounds)
+            threads[n].append(rows)
+            for side, ns in timing.read(e.timing).items():
+                steps[n].setdefault(side, []).extend(ns)
+            if e.rec:
+                recs.append(e.rec)
+            where = f", worker on CPUs {e.cpus[0]}, the rest on {e.cpus[1]}" if e.cpus else ""
+            print(f"group {t} {n}: {wall:.3f} s, CPU {cpu / a.rounds:.3f} s a round "
+                  f"(rounds {min(e.rounds):.3f}-{max(e.rounds):.3f} s{where})", flush=True)
+        base = group["noop"]
+        for c in configs:
+            ratios[c].append(walls[c][-1] / walls["noop"][-1] - 1)
+            cpu_ratios[c].append(cpu_rounds[c][-1] / cpu_rounds["noop"][-1] - 1)
+            round_ratios[c].extend(x / y - 1 for x, y in zip(group[c].rounds, base.rounds))
+            print(f"group {t} {c}: overhead {pct(ratios[c][-1])} wall, {pct(cpu_ratios[c][-1])} CPU", flush=True)
 
-    q1, med, q3 = quartiles(ratios)
-    verdict = "met" if q3 <= TARGET_OVERHEAD else "not met" if q1 > TARGET_OVERHEAD else "undecided"
-    print(f"\nwall time of the timed rounds ({a.rounds} rounds a trial, engine start-up not timed), "
-          f"median of {a.trials} trials: kvbm (recording on) {statistics.median(walls['kvbm']):.3f} s "
-          f"(range {min(walls['kvbm']):.3f}-{max(walls['kvbm']):.3f}), do-nothing connector "
-          f"{statistics.median(walls['noop']):.3f} s (range {min(walls['noop']):.3f}-{max(walls['noop']):.3f})")
-    print(f"overhead within a pair, over {a.trials} pairs: median {pct(med)}, interquartile range "
-          f"{pct(q1)} to {pct(q3)}, range {pct(min(ratios))} to {pct(max(ratios))}; "
-          f"target ≤ {100 * TARGET_OVERHEAD:.0f}%: {verdict}")
+    print(f"\nwall time of the timed rounds ({a.rounds} rounds an engine, interleaved with the others'; "
+          f"start-up not timed), median over {a.trials} groups:")
+    for n in names:
+        print(f"  {n:10} {statistics.median(walls[n]):.3f} s (range {min(walls[n]):.3f}-{max(walls[n]):.3f}), "
+              f"CPU {statistics.median(cpu_rounds[n]):.3f} s a round")
+    for c in configs:
+        q1, med, q3 = quartiles(ratios[c])
+        verdict = "met" if q3 <= TARGET_OVERHEAD else "not met" if q1 > TARGET_OVERHEAD else "undecided"
+        c1, cm, c3 = quartiles(cpu_ratios[c])
+        r1, rm, r3 = quartiles(round_ratios[c])
+        print(f"{c}: overhead against the do-nothing connector over {a.trials} groups: median {pct(med)}, "
+              f"interquartile range {pct(q1)} to {pct(q3)}, range {pct(min(ratios[c]))} to "
+              f"{pct(max(ratios[c]))}; target ≤ {100 * TARGET_OVERHEAD:.0f}%: {verdict}")
+        print(f"  CPU time: median {pct(cm)} ({pct(c1)} to {pct(c3)}); single rounds against their "
+              f"neighbour: median {pct(rm)} ({pct(r1)} to {pct(r3)}, {len(round_ratios[c])} rounds)")
+    print_threads(threads, a.rounds, names)
     print("connector time per step, every call vLLM made to the connector (Python and Rust), "
           "all steps of all trials, warm-up included:")
-    for kind in ("kvbm", "noop"):
+    for n in names:
         for side in ("scheduler", "worker"):
-            ns = sorted(steps[kind].get(side, []))
+            ns = sorted(steps[n].get(side, []))
             if not ns:
-                print(f"  {kind} {side} side: no steps measured")
+                print(f"  {n} {side} side: no steps measured")
                 continue
             at = lambda q: ns[round((len(ns) - 1) * q)] / 1e3  # noqa: E731
-            print(f"  {kind} {side} side: p50 {at(0.5):.1f} µs, p99 {at(0.99):.1f} µs, "
+            print(f"  {n} {side} side: p50 {at(0.5):.1f} µs, p99 {at(0.99):.1f} µs, "
                   f"mean {statistics.fmean(ns) / 1e3:.1f} µs over {len(ns)} steps")
 
     prefix = os.path.join(tmp, "baseline")

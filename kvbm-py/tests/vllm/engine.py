@@ -119,6 +119,67 @@ def keep_off_worker_cpus():
     return sorted(busy), sorted(rest)
 
 
+def thread_cpu():
+    """Every thread of this process and of the processes it started:
+    {(process name, pid, thread name, tid): (CPU seconds, voluntary
+    context switches, involuntary ones)}, from /proc. Two of these, before
+    and after a stretch of work, say which threads spent the CPU and how
+    often each woke (`cpu_by_thread`)."""
+    import psutil
+
+    tick = os.sysconf("SC_CLK_TCK")
+    me = psutil.Process()
+    out = {}
+    for p in [me] + me.children(recursive=True):
+        try:
+            pname = p.name()
+        except psutil.Error:
+            continue
+        try:
+            tids = os.listdir(f"/proc/{p.pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            base = f"/proc/{p.pid}/task/{tid}"
+            try:
+                with open(base + "/stat") as f:
+                    stat = f.read()
+                with open(base + "/status") as f:
+                    status = f.read()
+            except OSError:
+                continue  # a thread that has just ended
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick
+            ctx = dict(
+                line.split(":\t") for line in status.splitlines() if line.endswith(tuple("0123456789"))
+                and "ctxt_switches" in line
+            )
+            out[(pname, p.pid, name, int(tid))] = (
+                cpu,
+                int(ctx.get("voluntary_ctxt_switches", 0)),
+                int(ctx.get("nonvoluntary_ctxt_switches", 0)),
+            )
+    return out
+
+
+def cpu_by_thread(before, after):
+    """What each thread spent between two `thread_cpu()` snapshots, grouped
+    by process and thread name (a tokio runtime's or OpenMP's threads share
+    one): [[process, thread, threads, CPU s, wake-ups, preemptions], ...],
+    the busiest first. A thread born in between counts from zero."""
+    groups = {}
+    for key, (cpu, vol, inv) in after.items():
+        c0, v0, i0 = before.get(key, (0.0, 0, 0))
+        g = groups.setdefault((key[0], key[2]), [0, 0.0, 0, 0])
+        g[0] += 1
+        g[1] += cpu - c0
+        g[2] += vol - v0
+        g[3] += inv - i0
+    rows = [[p, t, n, round(c, 3), v, i] for (p, t), (n, c, v, i) in groups.items()]
+    return sorted(rows, key=lambda r: -r[3])
+
+
 def spawn(argv, **kw):
     """Starts `argv` in a process group of its own, for `kill_group`."""
     return subprocess.Popen(argv, start_new_session=True, **kw)

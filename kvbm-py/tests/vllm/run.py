@@ -308,7 +308,6 @@ def test_bad_config(tmp):
     cases = [
         ({"host_capacty_tokens": 4096}, "host_capacty_tokens"),
         ({"disk_path": os.path.join(ro, "sub", "g3.kvbm"), "disk_capacity_tokens": 4096, "host_capacity_tokens": 0, "shm_dir": tmp}, "disk"),
-        ({"host_capacity_tokens": 0}, "host_capacity_tokens"),
         ({"serve": f"127.0.0.1:{port}", "host_capacity_tokens": 4096, "shm_dir": tmp}, "serve"),
     ]
     # A host tier larger than its filesystem: a 64 MiB tmpfs, as a

@@ -244,6 +244,7 @@ def bench(args):
     llm.reset_prefix_cache()
     if args.get("pin", True):
         kw["cpus"] = engine.keep_off_worker_cpus()
+    cpu0 = engine.thread_cpu()
     t0 = time.perf_counter()
     rounds = []
     for _ in range(args["rounds"]):
@@ -251,11 +252,44 @@ def bench(args):
         engine.generate(llm, ps, max_tokens=args.get("max_tokens", 32))
         llm.reset_prefix_cache()
         rounds.append(round(time.perf_counter() - t, 4))
-    engine.say(connector=kind, wall_s=round(time.perf_counter() - t0, 4), rounds_s=rounds, **kw)
+    wall = time.perf_counter() - t0
+    kw["threads"] = engine.cpu_by_thread(cpu0, engine.thread_cpu())
+    engine.say(connector=kind, wall_s=round(wall, 4), rounds_s=rounds, **kw)
     # Shut down and wait: the connectors' shutdown writes the last of the
     # per-step timings (timing.py), and the bench kills what is left of
     # this process group once this process exits.
     engine.close(llm)
+
+
+def serve(args):
+    """One engine for the interleaved benchmark (`bench.py`): built like
+    `bench`'s, warmed up and pinned, then a round of the workload each time
+    a line `round` comes on stdin, answered with the round's wall time and
+    the CPU each thread of the engine's processes spent in it; `quit` shuts
+    it down. Between rounds the benchmark stops this whole process group
+    (SIGSTOP), so only one engine runs at a time."""
+    kind = args["connector"]
+    more = args.get("llm", {})
+    if kind == "kvbm":
+        llm = engine.engine(extra=args.get("extra", {}), **more)
+    else:
+        llm = engine.noop_engine(**more)
+    ps = engine.prompts(groups=4, per_group=6)
+    engine.generate(llm, ps)  # warm up
+    llm.reset_prefix_cache()
+    cpus = engine.keep_off_worker_cpus() if args.get("pin", True) else None
+    engine.say(ready=True, cpus=cpus)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        c0 = engine.thread_cpu()
+        t = time.perf_counter()
+        engine.generate(llm, ps, max_tokens=args.get("max_tokens", 32))
+        llm.reset_prefix_cache()
+        wall = time.perf_counter() - t
+        engine.say(round_s=round(wall, 5), threads=engine.cpu_by_thread(c0, engine.thread_cpu()))
+    engine.close(llm)
+    engine.say(closed=True)
 
 
 def main():
