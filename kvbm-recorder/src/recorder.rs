@@ -52,6 +52,20 @@ pub struct RecorderConfig {
     /// [`engine_info`](Recording::engine_info) from its first write on;
     /// `inspect` and the console's replay show the summary.
     pub info: Option<serde_json::Value>,
+    /// Told, after each burst of events the recorder put in the ring, how
+    /// many the ring has taken in all: how a server reading the ring (the
+    /// attach server's `RingSignal`) learns of new events without polling.
+    pub on_ring: Option<RingWatcher>,
+}
+
+/// A callback for [`RecorderConfig::on_ring`].
+#[derive(Clone)]
+pub struct RingWatcher(pub Arc<dyn Fn(u64) + Send + Sync>);
+
+impl std::fmt::Debug for RingWatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RingWatcher")
+    }
 }
 
 impl Default for RecorderConfig {
@@ -67,6 +81,7 @@ impl Default for RecorderConfig {
             flush_every: Duration::from_millis(50),
             run: None,
             info: None,
+            on_ring: None,
         }
     }
 }
@@ -188,6 +203,9 @@ fn record(
         sink.set_run(run);
     }
     let mut last_flush = std::time::Instant::now();
+    // Events put in the ring since the watcher was last told.
+    let mut untold = false;
+    let mut stop_seen = false;
     let result: Result<(), RecordError> = loop {
         match tap.try_recv() {
             Ok(TapItem::Event(ev)) => {
@@ -196,6 +214,7 @@ fn record(
                 }
                 if let Some(r) = ring {
                     r.push(ev);
+                    untold = true;
                 }
             }
             Ok(TapItem::Gap { dropped }) => {
@@ -205,6 +224,10 @@ fn record(
                 }
             }
             Err(TryRecvError::Empty) => {
+                if let (true, Some(r), Some(w)) = (untold, ring, &cfg.on_ring) {
+                    untold = false;
+                    (w.0)(r.counters().pushed);
+                }
                 // Also where an interval fsync falls due while idle.
                 if last_flush.elapsed() >= cfg.flush_every {
                     if let Err(e) = sink.flush() {
@@ -213,6 +236,14 @@ fn record(
                     last_flush = std::time::Instant::now();
                 }
                 if cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::Acquire)) {
+                    // Events emitted before the stop was set may have come
+                    // after the `Empty` above (the flush between them takes
+                    // time): one more pass takes them, or they would stay in
+                    // the tap, neither recorded nor counted as lost.
+                    if !stop_seen {
+                        stop_seen = true;
+                        continue;
+                    }
                     // The bus outlives this stop: losses at the end that
                     // no event carried are placed now, or never.
                     if let Some(TapItem::Gap { dropped }) = tap.take_uncarried() {
@@ -731,6 +762,44 @@ mod tests {
             100
         );
         drop(e);
+    }
+
+    /// A recorder that fills a ring tells its watcher how many events the
+    /// ring holds after each burst, so a server reading the ring need not
+    /// poll it; the last it tells is everything.
+    #[test]
+    fn the_ring_watcher_is_told_after_each_burst() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Emitter::new(
+            0,
+            BusConfig::default(),
+            std::sync::Arc::new(VirtualClock::new()),
+        )
+        .unwrap();
+        let tap = e.bus().take_tap().unwrap();
+        let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let t2 = told.clone();
+        let stop = Arc::new(AtomicBool::new(false));
+        let cfg = RecorderConfig {
+            stop: Some(stop.clone()),
+            on_ring: Some(RingWatcher(Arc::new(move |n| t2.lock().unwrap().push(n)))),
+            ..RecorderConfig::default()
+        };
+        let ring = Arc::new(RingBuffer::with_capacity(1024).unwrap());
+        let h = spawn_recorder(tap, dir.path().join("log"), cfg, Some(ring.clone())).unwrap();
+        for _ in 0..50 {
+            e.emit(None, gauge());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        for _ in 0..50 {
+            e.emit(None, gauge());
+        }
+        stop.store(true, Ordering::Release);
+        h.join().unwrap().unwrap();
+        let told = told.lock().unwrap();
+        assert!(!told.is_empty());
+        assert!(told.windows(2).all(|w| w[0] < w[1]), "{told:?}");
+        assert_eq!(*told.last().unwrap(), 100);
     }
 
     /// An emitter whose tap holds 4 events, and that tap.

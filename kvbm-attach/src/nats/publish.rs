@@ -333,6 +333,7 @@ fn encode_loop(mut tap: TapReceiver<Event>, cfg: &PublisherConfig, shared: &Shar
             );
         }
     };
+    let mut stop_seen = false;
     loop {
         match tap.try_recv() {
             Ok(TapItem::Event(ev)) => {
@@ -358,6 +359,12 @@ fn encode_loop(mut tap: TapReceiver<Event>, cfg: &PublisherConfig, shared: &Shar
                     started = None;
                 }
                 if shared.stop.load(Ordering::Acquire) {
+                    // One more pass: events emitted before the stop may
+                    // have come after the `Empty` above.
+                    if !stop_seen {
+                        stop_seen = true;
+                        continue;
+                    }
                     // The engine has stopped, but the bus lives on: losses
                     // at the end that no event carried would never reach
                     // this loop. Counted, after the last batch is sealed

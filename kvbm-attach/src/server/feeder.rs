@@ -113,6 +113,7 @@ fn feed(
     let mut stats = FeederStats::default();
     let mut unsignalled = 0usize;
     let every = cfg.signal_every.max(1);
+    let mut stop_seen = false;
     loop {
         match tap.try_recv() {
             Ok(TapItem::Event(ev)) => {
@@ -134,6 +135,12 @@ fn feed(
                     signal.notify(ring.counters().pushed);
                 }
                 if stop.load(Ordering::Acquire) {
+                    // One more pass: events emitted before the stop may
+                    // have come after the `Empty` above.
+                    if !stop_seen {
+                        stop_seen = true;
+                        continue;
+                    }
                     // The bus outlives this stop: losses at the end that
                     // no event carried are placed now, or never.
                     if let Some(TapItem::Gap { dropped }) = tap.take_uncarried() {
