@@ -15,7 +15,9 @@ use kvbm_attach::server::{
 use kvbm_core::hooks::Breakpoints;
 use kvbm_events::Emitter;
 use kvbm_events::ring::{RingBuffer, RingConfig};
-use kvbm_recorder::recorder::{RecordError, RecorderConfig, Recording, spawn_recorder};
+use kvbm_recorder::recorder::{
+    RecordError, RecorderConfig, Recording, RingWatcher, spawn_recorder,
+};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,11 +28,16 @@ const RING_EVENTS: usize = 1 << 20;
 
 /// How long the recorder, the feeder and the publisher sleep when the engine's tap is
 /// empty. Their defaults (0.2-0.5 ms) suit a simulator that emits millions
-/// of events a second; inside vLLM, which emits a few thousand, they would
-/// wake 2,000-5,000 times a second on the scheduler's core for nothing. At
-/// 5 ms the tap (65,536 events) still has room for far more than vLLM
-/// emits in that time, and the console's view lags by at most 5 ms.
-const IDLE_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+/// of events a second; inside vLLM, which emits a few thousand, each would
+/// wake thousands of times a second on the engine core's CPU for nothing,
+/// and every feeder wake-up with events also wakes the attach server's
+/// encoder and reducer. At 5 ms the three woke about 1,300 times a second
+/// in all on the bench's workload (the attach server's runtime 1,100 of
+/// them: 25 ms of CPU a second); at 20 ms a quarter of that. The tap
+/// (65,536 events) still holds over 3 million events a second for that
+/// long, far more than vLLM emits, and a console's view lags by at most
+/// 20 ms, less than one of its frames.
+const IDLE_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// How long the publisher may take, at shutdown, to send what it holds
 /// (its stop may take 1 s more). Well inside the 5 s vLLM gives its engine
@@ -157,6 +164,15 @@ impl Observers {
                 rcfg.log.engine_id = u64::from(emitter.engine());
                 rcfg.run = Some(emitter.run());
                 rcfg.info = Some(info);
+                if let Some(e) = &engine {
+                    // The recorder fills the server's ring: it tells the
+                    // server of each burst, as the feeder would, so the
+                    // server's tasks wait for events rather than polling
+                    // the ring every millisecond.
+                    let signal = e.signal();
+                    signal.mark_attached();
+                    rcfg.on_ring = Some(RingWatcher(Arc::new(move |pushed| signal.notify(pushed))));
+                }
                 obs.recorder = Some(
                     spawn_recorder(tap, dir.clone(), rcfg, ring.clone()).map_err(|e| {
                         format!("starting the recorder into {}: {e}", dir.display())

@@ -252,6 +252,68 @@ def print_threads(threads, rounds, names):
               + (" (kvbm)" if t.startswith("kvbm") else ""))
 
 
+# CI's guard (`--guard`, run by scripts/test-vllm.sh): bounds far above
+# what kvbm does, so that noise never trips them, and below what a
+# regression of the kind that costs an engine real time does (a thread
+# that polls every millisecond, a new thread per request, a step path gone
+# quadratic). Optimised, on a 2-core VM: kvbm's threads in the engine core
+# 5 and in the worker 2, waking 475 times a second in all and using 0.7%
+# of the engine's CPU; the connector 270 µs a step beyond the do-nothing
+# connector. Before the recorder told the attach server of new events, its
+# tasks polled the ring every millisecond: 1,533 wake-ups a second.
+GUARD = {
+    # kvbm's own threads (named kvbm-*) in each of vLLM's processes.
+    "threads": {"VLLM::EngineCore": 8, "VLLM::Worker": 2},
+    # Their wake-ups a second of the engine's rounds, all together.
+    "wakeups_per_s": 1500,
+    # Their CPU, as a share of all the engine's processes' CPU.
+    "cpu_share": 0.10,
+    # The connector's own time per step (scheduler and worker side, mean)
+    # beyond the do-nothing connector's, in µs.
+    "step_us": 5000,
+}
+
+
+def guard(threads, walls, steps, names, rounds):
+    """Checks the `all` engine against GUARD; returns the exit status (0:
+    passed) after saying what it measured."""
+    rows = merge_threads(threads["all"])
+    wall = sum(walls["all"])
+    kvbm = [r for r in rows if r[1].startswith("kvbm")]
+    failed = []
+    counts = {}
+    for p, t, n, *_ in kvbm:
+        counts[p] = counts.get(p, 0) + n
+    for p, n in sorted(counts.items()):
+        limit = GUARD["threads"].get(p, 0)
+        print(f"guard: kvbm's threads in {p}: {n} (at most {limit})")
+        if n > limit:
+            failed.append(f"{n} kvbm threads in {p}, more than {limit}")
+    for p, t, n, cpu, vol, inv in sorted(kvbm, key=lambda r: -(r[4] + r[5])):
+        print(f"guard:   {p} {t} x{n}: {1e3 * cpu / wall:.1f} ms of CPU and {(vol + inv) / wall:.0f} wake-ups a second")
+    wakeups = sum(r[4] + r[5] for r in kvbm) / wall
+    print(f"guard: kvbm's threads woke {wakeups:.0f} times a second of the rounds (at most {GUARD['wakeups_per_s']})")
+    if wakeups > GUARD["wakeups_per_s"]:
+        failed.append(f"kvbm's threads woke {wakeups:.0f} times a second")
+    share = sum(r[3] for r in kvbm) / max(sum(r[3] for r in rows), 1e-9)
+    print(f"guard: kvbm's threads used {100 * share:.1f}% of the engine's CPU (at most {100 * GUARD['cpu_share']:.0f}%)")
+    if share > GUARD["cpu_share"]:
+        failed.append(f"kvbm's threads used {100 * share:.1f}% of the engine's CPU")
+    def per_step(n):
+        return sum(statistics.fmean(steps[n][s]) for s in ("scheduler", "worker") if steps[n].get(s)) / 1e3
+    extra = per_step("all") - per_step("noop")
+    print(f"guard: the connector's time per step: {per_step('all'):.0f} µs, the do-nothing connector's "
+          f"{per_step('noop'):.0f} µs: {extra:.0f} µs more (at most {GUARD['step_us']})")
+    if extra > GUARD["step_us"]:
+        failed.append(f"the connector takes {extra:.0f} µs a step more than the do-nothing connector")
+    if not all(steps[n].get("scheduler") and steps[n].get("worker") for n in names):
+        failed.append("a connector's steps were not measured")
+    for f in failed:
+        print(f"guard: FAILED: {f}")
+    print("guard: " + ("failed" if failed else "passed"))
+    return 1 if failed else 0
+
+
 def pct(x):
     return f"{100 * x:+.1f}%"
 
@@ -380,7 +442,13 @@ def main():
                     help="vLLM's tensor_parallel_size (2: one worker a core, VLLM_CPU_OMP_THREADS_BIND=0|1)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="vLLM's async scheduling (its default on GPUs; the CPU platform's override is bypassed)")
+    ap.add_argument("--guard", action="store_true",
+                    help="CI's guard: one short group, everything on, and a failure on a large regression in "
+                         "kvbm's threads or the connector's time per step (see GUARD); any build")
     a = ap.parse_args()
+    if a.guard:
+        a.trials, a.rounds, a.configs, a.breakdown, a.baseline_trials = 1, min(a.rounds, 4), "all", False, 0
+        a.allow_debug_build = True
     configs = list(CONFIGS) if a.breakdown else [c.strip() for c in a.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not configs:
@@ -415,6 +483,7 @@ def main():
     cpu_ratios = {c: [] for c in configs}
     round_ratios = {c: [] for c in configs}
     steps = {n: {} for n in names}
+    methods = {n: {} for n in names}  # side -> method -> [calls, ns]
     recs = []
     for t in range(a.trials):
         group = {}
@@ -439,7 +508,13 @@ def main():
             walls[n].append(wall)
             cpu_rounds[n].append(cpu / a.rounds)
             threads[n].append(rows)
-            for side, ns in timing.read(e.timing).items():
+            timed = timing.read(e.timing)
+            for side, ms in timed.pop("methods").items():
+                for m, (calls, ns) in ms.items():
+                    acc = methods[n].setdefault(side, {}).setdefault(m, [0, 0])
+                    acc[0] += calls
+                    acc[1] += ns
+            for side, ns in timed.items():
                 steps[n].setdefault(side, []).extend(ns)
             if e.rec:
                 recs.append(e.rec)
@@ -480,7 +555,13 @@ def main():
             at = lambda q: ns[round((len(ns) - 1) * q)] / 1e3  # noqa: E731
             print(f"  {n} {side} side: p50 {at(0.5):.1f} µs, p99 {at(0.99):.1f} µs, "
                   f"mean {statistics.fmean(ns) / 1e3:.1f} µs over {len(ns)} steps")
+            ms = sorted(methods[n].get(side, {}).items(), key=lambda kv: -kv[1][1])
+            print("    by method, µs a step (a call): " + ", ".join(
+                f"{m} {ns / len(steps[n][side]) / 1e3:.1f} ({ns / max(calls, 1) / 1e3:.1f})"
+                for m, (calls, ns) in ms[:6]))
 
+    if a.guard:
+        sys.exit(guard(threads, walls, steps, names, a.rounds))
     prefix = os.path.join(tmp, "baseline")
     for t in range(a.baseline_trials):
         run("kvbm", a.rounds, tmp, f"baseline-{t}", cpu_env, not a.no_pin,

@@ -47,6 +47,7 @@ class _Side:
     def __init__(self):
         self.now = 0
         self.steps = []
+        self.methods = {}  # name -> [calls, ns]
 
 
 _SIDES = {"scheduler": _Side(), "worker": _Side()}
@@ -59,6 +60,7 @@ def _dump(prefix, force=False):
         return
     _written[0] = now
     out = {k: s.steps for k, s in _SIDES.items() if s.steps}
+    out["methods"] = {k: s.methods for k, s in _SIDES.items() if s.methods}
     path = f"{prefix}.{os.getpid()}.json"
     with open(path + ".tmp", "w") as f:
         json.dump(out, f)
@@ -78,7 +80,11 @@ def _wrap(cls, name, side, prefix):
         try:
             return fn(*a, **k)
         finally:
-            s.now += time.perf_counter_ns() - t
+            dt = time.perf_counter_ns() - t
+            s.now += dt
+            m = s.methods.setdefault(name, [0, 0])
+            m[0] += 1
+            m[1] += dt
             if last:
                 if len(s.steps) < MAX_STEPS:
                     s.steps.append(s.now)
@@ -120,10 +126,18 @@ def install():
 
 
 def read(prefix):
-    """{side: [ns per step, ...]} over a trial's processes."""
-    got = {}
+    """{side: [ns per step, ...]} over a trial's processes, and under
+    "methods" {side: {method: [calls, ns]}}."""
+    got = {"methods": {}}
     for path in glob.glob(f"{glob.escape(prefix)}.*.json"):
         with open(path) as f:
             for side, steps in json.load(f).items():
-                got.setdefault(side, []).extend(steps)
+                if side == "methods":
+                    for sd, ms in steps.items():
+                        for name, (calls, ns) in ms.items():
+                            acc = got["methods"].setdefault(sd, {}).setdefault(name, [0, 0])
+                            acc[0] += calls
+                            acc[1] += ns
+                else:
+                    got.setdefault(side, []).extend(steps)
     return got
