@@ -8,7 +8,7 @@
 //! far fewer events than a publisher can take) and flat out (emitting
 //! without pause, so the tap overflows and the drop path is mixed in);
 //! file store against memory store.
-//! `scripts/bench-fleet-slow-disk.sh` runs it with the recorder's writes
+//! `bench/bench-fleet-slow-disk.sh` runs it with the recorder's writes
 //! throttled.
 //!
 //! ```sh

@@ -4,10 +4,10 @@
 # writer threads have cores to spare is a question this 2-core machine
 # cannot answer by measuring.
 #
-#   bash scripts/bench-fleet-kit.sh prepare   # here: build, strip, gather
-#   bash scripts/bench-fleet-kit.sh run       # there, from the repository root
-#   bash scripts/bench-fleet-kit.sh scaling   # there: the check, N at once
-#   bash scripts/bench-fleet-kit.sh variants  # there: recorder arguments
+#   bash bench/bench-fleet-kit.sh prepare   # here: build, strip, gather
+#   bash bench/bench-fleet-kit.sh run       # there, from the repository root
+#   bash bench/bench-fleet-kit.sh scaling   # there: the check, N at once
+#   bash bench/bench-fleet-kit.sh variants  # there: recorder arguments
 #
 # `prepare` builds the fleet bench, the events bench (the emitter's cost
 # and the clock's) and the recorder (release), strips them and puts them
@@ -16,7 +16,7 @@
 # fleet bench from that kit RUNS times (default 2) with the recording on
 # disk, then once with it on a tmpfs (/dev/shm) and once on disk with the
 # writer threads' queues QUEUE deep (default 64), each run's tables, and
-# the recorder's CPU by thread (scripts/thread-cpu.py), into $OUT
+# the recorder's CPU by thread (bench/thread-cpu.py), into $OUT
 # (default: the current directory) and onto stdout; then the events bench
 # (EVENTS= skips it); then, if LONG names the events per engine and fewer
 # than LONG_BEFORE_S seconds (default 400) have gone by, one longer run on
@@ -47,7 +47,7 @@ prepare() {
   cp "$nats" "$KIT/nats-server"
   strip "$KIT/fleet" "$KIT/events" "$KIT/kvbm-recorder"
   du -sh "$KIT"
-  echo "carry $KIT to the other machine, then: bash scripts/bench-fleet-kit.sh run"
+  echo "carry $KIT to the other machine, then: bash bench/bench-fleet-kit.sh run"
 }
 
 # The executable of bench $2 of package $1, built, as cargo names it
@@ -154,7 +154,7 @@ print("| %s | %s | %s | %s | %s |" % (sys.argv[1], med("lz4"), med("verify"), me
 # (default 400) have gone by; e.g. whether fewer wakes of idle writer
 # threads or larger pull requests speed the recorder there:
 #   VARIANTS='--handoff-batch 1;--handoff-batch 16;--pull-batch 1024' \
-#     bash scripts/bench-fleet-kit.sh variants
+#     bash bench/bench-fleet-kit.sh variants
 variants() {
   local out="${OUT:-.}" v i=0
   use_kit
@@ -172,10 +172,10 @@ variants() {
 }
 
 # One run of the bench into $1, with the recorder's CPU by thread after its
-# tables (scripts/thread-cpu.py: such a machine has no perf to say which
+# tables (bench/thread-cpu.py: such a machine has no perf to say which
 # thread bounds the recorder).
 bench() {
-  python3 scripts/thread-cpu.py kvbm-recorder >"$1.threads" &
+  python3 bench/thread-cpu.py kvbm-recorder >"$1.threads" &
   local sampler=$!
   "$KIT/fleet" --bench | tee "$1"
   kill -TERM "$sampler"
@@ -190,5 +190,5 @@ case "${1:-}" in
   run) run ;;
   scaling) scaling ;;
   variants) variants ;;
-  *) die "usage: bash scripts/bench-fleet-kit.sh prepare|run|scaling|variants" ;;
+  *) die "usage: bash bench/bench-fleet-kit.sh prepare|run|scaling|variants" ;;
 esac

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a process's CPU goes, by thread, on a machine with no `perf`.
 
-    python3 scripts/thread-cpu.py kvbm-recorder > threads.txt &
+    python3 bench/thread-cpu.py kvbm-recorder > threads.txt &
     ... run the bench ...
     kill -TERM %1
 
@@ -14,7 +14,7 @@ they start to sync and close logs, `kvbm-sync`; the rest), its CPU
 seconds, its busiest thread's, and that thread's share of the process's
 wall time. A thread busy for nearly all of it is what bounds the process.
 
-Made for scripts/bench-fleet-kit.sh, which runs it beside the recorder on
+Made for bench/bench-fleet-kit.sh, which runs it beside the recorder on
 a lent machine (the fleet benchmark asks what bounds the recorder when its
 writer threads have cores to spare). A thread that exits between two polls
 loses at most its last 20 ms.

@@ -13,7 +13,7 @@
 # Needs root and a cgroup block-I/O controller: cgroup v1 `blkio`
 # (blkio.throttle.write_bps_device) or cgroup v2 `io` (io.max).
 #
-# Usage: bash scripts/bench-fleet-slow-disk.sh [MBPS]   (default 400)
+# Usage: bash bench/bench-fleet-slow-disk.sh [MBPS]   (default 400)
 # Environment: KVBM_NATS_SERVER (else scripts/setup-nats.sh installs it),
 # and the bench's own knobs (KVBM_FLEET_PER_ENGINE, …).
 set -Eeuo pipefail
