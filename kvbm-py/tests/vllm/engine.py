@@ -312,13 +312,15 @@ def noop_engine(kv_bytes=2 * 1024 * 1024, max_num_seqs=8, **more):
     )
 
 
-def prompts(groups=3, per_group=4, prefix_blocks=3, tail=(5, 40)):
-    """Requests sharing a prefix of `prefix_blocks` blocks within each group."""
+def prompts(groups=3, per_group=4, prefix_blocks=3, tail=(5, 40), salt=0):
+    """Requests sharing a prefix of `prefix_blocks` blocks within each group.
+    Another `salt` (up to 989) gives prompts of the same shape whose blocks
+    are all different."""
     from vllm.inputs import TokensPrompt
 
     out = []
     for g in range(groups):
-        prefix = [(97 * g + 13 * j) % 990 + 5 for j in range(prefix_blocks * BLOCK)]
+        prefix = [(97 * g + 13 * j + 131 * salt) % 990 + 5 for j in range(prefix_blocks * BLOCK)]
         for k in range(per_group):
             n = tail[0] + (k * 11) % (tail[1] - tail[0])
             out.append(TokensPrompt(prompt_token_ids=prefix + [(7 * g + 3 * k + j) % 990 + 5 for j in range(n)]))

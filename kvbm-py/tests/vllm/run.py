@@ -21,6 +21,9 @@ Checks:
 2. breakpoints: a held request makes no progress while the others finish,
    resumes with the same tokens; a short deadline releases a hold by itself;
 3. (the console, in tmux: scripts/test-vllm.sh);
+4. the observer (`host_capacity_tokens: 0`, no disk): vLLM's tokens
+   unchanged, no host-tier file, a recording of vLLM's requests, blocks
+   and lookups with no transfer, which `check` passes;
 5. bad configuration: vLLM refuses to start, naming the key.
 """
 
@@ -296,6 +299,32 @@ def test_breakpoints(tmp, baseline):
     check(e.get("outputs") == baseline[:4], "cleared, the engine goes on and the tokens are the same")
 
 
+def test_observer(tmp, recorder, baseline):
+    print("== 4. the observer: no tier of kvbm's own", flush=True)
+    rec = os.path.join(tmp, "rec-observer")
+    shm = os.path.join(tmp, "shm-observer")
+    os.makedirs(shm)
+    res, _, _ = scenario("roundtrip", {"extra": {"host_capacity_tokens": 0, "shm_dir": shm, "record": rec}})
+    by = {k: v for r in res for k, v in r.items()}
+    check(by.get("outputs1") == baseline and by.get("outputs2") == baseline,
+          "observer: both rounds have the tokens vLLM gives without a connector")
+    # Within a round the group's later requests share the first's prefix
+    # through vLLM's own cache; after the reset nothing more comes back.
+    check(by.get("cached2") is not None and by.get("cached2") == by.get("cached1"),
+          f"observer: after vLLM's prefix cache was reset, no prefix is served beyond what vLLM's own cache "
+          f"shares within the round ({by.get('cached2')} against {by.get('cached1')})")
+    check(os.listdir(shm) == [], f"observer: no host-tier file was made ({os.listdir(shm)})")
+    kinds, _, blocks = recorded_kinds(recorder, rec)
+    check(kinds.get("SlotCreated", 0) > 0 and kinds.get("BlocksAllocated", 0) > 0
+          and kinds.get("MatchResult", 0) > 0,
+          f"observer: the recording holds vLLM's requests, their G1 blocks and lookups "
+          f"({kinds.get('SlotCreated', 0)}, {kinds.get('BlocksAllocated', 0)}, {kinds.get('MatchResult', 0)} events)")
+    check(blocks["TransferCompleted"] == 0, f"observer: nothing was transferred ({blocks})")
+    c = subprocess.run([recorder, "check", rec], capture_output=True, text=True)
+    check(c.returncode == 0, f"observer: kvbm-recorder check on the recording exits 0 "
+          f"({c.stdout.strip()[-200:]}{c.stderr.strip()[-200:]})")
+
+
 def test_bad_config(tmp):
     print("== 5. bad configuration", flush=True)
     busy = socket.socket()
@@ -343,7 +372,7 @@ def main():
     ap.add_argument("--oracle", nargs="*", default=list(ORACLE),
                     help=f"the oracle's configurations to run (default: all of {', '.join(ORACLE)})")
     a = ap.parse_args()
-    only = set(a.only or ["oracle", "breakpoints", "badconfig"])
+    only = set(a.only or ["oracle", "breakpoints", "observer", "badconfig"])
     tmp = tempfile.mkdtemp(prefix="kvbm-vllm-")
     try:
         if "oracle" in only:
@@ -355,6 +384,8 @@ def main():
         baseline = b["outputs"]
         if "breakpoints" in only:
             test_breakpoints(tmp, baseline)
+        if "observer" in only:
+            test_observer(tmp, a.recorder, baseline)
         if "badconfig" in only:
             test_bad_config(tmp)
     finally:

@@ -264,7 +264,8 @@ def bench(args):
 def serve(args):
     """One engine for the interleaved benchmark (`bench.py`): built like
     `bench`'s, warmed up and pinned, then a round of the workload each time
-    a line `round` comes on stdin, answered with the round's wall time and
+    a line `round` comes on stdin (new prompts each round, or with `reuse`
+    the warm-up's again), answered with the round's wall time and
     the CPU each thread of the engine's processes spent in it; `quit` shuts
     it down. Between rounds the benchmark stops this whole process group
     (SIGSTOP), so only one engine runs at a time."""
@@ -274,14 +275,23 @@ def serve(args):
         llm = engine.engine(extra=args.get("extra", {}), **more)
     else:
         llm = engine.noop_engine(**more)
+    reuse = args.get("reuse", False)
     ps = engine.prompts(groups=4, per_group=6)
     engine.generate(llm, ps)  # warm up
     llm.reset_prefix_cache()
     cpus = engine.keep_off_worker_cpus() if args.get("pin", True) else None
     engine.say(ready=True, cpus=cpus)
+    rounds = 0
     for line in sys.stdin:
         if line.strip() != "round":
             break
+        rounds += 1
+        # Without reuse each round's prompts are new (another salt): no
+        # tier can serve any of them, so what kvbm adds is its cost alone.
+        # With reuse the same prompts come back after vLLM's prefix cache
+        # was reset, and kvbm serves their prefixes from its host tier.
+        if not reuse:
+            ps = engine.prompts(groups=4, per_group=6, salt=rounds)
         c0 = engine.thread_cpu()
         t = time.perf_counter()
         engine.generate(llm, ps, max_tokens=args.get("max_tokens", 32))
