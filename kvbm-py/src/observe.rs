@@ -29,14 +29,13 @@ const RING_EVENTS: usize = 1 << 20;
 /// How long the recorder, the feeder and the publisher sleep when the engine's tap is
 /// empty. Their defaults (0.2-0.5 ms) suit a simulator that emits millions
 /// of events a second; inside vLLM, which emits a few thousand, each would
-/// wake thousands of times a second on the engine core's CPU for nothing,
-/// and every feeder wake-up with events also wakes the attach server's
-/// encoder and reducer. At 5 ms the three woke about 1,300 times a second
-/// in all on the bench's workload (the attach server's runtime 1,100 of
-/// them: 25 ms of CPU a second); at 20 ms a quarter of that. The tap
-/// (65,536 events) still holds over 3 million events a second for that
-/// long, far more than vLLM emits, and a console's view lags by at most
-/// 20 ms, less than one of its frames.
+/// wake thousands of times a second on the engine core's CPU for nothing.
+/// At 20 ms, with the attach server told of each burst (`RingWatcher`),
+/// kvbm's threads woke about 475 times a second in all on the bench's
+/// workload (`bench.py --guard`). The tap (65,536 events) still holds
+/// over 3 million events a second for that long, far more than vLLM
+/// emits, and a console's view lags by at most 20 ms, less than one of its
+/// frames.
 const IDLE_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// How long the publisher may take, at shutdown, to send what it holds
