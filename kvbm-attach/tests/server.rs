@@ -570,16 +570,7 @@ async fn a_protocol_mismatch_is_a_400_naming_both_versions() {
 /// Either way both still read as their protocol types.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_and_snapshot_say_what_the_engine_runs_as_when_told() {
-    let info = serde_json::json!({
-        "summary": "vLLM · tp 2 · async scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none",
-        "source": "vllm",
-        "tensor_parallel": 2,
-        "pipeline_parallel": 1,
-        "async_scheduling": true,
-        "block_size": 32,
-        "host_tokens": 8192,
-        "disk_tokens": 0,
-    });
+    let info = kvbm_testkit::data::engine_info();
     let f = fed(1000, false);
     f.emit(10).await;
     assert!(f.engine.info().is_none());
@@ -650,12 +641,7 @@ async fn first_text(addr: SocketAddr) -> String {
 /// client hands it on (in its hello and its handle).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hello_says_what_the_engine_runs_as_when_told() {
-    let info = serde_json::json!({
-        "summary": "vLLM · tp 2 · async scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none",
-        "source": "vllm",
-        "tensor_parallel": 2,
-        "async_scheduling": true,
-    });
+    let info = kvbm_testkit::data::engine_info();
     let f = fed(1000, false);
     f.emit(3).await;
     let plain = serve(local(), f.engine.clone()).await;

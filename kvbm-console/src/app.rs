@@ -530,6 +530,8 @@ impl App {
             | Action::JumpEnd
             | Action::StepForward
             | Action::StepBack => self.replay_action(action),
+            // The fleet console's own: never dispatched here (Scope::Fleet).
+            Action::FleetTab(_) | Action::Find => {}
         }
     }
 

@@ -124,6 +124,10 @@ pub enum Action {
     StepForward,
     /// Replay: one event back.
     StepBack,
+    /// Fleet: a given view (0: the fleet, 1: prefixes, 2: where is).
+    FleetTab(usize),
+    /// Fleet: type a request id or hash to locate.
+    Find,
 }
 
 /// When a binding applies.
@@ -141,6 +145,8 @@ pub enum Scope {
     Slots,
     /// The breakpoints view, with an engine to control.
     Breakpoints,
+    /// The fleet console (`kvbm-console fleet`), which has only these.
+    Fleet,
 }
 
 impl Scope {
@@ -153,6 +159,7 @@ impl Scope {
             Scope::Replay => "Replay",
             Scope::Slots => "Slots",
             Scope::Breakpoints => "Breakpoints",
+            Scope::Fleet => "Fleet",
         }
     }
 }
@@ -302,6 +309,24 @@ pub const BINDINGS: &[Binding] = &[
     b(&[k('w')], Action::Warnings, Scope::Global, "warnings (lints)"),
     b(&[k('?')], Action::Help, Scope::Global, "this help"),
     b(&[k('q'), ctrl('c')], Action::Quit, Scope::Global, "quit"),
+    // The fleet console: its own keys, in its help's order.
+    b(&[code(KeyCode::Enter)], Action::Open, Scope::Fleet, "drill into the engine (Fleet) / locate the prefix (Prefixes)"),
+    b(&[k('j'), code(KeyCode::Down)], Action::Down, Scope::Fleet, "down"),
+    b(&[k('k'), code(KeyCode::Up)], Action::Up, Scope::Fleet, "up"),
+    b(&[k('g'), code(KeyCode::Home)], Action::Top, Scope::Fleet, "first row"),
+    b(&[k('G'), code(KeyCode::End)], Action::Bottom, Scope::Fleet, "last row"),
+    b(&[k('s')], Action::Sort, Scope::Fleet, "sort engines by the next column"),
+    b(&[k('r')], Action::Reverse, Scope::Fleet, "reverse the sort"),
+    b(&[k('/')], Action::Filter, Scope::Fleet, "filter engines by name or state (text or /regex/)"),
+    b(&[k('f')], Action::Find, Scope::Fleet, "where is this prefix: type a request id or a hash"),
+    b(&[code(KeyCode::Tab), k('l')], Action::NextView, Scope::Fleet, "next view"),
+    b(&[code(KeyCode::BackTab), k('h')], Action::PrevView, Scope::Fleet, "previous view"),
+    b(&[k('1')], Action::FleetTab(0), Scope::Fleet, "fleet"),
+    b(&[k('2')], Action::FleetTab(1), Scope::Fleet, "prefixes on several engines"),
+    b(&[k('3')], Action::FleetTab(2), Scope::Fleet, "where is this prefix"),
+    b(&[code(KeyCode::Esc)], Action::Back, Scope::Fleet, "back: close the help, clear the filter (drilled in: back to the fleet)"),
+    b(&[k('?')], Action::Help, Scope::Fleet, "this help"),
+    b(&[k('q'), ctrl('c')], Action::Quit, Scope::Fleet, "quit"),
 ];
 
 /// Which scopes are on now.
@@ -326,6 +351,7 @@ impl Context {
             Scope::Replay => self.replay,
             Scope::Slots => self.view == ViewId::Slots || self.detail,
             Scope::Breakpoints => self.view == ViewId::Breakpoints && !self.detail && self.control,
+            Scope::Fleet => false,
         }
     }
 }
@@ -335,6 +361,18 @@ pub fn dispatch(ev: &KeyEvent, ctx: Context) -> Option<Action> {
     BINDINGS
         .iter()
         .filter(|b| ctx.has(b.scope))
+        .find(|b| b.keys.iter().any(|k| k.matches(ev)))
+        .map(|b| b.action)
+}
+
+/// The fleet console's rows of the table, in order.
+pub fn fleet_bindings() -> impl Iterator<Item = &'static Binding> {
+    BINDINGS.iter().filter(|b| b.scope == Scope::Fleet)
+}
+
+/// The action for a key in the fleet console, if any.
+pub fn dispatch_fleet(ev: &KeyEvent) -> Option<Action> {
+    fleet_bindings()
         .find(|b| b.keys.iter().any(|k| k.matches(ev)))
         .map(|b| b.action)
 }

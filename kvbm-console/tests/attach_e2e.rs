@@ -20,50 +20,28 @@ use kvbm_console::remote::Remote;
 use kvbm_events::breakpoint::BreakpointSpec;
 use kvbm_events::control::{Control, ControlCommand, ControlError, ControlResult};
 use kvbm_events::slot::SlotState;
+use kvbm_testkit::served::{Served, serve};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 fn sim_bin() -> PathBuf {
     kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim")
 }
 
-struct Sim(Child);
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn serve_sim() -> (Sim, String) {
-    let mut child = Command::new(sim_bin())
-        .args(["--serve", "127.0.0.1:0", "--real-time", "1"])
+fn serve_sim() -> (Served, String) {
+    let mut cmd = Command::new(sim_bin());
+    cmd.args(["--serve", "127.0.0.1:0", "--real-time", "1"])
         // Arrivals over 15 s: the second round needs a request still
         // decoding after the first round's has finished, and a loaded
         // machine can take that long over the first (10 requests, all
         // done by then, failed a CI run).
         .args(["--requests", "30", "--rate", "2", "--seed", "3"])
         .args(["--prompt-len", "256", "--output-len", "200"])
-        .args(["--bp-deadline-s", "120", "--linger-s", "60"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let sim = Sim(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("serving on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
-    (sim, url)
+        .args(["--bp-deadline-s", "120", "--linger-s", "60"]);
+    serve(cmd)
 }
 
 fn runtime() -> tokio::runtime::Runtime {

@@ -23,20 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::{draw, replays, special};
 
-const SUMMARY: &str = "vLLM · tp 2 · async scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none";
-
-fn info() -> serde_json::Value {
-    serde_json::json!({
-        "summary": SUMMARY,
-        "source": "vllm",
-        "tensor_parallel": 2,
-        "pipeline_parallel": 1,
-        "async_scheduling": true,
-        "block_size": 32,
-        "host_tokens": 8192,
-        "disk_tokens": 0,
-    })
-}
+use kvbm_testkit::data::{ENGINE_SUMMARY as SUMMARY, engine_info as info};
 
 /// The preemption-heavy log replayed to its end, its engine said to run
 /// as `summary` (or not said).

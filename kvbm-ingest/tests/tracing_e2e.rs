@@ -13,9 +13,9 @@ use kvbm_events::reducer::{EngineState, fold};
 use kvbm_events::slot::SlotState;
 use kvbm_events::tier::Tier;
 use kvbm_events::{Direction, Event};
-use std::io::{BufRead, BufReader};
+use kvbm_testkit::served::Served;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const REQUESTS: u32 = 6;
@@ -24,40 +24,18 @@ fn example_bin() -> PathBuf {
     kvbm_testkit::bin::workspace_example("kvbm-ingest", "traced_engine")
 }
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn serve() -> (Proc, String) {
-    let mut child = Command::new(example_bin())
-        .args([
-            "--serve",
-            "127.0.0.1:0",
-            "--step-ms",
-            "5",
-            "--linger-s",
-            "60",
-        ])
-        .args(["--requests", &REQUESTS.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let proc = Proc(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("serving on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
-    (proc, url)
+fn serve() -> (Served, String) {
+    let mut cmd = Command::new(example_bin());
+    cmd.args([
+        "--serve",
+        "127.0.0.1:0",
+        "--step-ms",
+        "5",
+        "--linger-s",
+        "60",
+    ])
+    .args(["--requests", &REQUESTS.to_string()]);
+    kvbm_testkit::served::serve(cmd)
 }
 
 fn finished(state: &EngineState) -> usize {

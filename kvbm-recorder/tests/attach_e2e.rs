@@ -12,41 +12,18 @@ use kvbm_events::ring::RingBuffer;
 use kvbm_events::tier::Tier;
 use kvbm_events::{Emitter, EventKind, MonotonicClock};
 use kvbm_schema::protocol::GapReason;
-use std::io::{BufRead, BufReader};
+use kvbm_testkit::served::{Served, serve};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A child process killed when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Starts `kvbm-sim --serve 127.0.0.1:0 ARGS` and reads its URL.
-fn serve_sim(args: &[&str]) -> (Proc, String) {
-    let mut child = Command::new(kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim"))
-        .args(["--serve", "127.0.0.1:0"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let p = Proc(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("serving on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
-    (p, url)
+fn serve_sim(args: &[&str]) -> (Served, String) {
+    let mut cmd = Command::new(kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim"));
+    cmd.args(["--serve", "127.0.0.1:0"]).args(args);
+    serve(cmd)
 }
 
 fn recorder() -> Command {
@@ -346,7 +323,7 @@ fn record_from_across_a_restart_accounts_for_the_gap() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut child = Proc(child);
+    let mut child = Served(child);
     // Let it catch up, then restart the server under it.
     let t = Instant::now();
     while rig.server.as_ref().unwrap().stats().events_sent < 100 {

@@ -10,20 +10,7 @@ use kvbm_recorder::recorder::{RecorderConfig, RecordingSink};
 use std::path::Path;
 use std::process::{Command, Output};
 
-const SUMMARY: &str = "vLLM · tp 2 · async scheduling · G2 8,192 tokens (4.0 MiB a rank) · G3 none";
-
-fn info() -> serde_json::Value {
-    serde_json::json!({
-        "summary": SUMMARY,
-        "source": "vllm",
-        "tensor_parallel": 2,
-        "pipeline_parallel": 1,
-        "async_scheduling": true,
-        "block_size": 32,
-        "host_tokens": 8192,
-        "disk_tokens": 0,
-    })
-}
+use kvbm_testkit::data::{ENGINE_SUMMARY as SUMMARY, engine_info as info};
 
 fn gauge_at(seq: u64) -> Event {
     Event {

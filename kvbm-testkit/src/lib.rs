@@ -2,7 +2,8 @@
 //! (a median over samples), the workspace's own binaries, built on demand
 //! so one crate's test can run another crate's program, the data files the
 //! repository keeps for them, the real vLLM that tests of kvbm against vLLM
-//! use, and a real `nats-server` for the fleet's tests.
+//! use, a real `nats-server` for the fleet's tests, and a served program's
+//! URL.
 //!
 //! Only ever a dev-dependency.
 
@@ -10,5 +11,6 @@ pub mod bench;
 pub mod bin;
 pub mod data;
 pub mod nats;
+pub mod served;
 pub mod tmux;
 pub mod vllm;

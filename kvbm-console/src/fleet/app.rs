@@ -6,7 +6,7 @@
 
 use super::model::{FleetModel, Located};
 use crate::app::{App, Message};
-use crate::keys::Key;
+use crate::keys::{Action, Key, dispatch_fleet as dispatch, fleet_bindings};
 use crate::run::Screen;
 use crate::ui::filter::{Filter, passes};
 use crate::ui::list::ListState;
@@ -43,83 +43,6 @@ impl Tab {
             Tab::Where => "Where",
         }
     }
-}
-
-/// What a fleet key does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FleetAction {
-    /// Leave.
-    Quit,
-    /// The help.
-    Help,
-    /// Next view.
-    NextTab,
-    /// Previous view.
-    PrevTab,
-    /// A given view.
-    Tab(usize),
-    /// Selection up.
-    Up,
-    /// Selection down.
-    Down,
-    /// First row.
-    Top,
-    /// Last row.
-    Bottom,
-    /// Drill into the selected engine (Fleet), locate the selected prefix
-    /// (Prefixes).
-    Open,
-    /// Close the help, clear the filter.
-    Back,
-    /// Type a filter.
-    Filter,
-    /// Next sort column.
-    Sort,
-    /// Reverse the sort.
-    Reverse,
-    /// Type a request id or hash to locate.
-    Find,
-}
-
-const fn k(c: char) -> Key {
-    Key {
-        code: KeyCode::Char(c),
-        ctrl: false,
-    }
-}
-
-const fn code(code: KeyCode) -> Key {
-    Key { code, ctrl: false }
-}
-
-/// The fleet's key table: it dispatches the keys and writes the help.
-#[rustfmt::skip]
-pub const FLEET_KEYS: &[(&[Key], FleetAction, &str)] = &[
-    (&[code(KeyCode::Enter)], FleetAction::Open, "drill into the engine (Fleet) / locate the prefix (Prefixes)"),
-    (&[k('j'), code(KeyCode::Down)], FleetAction::Down, "down"),
-    (&[k('k'), code(KeyCode::Up)], FleetAction::Up, "up"),
-    (&[k('g'), code(KeyCode::Home)], FleetAction::Top, "first row"),
-    (&[k('G'), code(KeyCode::End)], FleetAction::Bottom, "last row"),
-    (&[k('s')], FleetAction::Sort, "sort engines by the next column"),
-    (&[k('r')], FleetAction::Reverse, "reverse the sort"),
-    (&[k('/')], FleetAction::Filter, "filter engines by name or state (text or /regex/)"),
-    (&[k('f')], FleetAction::Find, "where is this prefix: type a request id or a hash"),
-    (&[code(KeyCode::Tab), k('l')], FleetAction::NextTab, "next view"),
-    (&[code(KeyCode::BackTab), k('h')], FleetAction::PrevTab, "previous view"),
-    (&[k('1')], FleetAction::Tab(0), "fleet"),
-    (&[k('2')], FleetAction::Tab(1), "prefixes on several engines"),
-    (&[k('3')], FleetAction::Tab(2), "where is this prefix"),
-    (&[code(KeyCode::Esc)], FleetAction::Back, "back: close the help, clear the filter (drilled in: back to the fleet)"),
-    (&[k('?')], FleetAction::Help, "this help"),
-    (&[k('q'), Key { code: KeyCode::Char('c'), ctrl: true }], FleetAction::Quit, "quit"),
-];
-
-/// The action for a key.
-pub fn dispatch(ev: &KeyEvent) -> Option<FleetAction> {
-    FLEET_KEYS
-        .iter()
-        .find(|(keys, _, _)| keys.iter().any(|k| k.matches(ev)))
-        .map(|(_, a, _)| *a)
 }
 
 /// Columns the engines sort by.
@@ -335,27 +258,27 @@ impl FleetApp {
         areas(self.size).2.height.saturating_sub(3) as usize
     }
 
-    fn act(&mut self, a: FleetAction) {
+    fn act(&mut self, a: Action) {
         // While the help is open, keys scroll or close it; none reaches
         // the table behind it.
         if self.help
             && !matches!(
                 a,
-                FleetAction::Quit
-                    | FleetAction::Help
-                    | FleetAction::Back
-                    | FleetAction::NextTab
-                    | FleetAction::PrevTab
-                    | FleetAction::Tab(_)
+                Action::Quit
+                    | Action::Help
+                    | Action::Back
+                    | Action::NextView
+                    | Action::PrevView
+                    | Action::FleetTab(_)
             )
         {
             let shown = areas(self.size).2.height.saturating_sub(2);
-            let last = (FLEET_KEYS.len() as u16 + 1).saturating_sub(shown);
+            let last = (fleet_bindings().count() as u16 + 1).saturating_sub(shown);
             match a {
-                FleetAction::Up => self.help_scroll = self.help_scroll.saturating_sub(1),
-                FleetAction::Down => self.help_scroll = (self.help_scroll + 1).min(last),
-                FleetAction::Top => self.help_scroll = 0,
-                FleetAction::Bottom => self.help_scroll = last,
+                Action::Up => self.help_scroll = self.help_scroll.saturating_sub(1),
+                Action::Down => self.help_scroll = (self.help_scroll + 1).min(last),
+                Action::Top => self.help_scroll = 0,
+                Action::Bottom => self.help_scroll = last,
                 _ => {}
             }
             return;
@@ -363,28 +286,28 @@ impl FleetApp {
         let len = self.row_count();
         let vis = self.visible();
         match a {
-            FleetAction::Quit => self.quit = true,
-            FleetAction::Help => {
+            Action::Quit => self.quit = true,
+            Action::Help => {
                 self.help = !self.help;
                 self.help_scroll = 0;
             }
-            FleetAction::NextTab | FleetAction::PrevTab | FleetAction::Tab(_) => {
+            Action::NextView | Action::PrevView | Action::FleetTab(_) => {
                 let i = Tab::ALL.iter().position(|t| *t == self.tab).unwrap_or(0);
                 let j = match a {
-                    FleetAction::NextTab => (i + 1) % 3,
-                    FleetAction::PrevTab => (i + 2) % 3,
-                    FleetAction::Tab(n) => n.min(2),
+                    Action::NextView => (i + 1) % 3,
+                    Action::PrevView => (i + 2) % 3,
+                    Action::FleetTab(n) => n.min(2),
                     _ => i,
                 };
                 self.tab = Tab::ALL[j];
                 self.list = ListState::default();
                 self.help = false;
             }
-            FleetAction::Up => self.list.moved(-1, len, vis),
-            FleetAction::Down => self.list.moved(1, len, vis),
-            FleetAction::Top => self.list.moved(isize::MIN / 2, len, vis),
-            FleetAction::Bottom => self.list.moved(isize::MAX / 2, len, vis),
-            FleetAction::Back => {
+            Action::Up => self.list.moved(-1, len, vis),
+            Action::Down => self.list.moved(1, len, vis),
+            Action::Top => self.list.moved(isize::MIN / 2, len, vis),
+            Action::Bottom => self.list.moved(isize::MAX / 2, len, vis),
+            Action::Back => {
                 if self.help {
                     self.help = false;
                 } else if self.filter.is_some() {
@@ -392,7 +315,7 @@ impl FleetApp {
                     self.say("filter cleared", false);
                 }
             }
-            FleetAction::Filter => {
+            Action::Filter => {
                 let t = self
                     .filter
                     .as_ref()
@@ -400,8 +323,8 @@ impl FleetApp {
                     .unwrap_or_default();
                 self.input = Some(Input::Filter(t));
             }
-            FleetAction::Find => self.input = Some(Input::Find(String::new())),
-            FleetAction::Sort => {
+            Action::Find => self.input = Some(Input::Find(String::new())),
+            Action::Sort => {
                 let i = EngineSort::ALL
                     .iter()
                     .position(|s| *s == self.sort)
@@ -409,8 +332,8 @@ impl FleetApp {
                 self.sort = EngineSort::ALL[(i + 1) % EngineSort::ALL.len()];
                 self.say(format!("engines sorted by {}", self.sort.name()), false);
             }
-            FleetAction::Reverse => self.reverse = !self.reverse,
-            FleetAction::Open => match self.tab {
+            Action::Reverse => self.reverse = !self.reverse,
+            Action::Open => match self.tab {
                 Tab::Engines => {
                     if let Some(name) = self.rows.get(self.list.selected).cloned() {
                         self.drill(&name);
@@ -433,6 +356,8 @@ impl FleetApp {
                     }
                 }
             },
+            // The engine console's own: never dispatched here.
+            _ => {}
         }
     }
 
@@ -652,14 +577,14 @@ impl Screen for FleetApp {
         f.render_widget(Paragraph::new(line), footer);
         if self.help {
             let mut lines = vec![Line::from(Span::styled("Fleet", head().fg(Color::Cyan)))];
-            for (keys, _, text) in FLEET_KEYS {
-                let k: Vec<String> = keys.iter().map(Key::label).collect();
+            for bnd in fleet_bindings() {
+                let k: Vec<String> = bnd.keys.iter().map(Key::label).collect();
                 lines.push(Line::from(vec![
                     Span::styled(
                         format!("  {:<14}", k.join(" ")),
                         Style::new().fg(Color::Yellow),
                     ),
-                    Span::raw(*text),
+                    Span::raw(bnd.help),
                 ]));
             }
             crate::ui::chrome::scrolled_popup(
@@ -1121,9 +1046,9 @@ mod tests {
 
     #[test]
     fn every_fleet_key_dispatches_to_its_own_action() {
-        for (keys, action, _) in FLEET_KEYS {
-            for key in *keys {
-                assert_eq!(dispatch(&key.event()), Some(*action), "{key:?}");
+        for bnd in fleet_bindings() {
+            for key in bnd.keys {
+                assert_eq!(dispatch(&key.event()), Some(bnd.action), "{key:?}");
             }
         }
     }
