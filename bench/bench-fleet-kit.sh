@@ -36,7 +36,7 @@ prepare() {
   command -v strip >/dev/null || die "strip (binutils) is needed"
   local nats fleet events
   nats="$(bash scripts/setup-nats.sh)"
-  cargo build --release -p kvbm-recorder --bin kvbm-recorder
+  cargo build --release -p kvbm-cli --bin kvbm-recorder
   fleet="$(bench_executable kvbm-recorder fleet)"
   events="$(bench_executable kvbm-sim events)"
   rm -rf "$KIT"

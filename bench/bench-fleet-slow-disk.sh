@@ -52,7 +52,7 @@ WRAP=""
 trap 'rmdir "$CG" 2>/dev/null || true; [[ -z "$WRAP" ]] || rm -f "$WRAP"' EXIT
 
 export KVBM_NATS_SERVER="${KVBM_NATS_SERVER:-$(bash scripts/setup-nats.sh)}"
-cargo build --release -p kvbm-recorder --bin kvbm-recorder >&2
+cargo build --release -p kvbm-cli --bin kvbm-recorder >&2
 WRAP="$(mktemp)"
 cat > "$WRAP" <<EOF
 #!/usr/bin/env bash
@@ -61,4 +61,4 @@ exec "$ROOT/target/release/kvbm-recorder" "\$@"
 EOF
 chmod +x "$WRAP"
 echo "recorder writes throttled to $MBPS MiB/s on $DISK ($MAJMIN)"
-KVBM_BIN_KVBM_RECORDER="$WRAP" cargo bench -p kvbm-recorder --bench fleet
+KVBM_BIN_KVBM_RECORDER="$WRAP" cargo bench -p kvbm-cli --bench fleet

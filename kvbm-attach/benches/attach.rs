@@ -2,7 +2,7 @@
 //! server's feeder, the attach server and one client
 //! ([`kvbm_attach::client::Client`]), all in this process.
 //!
-//! Run: `cargo bench -p kvbm-recorder --bench attach`
+//! Run: `cargo bench -p kvbm-attach --bench attach`
 //! (`KVBM_BENCH_QUICK=1` for a smoke run of a few seconds).
 //!
 //! - **Latency**: events emitted at a steady rate (10k and 100k events/s,

@@ -120,7 +120,7 @@ fn no_progress_when_stderr_is_not_a_terminal() {
             vec!["--requests".into(), "100".into()],
         ),
         (
-            workspace_bin("kvbm-recorder", "kvbm-recorder"),
+            workspace_bin("kvbm-cli", "kvbm-recorder"),
             vec![
                 "record".into(),
                 "--out".into(),
@@ -130,7 +130,7 @@ fn no_progress_when_stderr_is_not_a_terminal() {
             ],
         ),
         (
-            workspace_bin("kvbm-recorder", "kvbm-recorder"),
+            workspace_bin("kvbm-cli", "kvbm-recorder"),
             vec!["stats".into(), out.display().to_string()],
         ),
     ];

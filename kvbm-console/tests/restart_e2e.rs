@@ -137,7 +137,7 @@ fn free_port() -> u16 {
 }
 
 fn recorder_bin() -> PathBuf {
-    kvbm_testkit::bin::workspace_bin("kvbm-recorder", "kvbm-recorder")
+    kvbm_testkit::bin::workspace_bin("kvbm-cli", "kvbm-recorder")
 }
 
 fn header(app: &mut App) -> String {

@@ -511,3 +511,22 @@ pub fn sample_events() -> Vec<Event> {
         })
         .collect()
 }
+
+/// A plain event with `seq` (a host pool's gauge, engine 3), for tests of
+/// what carries events whatever they say: batches, logs, writers.
+pub fn gauge(seq: u64) -> Event {
+    Event {
+        engine: 3,
+        seq,
+        ts_ns: seq * 10,
+        iteration: 0,
+        request: None,
+        kind: EventKind::PoolGauge {
+            tier: Tier::Host,
+            capacity: 1,
+            active: 0,
+            inactive: 0,
+            empty: 1,
+        },
+    }
+}

@@ -3,7 +3,7 @@
 //! attach server, so the console can watch it:
 //!
 //! ```sh
-//! cargo run -p kvbm-recorder --example traced_engine -- --serve 127.0.0.1:7071
+//! cargo run -p kvbm-ingest --example traced_engine -- --serve 127.0.0.1:7071
 //! kvbm-console attach http://127.0.0.1:7071
 //! ```
 //!

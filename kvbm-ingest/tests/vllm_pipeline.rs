@@ -1,5 +1,5 @@
 //! The ZMQ source's decisions without sockets (the fast layer; the real
-//! publisher's tests are in `kvbm-recorder/tests/vllm_publisher.rs`): the
+//! publisher's tests are in `kvbm-cli/tests/vllm_publisher.rs`): the
 //! replay answer's framings, gaps filled from an in-memory replay buffer,
 //! a publisher that reconnects (the same one, proved by replay, or a new
 //! one), joining late, hybrid models' groups, and every engine medium.

@@ -392,16 +392,33 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // warnings (a step's request left out, a host tier whose pages could not
     // be faulted in, an attach server slow to stop) reached no one. To
     // stderr, which vLLM's processes keep; `KVBM_LOG` sets the filter
-    // (`warn` by default). A process that installed its own subscriber
-    // keeps it.
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KVBM_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colours only for a person at a terminal, not in vLLM's log files.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
+    // (`warn` by default; `kvbm_core=debug,warn` and the like, the
+    // targets form of `RUST_LOG`, which needs no regex engine). A process
+    // that installed its own subscriber keeps it.
+    {
+        use tracing_subscriber::filter::Targets;
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        let asked = std::env::var("KVBM_LOG").ok();
+        let parsed = asked.as_deref().map(str::parse::<Targets>);
+        let filter = match &parsed {
+            Some(Ok(t)) => t.clone(),
+            _ => Targets::new().with_default(tracing::Level::WARN),
+        };
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            // Colours only for a person at a terminal, not in vLLM's log files.
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .finish()
+            .with(filter)
+            .try_init();
+        if let (Some(asked), Some(Err(e))) = (asked, parsed) {
+            tracing::warn!(
+                "KVBM_LOG={asked:?} is not a filter ({e}): give levels by target, as \
+                 `kvbm_py=debug,warn`; using `warn`"
+            );
+        }
+    }
     m.add_function(wrap_pyfunction!(check_config, m)?)?;
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyWorker>()?;

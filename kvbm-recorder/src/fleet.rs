@@ -45,10 +45,10 @@
 
 use crate::log::{FsyncPolicy, PendingSync};
 use crate::recorder::{RecordError, RecorderConfig, Recording, RecordingSink};
-use kvbm_attach::nats::track::{Admit, Tracker};
-use kvbm_attach::nats::wire::BatchHeader;
 use kvbm_events::Event;
 use kvbm_schema::columnar::CheckedBlock;
+use kvbm_schema::nats::track::{Admit, Tracker};
+use kvbm_schema::nats::wire::BatchHeader;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -271,7 +271,7 @@ pub fn read_manifest(dir: &Path) -> Result<FleetManifest, FleetError> {
 /// them for `engine`: the engine's name for its first run, `<engine>.N`
 /// (N ≥ 2) for the Nth.
 fn check_log_name(name: &str, engine: &str) -> Result<(), String> {
-    kvbm_attach::nats::check_engine_name(engine).map_err(|e| e.to_string())?;
+    kvbm_schema::nats::check_engine_name(engine).map_err(|e| e.to_string())?;
     let run = match name.strip_prefix(engine) {
         Some("") => return Ok(()),
         Some(rest) => rest.strip_prefix('.'),
@@ -1121,27 +1121,9 @@ pub fn summarize(path: &Path, entry: &LogEntry) -> Result<EngineSummary, FleetEr
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use kvbm_events::{EventKind, Tier};
-
-    /// A gauge event with `seq` (also the shard writer's tests').
-    pub(crate) fn ev(seq: u64) -> Event {
-        Event {
-            engine: 3,
-            seq,
-            ts_ns: seq * 10,
-            iteration: 0,
-            request: None,
-            kind: EventKind::PoolGauge {
-                tier: Tier::Host,
-                capacity: 1,
-                active: 0,
-                inactive: 0,
-                empty: 1,
-            },
-        }
-    }
+    use kvbm_events::testing::gauge as ev;
 
     fn header(run: u64, events: &[Event], dropped_before: u64) -> BatchHeader {
         BatchHeader {

@@ -35,6 +35,7 @@ mod generated;
 
 pub mod columnar;
 pub mod convert;
+pub mod nats;
 pub mod protocol;
 
 /// The generated flatbuffers types.

@@ -5,16 +5,18 @@
 //! durable consumer; one console shows them. The broker is an existing
 //! program (`nats-server -js`), never one of ours.
 //!
-//! - [`wire`]: a batch of one engine's consecutive events as one message:
-//!   a fixed header (run, seq range, the publisher's declared losses) and
-//!   the durable log's columnar block, LZ4-compressed. Untrusted bytes are
-//!   checked before anything is decoded.
+//! - [`wire`] (from `kvbm_schema::nats`, the wire formats): a batch of
+//!   one engine's consecutive events as one message: a fixed header (run,
+//!   seq range, the publisher's declared losses) and the durable log's
+//!   columnar block, LZ4-compressed. Untrusted bytes are checked before
+//!   anything is decoded.
 //! - [`publish`]: drains an engine's tap on a thread of its own into
 //!   batches, keeps a bounded buffer while NATS is out of reach (dropping
 //!   the oldest, counted) and publishes each batch with a message id from
 //!   (engine, run, first seq), so JetStream drops a re-sent one.
-//! - [`track`]: what a consumer needs to apply each (engine, seq) once and
-//!   to tell holes from duplicates, as plain state (no I/O).
+//! - [`track`] (from `kvbm_schema::nats`): what a consumer needs to apply
+//!   each (engine, seq) once and to tell holes from duplicates, as plain
+//!   state (no I/O).
 //! - [`consume`]: the durable pull consumer a fleet recorder reads, and the
 //!   ordered consumer a console reads.
 //! - [`control`]: `kvbm.control.<engine>`: the engine side answers
@@ -40,9 +42,14 @@
 pub mod consume;
 pub mod control;
 pub mod publish;
-pub mod track;
 pub mod waits;
-pub mod wire;
+
+/// The batch format, the tracker and the subject rules: wire formats, so
+/// they live in the schema crate; re-exported here, where they are used.
+pub use kvbm_schema::nats::{
+    CONTROL_PREFIX, EVENTS_PREFIX, MAX_ENGINE_NAME, STREAM, control_subject, engine_of_subject,
+    events_subject, track, wire,
+};
 
 use async_nats::jetstream;
 
@@ -51,43 +58,12 @@ use async_nats::jetstream;
 pub use async_nats;
 use std::time::Duration;
 
-/// The stream that holds every engine's event batches.
-pub const STREAM: &str = "KVBM_EVENTS";
-/// Event batches of engine `E` go to `kvbm.events.E`.
-pub const EVENTS_PREFIX: &str = "kvbm.events.";
-/// Control requests for engine `E` go to `kvbm.control.E`.
-pub const CONTROL_PREFIX: &str = "kvbm.control.";
-/// Longest engine name.
-pub const MAX_ENGINE_NAME: usize = 64;
-
-/// The events subject of `engine`.
-pub fn events_subject(engine: &str) -> String {
-    format!("{EVENTS_PREFIX}{engine}")
-}
-
-/// The control subject of `engine`.
-pub fn control_subject(engine: &str) -> String {
-    format!("{CONTROL_PREFIX}{engine}")
-}
-
-/// The engine an events subject names, if it is one.
-pub fn engine_of_subject(subject: &str) -> Option<&str> {
-    let name = subject.strip_prefix(EVENTS_PREFIX)?;
-    check_engine_name(name).ok().map(|_| name)
-}
-
 /// Why something given for NATS is not usable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NatsError {
     /// An engine name that cannot be a subject token.
-    #[error(
-        "engine name {name:?}: use 1 to {MAX_ENGINE_NAME} ASCII letters, digits, '-' or '_' \
-         (it becomes the subject token of kvbm.events.<engine>)"
-    )]
-    BadEngineName {
-        /// The name, clipped.
-        name: String,
-    },
+    #[error(transparent)]
+    BadEngineName(#[from] kvbm_schema::nats::BadEngineName),
     /// An engine filter that no engine name could match as meant.
     #[error(
         "engine glob {glob:?}: use 1 to 256 ASCII letters, digits, '-', '_', '*' (any run of \
@@ -110,20 +86,10 @@ pub enum NatsError {
     Nats(String),
 }
 
-/// Checks that `name` can be an engine's subject token.
+/// Checks that `name` can be an engine's subject token
+/// ([`kvbm_schema::nats::check_engine_name`], as a [`NatsError`]).
 pub fn check_engine_name(name: &str) -> Result<(), NatsError> {
-    let ok = !name.is_empty()
-        && name.len() <= MAX_ENGINE_NAME
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok {
-        Ok(())
-    } else {
-        Err(NatsError::BadEngineName {
-            name: kvbm_events::text::clip(name, kvbm_events::text::MAX_QUOTED_CHARS),
-        })
-    }
+    Ok(kvbm_schema::nats::check_engine_name(name)?)
 }
 
 /// Whether `url` names a NATS server (`nats://…`).
@@ -281,28 +247,6 @@ pub async fn ensure_stream(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn engine_names_are_single_subject_tokens() {
-        for ok in ["a", "sim-0", "vllm_pod_17", &"x".repeat(MAX_ENGINE_NAME)] {
-            assert!(check_engine_name(ok).is_ok(), "{ok}");
-        }
-        for bad in [
-            "",
-            "a.b",
-            "a b",
-            "*",
-            ">",
-            "é",
-            "a\n",
-            &"x".repeat(MAX_ENGINE_NAME + 1),
-        ] {
-            assert!(check_engine_name(bad).is_err(), "{bad:?}");
-        }
-        assert_eq!(engine_of_subject("kvbm.events.sim-3"), Some("sim-3"));
-        assert_eq!(engine_of_subject("kvbm.events.a.b"), None);
-        assert_eq!(engine_of_subject("kvbm.control.a"), None);
-    }
 
     #[test]
     fn urls_must_be_nats_host_port() {

@@ -13,8 +13,8 @@
 //! its first lookup (`PrefixLookup`, schema version 2), in lookup order —
 //! a property of the workload, not of the cache the run had, so a log
 //! recorded with any capacity gives the same curve. [`CapacityAnalyzer`]
-//! reads it from events (a log, live); [`from_trace`] from a Mooncake
-//! trace directly. [`CapacityReport`] is what the CLI prints and the
+//! reads it from events (a log, live); [`TraceCurve`] from a trace's block
+//! ids directly (a Mooncake file). [`CapacityReport`] is what the CLI prints and the
 //! console draws.
 
 pub mod curve;
@@ -31,7 +31,6 @@ use kvbm_events::slot::SlotState;
 use kvbm_events::tier::Tier;
 use kvbm_events::{Event, EventKind};
 use serde::Serialize;
-use std::io::BufRead;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// What the analysis holds and how.
@@ -486,59 +485,68 @@ impl CapacityReport {
     }
 }
 
-/// Why a trace could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum TraceError {
-    /// The reader failed, or the options were invalid.
-    #[error(transparent)]
-    Workload(#[from] kvbm_sim::workload::WorkloadError),
+/// The curve of a trace, straight from its block ids (no simulation),
+/// fed one request at a time in the trace's order by whoever reads the
+/// trace (the `kvbm-recorder` program reads Mooncake files with the
+/// simulator's reader): each request is `input_length` tokens whose full
+/// blocks are its ids chained (an id names a block only with its prefix).
+#[derive(Debug)]
+pub struct TraceCurve {
+    builder: CurveBuilder,
+    block_tokens: usize,
+    keys: Vec<u64>,
+    last_ts: u64,
+    out_of_order: u64,
+    skipped: u64,
 }
 
-/// The curve of a Mooncake trace, straight from its `hash_ids` (no
-/// simulation): each line a request of `input_length` tokens whose full
-/// blocks are its ids chained (an id names a block only with its prefix),
-/// in file order. Malformed lines are skipped and counted, each reported
-/// to `skipped` with its line number.
-pub fn from_trace(
-    reader: impl BufRead,
-    sampling: Sampling,
-    capacities: &[u64],
-    mut skipped: impl FnMut(usize, &str),
-) -> Result<CapacityReport, TraceError> {
-    use kvbm_sim::workload::{MooncakeOptions, MooncakeReader, WorkloadError};
-    let opts = MooncakeOptions::default();
-    let bs = opts.block_tokens;
-    let mut r = MooncakeReader::new(reader, opts)?;
-    let mut b = CurveBuilder::new(sampling);
-    let (mut bad, mut out_of_order, mut last_ts) = (0u64, 0u64, 0u64);
-    let mut keys = Vec::new();
-    while let Some(item) = r.next_line() {
-        let l = match item {
-            Ok(l) => l,
-            Err(WorkloadError::Line { line, error }) => {
-                bad += 1;
-                skipped(line, &error.to_string());
-                continue;
-            }
-            Err(e) => return Err(e.into()),
-        };
-        if l.timestamp_ms < last_ts {
-            out_of_order += 1;
+impl TraceCurve {
+    /// An empty curve for blocks of `block_tokens` tokens.
+    pub fn new(sampling: Sampling, block_tokens: usize) -> TraceCurve {
+        TraceCurve {
+            builder: CurveBuilder::new(sampling),
+            block_tokens: block_tokens.max(1),
+            keys: Vec::new(),
+            last_ts: 0,
+            out_of_order: 0,
+            skipped: 0,
         }
-        last_ts = last_ts.max(l.timestamp_ms);
-        keys.clear();
-        let full = (l.input_length / bs).min(l.hash_ids.len());
-        let mut prev = 0u64;
-        for &id in &l.hash_ids[..full] {
-            prev = chain(prev, id);
-            keys.push(prev);
-        }
-        b.request(l.input_length as u64, bs as u32, keys.iter().copied(), None);
     }
-    let mut rep = CapacityReport::from_curve("trace", &b.curve(), capacities);
-    rep.skipped_lines = bad;
-    rep.out_of_order_lines = out_of_order;
-    Ok(rep)
+
+    /// The next request: when it arrived, its prompt's length and its
+    /// blocks' ids (ids past the prompt's full blocks are ignored).
+    pub fn request(&mut self, timestamp_ms: u64, input_length: usize, hash_ids: &[u64]) {
+        if timestamp_ms < self.last_ts {
+            self.out_of_order += 1;
+        }
+        self.last_ts = self.last_ts.max(timestamp_ms);
+        self.keys.clear();
+        let full = (input_length / self.block_tokens).min(hash_ids.len());
+        let mut prev = 0u64;
+        for &id in &hash_ids[..full] {
+            prev = chain(prev, id);
+            self.keys.push(prev);
+        }
+        self.builder.request(
+            input_length as u64,
+            self.block_tokens as u32,
+            self.keys.iter().copied(),
+            None,
+        );
+    }
+
+    /// A line of the trace that could not be read (counted in the report).
+    pub fn skipped_line(&mut self) {
+        self.skipped += 1;
+    }
+
+    /// The report at `capacities`.
+    pub fn report(self, capacities: &[u64]) -> CapacityReport {
+        let mut rep = CapacityReport::from_curve("trace", &self.builder.curve(), capacities);
+        rep.skipped_lines = self.skipped;
+        rep.out_of_order_lines = self.out_of_order;
+        rep
+    }
 }
 
 /// A trace block's key: its id together with its whole prefix.

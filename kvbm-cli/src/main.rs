@@ -1,7 +1,7 @@
 //! `kvbm-recorder`: record, inspect, replay, check, summarise, export and
 //! compare kvbm event logs.
 
-mod cli;
+use kvbm_cli::cli;
 
 use clap::Parser;
 

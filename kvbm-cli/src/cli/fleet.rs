@@ -5,6 +5,7 @@
 //! fleet).
 
 use super::{Format, RemoteArgs};
+use crate::shards::{Replies, Reply, Shards, Work};
 use anyhow::{Context, Result, bail};
 use futures_util::StreamExt;
 use kvbm_attach::nats::async_nats;
@@ -19,7 +20,6 @@ use kvbm_recorder::cpu::{self, CpuSum};
 use kvbm_recorder::fleet::{self, FleetWriter};
 use kvbm_recorder::log::LogConfig;
 use kvbm_recorder::recorder::RecorderConfig;
-use kvbm_recorder::shards::{Replies, Reply, Shards, Work};
 use kvbm_recorder::verdict;
 use std::io::Write;
 use std::path::Path;

@@ -1,7 +1,7 @@
 //! One NATS message: a batch of one engine's consecutive events.
 //!
 //! The body is the durable log's columnar block
-//! ([`kvbm_schema::columnar`]), LZ4-compressed like the log's, so a batch
+//! ([`columnar`](crate::columnar)), LZ4-compressed like the log's, so a batch
 //! costs about what the log costs per event (12 bytes) and a recorder
 //! checks it with the same verifier. In front of it, a fixed header (all
 //! integers little-endian):
@@ -27,10 +27,10 @@
 //! [`check`]) has accepted the message. The message id is
 //! [`message_id`]`(engine, run, first seq)`.
 
-use kvbm_events::Event;
-use kvbm_schema::columnar::{
+use crate::columnar::{
     BlockEncoder, BlockError, BlockSpan, CheckedBlock, MAX_BLOCK_EVENTS, verify_block,
 };
+use kvbm_events::Event;
 
 /// First four bytes of a batch.
 pub const MAGIC: [u8; 4] = *b"KVBN";
@@ -190,7 +190,7 @@ impl BatchEncoder {
             // Out of order: the block's columns cannot say it. Seal first.
             return false;
         }
-        let size = kvbm_schema::columnar::event_bytes(ev);
+        let size = crate::columnar::event_bytes(ev);
         let limit = limit.min(MAX_BLOCK_BYTES - 4096);
         let ok = self.block.len() < MAX_BLOCK_EVENTS && self.block.try_push(ev, size, limit);
         if ok || self.first.is_none() {

@@ -50,7 +50,7 @@ fn sim_bin() -> std::path::PathBuf {
 }
 
 fn recorder_bin() -> std::path::PathBuf {
-    workspace_bin("kvbm-recorder", "kvbm-recorder")
+    workspace_bin("kvbm-cli", "kvbm-recorder")
 }
 
 fn spawn_sim(url: &str, name: &str, extra: &[&str], dir: &Path) -> Child {

@@ -1,9 +1,10 @@
 //! `capacity`: the hit ratio every cache size would have had, from a log
 //! or straight from a Mooncake trace; as text, JSON or an SVG chart.
 
+use crate::trace::capacity_of_trace;
 use anyhow::{Context, Result, bail};
 use kvbm_recorder::analysis::capacity::{
-    CapacityAnalyzer, CapacityConfig, CapacityReport, Sampling, from_trace,
+    CapacityAnalyzer, CapacityConfig, CapacityReport, Sampling,
 };
 use kvbm_recorder::fleet::{RecordingKind, recording_kind};
 use std::io::BufReader;
@@ -55,7 +56,7 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
             let f =
                 std::fs::File::open(t).with_context(|| format!("opening trace {}", t.display()))?;
             let mut skipped = 0u64;
-            let rep = from_trace(BufReader::new(f), sampling, &a.capacities, |line, why| {
+            let rep = capacity_of_trace(BufReader::new(f), sampling, &a.capacities, |line, why| {
                 skipped += 1;
                 eprintln!("skipping line {line} of {}: {why}", t.display());
             })

@@ -13,7 +13,7 @@
 //!
 //! ```sh
 //! bash scripts/setup-nats.sh
-//! cargo bench -p kvbm-recorder --bench fleet          # KVBM_BENCH_QUICK=1 for a smoke run
+//! cargo bench -p kvbm-cli --bench fleet          # KVBM_BENCH_QUICK=1 for a smoke run
 //! ```
 //!
 //! Each store gets its own `nats-server`. First the 100 engines' batches
@@ -403,7 +403,7 @@ fn run_store(
         None => tempfile::tempdir(),
     }
     .unwrap();
-    let bin = kvbm_testkit::bin::workspace_bin("kvbm-recorder", "kvbm-recorder");
+    let bin = kvbm_testkit::bin::workspace_bin("kvbm-cli", "kvbm-recorder");
     let recorder = |out: std::path::PathBuf, extra: &[&str]| {
         Command::new(&bin)
             .args(["record", "--from", &url, "--out"])

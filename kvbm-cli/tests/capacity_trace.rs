@@ -5,7 +5,8 @@
 //! Also: the ceiling is the fidelity test's ideal ratio, and SHARDS at 1%
 //! and 10% against exact (the mean absolute error is printed).
 
-use kvbm_recorder::analysis::capacity::{Sampling, from_trace};
+use kvbm_cli::trace::capacity_of_trace as from_trace;
+use kvbm_recorder::analysis::capacity::Sampling;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::BufReader;
 

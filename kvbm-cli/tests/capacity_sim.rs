@@ -6,10 +6,11 @@
 //! to the prompt, and a version-2 log written to disk reads back with the
 //! same curve.
 
+use kvbm_cli::trace::capacity_of_trace as from_trace;
 use kvbm_events::Event;
 use kvbm_events::bus::TapItem;
 use kvbm_recorder::analysis::capacity::{
-    CapacityAnalyzer, CapacityConfig, CapacityReport, Sampling, from_trace,
+    CapacityAnalyzer, CapacityConfig, CapacityReport, Sampling,
 };
 use kvbm_sim::sim::{SimConfig, SimReport, Simulator, WorkerModel};
 use kvbm_sim::workload::{MooncakeOptions, RequestSpec, parse_mooncake};

@@ -42,11 +42,11 @@
 //! events from its header ([`Work::CountOnly`]): what receiving and
 //! routing sustain with the writer threads' work taken away.
 
-use crate::cpu::CpuSum;
-use crate::fleet::{FleetError, FleetManifest, FleetWriter, Syncs, shard_of};
-use crate::recorder::Recording;
 use kvbm_attach::nats::async_nats;
 use kvbm_attach::nats::{consume, wire};
+use kvbm_recorder::cpu::CpuSum;
+use kvbm_recorder::fleet::{FleetError, FleetManifest, FleetWriter, Syncs, shard_of};
+use kvbm_recorder::recorder::Recording;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -248,7 +248,7 @@ pub struct ShardEnd {
     /// Its part of the manifest.
     pub manifest: FleetManifest,
     /// Its logs open as it stopped, closed for want of events and reopened.
-    pub open_logs: crate::fleet::OpenLogs,
+    pub open_logs: kvbm_recorder::fleet::OpenLogs,
 }
 
 /// The writer threads; see the module docs.
@@ -638,15 +638,15 @@ fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fleet::merge_manifests;
-    use crate::recorder::RecorderConfig;
     use kvbm_attach::nats::wire::BatchEncoder;
+    use kvbm_recorder::fleet::merge_manifests;
+    use kvbm_recorder::recorder::RecorderConfig;
 
     /// A batch of `engine`'s events with seqs `seqs`, as a message.
     fn message(engine: &str, seqs: std::ops::Range<u64>) -> async_nats::Message {
         let mut enc = BatchEncoder::new(true);
         for seq in seqs {
-            assert!(enc.push(&crate::fleet::tests::ev(seq), 1 << 20));
+            assert!(enc.push(&kvbm_events::testing::gauge(seq), 1 << 20));
         }
         let mut payload = Vec::new();
         enc.seal(7, 0, &mut payload).expect("a batch");
