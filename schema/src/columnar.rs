@@ -336,41 +336,81 @@ impl BlockEncoder {
 
     /// Empties the encoder, keeping its buffers.
     pub fn clear(&mut self) {
-        self.fbb.reset();
-        self.finished = false;
-        self.bytes = 0;
-        self.base = (0, 0, 0);
-        self.prev = (0, 0, 0);
-        self.seq.clear();
-        self.ts_ns.clear();
-        self.engine.clear();
-        self.iteration.clear();
-        self.request.clear();
-        self.kind.clear();
-        self.requests.clear();
-        self.request_ids.clear();
-        self.request_cache = [(0, 0); REQUEST_CACHE];
-        self.slot_created.clear();
-        self.slot_transition.clear();
-        self.match_result.clear();
-        self.blocks_allocated.clear();
-        self.blocks_released.clear();
-        self.block_registered.clear();
-        self.block_evicted.clear();
-        self.transfer_planned.clear();
-        self.transfer_promoted.clear();
-        self.transfer_skipped.clear();
-        self.transfer_cancelled.clear();
-        self.transfer_completed.clear();
-        self.transfer_failed.clear();
-        self.batch_dispatched.clear();
-        self.batch_completed.clear();
-        self.pool_gauge.clear();
-        self.hook_call.clear();
-        self.breakpoint_hit.clear();
-        self.resumed.clear();
-        self.tokens_scheduled.clear();
-        self.prefix_lookup.clear();
+        // Every field by name, with no `..`: a new kind's column does not
+        // compile until it is cleared here too.
+        let BlockEncoder {
+            fbb,
+            finished,
+            bytes,
+            base,
+            base_engine: _,
+            prev,
+            seq,
+            ts_ns,
+            engine,
+            iteration,
+            request,
+            kind,
+            requests,
+            request_ids,
+            request_cache,
+            slot_created,
+            slot_transition,
+            match_result,
+            blocks_allocated,
+            blocks_released,
+            block_registered,
+            block_evicted,
+            transfer_planned,
+            transfer_promoted,
+            transfer_skipped,
+            transfer_cancelled,
+            transfer_completed,
+            transfer_failed,
+            batch_dispatched,
+            batch_completed,
+            pool_gauge,
+            hook_call,
+            breakpoint_hit,
+            resumed,
+            tokens_scheduled,
+            prefix_lookup,
+        } = self;
+        fbb.reset();
+        *finished = false;
+        *bytes = 0;
+        *base = (0, 0, 0);
+        *prev = (0, 0, 0);
+        *request_cache = [(0, 0); REQUEST_CACHE];
+        for v in [seq, iteration, request] {
+            v.clear();
+        }
+        ts_ns.clear();
+        engine.clear();
+        kind.clear();
+        requests.clear();
+        request_ids.clear();
+        slot_created.clear();
+        slot_transition.clear();
+        match_result.clear();
+        blocks_allocated.clear();
+        blocks_released.clear();
+        block_registered.clear();
+        block_evicted.clear();
+        transfer_planned.clear();
+        transfer_promoted.clear();
+        transfer_skipped.clear();
+        transfer_cancelled.clear();
+        transfer_completed.clear();
+        transfer_failed.clear();
+        batch_dispatched.clear();
+        batch_completed.clear();
+        pool_gauge.clear();
+        hook_call.clear();
+        breakpoint_hit.clear();
+        resumed.clear();
+        tokens_scheduled.clear();
+        prefix_lookup.clear();
     }
 
     /// Adds an event to the block (after a `finish`, to a new block), or
