@@ -12,6 +12,7 @@
 //! crate and never the other way round. (The disk *tier* is a block store,
 //! not a log, and so it is here.)
 
+pub mod assembly;
 pub mod block;
 pub mod hooks;
 pub mod layout;

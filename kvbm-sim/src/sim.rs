@@ -27,20 +27,19 @@
 pub use crate::model::WorkerModel;
 use crate::modeled::{LinkModel, ModeledEngine};
 use crate::workload::RequestSpec;
+use kvbm_core::assembly::{AssemblyError, LocalTiers, Pools, Route, TierSizes};
 use kvbm_core::block::{ComputeDone, Empty, ImmutableBlock, MutableBlock};
 use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};
 /// Eager or lazy offload, as [`SimConfig::offload_mode`] takes it.
 pub use kvbm_core::leader::OffloadMode;
 use kvbm_core::leader::{
-    Leader, LeaderPools, LeaderWiring, Pipelines, PoolEvents, ScheduledRequest, SchedulerOutput,
-    Worker,
+    Leader, LeaderPools, LeaderWiring, PoolEvents, ScheduledRequest, SchedulerOutput, Worker,
 };
-use kvbm_core::link::{HostTier, TierLink};
-use kvbm_core::offload::{OffloadPipeline, PipelineConfig, PipelineStats, PresencePolicy};
-use kvbm_core::pool::{BlockPool, PoolConfig, PoolError};
-use kvbm_core::storage::{DiskStorage, HostStorage};
+use kvbm_core::link::HostTier;
+use kvbm_core::offload::{OffloadPipeline, PipelineConfig, PipelineStats};
+use kvbm_core::pool::PoolError;
 use kvbm_core::tokens::{SaltHash, TokenSequence};
-use kvbm_core::transfer::{DiskDirection, DiskEngine, MemcpyEngine, TransferEngine};
+use kvbm_core::transfer::TransferEngine;
 use kvbm_events::bus::BusConfig;
 use kvbm_events::tier::Tier;
 use kvbm_events::{Clock, Direction, Emitter, EventKind, MonotonicClock, RequestId, VirtualClock};
@@ -151,6 +150,12 @@ pub enum SimError {
 
 fn setup<E: std::fmt::Display>(e: E) -> SimError {
     SimError::Setup(e.to_string())
+}
+
+impl From<AssemblyError> for SimError {
+    fn from(e: AssemblyError) -> Self {
+        setup(e)
+    }
 }
 
 /// A summary (percentiles, max, mean) of a series in milliseconds. (The
@@ -336,6 +341,28 @@ mod tempfile_dir {
     }
 }
 
+/// G3's file, when there is a G3: in the directory asked for, or in a
+/// temporary one that goes with the simulator (returned with it).
+fn g3_file(
+    cfg: &SimConfig,
+    has_disk: bool,
+) -> Result<(Option<PathBuf>, Option<tempfile_dir::TempDir>), SimError> {
+    if !has_disk {
+        return Ok((None, None));
+    }
+    let name = format!("g3-{}.kvbm", cfg.engine_id);
+    Ok(match &cfg.disk_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(setup)?;
+            (Some(d.join(name)), None)
+        }
+        None => {
+            let t = tempfile_dir::TempDir::new().map_err(setup)?;
+            (Some(t.path().join(name)), Some(t))
+        }
+    })
+}
+
 fn blocks_for(tokens: usize, bs: usize) -> usize {
     tokens / bs
 }
@@ -379,18 +406,15 @@ impl Simulator {
             Pacing::RealTime { .. } => (Arc::new(MonotonicClock::new()), None),
         };
         let emitter = Arc::new(Emitter::new(cfg.engine_id, cfg.bus, clock).map_err(setup)?);
-        let observer = Arc::new(PoolEvents(emitter.clone()));
-        let pool = |tier, capacity| {
-            BlockPool::with_observer(
-                PoolConfig {
-                    tier,
-                    capacity,
-                    block_size: bs,
-                },
-                observer.clone(),
-            )
-            .map_err(setup)
+        let observer: Arc<dyn kvbm_core::pool::PoolObserver> =
+            Arc::new(PoolEvents(emitter.clone()));
+        let sizes = TierSizes {
+            block_size: bs,
+            device_blocks,
+            host_blocks,
+            disk_blocks,
         };
+        let pools = Pools::new(&sizes, Some(observer)).map_err(setup)?;
         let layout = |n: usize| {
             Layout::new(
                 LayoutConfig {
@@ -403,26 +427,11 @@ impl Simulator {
                 },
                 LayoutKind::FullyContiguous,
             )
-            .map_err(setup)
         };
-        let g1 = pool(Tier::Device, device_blocks)?;
-        let s1 = Arc::new(HostStorage::new(layout(device_blocks)?).map_err(setup)?);
-        // SAFETY: s1 is G1's storage alone, reached only through this
-        // binding and the links below.
-        let device = unsafe { HostTier::bind(g1.clone(), s1.clone()) }.map_err(setup)?;
-        let g2 = if host_blocks > 0 {
-            Some(pool(Tier::Host, host_blocks)?)
-        } else {
-            None
-        };
-        let g3 = if disk_blocks > 0 {
-            Some(pool(Tier::Disk, disk_blocks)?)
-        } else {
-            None
-        };
-        let wiring = LeaderWiring::new(emitter.clone(), g2.clone());
-        let mut pipelines = Pipelines::default();
-        let mut list = Vec::new();
+        let (disk_file, disk_dir) = g3_file(&cfg, pools.disk.is_some())?;
+        let local = LocalTiers::create(&pools, layout, disk_file.as_deref()).map_err(setup)?;
+        let device = local.device().clone();
+        let wiring = LeaderWiring::new(emitter.clone(), pools.host.clone());
         let _guard = runtime.enter();
         let speed = match cfg.pacing {
             Pacing::Virtual => None,
@@ -431,127 +440,39 @@ impl Simulator {
         // Saturating: both factors come from the command line.
         let bytes_per_block = (bs as u64).saturating_mul(cfg.worker.model_kv_bytes_per_token);
         let mut copiers = Vec::new();
-        let mut make = |d: Direction,
-                        e: Arc<dyn TransferEngine>,
-                        src: &BlockPool,
-                        dst: &BlockPool,
-                        policy: bool|
-         -> Result<Arc<OffloadPipeline>, SimError> {
-            // Byte figures and, in real time, completion follow the
-            // modelled link: PCIe between device and host, the disk's
-            // bandwidth wherever the disk is one end.
-            let bytes_per_s = if d.src == Tier::Disk || d.dst == Tier::Disk {
-                cfg.worker.disk_bytes_per_s
-            } else {
-                cfg.worker.pcie_bytes_per_s
-            };
-            copiers.push((d, e.clone()));
-            let e: Arc<dyn TransferEngine> = Arc::new(ModeledEngine::new(
-                e,
-                LinkModel {
-                    bytes_per_block,
-                    bytes_per_s,
-                    speed,
-                },
-                runtime.clone(),
-            ));
-            // SAFETY: every storage belongs to exactly one pool and is only
-            // reached through these links and the G1 binding.
-            let link = unsafe { TierLink::new(e, src.clone(), dst.clone()) }.map_err(setup)?;
-            let policies: Vec<Arc<dyn kvbm_core::offload::OffloadPolicy>> = if policy {
-                vec![Arc::new(PresencePolicy)]
-            } else {
-                Vec::new()
-            };
-            let p = Arc::new(
-                OffloadPipeline::with_observer(
-                    link,
-                    policies,
-                    cfg.pipeline,
-                    Some(wiring.observer(d)),
-                )
-                .map_err(setup)?,
-            );
-            list.push((d, p.clone()));
-            Ok(p)
-        };
-        let mut disk_dir = None;
-        let mut disk_storage = |blocks: usize| -> Result<Arc<DiskStorage>, SimError> {
-            let dir = match &cfg.disk_dir {
-                Some(d) => {
-                    std::fs::create_dir_all(d).map_err(setup)?;
-                    d.clone()
-                }
-                None => {
-                    let t = tempfile_dir::TempDir::new().map_err(setup)?;
-                    let p = t.path().to_path_buf();
-                    disk_dir = Some(t);
-                    p
-                }
-            };
-            Ok(Arc::new(
-                DiskStorage::create(
-                    dir.join(format!("g3-{}.kvbm", cfg.engine_id)),
-                    layout(blocks)?,
-                )
-                .map_err(setup)?,
-            ))
-        };
-        if let Some(g2) = &g2 {
-            let s2 = Arc::new(HostStorage::new(layout(host_blocks)?).map_err(setup)?);
-            let e12 = Arc::new(
-                MemcpyEngine::new(s1.clone(), Tier::Device, s2.clone(), Tier::Host)
-                    .map_err(setup)?,
-            );
-            let e21 = Arc::new(
-                MemcpyEngine::new(s2.clone(), Tier::Host, s1.clone(), Tier::Device)
-                    .map_err(setup)?,
-            );
-            pipelines.offload_device_to_host =
-                Some(make(Direction::DEVICE_TO_HOST, e12, &g1, g2, true)?);
-            pipelines.onboard_host_to_device =
-                Some(make(Direction::HOST_TO_DEVICE, e21, g2, &g1, false)?);
-            if let Some(g3) = &g3 {
-                let s3 = disk_storage(disk_blocks)?;
-                let e23 = Arc::new(
-                    DiskEngine::new(
-                        s2.clone(),
-                        s3.clone(),
-                        DiskDirection::HostToDisk,
-                        Tier::Host,
-                    )
-                    .map_err(setup)?,
-                );
-                let e32 = Arc::new(
-                    DiskEngine::new(s2.clone(), s3, DiskDirection::DiskToHost, Tier::Host)
-                        .map_err(setup)?,
-                );
-                pipelines.offload_host_to_disk =
-                    Some(make(Direction::HOST_TO_DISK, e23, g2, g3, true)?);
-                pipelines.onboard_disk_to_host =
-                    Some(make(Direction::DISK_TO_HOST, e32, g3, g2, true)?);
-            }
-        } else if let Some(g3) = &g3 {
-            // No host tier: G1 and G3 exchange blocks directly.
-            let s3 = disk_storage(disk_blocks)?;
-            let e13 = Arc::new(
-                DiskEngine::new(
-                    s1.clone(),
-                    s3.clone(),
-                    DiskDirection::HostToDisk,
-                    Tier::Device,
-                )
-                .map_err(setup)?,
-            );
-            let e31 = Arc::new(
-                DiskEngine::new(s1.clone(), s3, DiskDirection::DiskToHost, Tier::Device)
-                    .map_err(setup)?,
-            );
-            pipelines.offload_device_to_disk =
-                Some(make(Direction::DEVICE_TO_DISK, e13, &g1, g3, true)?);
-            pipelines.onboard_disk_to_device =
-                Some(make(Direction::DISK_TO_DEVICE, e31, g3, &g1, false)?);
-        }
+        // SAFETY: a ModeledEngine copies only through the engine it wraps
+        // (it adds the modelled link's time and byte figures).
+        let connected = unsafe {
+            local.connect_through(Some(&wiring), |d, e| -> Result<Route, SimError> {
+                // Byte figures and, in real time, completion follow the
+                // modelled link: PCIe between device and host, the disk's
+                // bandwidth wherever the disk is one end.
+                let bytes_per_s = if d.src == Tier::Disk || d.dst == Tier::Disk {
+                    cfg.worker.disk_bytes_per_s
+                } else {
+                    cfg.worker.pcie_bytes_per_s
+                };
+                copiers.push((d, e.clone()));
+                Ok(Route {
+                    engine: Arc::new(ModeledEngine::new(
+                        e,
+                        LinkModel {
+                            bytes_per_block,
+                            bytes_per_s,
+                            speed,
+                        },
+                        runtime.clone(),
+                    )),
+                    config: cfg.pipeline,
+                })
+            })
+        }?;
+        let Pools {
+            device: g1,
+            host: g2,
+            disk: g3,
+        } = pools;
+        let (pipelines, list) = (connected.pipelines, connected.by_direction);
         let leader = Leader::new(
             wiring,
             LeaderPools {
