@@ -13,17 +13,17 @@
 //! directory that is removed on exit.
 
 use anyhow::{Context, Result, bail, ensure};
+use kvbm_core::assembly::{LocalTiers, Pools, TierSizes};
 use kvbm_core::block::ComputeDone;
-use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};
-use kvbm_core::link::{HostTier, TierLink};
+use kvbm_core::layout::{Layout, LayoutConfig, LayoutError, LayoutKind};
+use kvbm_core::link::HostTier;
 // What the simulated forward pass writes into a block: derived from its
 // sequence hash, so any later copy can be checked.
 use kvbm_core::offload::{
-    OffloadPipeline, PipelineConfig, PresencePolicy, TransferHandle, TransferStatus, precondition,
+    OffloadPipeline, PipelineConfig, TransferHandle, TransferStatus, precondition,
 };
-use kvbm_core::storage::{DiskStorage, HostStorage};
-use kvbm_core::transfer::{DiskDirection, DiskEngine, MemcpyEngine, TransferEngine};
-use kvbm_core::{BlockPool, ImmutableBlock, PoolConfig, Tier, TokenSequence};
+use kvbm_core::storage::DiskStorage;
+use kvbm_core::{BlockPool, ImmutableBlock, TokenSequence};
 use kvbm_sim::sim::kv_bytes;
 use std::io::Write;
 use std::sync::Arc;
@@ -41,16 +41,16 @@ struct Tiers {
     g2: HostTier,
     g3: BlockPool,
     g3_disk: Arc<DiskStorage>,
-    offload_12: OffloadPipeline,
-    offload_23: OffloadPipeline,
-    onboard_32: OffloadPipeline,
-    onboard_21: OffloadPipeline,
+    offload_12: Arc<OffloadPipeline>,
+    offload_23: Arc<OffloadPipeline>,
+    onboard_32: Arc<OffloadPipeline>,
+    onboard_21: Arc<OffloadPipeline>,
     _dir: tempfile::TempDir,
 }
 
-fn layout(blocks: usize, page: usize) -> Result<Layout> {
+fn layout(blocks: usize, page: usize) -> Result<Layout, LayoutError> {
     // A small model: 2 layers, K and V, 8 heads × 16 dims, fp16.
-    Ok(Layout::new(
+    Layout::new(
         LayoutConfig {
             num_blocks: blocks,
             num_layers: 2,
@@ -60,78 +60,35 @@ fn layout(blocks: usize, page: usize) -> Result<Layout> {
             dtype_bytes: 2,
         },
         LayoutKind::FullyContiguous,
-    )?)
+    )
 }
 
 fn build(block_size: usize) -> Result<Tiers> {
-    let (c1, c2, c3) = (6, 4, 16);
-    let pool = |tier, capacity| {
-        BlockPool::new(PoolConfig {
-            tier,
-            capacity,
-            block_size,
-        })
+    let sizes = TierSizes {
+        block_size,
+        device_blocks: 6,
+        host_blocks: 4,
+        disk_blocks: 16,
     };
-    let (p1, p2, p3) = (
-        pool(Tier::Device, c1)?,
-        pool(Tier::Host, c2)?,
-        pool(Tier::Disk, c3)?,
-    );
+    let pools = Pools::new(&sizes, None)?;
     let dir = tempfile::tempdir().context("creating a temporary directory for G3")?;
-    let s1 = Arc::new(HostStorage::new(layout(c1, block_size)?)?);
-    let s2 = Arc::new(HostStorage::new(layout(c2, block_size)?)?);
-    let s3 = Arc::new(DiskStorage::create(
-        dir.path().join("g3.kvbm"),
-        layout(c3, block_size)?,
-    )?);
-    let e12: Arc<dyn TransferEngine> = Arc::new(MemcpyEngine::new(
-        s1.clone(),
-        Tier::Device,
-        s2.clone(),
-        Tier::Host,
-    )?);
-    let e21: Arc<dyn TransferEngine> = Arc::new(MemcpyEngine::new(
-        s2.clone(),
-        Tier::Host,
-        s1.clone(),
-        Tier::Device,
-    )?);
-    let e23: Arc<dyn TransferEngine> = Arc::new(DiskEngine::new(
-        s2.clone(),
-        s3.clone(),
-        DiskDirection::HostToDisk,
-        Tier::Host,
-    )?);
-    let e32: Arc<dyn TransferEngine> = Arc::new(DiskEngine::new(
-        s2.clone(),
-        s3.clone(),
-        DiskDirection::DiskToHost,
-        Tier::Host,
-    )?);
-    // SAFETY: each storage was created above for exactly one pool and is
-    // reached only through these links and bindings.
-    let (g1, g2, l12, l23, l32, l21) = unsafe {
-        (
-            HostTier::bind(p1.clone(), s1)?,
-            HostTier::bind(p2.clone(), s2)?,
-            TierLink::new(e12, p1.clone(), p2.clone())?,
-            TierLink::new(e23, p2.clone(), p3.clone())?,
-            TierLink::new(e32, p3.clone(), p2.clone())?,
-            TierLink::new(e21, p2, p1)?,
-        )
-    };
-    let cfg = PipelineConfig::default();
-    let offload = |l| OffloadPipeline::new(l, vec![Arc::new(PresencePolicy)], cfg);
-    let onboard = |l| OffloadPipeline::new(l, Vec::new(), cfg);
+    let local = LocalTiers::create(
+        &pools,
+        |n| layout(n, block_size),
+        Some(&dir.path().join("g3.kvbm")),
+    )?;
+    let c = local.connect(None, |_| PipelineConfig::default())?;
+    let p = c.pipelines;
+    let need = |p: Option<Arc<OffloadPipeline>>| p.context("a pipeline the tiers should have");
     Ok(Tiers {
-        g1,
-        g2,
-        g3: p3,
-        g3_disk: s3,
-        offload_12: offload(l12)?,
-        offload_23: offload(l23)?,
-        onboard_32: onboard(l32)?,
-        onboard_21: onboard(l21)?,
+        g1: local.device().clone(),
+        g2: local.host().context("G2")?.clone(),
+        g3: pools.disk.context("G3")?,
+        g3_disk: local.disk().context("G3's file")?.clone(),
+        offload_12: need(p.offload_device_to_host)?,
+        offload_23: need(p.offload_host_to_disk)?,
+        onboard_32: need(p.onboard_disk_to_host)?,
+        onboard_21: need(p.onboard_host_to_device)?,
         _dir: dir,
     })
 }

@@ -196,13 +196,9 @@ pub unsafe fn connect<E: From<AssemblyError>>(
         } else {
             vec![Arc::new(PresencePolicy)]
         };
-        let pipe = OffloadPipeline::with_observer(
-            link,
-            policies,
-            config,
-            wiring.map(|w| w.observer(d)),
-        )
-        .map_err(AssemblyError::from)?;
+        let pipe =
+            OffloadPipeline::with_observer(link, policies, config, wiring.map(|w| w.observer(d)))
+                .map_err(AssemblyError::from)?;
         out.add(d, Arc::new(pipe));
     }
     Ok(out)
