@@ -45,17 +45,15 @@ pub use crate::parallel::Parallel;
 use crate::tiers::{
     Geometry, Shard, ShmClaim, TierSizes, disk_path, human, remove_stale, shm_dir, shm_path,
 };
+use kvbm_core::assembly::{self, AssemblyError, Pools};
 use kvbm_core::block::{Empty, ImmutableBlock, MutableBlock};
 use kvbm_core::hooks::{Breakpoints, HookSet};
 use kvbm_core::layout::LayoutKind;
 use kvbm_core::leader::{
-    Leader, LeaderPools, LeaderWiring, OffloadMode, Pipelines, PoolEvents, ScheduledRequest,
-    SchedulerOutput,
+    Leader, LeaderPools, LeaderWiring, OffloadMode, PoolEvents, ScheduledRequest, SchedulerOutput,
 };
-use kvbm_core::link::TierLink;
 use kvbm_core::offload::{
-    BatchConfig, OffloadPipeline, PipelineConfig, PreconditionTrigger, PresencePolicy,
-    TransferHandle,
+    BatchConfig, OffloadPipeline, PipelineConfig, PreconditionTrigger, TransferHandle,
 };
 use kvbm_core::pool::{BlockPool, PoolConfig};
 use kvbm_core::storage::{DiskStorage, HostStorage};
@@ -108,6 +106,12 @@ pub enum SchedulerError {
 
 fn setup<E: std::fmt::Display>(e: E) -> SchedulerError {
     SchedulerError::Setup(e.to_string())
+}
+
+impl From<AssemblyError> for SchedulerError {
+    fn from(e: AssemblyError) -> Self {
+        setup(e)
+    }
 }
 
 /// A refusal about `request`, its id clipped (ids come from the caller and
@@ -349,6 +353,219 @@ fn route_of(d: Direction) -> Option<Route> {
     }
 }
 
+/// The pools: G1's mirror of vLLM's blocks, and G2 and G3 as configured,
+/// each reporting to `emitter`; a size that cannot work is named by the
+/// setting (or vLLM's count) it came from.
+fn tier_pools(
+    emitter: &Arc<Emitter>,
+    geometry: &Geometry,
+    sizes: TierSizes,
+) -> Result<Pools, SchedulerError> {
+    let observer = Arc::new(PoolEvents(emitter.clone()));
+    let pool = |tier, capacity| -> Result<BlockPool, SchedulerError> {
+        BlockPool::with_observer(
+            PoolConfig {
+                tier,
+                capacity,
+                block_size: geometry.block_size,
+            },
+            observer.clone(),
+        )
+        .map_err(|e| {
+            // Named by what sized it: a setting, or vLLM's own count.
+            let what = match tier {
+                Tier::Host => "kv_connector_extra_config `host_capacity_tokens`",
+                Tier::Disk => "kv_connector_extra_config `disk_capacity_tokens`",
+                Tier::Device => "vLLM's num_gpu_blocks",
+            };
+            setup(format!("{e} ({what})"))
+        })
+    };
+    // Room for a mirror of every vLLM block and as many load
+    // destinations in flight; evicted (LRU) when vLLM's blocks move on.
+    let mirror_blocks = geometry.num_gpu_blocks.checked_mul(2).ok_or_else(|| {
+        crate::tiers::GeometryError::Invalid(format!(
+            "num_gpu_blocks {} is too large (kvbm mirrors twice as many)",
+            geometry.num_gpu_blocks
+        ))
+    })?;
+    let mirror = pool(Tier::Device, mirror_blocks)?;
+    let g2 = (sizes.host_blocks > 0)
+        .then(|| pool(Tier::Host, sizes.host_blocks))
+        .transpose()?;
+    let g3 = (sizes.disk_blocks > 0)
+        .then(|| pool(Tier::Disk, sizes.disk_blocks))
+        .transpose()?;
+    Ok(Pools {
+        device: mirror,
+        host: g2,
+        disk: g3,
+    })
+}
+
+/// A remote engine's name, for its errors and the worker's logs.
+fn remote_name(d: Direction) -> &'static str {
+    match (d.src, d.dst) {
+        (Tier::Device, Tier::Host) => "G1→G2 (vLLM worker)",
+        (Tier::Host, Tier::Device) => "G2→G1 (vLLM worker)",
+        (Tier::Device, Tier::Disk) => "G1→G3 (vLLM worker)",
+        (Tier::Disk, Tier::Device) => "G3→G1 (vLLM worker)",
+        _ => "kvbm (vLLM worker)",
+    }
+}
+
+/// Each rank's host-tier file, shared with its worker: stale files of
+/// killed engines removed first (said in `notes`), room claimed, each
+/// mapped.
+fn host_files(
+    cfg: &Config,
+    engine_id: &str,
+    geometry: &Geometry,
+    sizes: TierSizes,
+    parallel: &Parallel,
+    notes: &mut Vec<String>,
+) -> Result<(ShmClaim, Vec<Arc<HostStorage>>), SchedulerError> {
+    let dir = shm_dir(cfg);
+    for (path, size) in remove_stale(&dir) {
+        notes.push(format!(
+            "removed {} ({}), a host-tier file no running engine holds (left by one that was killed)",
+            path.display(),
+            human(size)
+        ));
+    }
+    let hl = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
+    let each = HostStorage::shared_len(&hl).ok_or_else(|| {
+        setup("kv_connector_extra_config `host_capacity_tokens`: the host tier's size overflows")
+    })?;
+    let paths: Vec<_> = Shard::all(parallel.ranks)
+        .map(|r| shm_path(cfg, engine_id, r))
+        .collect();
+    let claim = ShmClaim::take(&paths, each as u64).map_err(setup)?;
+    let mut storage = Vec::new();
+    for path in claim.paths() {
+        storage.push(Arc::new(HostStorage::shared(path, hl).map_err(
+            |source| SchedulerError::Storage {
+                what: format!(
+                    "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
+                    path.display()
+                ),
+                source,
+            },
+        )?));
+    }
+    Ok((claim, storage))
+}
+
+/// Each rank's disk-tier file, opened or created.
+fn disk_files(
+    path: &std::path::Path,
+    geometry: &Geometry,
+    sizes: TierSizes,
+    parallel: &Parallel,
+) -> Result<Vec<Arc<DiskStorage>>, SchedulerError> {
+    let dl = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
+    Shard::all(parallel.ranks)
+        .map(|rank| {
+            let path = disk_path(path, rank);
+            DiskStorage::open_or_create(&path, dl)
+                .map(Arc::new)
+                .map_err(|source| SchedulerError::Storage {
+                    what: format!(
+                        "the disk tier's file {} (kv_connector_extra_config `disk_path`)",
+                        path.display()
+                    ),
+                    source,
+                })
+        })
+        .collect()
+}
+
+/// The pipelines' settings for a direction that runs in vLLM's worker.
+fn remote_pipeline_config() -> PipelineConfig {
+    PipelineConfig {
+        batch_config: BatchConfig {
+            max_batch_size: 64,
+            min_batch_size: 1,
+            flush_interval: Duration::from_millis(1),
+        },
+        // A remote batch is out until the next step: let many be.
+        max_concurrent_transfers: 256,
+        on_deck_capacity: 16,
+        sweep_interval: SWEEP_INTERVAL,
+        ..PipelineConfig::default()
+    }
+}
+
+/// The pipelines' settings for host ↔ disk, which runs in this process.
+fn local_pipeline_config() -> PipelineConfig {
+    PipelineConfig {
+        batch_config: BatchConfig {
+            min_batch_size: 1,
+            flush_interval: Duration::from_millis(1),
+            ..BatchConfig::default()
+        },
+        sweep_interval: SWEEP_INTERVAL,
+        ..PipelineConfig::default()
+    }
+}
+
+/// The engine for `d` when G1 is one end: batches shipped to vLLM's
+/// worker, over storages laid out as vLLM's (G1 a tensor per layer).
+fn remote_engine(
+    geometry: &Geometry,
+    d: Direction,
+    src_blocks: usize,
+    dst_blocks: usize,
+) -> Result<Arc<RemoteEngine>, SchedulerError> {
+    let layout = |t: Tier, n| {
+        geometry.layout(
+            n,
+            if t == Tier::Device {
+                LayoutKind::LayerSeparate
+            } else {
+                LayoutKind::FullyContiguous
+            },
+        )
+    };
+    Ok(Arc::new(
+        RemoteEngine::new(
+            remote_name(d),
+            (layout(d.src, src_blocks)?, d.src),
+            (layout(d.dst, dst_blocks)?, d.dst),
+            EngineConfig { queue_depth: 4096 },
+        )
+        .map_err(setup)?,
+    ))
+}
+
+/// The engine for host ↔ disk: one disk engine per rank's pair of files,
+/// sharded by block when there are several ranks.
+fn sharded_disk(
+    host: &[Arc<HostStorage>],
+    disk: &[Arc<DiskStorage>],
+    d: Direction,
+) -> Result<Arc<dyn TransferEngine>, SchedulerError> {
+    let direction = if d.dst == Tier::Disk {
+        DiskDirection::HostToDisk
+    } else {
+        DiskDirection::DiskToHost
+    };
+    let shards = host
+        .iter()
+        .zip(disk)
+        .map(|(s2, s3)| {
+            DiskEngine::new(s2.clone(), s3.clone(), direction, Tier::Host)
+                .map(|e| Arc::new(e) as Arc<dyn TransferEngine>)
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(setup)?;
+    Ok(if shards.len() == 1 {
+        shards.into_iter().next().expect("one shard")
+    } else {
+        Arc::new(ShardedEngine::new(shards).map_err(setup)?)
+    })
+}
+
 impl SchedulerSide {
     /// Starts the block manager for vLLM engine `engine_id` with this
     /// geometry (one worker's: under tensor parallelism each rank's shard):
@@ -380,269 +597,66 @@ impl SchedulerSide {
             Some(emitter.clone()),
             cfg.breakpoint_deadline,
         ));
-        let observer = Arc::new(PoolEvents(emitter.clone()));
-        let pool = |tier, capacity| -> Result<BlockPool, SchedulerError> {
-            BlockPool::with_observer(
-                PoolConfig {
-                    tier,
-                    capacity,
-                    block_size: geometry.block_size,
-                },
-                observer.clone(),
-            )
-            .map_err(|e| {
-                // Named by what sized it: a setting, or vLLM's own count.
-                let what = match tier {
-                    Tier::Host => "kv_connector_extra_config `host_capacity_tokens`",
-                    Tier::Disk => "kv_connector_extra_config `disk_capacity_tokens`",
-                    Tier::Device => "vLLM's num_gpu_blocks",
-                };
-                setup(format!("{e} ({what})"))
-            })
-        };
-        // Room for a mirror of every vLLM block and as many load
-        // destinations in flight; evicted (LRU) when vLLM's blocks move on.
-        let mirror_blocks = geometry.num_gpu_blocks.checked_mul(2).ok_or_else(|| {
-            crate::tiers::GeometryError::Invalid(format!(
-                "num_gpu_blocks {} is too large (kvbm mirrors twice as many)",
-                geometry.num_gpu_blocks
-            ))
-        })?;
-        let mirror = pool(Tier::Device, mirror_blocks)?;
-        let g2 = (sizes.host_blocks > 0)
-            .then(|| pool(Tier::Host, sizes.host_blocks))
-            .transpose()?;
-        let g3 = (sizes.disk_blocks > 0)
-            .then(|| pool(Tier::Disk, sizes.disk_blocks))
-            .transpose()?;
+        let pools = tier_pools(&emitter, &geometry, sizes)?;
+        let (mirror, g2, g3) = (pools.device.clone(), pools.host.clone(), pools.disk.clone());
         let wiring = LeaderWiring::new(emitter.clone(), g2.clone());
-
-        let mut engines = Vec::new();
-        let mut pipelines = Vec::new();
-        let mut p = Pipelines::default();
-        let remote_cfg = PipelineConfig {
-            batch_config: BatchConfig {
-                max_batch_size: 64,
-                min_batch_size: 1,
-                flush_interval: Duration::from_millis(1),
-            },
-            // A remote batch is out until the next step: let many be.
-            max_concurrent_transfers: 256,
-            on_deck_capacity: 16,
-            sweep_interval: SWEEP_INTERVAL,
-            ..PipelineConfig::default()
-        };
-        let local_cfg = PipelineConfig {
-            batch_config: BatchConfig {
-                min_batch_size: 1,
-                flush_interval: Duration::from_millis(1),
-                ..BatchConfig::default()
-            },
-            sweep_interval: SWEEP_INTERVAL,
-            ..PipelineConfig::default()
-        };
-        let mut make = |d: Direction,
-                        e: Arc<dyn TransferEngine>,
-                        remote: Option<Arc<RemoteEngine>>,
-                        src: &BlockPool,
-                        dst: &BlockPool,
-                        policy: bool,
-                        pcfg: PipelineConfig|
-         -> Result<Arc<OffloadPipeline>, SchedulerError> {
-            // SAFETY: each storage belongs to exactly one pool here; G1's
-            // blocks are vLLM's and reached only by the worker, through the
-            // batches this side ships.
-            let link = unsafe { TierLink::new(e, src.clone(), dst.clone()) }.map_err(setup)?;
-            let policies: Vec<Arc<dyn kvbm_core::offload::OffloadPolicy>> = if policy {
-                vec![Arc::new(PresencePolicy)]
-            } else {
-                Vec::new()
-            };
-            let pipe = Arc::new(
-                OffloadPipeline::with_observer(link, policies, pcfg, Some(wiring.observer(d)))
-                    .map_err(setup)?,
-            );
-            if let (Some(r), Some(route)) = (&remote, route_of(d)) {
-                engines.push((route, r.clone()));
-            }
-            pipelines.push((pipe.clone(), remote));
-            Ok(pipe)
-        };
-        let remote = |name,
-                      src: (Tier, usize),
-                      dst: (Tier, usize)|
-         -> Result<Arc<RemoteEngine>, SchedulerError> {
-            let l = |t: Tier, n| {
-                geometry.layout(
-                    n,
-                    if t == Tier::Device {
-                        LayoutKind::LayerSeparate
-                    } else {
-                        LayoutKind::FullyContiguous
-                    },
-                )
-            };
-            Ok(Arc::new(
-                RemoteEngine::new(
-                    name,
-                    (l(src.0, src.1)?, src.0),
-                    (l(dst.0, dst.1)?, dst.0),
-                    EngineConfig { queue_depth: 4096 },
-                )
-                .map_err(setup)?,
-            ))
-        };
-        let mut host_storage = Vec::new();
         // What the start did that the user should hear of (vLLM's
         // processes print Python's logging, not `tracing`).
         let mut notes = Vec::new();
         // Claimed (room reserved) before it is mapped, and removed if this
         // start fails from here on (the claim is dropped with the error).
-        let mut shm = None;
-        if let Some(g2) = &g2 {
-            let dir = shm_dir(&cfg);
-            for (path, size) in remove_stale(&dir) {
-                notes.push(format!(
-                    "removed {} ({}), a host-tier file no running engine holds (left by one that was killed)",
-                    path.display(),
-                    human(size)
-                ));
+        let (shm, host_storage) = match &g2 {
+            Some(_) => {
+                let (claim, storage) =
+                    host_files(&cfg, engine_id, &geometry, sizes, &parallel, &mut notes)?;
+                (Some(claim), storage)
             }
-            let hl = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
-            let each = HostStorage::shared_len(&hl).ok_or_else(|| {
-                setup("kv_connector_extra_config `host_capacity_tokens`: the host tier's size overflows")
-            })?;
-            let paths: Vec<_> = Shard::all(parallel.ranks)
-                .map(|r| shm_path(&cfg, engine_id, r))
-                .collect();
-            let claim = ShmClaim::take(&paths, each as u64).map_err(setup)?;
-            for path in claim.paths() {
-                host_storage.push(Arc::new(HostStorage::shared(path, hl).map_err(
-                    |source| SchedulerError::Storage {
-                        what: format!(
-                            "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
-                            path.display()
-                        ),
-                        source,
-                    },
-                )?));
-            }
-            shm = Some(claim);
-            let e12 = remote(
-                "G1→G2 (vLLM worker)",
-                (Tier::Device, mirror.capacity()),
-                (Tier::Host, sizes.host_blocks),
-            )?;
-            let e21 = remote(
-                "G2→G1 (vLLM worker)",
-                (Tier::Host, sizes.host_blocks),
-                (Tier::Device, mirror.capacity()),
-            )?;
-            p.offload_device_to_host = Some(make(
-                Direction::DEVICE_TO_HOST,
-                e12.clone(),
-                Some(e12),
-                &mirror,
-                g2,
-                true,
-                remote_cfg,
-            )?);
-            p.onboard_host_to_device = Some(make(
-                Direction::HOST_TO_DEVICE,
-                e21.clone(),
-                Some(e21),
-                g2,
-                &mirror,
-                false,
-                remote_cfg,
-            )?);
-        }
-        let mut disk_storage = Vec::new();
-        if let (Some(g3), Some(path)) = (&g3, &cfg.disk_path) {
-            let dl = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
-            for rank in Shard::all(parallel.ranks) {
-                let path = disk_path(path, rank);
-                disk_storage.push(Arc::new(DiskStorage::open_or_create(&path, dl).map_err(
-                    |source| SchedulerError::Storage {
-                        what: format!(
-                            "the disk tier's file {} (kv_connector_extra_config `disk_path`)",
-                            path.display()
-                        ),
-                        source,
-                    },
-                )?));
-            }
-            match &g2 {
-                Some(g2) => {
-                    // Host ↔ disk runs here, in every rank's files.
-                    let sharded =
-                        |d: DiskDirection| -> Result<Arc<dyn TransferEngine>, SchedulerError> {
-                            let shards = host_storage
-                                .iter()
-                                .zip(&disk_storage)
-                                .map(|(s2, s3)| {
-                                    DiskEngine::new(s2.clone(), s3.clone(), d, Tier::Host)
-                                        .map(|e| Arc::new(e) as Arc<dyn TransferEngine>)
-                                })
-                                .collect::<Result<Vec<_>, _>>()
-                                .map_err(setup)?;
-                            Ok(if shards.len() == 1 {
-                                shards.into_iter().next().expect("one shard")
-                            } else {
-                                Arc::new(ShardedEngine::new(shards).map_err(setup)?)
-                            })
-                        };
-                    p.offload_host_to_disk = Some(make(
-                        Direction::HOST_TO_DISK,
-                        sharded(DiskDirection::HostToDisk)?,
-                        None,
-                        g2,
-                        g3,
-                        true,
-                        local_cfg,
-                    )?);
-                    p.onboard_disk_to_host = Some(make(
-                        Direction::DISK_TO_HOST,
-                        sharded(DiskDirection::DiskToHost)?,
-                        None,
-                        g3,
-                        g2,
-                        true,
-                        local_cfg,
-                    )?);
+            None => (None, Vec::new()),
+        };
+        let disk_storage = match (&g3, &cfg.disk_path) {
+            (Some(_), Some(path)) => disk_files(path, &geometry, sizes, &parallel)?,
+            _ => Vec::new(),
+        };
+        let mut remotes = Vec::new();
+        let route = |d: Direction| -> Result<assembly::Route, SchedulerError> {
+            Ok(if d.src != Tier::Device && d.dst != Tier::Device {
+                // Host ↔ disk runs here, in every rank's files.
+                assembly::Route {
+                    engine: sharded_disk(&host_storage, &disk_storage, d)?,
+                    config: local_pipeline_config(),
                 }
-                None => {
-                    let e13 = remote(
-                        "G1→G3 (vLLM worker)",
-                        (Tier::Device, mirror.capacity()),
-                        (Tier::Disk, sizes.disk_blocks),
-                    )?;
-                    let e31 = remote(
-                        "G3→G1 (vLLM worker)",
-                        (Tier::Disk, sizes.disk_blocks),
-                        (Tier::Device, mirror.capacity()),
-                    )?;
-                    p.offload_device_to_disk = Some(make(
-                        Direction::DEVICE_TO_DISK,
-                        e13.clone(),
-                        Some(e13),
-                        &mirror,
-                        g3,
-                        true,
-                        remote_cfg,
-                    )?);
-                    p.onboard_disk_to_device = Some(make(
-                        Direction::DISK_TO_DEVICE,
-                        e31.clone(),
-                        Some(e31),
-                        g3,
-                        &mirror,
-                        false,
-                        remote_cfg,
-                    )?);
+            } else {
+                // Whatever touches G1 runs in vLLM's worker, from the
+                // batches this side ships.
+                let size = |t: Tier| pools.get(t).map_or(0, BlockPool::capacity);
+                let e = remote_engine(&geometry, d, size(d.src), size(d.dst))?;
+                remotes.push((d, e.clone()));
+                assembly::Route {
+                    engine: e,
+                    config: remote_pipeline_config(),
                 }
-            }
-        }
+            })
+        };
+        // SAFETY: each storage belongs to exactly one pool here; G1's
+        // blocks are vLLM's and reached only by the worker, through the
+        // batches this side ships.
+        let connected = unsafe { assembly::connect(&pools, Some(&wiring), route) }?;
+        let remote_of = |d: Direction| {
+            remotes
+                .iter()
+                .find(|(r, _)| *r == d)
+                .map(|(_, e)| e.clone())
+        };
+        let engines: Vec<(Route, Arc<RemoteEngine>)> = remotes
+            .iter()
+            .filter_map(|(d, e)| route_of(*d).map(|r| (r, e.clone())))
+            .collect();
+        let pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)> = connected
+            .by_direction
+            .iter()
+            .map(|(d, p)| (p.clone(), remote_of(*d)))
+            .collect();
+        let p = connected.pipelines;
         let mut leader = Leader::new(
             wiring,
             LeaderPools {
