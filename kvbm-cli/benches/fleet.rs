@@ -316,6 +316,44 @@ fn count(m: &[u8], _: &mut Vec<u8>) -> u64 {
     u64::from(wire::header(m).unwrap().count)
 }
 
+/// Publishes each engine's batches from a task of its own, one batch at
+/// a time, with message ids, into a stream made with `limits`; returns
+/// the seconds from the first publish to the last acknowledged.
+fn publish(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    limits: &StreamLimits,
+    sets: Vec<(String, Vec<Batch>)>,
+) -> f64 {
+    rt.block_on(async {
+        let client = connect(url, "bench").await.unwrap();
+        let js = async_nats::jetstream::new(client.clone());
+        ensure_stream(&js, limits).await.unwrap();
+        let t = Instant::now();
+        let mut tasks = Vec::new();
+        for (name, bs) in sets {
+            let js = js.clone();
+            tasks.push(tokio::spawn(async move {
+                let subject = events_subject(&name);
+                for (first, _, body) in bs {
+                    let p = async_nats::jetstream::message::PublishMessage::build()
+                        .payload(body.into())
+                        .message_id(wire::message_id(&name, 7, first));
+                    js.send_publish(subject.clone(), p)
+                        .await
+                        .unwrap()
+                        .await
+                        .unwrap();
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        t.elapsed().as_secs_f64()
+    })
+}
+
 fn run_store(
     file_store: bool,
     engines: usize,
@@ -348,35 +386,7 @@ fn run_store(
 
     // 1. Publish: one task per engine, one batch at a time, with ids.
     let server = nats.pid();
-    let (publish_s, publish_cpu) = with_cpu(server, SELF, || {
-        rt.block_on(async {
-            let client = connect(&url, "bench").await.unwrap();
-            let js = async_nats::jetstream::new(client.clone());
-            ensure_stream(&js, &limits).await.unwrap();
-            let t = Instant::now();
-            let mut tasks = Vec::new();
-            for (name, bs) in sets {
-                let js = js.clone();
-                tasks.push(tokio::spawn(async move {
-                    let subject = events_subject(&name);
-                    for (first, _, body) in bs {
-                        let p = async_nats::jetstream::message::PublishMessage::build()
-                            .payload(body.into())
-                            .message_id(wire::message_id(&name, 7, first));
-                        js.send_publish(subject.clone(), p)
-                            .await
-                            .unwrap()
-                            .await
-                            .unwrap();
-                    }
-                }));
-            }
-            for t in tasks {
-                t.await.unwrap();
-            }
-            t.elapsed().as_secs_f64()
-        })
-    });
+    let (publish_s, publish_cpu) = with_cpu(server, SELF, || publish(rt, &url, &limits, sets));
 
     // 2. The counting consumer, then one that also checks each batch as
     // the recorder must before it keeps one (decompressed, verified,
@@ -880,6 +890,14 @@ fn main() {
             println!("({} store, the recorder receiving only: {note})", r.store);
         }
     }
+    phase_cpu_table(&runs);
+    recorder_cpu_table(&runs);
+    engine_cost_table(&rt, quick);
+}
+
+/// The second table: each phase's CPU time an event, the server's and
+/// the client's, and the rate that cost allows on this machine's cores.
+fn phase_cpu_table(runs: &[Run]) {
     // Where the CPU goes: on a machine whose cores are all busy, a
     // consumer's rate is bound by the CPU time it and the server spend
     // per event.
@@ -889,7 +907,7 @@ fn main() {
         "| store | phase | nats-server CPU ns/event | client CPU ns/event (publisher or consumer) | in all | events/s {cpus} CPUs allow at that cost | measured events/s |"
     );
     println!("|---|---|---:|---:|---:|---:|---:|");
-    for r in &runs {
+    for r in runs {
         let phases = [
             ("publishing (the bench's 100 tasks)", r.publish_s),
             ("counting consumer", r.count_s),
@@ -918,7 +936,11 @@ fn main() {
             );
         }
     }
+}
 
+/// The third table: the recorder's CPU time an event by what its
+/// threads do, beside the counting consumer's.
+fn recorder_cpu_table(runs: &[Run]) {
     // With cores to spare for its writer threads, what can bound the
     // recorder is what they do not do: receiving and routing, beside the
     // counting consumer's whole client.
@@ -927,7 +949,7 @@ fn main() {
         "| store | counting consumer, client CPU ns/event (all its threads) | recorder: receiving and routing (its loop, its runtime's threads) | recorder: checking and writing (writer threads) | recorder: making checkpoints durable | recorder: elsewhere (starting, ending) | recorder process in all | receiving / counting consumer |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    for r in &runs {
+    for r in runs {
         let count = r.cpu[1].client_ns.map(|ns| ns as f64 / r.events as f64);
         let Some(RecorderCpu(s)) = r.split else {
             println!(
@@ -950,9 +972,13 @@ fn main() {
             count.map_or_else(|| "n/a".to_string(), |c| format!("{:.2}", per[0] / c)),
         );
     }
+}
 
+/// The last table: what publishing costs on the engine's thread, beside
+/// a tap drained by a thread that only receives.
+fn engine_cost_table(rt: &tokio::runtime::Runtime, quick: bool) {
     let (n, rounds) = if quick { (200_000, 3) } else { (2_000_000, 5) };
-    let c = engine_cost(&rt, n, rounds);
+    let c = engine_cost(rt, n, rounds);
     println!();
     println!(
         "| on the engine's thread (Emitter::emit, {n} events a case, median of {rounds} interleaved rounds) | wall ns/event | the thread's CPU ns/event | publisher's losses (all rounds) |"

@@ -26,114 +26,159 @@ fn record(dir: &std::path::Path, seed: &str) {
     );
 }
 
+/// (count, max) of a series.
+#[derive(Debug, Default, PartialEq)]
+struct Series(u64, u64);
+
+impl Series {
+    fn add(&mut self, v: u64) {
+        self.0 += 1;
+        self.1 = self.1.max(v);
+    }
+}
+
+/// What [`stats_agree_with_a_count_by_hand`] counts straight from the
+/// events, to hold `stats --json` against.
+struct HandCount<'a> {
+    requests: std::collections::BTreeSet<&'a str>,
+    finished: u64,
+    ttft: Series,
+    in_state: std::collections::BTreeMap<&'static str, Series>,
+    latency: std::collections::BTreeMap<String, Series>,
+    /// direction -> [completed, skipped, cancelled, failed]
+    ends: std::collections::BTreeMap<String, [u64; 4]>,
+    batches: std::collections::BTreeMap<String, Series>,
+    batches_all: Series,
+    /// Transfers planned and never ended, by direction.
+    in_flight: std::collections::BTreeMap<String, u64>,
+}
+
+impl<'a> HandCount<'a> {
+    fn of(events: &'a [Event]) -> Self {
+        use kvbm_events::slot::SlotState;
+        use std::collections::{BTreeMap, BTreeSet, HashMap};
+        let mut requests = BTreeSet::new();
+        let mut finished = 0;
+        let mut entered: HashMap<&str, u64> = HashMap::new();
+        let mut created: HashMap<&str, u64> = HashMap::new();
+        let mut ttft = Series::default();
+        let mut in_state: BTreeMap<&str, Series> = BTreeMap::new();
+        let mut planned: HashMap<u64, (String, u64)> = HashMap::new();
+        let mut latency: BTreeMap<String, Series> = BTreeMap::new();
+        // direction -> [completed, skipped, cancelled, failed]
+        let mut ends: BTreeMap<String, [u64; 4]> = BTreeMap::new();
+        let mut batches: BTreeMap<String, Series> = BTreeMap::new();
+        let mut batches_all = Series::default();
+        for e in events {
+            let req = e.request.as_deref();
+            if let Some(r) = req {
+                requests.insert(r);
+            }
+            // (transfer, direction, which end) when this event ends one.
+            let mut ended: Option<(u64, &kvbm_events::Direction, usize)> = None;
+            match &e.kind {
+                EventKind::SlotCreated { .. } => {
+                    created.insert(req.unwrap(), e.ts_ns);
+                    entered.insert(req.unwrap(), e.ts_ns);
+                }
+                EventKind::SlotTransition { from, to } => {
+                    let since = entered.insert(req.unwrap(), e.ts_ns).unwrap();
+                    in_state
+                        .entry(from.name())
+                        .or_default()
+                        .add(e.ts_ns - since);
+                    if *to == SlotState::Finished {
+                        finished += 1;
+                    }
+                }
+                EventKind::TokensScheduled { decode, .. } if *decode > 0 => {
+                    if let Some(t0) = created.remove(req.unwrap()) {
+                        ttft.add(e.ts_ns - t0);
+                    }
+                }
+                EventKind::TransferPlanned {
+                    transfer,
+                    direction,
+                    ..
+                } => {
+                    planned.insert(*transfer, (direction.to_string(), e.ts_ns));
+                }
+                EventKind::TransferCompleted {
+                    transfer,
+                    direction,
+                    ..
+                } => {
+                    let (d, t0) = planned[transfer].clone();
+                    latency.entry(d).or_default().add(e.ts_ns - t0);
+                    ended = Some((*transfer, direction, 0));
+                }
+                EventKind::TransferSkipped {
+                    transfer,
+                    direction,
+                    ..
+                } => ended = Some((*transfer, direction, 1)),
+                EventKind::TransferCancelled {
+                    transfer,
+                    direction,
+                } => ended = Some((*transfer, direction, 2)),
+                EventKind::TransferFailed {
+                    transfer,
+                    direction,
+                    ..
+                } => ended = Some((*transfer, direction, 3)),
+                EventKind::BatchDispatched {
+                    direction, blocks, ..
+                } => {
+                    batches
+                        .entry(direction.to_string())
+                        .or_default()
+                        .add(u64::from(*blocks));
+                    batches_all.add(u64::from(*blocks));
+                }
+                _ => {}
+            }
+            if let Some((transfer, direction, i)) = ended {
+                planned.remove(&transfer);
+                ends.entry(direction.to_string()).or_default()[i] += 1;
+            }
+        }
+        let mut in_flight: BTreeMap<String, u64> = BTreeMap::new();
+        for (d, _) in planned.values() {
+            *in_flight.entry(d.clone()).or_default() += 1;
+        }
+        HandCount {
+            requests,
+            finished,
+            ttft,
+            in_state,
+            latency,
+            ends,
+            batches,
+            batches_all,
+            in_flight,
+        }
+    }
+}
+
 /// `stats --json` against figures counted here straight from the events,
 /// without the recorder's analyses: requests and finished slots, the time
 /// range, and for TTFT, time in each state, transfer latency and batch
 /// sizes the count and the maximum (exact in the output; only percentiles
 /// are bucketed); and how the transfers of each direction ended.
 fn stats_agree_with_a_count_by_hand(s: &serde_json::Value, events: &[Event]) {
-    use kvbm_events::slot::SlotState;
-    use std::collections::{BTreeMap, BTreeSet, HashMap};
-    /// (count, max) of a series.
-    #[derive(Debug, Default, PartialEq)]
-    struct Series(u64, u64);
-    impl Series {
-        fn add(&mut self, v: u64) {
-            self.0 += 1;
-            self.1 = self.1.max(v);
-        }
-    }
     let got =
         |p: &serde_json::Value| Series(p["count"].as_u64().unwrap(), p["max"].as_u64().unwrap());
-    let mut requests = BTreeSet::new();
-    let mut finished = 0;
-    let mut entered: HashMap<&str, u64> = HashMap::new();
-    let mut created: HashMap<&str, u64> = HashMap::new();
-    let mut ttft = Series::default();
-    let mut in_state: BTreeMap<&str, Series> = BTreeMap::new();
-    let mut planned: HashMap<u64, (String, u64)> = HashMap::new();
-    let mut latency: BTreeMap<String, Series> = BTreeMap::new();
-    // direction -> [completed, skipped, cancelled, failed]
-    let mut ends: BTreeMap<String, [u64; 4]> = BTreeMap::new();
-    let mut batches: BTreeMap<String, Series> = BTreeMap::new();
-    let mut batches_all = Series::default();
-    for e in events {
-        let req = e.request.as_deref();
-        if let Some(r) = req {
-            requests.insert(r);
-        }
-        // (transfer, direction, which end) when this event ends one.
-        let mut ended: Option<(u64, &kvbm_events::Direction, usize)> = None;
-        match &e.kind {
-            EventKind::SlotCreated { .. } => {
-                created.insert(req.unwrap(), e.ts_ns);
-                entered.insert(req.unwrap(), e.ts_ns);
-            }
-            EventKind::SlotTransition { from, to } => {
-                let since = entered.insert(req.unwrap(), e.ts_ns).unwrap();
-                in_state
-                    .entry(from.name())
-                    .or_default()
-                    .add(e.ts_ns - since);
-                if *to == SlotState::Finished {
-                    finished += 1;
-                }
-            }
-            EventKind::TokensScheduled { decode, .. } if *decode > 0 => {
-                if let Some(t0) = created.remove(req.unwrap()) {
-                    ttft.add(e.ts_ns - t0);
-                }
-            }
-            EventKind::TransferPlanned {
-                transfer,
-                direction,
-                ..
-            } => {
-                planned.insert(*transfer, (direction.to_string(), e.ts_ns));
-            }
-            EventKind::TransferCompleted {
-                transfer,
-                direction,
-                ..
-            } => {
-                let (d, t0) = planned[transfer].clone();
-                latency.entry(d).or_default().add(e.ts_ns - t0);
-                ended = Some((*transfer, direction, 0));
-            }
-            EventKind::TransferSkipped {
-                transfer,
-                direction,
-                ..
-            } => ended = Some((*transfer, direction, 1)),
-            EventKind::TransferCancelled {
-                transfer,
-                direction,
-            } => ended = Some((*transfer, direction, 2)),
-            EventKind::TransferFailed {
-                transfer,
-                direction,
-                ..
-            } => ended = Some((*transfer, direction, 3)),
-            EventKind::BatchDispatched {
-                direction, blocks, ..
-            } => {
-                batches
-                    .entry(direction.to_string())
-                    .or_default()
-                    .add(u64::from(*blocks));
-                batches_all.add(u64::from(*blocks));
-            }
-            _ => {}
-        }
-        if let Some((transfer, direction, i)) = ended {
-            planned.remove(&transfer);
-            ends.entry(direction.to_string()).or_default()[i] += 1;
-        }
-    }
-    let mut in_flight: BTreeMap<String, u64> = BTreeMap::new();
-    for (d, _) in planned.values() {
-        *in_flight.entry(d.clone()).or_default() += 1;
-    }
+    let HandCount {
+        requests,
+        finished,
+        ttft,
+        in_state,
+        latency,
+        ends,
+        batches,
+        batches_all,
+        in_flight,
+    } = HandCount::of(events);
 
     assert_eq!(s["events"], events.len() as u64);
     assert_eq!(s["requests"], requests.len() as u64);
@@ -533,48 +578,61 @@ fn kill_dash_nine_while_writing_leaves_a_gapless_prefix_of_what_was_written() {
         );
 
         // The writer recovers it (cutting the torn tail) and goes on.
-        let mut w = LogWriter::open_append(
-            &dir,
-            LogConfig {
-                schema_version: kvbm_recorder::SCHEMA_VERSION,
-                ..LogConfig::default()
-            },
-        )
-        .unwrap_or_else(|e| panic!("trial {trial}: {e}"));
-        let after = Event {
-            engine: read.events.last().map_or(0, |e| e.engine),
-            seq: expect_next,
-            ts_ns: u64::MAX / 2,
-            iteration: read.events.last().map_or(0, |e| e.iteration + 1),
-            request: Some(Arc::from("after-the-crash")),
-            kind: EventKind::TransferSkipped {
-                transfer: expect_next,
-                direction: Direction::HOST_TO_DISK,
-                reason: "after the crash".into(),
-            },
-        };
-        w.append(&after).unwrap();
-        w.close().unwrap();
-        let again = recorder::open_log(&dir).unwrap().info().clone();
-        assert_eq!(again.last_seq, Some(expect_next));
-        assert_eq!(again.torn_tail_bytes, 0);
-        // Everything read before the append is still there, then the new
-        // event, exactly as appended.
-        let reread = recorder::read_events(&dir, |_| {}).expect("the log opens");
-        assert!(
-            reread.damage.is_none(),
-            "trial {trial}: {:?}",
-            reread.damage
-        );
-        assert_eq!(reread.events.len(), read.events.len() + 1, "trial {trial}");
-        assert_eq!(reread.events[..read.events.len()], read.events[..]);
-        assert_eq!(reread.events.last(), Some(&after), "trial {trial}");
+        append_after_recovery(&dir, trial, &read, expect_next);
     }
     eprintln!(
         "20 recorders killed while writing; {events_recovered} events recovered in all, \
          {torn} torn tails cut"
     );
     assert_eq!(torn, 10);
+}
+
+/// Reopens for appending the log a killed recorder left in `dir` (whose
+/// events `read` read back, `expect_next` of them) and appends one event:
+/// the writer cuts any torn tail, and what was there stays, followed by
+/// the new event exactly as appended.
+fn append_after_recovery(
+    dir: &std::path::Path,
+    trial: usize,
+    read: &recorder::EventsRead,
+    expect_next: u64,
+) {
+    let mut w = LogWriter::open_append(
+        dir,
+        LogConfig {
+            schema_version: kvbm_recorder::SCHEMA_VERSION,
+            ..LogConfig::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("trial {trial}: {e}"));
+    let after = Event {
+        engine: read.events.last().map_or(0, |e| e.engine),
+        seq: expect_next,
+        ts_ns: u64::MAX / 2,
+        iteration: read.events.last().map_or(0, |e| e.iteration + 1),
+        request: Some(Arc::from("after-the-crash")),
+        kind: EventKind::TransferSkipped {
+            transfer: expect_next,
+            direction: Direction::HOST_TO_DISK,
+            reason: "after the crash".into(),
+        },
+    };
+    w.append(&after).unwrap();
+    w.close().unwrap();
+    let again = recorder::open_log(dir).unwrap().info().clone();
+    assert_eq!(again.last_seq, Some(expect_next));
+    assert_eq!(again.torn_tail_bytes, 0);
+    // Everything read before the append is still there, then the new
+    // event, exactly as appended.
+    let reread = recorder::read_events(dir, |_| {}).expect("the log opens");
+    assert!(
+        reread.damage.is_none(),
+        "trial {trial}: {:?}",
+        reread.damage
+    );
+    assert_eq!(reread.events.len(), read.events.len() + 1, "trial {trial}");
+    assert_eq!(reread.events[..read.events.len()], read.events[..]);
+    assert_eq!(reread.events.last(), Some(&after), "trial {trial}");
 }
 
 /// Every seconds option of `record` and `bridge` refuses what no deadline

@@ -760,9 +760,19 @@ fn control_through_nats_pauses_steps_and_resumes_an_engine() {
     // Sessions are bounded: with the watcher's open, a controller that
     // opens and never closes gets the rest, then `busy`; so does a
     // console, which says why.
-    use kvbm_attach::nats::control::{ControlReply, ControlRequest, MAX_SESSIONS};
+    sessions_are_bounded(&rt, &nats.url());
+    let _ = sim.kill();
+    let _ = sim.wait();
+}
+
+/// With one session open (the watcher's), `ctl-0`'s responder opens the
+/// rest of its `MAX_SESSIONS` to a controller that never closes them,
+/// then refuses both a raw `Open` and a console's controller as `busy`.
+fn sessions_are_bounded(rt: &tokio::runtime::Runtime, url: &str) {
+    use kvbm_attach::nats::control::{ControlReply, ControlRequest, MAX_SESSIONS, NatsControl};
+    use kvbm_events::control::{Control, ControlCommand};
     let raw = rt
-        .block_on(kvbm_attach::nats::connect(&nats.url(), "control-test-3"))
+        .block_on(kvbm_attach::nats::connect(url, "control-test-3"))
         .unwrap();
     let open = serde_json::to_vec(&ControlRequest::Open { client: None }).unwrap();
     let mut opened = 0;
@@ -783,7 +793,7 @@ fn control_through_nats_pauses_steps_and_resumes_an_engine() {
     assert_eq!(refusal.0, "busy", "{refusal:?}");
     assert_eq!(opened, MAX_SESSIONS - 1, "the watcher holds one");
     let client = rt
-        .block_on(kvbm_attach::nats::connect(&nats.url(), "control-test-4"))
+        .block_on(kvbm_attach::nats::connect(url, "control-test-4"))
         .unwrap();
     let late = NatsControl::new(client, "ctl-0", rt.handle()).unwrap();
     let err = late
@@ -791,8 +801,6 @@ fn control_through_nats_pauses_steps_and_resumes_an_engine() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("busy"), "{err}");
-    let _ = sim.kill();
-    let _ = sim.wait();
 }
 
 /// The recorder under a limit on open files, `soft` and `hard`, set in

@@ -98,45 +98,10 @@ fn main() {
     let mut best = [f64::MAX; 7];
     let (mut log_bytes, mut json_bytes, mut raw_bytes) = (0, 0, 0);
     for r in 0..rounds {
-        // Encoding alone (no log): events into blocks of the log's size.
-        let block_bytes = LogConfig::default().block_bytes as usize;
-        let t = Instant::now();
-        let mut enc = BlockEncoder::new();
-        let mut k = 0usize;
-        for e in &evs {
-            let size = kvbm_schema::columnar::event_bytes(e);
-            if !enc.try_push(e, size, block_bytes) {
-                k += enc.finish().len();
-                enc.try_push(e, size, usize::MAX);
-            }
-        }
-        k += enc.finish().len();
-        std::hint::black_box(k);
-        best[5] = best[5].min(t.elapsed().as_secs_f64());
-        raw_bytes = k;
-        // LZ4 alone: the same blocks, kept, then compressed as the writer
-        // compresses them (timed without the encoding).
-        let mut blocks: Vec<Vec<u8>> = Vec::new();
-        for e in &evs {
-            let size = kvbm_schema::columnar::event_bytes(e);
-            if !enc.try_push(e, size, block_bytes) {
-                blocks.push(enc.finish().to_vec());
-                enc.try_push(e, size, usize::MAX);
-            }
-        }
-        blocks.push(enc.finish().to_vec());
-        let mut table = lz4_flex::block::CompressTable::small();
-        let mut out = Vec::new();
-        let t = Instant::now();
-        let mut k = 0usize;
-        for b in &blocks {
-            out.clear();
-            out.resize(lz4_flex::block::get_maximum_output_size(b.len()), 0);
-            k += lz4_flex::block::compress_into_with_table(b, &mut out, &mut table).unwrap();
-        }
-        std::hint::black_box(k);
-        best[6] = best[6].min(t.elapsed().as_secs_f64());
-        drop(blocks);
+        let (encode_s, lz4_s, raw) = encode_and_compress(&evs);
+        best[5] = best[5].min(encode_s);
+        raw_bytes = raw;
+        best[6] = best[6].min(lz4_s);
         // kvbm log: write.
         let dir = tmp.path().join(format!("log{r}"));
         let t = Instant::now();
@@ -180,28 +145,10 @@ fn main() {
         best[2] = best[2].min(t.elapsed().as_secs_f64());
         drop(reader);
         std::fs::remove_dir_all(&dir).unwrap();
-        // JSON lines: write.
-        let path = tmp.path().join(format!("j{r}.jsonl"));
-        let t = Instant::now();
-        let mut f = BufWriter::new(std::fs::File::create(&path).unwrap());
-        for e in &evs {
-            serde_json::to_writer(&mut f, e).unwrap();
-            f.write_all(b"\n").unwrap();
-        }
-        f.flush().unwrap();
-        drop(f);
-        best[3] = best[3].min(t.elapsed().as_secs_f64());
-        json_bytes = std::fs::metadata(&path).unwrap().len();
-        // JSON lines: read + parse.
-        let t = Instant::now();
-        let mut k = 0u64;
-        for line in BufReader::new(std::fs::File::open(&path).unwrap()).lines() {
-            let e: Event = serde_json::from_str(&line.unwrap()).unwrap();
-            k += e.seq & 1;
-        }
-        std::hint::black_box(k);
-        best[4] = best[4].min(t.elapsed().as_secs_f64());
-        std::fs::remove_file(&path).unwrap();
+        let (write_s, read_s, bytes) = json_lines(&evs, &tmp.path().join(format!("j{r}.jsonl")));
+        best[3] = best[3].min(write_s);
+        json_bytes = bytes;
+        best[4] = best[4].min(read_s);
     }
     let rate = |s: f64| n as f64 / s / 1e6;
     println!("| {n} events (best of {rounds}) | kvbm log | JSON lines | ratio |");
@@ -268,6 +215,79 @@ fn main() {
             without / with
         );
     }
+}
+
+/// Seconds to encode `evs` into columnar blocks of the log's size (no
+/// log), seconds to compress those blocks with LZ4 as the writer does
+/// (timed without the encoding), and the blocks' bytes before LZ4.
+fn encode_and_compress(evs: &[Event]) -> (f64, f64, usize) {
+    // Encoding alone (no log): events into blocks of the log's size.
+    let block_bytes = LogConfig::default().block_bytes as usize;
+    let t = Instant::now();
+    let mut enc = BlockEncoder::new();
+    let mut k = 0usize;
+    for e in evs {
+        let size = kvbm_schema::columnar::event_bytes(e);
+        if !enc.try_push(e, size, block_bytes) {
+            k += enc.finish().len();
+            enc.try_push(e, size, usize::MAX);
+        }
+    }
+    k += enc.finish().len();
+    std::hint::black_box(k);
+    let encode_s = t.elapsed().as_secs_f64();
+    let raw_bytes = k;
+    // LZ4 alone: the same blocks, kept, then compressed as the writer
+    // compresses them (timed without the encoding).
+    let mut blocks: Vec<Vec<u8>> = Vec::new();
+    for e in evs {
+        let size = kvbm_schema::columnar::event_bytes(e);
+        if !enc.try_push(e, size, block_bytes) {
+            blocks.push(enc.finish().to_vec());
+            enc.try_push(e, size, usize::MAX);
+        }
+    }
+    blocks.push(enc.finish().to_vec());
+    let mut table = lz4_flex::block::CompressTable::small();
+    let mut out = Vec::new();
+    let t = Instant::now();
+    let mut k = 0usize;
+    for b in &blocks {
+        out.clear();
+        out.resize(lz4_flex::block::get_maximum_output_size(b.len()), 0);
+        k += lz4_flex::block::compress_into_with_table(b, &mut out, &mut table).unwrap();
+    }
+    std::hint::black_box(k);
+    let lz4_s = t.elapsed().as_secs_f64();
+    drop(blocks);
+    (encode_s, lz4_s, raw_bytes)
+}
+
+/// Seconds to write `evs` as JSON lines to `path`, seconds to read and
+/// parse them back, and the file's bytes; the file is removed after.
+fn json_lines(evs: &[Event], path: &std::path::Path) -> (f64, f64, u64) {
+    // JSON lines: write.
+    let t = Instant::now();
+    let mut f = BufWriter::new(std::fs::File::create(path).unwrap());
+    for e in evs {
+        serde_json::to_writer(&mut f, e).unwrap();
+        f.write_all(b"\n").unwrap();
+    }
+    f.flush().unwrap();
+    drop(f);
+    let write_s = t.elapsed().as_secs_f64();
+    let json_bytes = std::fs::metadata(path).unwrap().len();
+    // JSON lines: read + parse.
+    let t = Instant::now();
+    let mut k = 0u64;
+    for line in BufReader::new(std::fs::File::open(path).unwrap()).lines() {
+        let e: Event = serde_json::from_str(&line.unwrap()).unwrap();
+        k += e.seq & 1;
+    }
+    std::hint::black_box(k);
+    let read_s = t.elapsed().as_secs_f64();
+    std::fs::remove_file(path).unwrap();
+    (write_s, read_s, json_bytes)
 }
 
 /// Best times of reopening (and closing again) a recording of `evs`

@@ -21,22 +21,45 @@ use std::sync::Arc;
 /// `b` onboards a prefix from the host, is preempted once, and finishes;
 /// a breakpoint pauses `b`'s metadata build for a while.
 fn story() -> Vec<Event> {
-    let mut out = Vec::new();
-    let mut seq = 0;
-    let mut push = |ts: u64, r: Option<&str>, kind: EventKind| {
-        out.push(Event {
+    let mut s = Story::default();
+    a_prefills_and_b_is_staged(&mut s);
+    the_store_lands_and_b_onboards(&mut s);
+    b_is_preempted_paused_and_finishes(&mut s);
+    s.events
+}
+
+/// [`story`]'s events as they are pushed, numbered from 0: engine 1, an
+/// iteration a microsecond.
+#[derive(Default)]
+struct Story {
+    events: Vec<Event>,
+    seq: u64,
+}
+
+impl Story {
+    fn push(&mut self, ts: u64, r: Option<&str>, kind: EventKind) {
+        self.events.push(Event {
             engine: 1,
-            seq,
+            seq: self.seq,
             ts_ns: ts,
             iteration: ts / 1_000,
             request: r.map(Arc::from),
             kind,
         });
-        seq += 1;
-    };
-    let tr = |from: SlotState, to: SlotState| EventKind::SlotTransition { from, to };
+        self.seq += 1;
+    }
+}
+
+/// A slot's transition.
+fn tr(from: SlotState, to: SlotState) -> EventKind {
+    EventKind::SlotTransition { from, to }
+}
+
+/// 0 to 4 ms: `a` prefills, starts decoding and its eager store goes out;
+/// `b` arrives and finds its prefix on the host.
+fn a_prefills_and_b_is_staged(s: &mut Story) {
     let ms = 1_000_000;
-    push(
+    s.push(
         0,
         Some("a"),
         EventKind::SlotCreated {
@@ -44,8 +67,8 @@ fn story() -> Vec<Event> {
             max_output_tokens: 2,
         },
     );
-    push(ms, Some("a"), tr(Initialized, Prefilling));
-    push(
+    s.push(ms, Some("a"), tr(Initialized, Prefilling));
+    s.push(
         ms,
         Some("a"),
         EventKind::BlocksAllocated {
@@ -53,7 +76,7 @@ fn story() -> Vec<Event> {
             blocks: vec![0, 1, 2, 3],
         },
     );
-    push(
+    s.push(
         2 * ms,
         Some("a"),
         EventKind::TokensScheduled {
@@ -62,7 +85,7 @@ fn story() -> Vec<Event> {
             computed: 64,
         },
     );
-    push(
+    s.push(
         2 * ms,
         Some("a"),
         EventKind::TransferPlanned {
@@ -71,8 +94,8 @@ fn story() -> Vec<Event> {
             blocks: 4,
         },
     );
-    push(3 * ms, Some("a"), tr(Prefilling, Decoding));
-    push(
+    s.push(3 * ms, Some("a"), tr(Prefilling, Decoding));
+    s.push(
         3 * ms,
         Some("a"),
         EventKind::TokensScheduled {
@@ -81,7 +104,7 @@ fn story() -> Vec<Event> {
             computed: 65,
         },
     );
-    push(
+    s.push(
         3 * ms,
         Some("a"),
         EventKind::TransferPromoted {
@@ -90,7 +113,7 @@ fn story() -> Vec<Event> {
             blocks: 4,
         },
     );
-    push(
+    s.push(
         3 * ms,
         None,
         EventKind::BatchDispatched {
@@ -100,7 +123,7 @@ fn story() -> Vec<Event> {
             blocks: 4,
         },
     );
-    push(
+    s.push(
         4 * ms,
         Some("b"),
         EventKind::SlotCreated {
@@ -108,7 +131,7 @@ fn story() -> Vec<Event> {
             max_output_tokens: 1,
         },
     );
-    push(
+    s.push(
         4 * ms,
         Some("b"),
         EventKind::MatchResult {
@@ -118,8 +141,14 @@ fn story() -> Vec<Event> {
             hit_tokens: 64,
         },
     );
-    push(4 * ms, Some("b"), tr(Initialized, OnboardStaged(64)));
-    push(
+    s.push(4 * ms, Some("b"), tr(Initialized, OnboardStaged(64)));
+}
+
+/// 5 and 6 ms: `a`'s store lands and `a` finishes; `b` loads its prefix
+/// and starts its prefill.
+fn the_store_lands_and_b_onboards(s: &mut Story) {
+    let ms = 1_000_000;
+    s.push(
         5 * ms,
         None,
         EventKind::BatchCompleted {
@@ -131,7 +160,7 @@ fn story() -> Vec<Event> {
             elapsed_ns: 12_345,
         },
     );
-    push(
+    s.push(
         5 * ms,
         Some("a"),
         EventKind::TransferCompleted {
@@ -140,8 +169,8 @@ fn story() -> Vec<Event> {
             blocks: 4,
         },
     );
-    push(5 * ms, Some("b"), tr(OnboardStaged(64), Onboarding(64)));
-    push(
+    s.push(5 * ms, Some("b"), tr(OnboardStaged(64), Onboarding(64)));
+    s.push(
         5 * ms,
         Some("b"),
         EventKind::BlocksAllocated {
@@ -149,7 +178,7 @@ fn story() -> Vec<Event> {
             blocks: vec![4, 5, 6, 7],
         },
     );
-    push(
+    s.push(
         5 * ms,
         Some("b"),
         EventKind::TransferPlanned {
@@ -158,7 +187,7 @@ fn story() -> Vec<Event> {
             blocks: 4,
         },
     );
-    push(
+    s.push(
         5 * ms,
         Some("b"),
         EventKind::TransferPromoted {
@@ -167,7 +196,7 @@ fn story() -> Vec<Event> {
             blocks: 4,
         },
     );
-    push(
+    s.push(
         6 * ms,
         Some("b"),
         EventKind::TransferCompleted {
@@ -176,10 +205,10 @@ fn story() -> Vec<Event> {
             blocks: 4,
         },
     );
-    push(6 * ms, Some("b"), tr(Onboarding(64), Prefilling));
-    push(6 * ms, Some("a"), tr(Decoding, Finishing));
-    push(6 * ms, Some("a"), tr(Finishing, Finished));
-    push(
+    s.push(6 * ms, Some("b"), tr(Onboarding(64), Prefilling));
+    s.push(6 * ms, Some("a"), tr(Decoding, Finishing));
+    s.push(6 * ms, Some("a"), tr(Finishing, Finished));
+    s.push(
         6 * ms,
         Some("a"),
         EventKind::BlocksReleased {
@@ -187,7 +216,13 @@ fn story() -> Vec<Event> {
             count: 4,
         },
     );
-    push(
+}
+
+/// 7 to 12 ms: `b` is preempted and comes back, a breakpoint pauses its
+/// metadata build for 2 ms, and it decodes and finishes.
+fn b_is_preempted_paused_and_finishes(s: &mut Story) {
+    let ms = 1_000_000;
+    s.push(
         7 * ms,
         Some("b"),
         EventKind::BlocksReleased {
@@ -195,9 +230,9 @@ fn story() -> Vec<Event> {
             count: 4,
         },
     );
-    push(7 * ms, Some("b"), tr(Prefilling, Preempted));
-    push(8 * ms, Some("b"), tr(Preempted, Prefilling));
-    push(
+    s.push(7 * ms, Some("b"), tr(Prefilling, Preempted));
+    s.push(8 * ms, Some("b"), tr(Preempted, Prefilling));
+    s.push(
         8 * ms,
         Some("b"),
         EventKind::BlocksAllocated {
@@ -205,7 +240,7 @@ fn story() -> Vec<Event> {
             blocks: vec![0, 1, 2, 3, 4],
         },
     );
-    push(
+    s.push(
         8 * ms,
         Some("b"),
         EventKind::BreakpointHit {
@@ -214,7 +249,7 @@ fn story() -> Vec<Event> {
             deadline_ns: 68 * ms,
         },
     );
-    push(
+    s.push(
         10 * ms,
         Some("b"),
         EventKind::Resumed {
@@ -222,7 +257,7 @@ fn story() -> Vec<Event> {
             cause: kvbm_events::ResumeCause::Resume,
         },
     );
-    push(
+    s.push(
         10 * ms,
         Some("b"),
         EventKind::TokensScheduled {
@@ -231,8 +266,8 @@ fn story() -> Vec<Event> {
             computed: 80,
         },
     );
-    push(11 * ms, Some("b"), tr(Prefilling, Decoding));
-    push(
+    s.push(11 * ms, Some("b"), tr(Prefilling, Decoding));
+    s.push(
         11 * ms,
         Some("b"),
         EventKind::TokensScheduled {
@@ -241,8 +276,8 @@ fn story() -> Vec<Event> {
             computed: 81,
         },
     );
-    push(12 * ms, Some("b"), tr(Decoding, Finishing));
-    push(
+    s.push(12 * ms, Some("b"), tr(Decoding, Finishing));
+    s.push(
         12 * ms,
         Some("b"),
         EventKind::BlocksReleased {
@@ -250,8 +285,7 @@ fn story() -> Vec<Event> {
             count: 5,
         },
     );
-    push(12 * ms, Some("b"), tr(Finishing, Finished));
-    out
+    s.push(12 * ms, Some("b"), tr(Finishing, Finished));
 }
 
 #[test]

@@ -721,16 +721,14 @@ enum Refusal {
     BadBlock,
 }
 
-/// A block whose frame is sound (length and checksum good) but whose
-/// contents fail verification, or do not match the frame header, is
-/// corruption at that block: every event of the blocks before it is read,
-/// then `Corrupt` with the segment and the block's offset, through both the
-/// event and the block iterators, with or without index files. Seeking past
-/// it does not run into it.
-#[test]
-fn a_block_that_fails_verification_is_corruption_at_that_block() {
-    type Edit = fn(&mut [u8; FRAME_HEADER_LEN as usize], &mut Vec<u8>);
-    let variants: [(&str, Edit, Refusal); 7] = [
+/// An edit of a block's frame header and of its region.
+type Edit = fn(&mut [u8; FRAME_HEADER_LEN as usize], &mut Vec<u8>);
+
+/// The crafted blocks of
+/// [`a_block_that_fails_verification_is_corruption_at_that_block`]: what
+/// each edit does, the edit, and how the block is expected to be refused.
+fn crafted_blocks() -> [(&'static str, Edit, Refusal); 7] {
+    [
         ("rewritten stored, unchanged", |_, _| {}, Refusal::None),
         (
             "file identifier damaged",
@@ -770,7 +768,18 @@ fn a_block_that_fails_verification_is_corruption_at_that_block() {
             },
             Refusal::BadBlock,
         ),
-    ];
+    ]
+}
+
+/// A block whose frame is sound (length and checksum good) but whose
+/// contents fail verification, or do not match the frame header, is
+/// corruption at that block: every event of the blocks before it is read,
+/// then `Corrupt` with the segment and the block's offset, through both the
+/// event and the block iterators, with or without index files. Seeking past
+/// it does not run into it.
+#[test]
+fn a_block_that_fails_verification_is_corruption_at_that_block() {
+    let variants = crafted_blocks();
     let tmp = tempfile::tempdir().expect("tempdir");
     // One event per block, and two or three.
     for block_bytes in [1, 300] {

@@ -3,7 +3,7 @@
 //! statistics equal the golden ones recorded beside each log.
 
 use kvbm_events::slot::SlotState;
-use kvbm_events::{EventKind, SequenceHash};
+use kvbm_events::{BlockId, Direction, EventKind, SequenceHash, Tier};
 use kvbm_recorder::analysis::{self, CheckOptions, StatsConfig};
 use kvbm_recorder::recorder;
 use std::path::PathBuf;
@@ -103,47 +103,27 @@ fn sequence_hashes(tokens: &[u32]) -> Vec<SequenceHash> {
 /// half of them put A's `Prefilling → Finishing` before its promotion).
 /// The order below is the committed log's; every event, field and time in
 /// it is derived.
-fn walkthrough_by_hand() -> Vec<(u64, u64, Option<&'static str>, EventKind)> {
-    use EventKind::*;
-    use kvbm_events::{Direction, Tier};
+fn walkthrough_by_hand() -> Vec<ByHand> {
     let a: Vec<u32> = (100..132).collect();
     let b: Vec<u32> = a.iter().copied().chain(200..217).collect();
     let (h, hb) = (sequence_hashes(&a), sequence_hashes(&b));
     assert_eq!(hb[..2], h[..], "B starts with A's blocks");
-    let (g1, g2) = (Tier::Device, Tier::Host);
-    let (store, load) = (Direction::DEVICE_TO_HOST, Direction::HOST_TO_DEVICE);
     let t_a = 32 * 30_000; // A's prefill
     let t_b = 10_000_000_000 + (32 * 128 * 1024 * 1_000_000_000 / 20_000_000_000) + 17 * 30_000;
     assert_eq!(t_b, 10_000_719_715);
-    let reg = |tier, block, hash, duplicate_of| BlockRegistered {
-        tier,
-        block,
-        sequence_hash: hash,
-        duplicate_of,
-    };
-    let gauge = |tier, capacity, active, inactive| PoolGauge {
-        tier,
-        capacity,
-        active,
-        inactive,
-        empty: capacity - active - inactive,
-    };
-    let batch_done = |batch, direction, blocks: u32| BatchCompleted {
-        batch,
-        direction,
-        ok: true,
-        blocks,
-        bytes: u64::from(blocks) * 16 * 4,
-        elapsed_ns: 0,
-    };
-    let matched = |tier, looked_up, hit_blocks: u32| MatchResult {
-        tier,
-        looked_up,
-        hit_blocks,
-        hit_tokens: hit_blocks * 16,
-    };
-    let to = |from, to| SlotTransition { from, to };
+    let mut events = request_a_by_hand(&h, t_a);
+    events.extend(request_b_by_hand(&h, &hb));
+    events.extend(b_store_by_hand(&hb, t_b));
+    events
+}
+
+/// The walk-through's iterations 1 and 2: A arrives at t = 0, is
+/// prefilled by `t_a`, and its blocks `h` are stored to G2.
+fn request_a_by_hand(h: &[SequenceHash], t_a: u64) -> Vec<ByHand> {
+    use EventKind::*;
     use SlotState::*;
+    let (g1, g2) = (Tier::Device, Tier::Host);
+    let store = Direction::DEVICE_TO_HOST;
     vec![
         // Iteration 1, t = 0: A arrives and is prefilled.
         (
@@ -231,6 +211,17 @@ fn walkthrough_by_hand() -> Vec<(u64, u64, Option<&'static str>, EventKind)> {
             },
         ),
         (t_a, 2, Some("A"), to(Finishing, Finished)),
+    ]
+}
+
+/// The walk-through's iteration 3 at t = 10 s: B arrives, loads A's
+/// blocks `h` from G2 and registers its new block (the third of `hb`).
+fn request_b_by_hand(h: &[SequenceHash], hb: &[SequenceHash]) -> Vec<ByHand> {
+    use EventKind::*;
+    use SlotState::*;
+    let (g1, g2) = (Tier::Device, Tier::Host);
+    let load = Direction::HOST_TO_DEVICE;
+    vec![
         // Iteration 3, t = 10 s: B hits A's blocks on the host.
         (
             10_000_000_000,
@@ -321,6 +312,17 @@ fn walkthrough_by_hand() -> Vec<(u64, u64, Option<&'static str>, EventKind)> {
             },
         ),
         (10_000_000_000, 3, None, reg(g1, 4, hb[2], None)),
+    ]
+}
+
+/// The rest of iteration 3, at `t_b`, after B's load and prefill: its
+/// new block (the third of `hb`) is stored to G2 and B finishes.
+fn b_store_by_hand(hb: &[SequenceHash], t_b: u64) -> Vec<ByHand> {
+    use EventKind::*;
+    use SlotState::*;
+    let (g1, g2) = (Tier::Device, Tier::Host);
+    let store = Direction::DEVICE_TO_HOST;
+    vec![
         // After the load and the prefill: B's new block is stored.
         (
             t_b,
@@ -376,6 +378,59 @@ fn walkthrough_by_hand() -> Vec<(u64, u64, Option<&'static str>, EventKind)> {
         (t_b, 3, None, gauge(g1, 100, 0, 3)),
         (t_b, 3, None, gauge(g2, 50, 0, 3)),
     ]
+}
+
+/// One event of the walk-through as worked out: its time, iteration,
+/// request and kind.
+type ByHand = (u64, u64, Option<&'static str>, EventKind);
+
+/// A block registered on `tier`, `duplicate_of` an earlier one or new.
+fn reg(tier: Tier, block: BlockId, hash: SequenceHash, duplicate_of: Option<BlockId>) -> EventKind {
+    EventKind::BlockRegistered {
+        tier,
+        block,
+        sequence_hash: hash,
+        duplicate_of,
+    }
+}
+
+/// A pool's gauge; its empty blocks are the rest of its capacity.
+fn gauge(tier: Tier, capacity: u32, active: u32, inactive: u32) -> EventKind {
+    EventKind::PoolGauge {
+        tier,
+        capacity,
+        active,
+        inactive,
+        empty: capacity - active - inactive,
+    }
+}
+
+/// A batch of `blocks` done: 16 tokens of 4 simulated bytes a block; the
+/// measured time is not compared.
+fn batch_done(batch: u64, direction: Direction, blocks: u32) -> EventKind {
+    EventKind::BatchCompleted {
+        batch,
+        direction,
+        ok: true,
+        blocks,
+        bytes: u64::from(blocks) * 16 * 4,
+        elapsed_ns: 0,
+    }
+}
+
+/// A lookup of `looked_up` blocks on `tier` hitting `hit_blocks` of them.
+fn matched(tier: Tier, looked_up: u32, hit_blocks: u32) -> EventKind {
+    EventKind::MatchResult {
+        tier,
+        looked_up,
+        hit_blocks,
+        hit_tokens: hit_blocks * 16,
+    }
+}
+
+/// A slot's transition.
+fn to(from: SlotState, to: SlotState) -> EventKind {
+    EventKind::SlotTransition { from, to }
 }
 
 /// The walk-through's statistics, worked out from the events above: two

@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use futures_util::StreamExt;
 use kvbm_attach::nats::async_nats;
 use kvbm_attach::nats::async_nats::jetstream::AckKind;
+use kvbm_attach::nats::async_nats::jetstream::consumer::pull::MessagesError;
 use kvbm_attach::nats::consume::{self, DurableConfig, EngineFilter};
 use kvbm_attach::nats::publish::{Publisher, PublisherConfig};
 use kvbm_attach::nats::waits::DeliveryWaits;
@@ -71,25 +72,7 @@ async fn interrupted() {
 /// names) into the fleet recording `out`, created or resumed.
 pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Result<i32> {
     kvbm_attach::nats::check_url(url)?;
-    if remote.replay_endpoint.is_some() || remote.token.is_some() || remote.since.is_some() {
-        bail!("--replay-endpoint, --token and --since do not apply to a nats:// source");
-    }
-    let filter = match remote.engines.as_deref() {
-        Some(g) => EngineFilter::glob(g)?,
-        None => EngineFilter::all(),
-    };
-    let consumer = remote
-        .consumer
-        .clone()
-        .unwrap_or_else(|| RECORDER_CONSUMER.into());
-    let resuming = fleet::is_fleet(out);
-    // A receive-only run acknowledges what it does not keep: never on a
-    // recorder's consumer or recording.
-    if remote.receive_only && (consumer == RECORDER_CONSUMER || resuming) {
-        bail!(
-            "--receive-only keeps nothing it acknowledges: give it a --consumer of its own (not {RECORDER_CONSUMER}) and a new --out"
-        );
-    }
+    let (filter, consumer, resuming) = nats_source(out, remote)?;
     // What the recording and the screen keep of the URL: never its
     // credentials.
     let shown = kvbm_attach::nats::redacted(url);
@@ -127,7 +110,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     } else {
         Work::Record
     };
-    let (mut shards, mut replies) = Shards::start(shards, usize::from(remote.writer_queue), work)?;
+    let (mut shards, replies) = Shards::start(shards, usize::from(remote.writer_queue), work)?;
     shards.set_handoff_batch(usize::from(remote.handoff_batch));
     let counters = shards.counters();
     // Where the CPU goes, by thread: the runtime's threads and this one
@@ -136,38 +119,171 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
     // write.
     let runtime_cpu = Arc::new(CpuSum::default());
     let rt = runtime(Some(runtime_cpu.clone()))?;
-    let deadline = remote
-        .duration_s
-        .map(|d| Instant::now() + Duration::from_secs_f64(d));
-    let idle = remote.idle_exit_s.map(Duration::from_secs_f64);
-    let mut stats = Session::default();
+    let stops = Stops {
+        deadline: remote
+            .duration_s
+            .map(|d| Instant::now() + Duration::from_secs_f64(d)),
+        idle: remote.idle_exit_s.map(Duration::from_secs_f64),
+        idle_sweep,
+        events: remote.events,
+    };
     let mut cfg = DurableConfig::new(&consumer);
     cfg.filter = filter.clone();
     cfg.limits = StreamLimits::default();
     cfg.pull_batch = usize::from(remote.pull_batch);
-    let mut commits = Commits::new(
+    let commits = Commits::new(
         out,
         base,
         shards.len(),
         u64::try_from(cfg.max_ack_pending).unwrap_or(0),
     );
+    let banner = format!(
+        "recording {} from {shown} (consumer {consumer}, {threads} writer threads, hand-offs of {} messages or more, pull requests of {} messages)",
+        cfg.filter.subject(),
+        remote.handoff_batch,
+        cfg.pull_batch
+    );
+    let mut receiver = Receiver {
+        shards,
+        replies,
+        commits,
+        stats: Session::default(),
+        counters: counters.clone(),
+        filter,
+    };
     // The loop that receives and routes runs on this thread (block_on),
     // the client's connection on the runtime's.
     let loop_timer = cpu::ThreadTimer::start();
-    let outcome: Result<&str> = rt.block_on(async {
+    let outcome = rt.block_on(receiver.run(url, &cfg, &banner, &stops));
+    let loop_cpu = loop_timer.elapsed().unwrap_or_default();
+    // Every thread of the runtime ends here, adding its CPU time.
+    drop(rt);
+    let closing = Instant::now();
+    let (manifest, open_logs, recs) = close_shards(receiver.shards, &receiver.commits.base, out)?;
+    let closing_s = closing.elapsed().as_secs_f64();
+    let why = outcome?;
+    let report = NatsReport {
+        remote,
+        shown: &shown,
+        out,
+        why,
+        threads,
+        closes_idle: close_idle.is_some(),
+        logs: manifest.logs.len(),
+        open_logs,
+        commits: &receiver.commits,
+        stats: &receiver.stats,
+        counters: &counters,
+        written: counters.written(),
+        last_written: counters.last_written(),
+        loop_cpu,
+        runtime_cpu: runtime_cpu.get(),
+        closing_s,
+    };
+    report.print(recs);
+    Ok(0)
+}
+
+/// The engines `record --from nats://` takes, the durable consumer it
+/// reads with, and whether `out` is a fleet recording to resume; refuses
+/// the flags that do not apply to NATS and a receive-only run that would
+/// acknowledge what a recorder keeps.
+fn nats_source(out: &Path, remote: &RemoteArgs) -> Result<(EngineFilter, String, bool)> {
+    if remote.replay_endpoint.is_some() || remote.token.is_some() || remote.since.is_some() {
+        bail!("--replay-endpoint, --token and --since do not apply to a nats:// source");
+    }
+    let filter = match remote.engines.as_deref() {
+        Some(g) => EngineFilter::glob(g)?,
+        None => EngineFilter::all(),
+    };
+    let consumer = remote
+        .consumer
+        .clone()
+        .unwrap_or_else(|| RECORDER_CONSUMER.into());
+    let resuming = fleet::is_fleet(out);
+    // A receive-only run acknowledges what it does not keep: never on a
+    // recorder's consumer or recording.
+    if remote.receive_only && (consumer == RECORDER_CONSUMER || resuming) {
+        bail!(
+            "--receive-only keeps nothing it acknowledges: give it a --consumer of its own (not {RECORDER_CONSUMER}) and a new --out"
+        );
+    }
+    Ok((filter, consumer, resuming))
+}
+
+/// Stops the writer threads and writes the manifest merged from their
+/// parts; returns it, their logs' counts and their recordings by
+/// directory name, sorted.
+#[allow(clippy::type_complexity)]
+fn close_shards(
+    shards: Shards,
+    base: &fleet::FleetManifest,
+    out: &Path,
+) -> Result<(
+    fleet::FleetManifest,
+    fleet::OpenLogs,
+    Vec<(String, kvbm_recorder::recorder::Recording)>,
+)> {
+    let mut open_logs = fleet::OpenLogs::default();
+    let (parts, recs): (Vec<_>, Vec<_>) = shards
+        .finish()?
+        .into_iter()
+        .map(|e| {
+            open_logs.add(e.open_logs);
+            (e.manifest, e.recordings)
+        })
+        .unzip();
+    let manifest = fleet::merge_manifests(base, &parts);
+    let mut recs: Vec<_> = recs.into_iter().flatten().collect();
+    recs.sort_by(|a, b| a.0.cmp(&b.0));
+    fleet::write_manifest(out, &manifest)?;
+    Ok((manifest, open_logs, recs))
+}
+
+/// When the receiving loop stops or checkpoints of itself, from the
+/// command's flags.
+struct Stops {
+    /// `--duration-s` from the start.
+    deadline: Option<Instant>,
+    /// `--idle-exit-s`: this long without a delivery.
+    idle: Option<Duration>,
+    /// A checkpoint at least this often, so idle logs close.
+    idle_sweep: Option<Duration>,
+    /// `--events`: this many written.
+    events: Option<u64>,
+}
+
+/// The loop that receives and routes, and what it works on: the writer
+/// threads, their replies, the checkpoints and the session's counts.
+struct Receiver {
+    shards: Shards,
+    replies: Replies,
+    commits: Commits,
+    stats: Session,
+    counters: Arc<crate::shards::Counters>,
+    /// The engines taken; the others' messages are acknowledged unkept.
+    filter: EngineFilter,
+}
+
+impl Receiver {
+    /// Connects, receives and routes until one of `stops`, the consumer's
+    /// end or a signal; then everything routed is written, checkpointed
+    /// and acknowledged. Returns why it stopped.
+    async fn run(
+        &mut self,
+        url: &str,
+        cfg: &DurableConfig,
+        banner: &str,
+        stops: &Stops,
+    ) -> Result<&'static str> {
         let client = connect(url, "kvbm-recorder").await?;
         let js = async_nats::jetstream::new(client.clone());
         let mut messages = DeliveryWaits::new(
-            consume::durable_messages(&js, &cfg)
+            consume::durable_messages(&js, cfg)
                 .await?
                 .ready_chunks(ROUTE_CHUNK),
         );
-        eprintln!(
-            "recording {} from {shown} (consumer {consumer}, {threads} writer threads, hand-offs of {} messages or more, pull requests of {} messages)",
-            cfg.filter.subject(),
-            remote.handoff_batch,
-            cfg.pull_batch
-        );
+        eprintln!("{banner}");
         let stop = interrupted();
         tokio::pin!(stop);
         let mut tick = tokio::time::interval(COMMIT_EVERY);
@@ -180,183 +296,250 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 // ROUTE_CHUNK: each writer thread gets its share of them in
                 // one hand-off. None while a thread's full queue holds a
                 // backlog: JetStream keeps the rest meanwhile.
-                chunk = messages.next(), if !shards.backlogged() => {
+                chunk = messages.next(), if !self.shards.backlogged() => {
                     let Some(chunk) = chunk else { break "the consumer ended" };
-                    let mut by_thread: Vec<Vec<_>> = vec![Vec::new(); shards.len()];
-                    for m in chunk {
-                        let msg = match m {
-                            Ok(msg) => msg,
-                            Err(e) => {
-                                // Heartbeats missed while the server
-                                // restarts, and the like: the stream goes on.
-                                stats.consumer_errors += 1;
-                                tracing::warn!("consumer: {e}");
-                                continue;
-                            }
-                        };
-                        last_delivery = Instant::now();
-                        stats.first_delivery.get_or_insert(last_delivery);
-                        stats.last_delivery = Some(last_delivery);
-                        stats.messages += 1;
-                        let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
-                        let (msg, acker) = msg.split();
-                        let engine = kvbm_attach::nats::engine_of_subject(msg.subject.as_str());
-                        if engine.is_some_and(|e| !filter.matches(e)) {
-                            stats.filtered += 1;
-                        } else {
-                            by_thread[shards.thread_of(engine)].push((msg, stream_seq));
-                        }
-                        commits.delivered(acker, stream_seq);
-                    }
-                    let routing = Instant::now();
-                    shards.route(by_thread)?;
-                    stats.routing += routing.elapsed();
-                    if commits.pending >= COMMIT_MESSAGES {
-                        commits.begin(&mut shards).await?;
+                    self.route(chunk, &mut last_delivery)?;
+                    if self.commits.pending >= COMMIT_MESSAGES {
+                        self.commits.begin(&mut self.shards).await?;
                     }
                 },
                 // Room for a backlog; the replies and acknowledgements
                 // go on meanwhile.
-                room = shards.unblock(), if shards.backlogged() => room?,
+                room = self.shards.unblock(), if self.shards.backlogged() => room?,
                 // Messages held for --handoff-batch go after a
                 // millisecond at most.
-                _ = handoff_tick.tick(), if shards.holds() => {
+                _ = handoff_tick.tick(), if self.shards.holds() => {
                     let routing = Instant::now();
-                    shards.flush()?;
-                    stats.routing += routing.elapsed();
+                    self.shards.flush()?;
+                    self.stats.routing += routing.elapsed();
                 }
-                Some(reply) = replies.next(), if commits.awaiting_replies() => {
-                    commits.reply(reply)?;
+                Some(reply) = self.replies.next(), if self.commits.awaiting_replies() => {
+                    self.commits.reply(reply)?;
                 }
-                done = commits.wait_durable(), if commits.syncing() => {
+                done = self.commits.wait_durable(), if self.commits.syncing() => {
                     done?;
-                    commits.acknowledge(&mut stats).await?;
+                    self.commits.acknowledge(&mut self.stats).await?;
                 }
-                () = counters.written_reaches(remote.events.unwrap_or(u64::MAX)),
-                    if remote.events.is_some() => break "--events reached",
+                () = self.counters.written_reaches(stops.events.unwrap_or(u64::MAX)),
+                    if stops.events.is_some() => break "--events reached",
                 _ = tick.tick() => {
-                    // Logs close for want of events at checkpoints, so a
-                    // fleet gone quiet still has one now and then.
-                    let sweep = idle_sweep.is_some_and(|d| commits.last_begun.elapsed() >= d);
-                    if commits.pending > 0 || sweep {
-                        commits.begin(&mut shards).await?;
-                    }
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        break "--duration-s reached";
-                    }
-                    if idle.is_some_and(|i| last_delivery.elapsed() >= i) {
-                        break "--idle-exit-s reached";
+                    if let Some(why) = self.on_tick(stops, last_delivery).await? {
+                        break why;
                     }
                 }
                 _ = &mut stop => break "interrupted",
             }
         };
-        stats.delivery_waits = (messages.times(), messages.waited());
+        self.stats.delivery_waits = (messages.times(), messages.waited());
         // Everything routed is written, checkpointed and acknowledged.
-        commits
-            .finish(&mut shards, &mut replies, &mut stats)
+        self.commits
+            .finish(&mut self.shards, &mut self.replies, &mut self.stats)
             .await?;
         let _ = client.flush().await;
         Ok(why)
-    });
-    let loop_cpu = loop_timer.elapsed().unwrap_or_default();
-    // Every thread of the runtime ends here, adding its CPU time.
-    drop(rt);
-    let closing = Instant::now();
-    let mut open_logs = fleet::OpenLogs::default();
-    let (parts, recs): (Vec<_>, Vec<_>) = shards
-        .finish()?
-        .into_iter()
-        .map(|e| {
-            open_logs.add(e.open_logs);
-            (e.manifest, e.recordings)
-        })
-        .unzip();
-    let manifest = fleet::merge_manifests(&commits.base, &parts);
-    let mut recs: Vec<_> = recs.into_iter().flatten().collect();
-    recs.sort_by(|a, b| a.0.cmp(&b.0));
-    fleet::write_manifest(out, &manifest)?;
-    let closing_s = closing.elapsed().as_secs_f64();
-    let why = outcome?;
-    let (written, duplicates, refused, last_written) = (
-        counters.written(),
-        counters.duplicates(),
-        counters.refused(),
-        counters.last_written(),
-    );
-    if remote.receive_only {
-        println!(
-            "received {written} events in this session, counted and not recorded (--receive-only; {refused} messages without a header, {} acknowledged) from {shown} ({why})",
-            stats.acked,
-        );
-    } else {
-        println!(
-            "recorded {written} events in this session ({duplicates} duplicates skipped, {refused} messages refused, {} acknowledged) from {shown} into {} ({} logs; {why})",
-            stats.acked,
-            out.display(),
-            manifest.logs.len()
-        );
     }
-    println!(
-        "  {} messages delivered ({} of engines not taken), {} consumer errors, {} acknowledgements lost (redelivered, skipped as duplicates), {} writer threads",
-        stats.messages, stats.filtered, stats.consumer_errors, stats.acks_lost, threads
-    );
-    if !remote.receive_only {
-        match close_idle {
-            Some(_) => println!(
-                "  {} logs open at the end, {} closed after {} s without events, {} of them reopened",
-                open_logs.open, open_logs.closed_idle, remote.close_idle_logs_s, open_logs.reopened
-            ),
-            None => println!(
-                "  {} logs open at the end (--close-idle-logs-s 0: none closed before)",
-                open_logs.open
-            ),
+
+    /// Hands each message of `chunk` to its engine's writer thread (or
+    /// counts it filtered out) and notes it for the next checkpoint.
+    fn route(
+        &mut self,
+        chunk: Vec<Result<async_nats::jetstream::Message, MessagesError>>,
+        last_delivery: &mut Instant,
+    ) -> Result<()> {
+        let stats = &mut self.stats;
+        let mut by_thread: Vec<Vec<_>> = vec![Vec::new(); self.shards.len()];
+        for m in chunk {
+            let msg = match m {
+                Ok(msg) => msg,
+                Err(e) => {
+                    // Heartbeats missed while the server
+                    // restarts, and the like: the stream goes on.
+                    stats.consumer_errors += 1;
+                    tracing::warn!("consumer: {e}");
+                    continue;
+                }
+            };
+            *last_delivery = Instant::now();
+            stats.first_delivery.get_or_insert(*last_delivery);
+            stats.last_delivery = Some(*last_delivery);
+            stats.messages += 1;
+            let stream_seq = msg.info().map_or(0, |i| i.stream_sequence);
+            let (msg, acker) = msg.split();
+            let engine = kvbm_attach::nats::engine_of_subject(msg.subject.as_str());
+            if engine.is_some_and(|e| !self.filter.matches(e)) {
+                stats.filtered += 1;
+            } else {
+                by_thread[self.shards.thread_of(engine)].push((msg, stream_seq));
+            }
+            self.commits.delivered(acker, stream_seq);
+        }
+        let routing = Instant::now();
+        self.shards.route(by_thread)?;
+        stats.routing += routing.elapsed();
+        Ok(())
+    }
+
+    /// The periodic tick: a checkpoint if anything is pending or idle logs
+    /// are due a sweep; then why the loop stops, if `--duration-s` or
+    /// `--idle-exit-s` is reached.
+    async fn on_tick(
+        &mut self,
+        stops: &Stops,
+        last_delivery: Instant,
+    ) -> Result<Option<&'static str>> {
+        // Logs close for want of events at checkpoints, so a
+        // fleet gone quiet still has one now and then.
+        let sweep = stops
+            .idle_sweep
+            .is_some_and(|d| self.commits.last_begun.elapsed() >= d);
+        if self.commits.pending > 0 || sweep {
+            self.commits.begin(&mut self.shards).await?;
+        }
+        if stops.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(Some("--duration-s reached"));
+        }
+        if stops.idle.is_some_and(|i| last_delivery.elapsed() >= i) {
+            return Ok(Some("--idle-exit-s reached"));
+        }
+        Ok(None)
+    }
+}
+
+/// What `record --from nats://` prints as it ends: the session's totals,
+/// what bounded it, where the CPU went, its rates and each log.
+struct NatsReport<'a> {
+    remote: &'a RemoteArgs,
+    shown: &'a str,
+    out: &'a Path,
+    why: &'a str,
+    threads: usize,
+    /// Whether `--close-idle-logs-s` closes idle logs.
+    closes_idle: bool,
+    /// Logs in the manifest.
+    logs: usize,
+    open_logs: fleet::OpenLogs,
+    commits: &'a Commits,
+    stats: &'a Session,
+    counters: &'a crate::shards::Counters,
+    written: u64,
+    last_written: Option<Instant>,
+    /// CPU time of the loop's thread.
+    loop_cpu: Duration,
+    /// CPU time of the runtime's threads.
+    runtime_cpu: Duration,
+    closing_s: f64,
+}
+
+impl NatsReport<'_> {
+    fn print(&self, recs: Vec<(String, kvbm_recorder::recorder::Recording)>) {
+        self.print_totals();
+        self.print_bounds();
+        self.print_cpu();
+        self.print_rates();
+        for (name, rec) in recs {
+            println!(
+                "  {name:<24} {} events, {}, {} missing",
+                rec.events,
+                verdict::seq_span(rec.first_seq, rec.last_seq),
+                rec.lost + rec.missed_before_start
+            );
         }
     }
-    // Time the server held messages back for want of acknowledgements:
-    // checkpoints, not the writers, were then the bound.
-    let limit = &commits.ack_limit;
-    let held = limit.held + limit.since.map_or(Duration::ZERO, |t| t.elapsed());
-    println!(
-        "  at the consumer's limit of {} unacknowledged messages {} times, {:.3} s in all",
-        limit.limit,
-        limit.times,
-        held.as_secs_f64()
-    );
-    // Time the loop had nothing to route and waited for the server (or
-    // the connection): neither the writers nor the loop were the bound
-    // then. The wait after the last message is not counted.
-    if let (Some(first), Some(last)) = (stats.first_delivery, stats.last_delivery) {
-        let (times, waited) = stats.delivery_waits;
+
+    /// Events recorded (or counted), messages delivered and logs open.
+    fn print_totals(&self) {
+        let (remote, stats, shown, why, written) =
+            (self.remote, self.stats, self.shown, self.why, self.written);
+        let (duplicates, refused) = (self.counters.duplicates(), self.counters.refused());
+        if remote.receive_only {
+            println!(
+                "received {written} events in this session, counted and not recorded (--receive-only; {refused} messages without a header, {} acknowledged) from {shown} ({why})",
+                stats.acked,
+            );
+        } else {
+            println!(
+                "recorded {written} events in this session ({duplicates} duplicates skipped, {refused} messages refused, {} acknowledged) from {shown} into {} ({} logs; {why})",
+                stats.acked,
+                self.out.display(),
+                self.logs
+            );
+        }
         println!(
-            "  waited for deliveries {times} times, {:.3} s in all, of {:.3} s from the first message to the last",
-            waited.as_secs_f64(),
-            last.saturating_duration_since(first).as_secs_f64()
+            "  {} messages delivered ({} of engines not taken), {} consumer errors, {} acknowledgements lost (redelivered, skipped as duplicates), {} writer threads",
+            stats.messages, stats.filtered, stats.consumer_errors, stats.acks_lost, self.threads
+        );
+        if !remote.receive_only {
+            let open_logs = &self.open_logs;
+            if self.closes_idle {
+                println!(
+                    "  {} logs open at the end, {} closed after {} s without events, {} of them reopened",
+                    open_logs.open,
+                    open_logs.closed_idle,
+                    remote.close_idle_logs_s,
+                    open_logs.reopened
+                );
+            } else {
+                println!(
+                    "  {} logs open at the end (--close-idle-logs-s 0: none closed before)",
+                    open_logs.open
+                );
+            }
+        }
+    }
+
+    /// What held the recorder back: the consumer's limit, the server, a
+    /// writer thread's full queue, the hand-offs.
+    fn print_bounds(&self) {
+        let (stats, counters) = (self.stats, self.counters);
+        // Time the server held messages back for want of acknowledgements:
+        // checkpoints, not the writers, were then the bound.
+        let limit = &self.commits.ack_limit;
+        let held = limit.held + limit.since.map_or(Duration::ZERO, |t| t.elapsed());
+        println!(
+            "  at the consumer's limit of {} unacknowledged messages {} times, {:.3} s in all",
+            limit.limit,
+            limit.times,
+            held.as_secs_f64()
+        );
+        // Time the loop had nothing to route and waited for the server (or
+        // the connection): neither the writers nor the loop were the bound
+        // then. The wait after the last message is not counted.
+        if let (Some(first), Some(last)) = (stats.first_delivery, stats.last_delivery) {
+            let (times, waited) = stats.delivery_waits;
+            println!(
+                "  waited for deliveries {times} times, {:.3} s in all, of {:.3} s from the first message to the last",
+                waited.as_secs_f64(),
+                last.saturating_duration_since(first).as_secs_f64()
+            );
+        }
+        // Time the receiving was held back by a writer thread's full queue:
+        // then a writer thread, not the server, was the bound.
+        let (waits, waited) = counters.route_waits();
+        println!(
+            "  receiving held back by a full writer queue ({} hand-offs a thread) {waits} times, {:.3} s in all",
+            self.remote.writer_queue,
+            waited.as_secs_f64()
+        );
+        // Each time a writer thread found its queue empty, the loop's next
+        // hand-off to it had to wake it: with cores to spare the threads
+        // wait often, and the wakes are the loop's work, not theirs.
+        let (handoffs, idle_waits) = counters.handoffs();
+        println!(
+            "  {handoffs} hand-offs to the writer threads, {idle_waits} of them to a thread waiting for work; handing off took {:.3} s (wall) on the loop's thread, whose CPU time was {:.3} s",
+            stats.routing.as_secs_f64(),
+            self.loop_cpu.as_secs_f64()
         );
     }
-    // Time the receiving was held back by a writer thread's full queue:
-    // then a writer thread, not the server, was the bound.
-    let (waits, waited) = counters.route_waits();
-    println!(
-        "  receiving held back by a full writer queue ({} hand-offs a thread) {waits} times, {:.3} s in all",
-        remote.writer_queue,
-        waited.as_secs_f64()
-    );
-    // Each time a writer thread found its queue empty, the loop's next
-    // hand-off to it had to wake it: with cores to spare the threads
-    // wait often, and the wakes are the loop's work, not theirs.
-    let (handoffs, idle_waits) = counters.handoffs();
-    println!(
-        "  {handoffs} hand-offs to the writer threads, {idle_waits} of them to a thread waiting for work; handing off took {:.3} s (wall) on the loop's thread, whose CPU time was {:.3} s",
-        stats.routing.as_secs_f64(),
-        loop_cpu.as_secs_f64()
-    );
-    if let Some(all) = cpu::process_time() {
-        let syncing = commits.sync_cpu.get();
-        let runtime_all = runtime_cpu.get();
-        let receiving = (runtime_all + loop_cpu).saturating_sub(syncing);
-        let writing = counters.writer_cpu();
-        let per = |d: Duration| d.as_nanos() as f64 / written.max(1) as f64;
+
+    /// The process's CPU time by what its threads did.
+    fn print_cpu(&self) {
+        let Some(all) = cpu::process_time() else {
+            return;
+        };
+        let syncing = self.commits.sync_cpu.get();
+        let receiving = (self.runtime_cpu + self.loop_cpu).saturating_sub(syncing);
+        let writing = self.counters.writer_cpu();
+        let per = |d: Duration| d.as_nanos() as f64 / self.written.max(1) as f64;
         // With every core busy, the recorder's rate is bound by all of it;
         // with cores to spare for the writer threads, receiving (which
         // they do not share) is what can bound it.
@@ -365,7 +548,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             receiving.as_secs_f64(),
             per(receiving),
             writing.as_secs_f64(),
-            if remote.receive_only {
+            if self.remote.receive_only {
                 "counting"
             } else {
                 "checking and writing"
@@ -378,7 +561,14 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             per(all),
         );
     }
-    if let Some(t) = stats.first_delivery {
+
+    /// Events a second from the first message, to the last log closed and
+    /// to the last batch written, and the checkpoints' times.
+    fn print_rates(&self) {
+        let Some(t) = self.stats.first_delivery else {
+            return;
+        };
+        let (stats, written) = (self.stats, self.written);
         // From the first message to every log closed: what the recorder's
         // own work costs, without its start (connecting, the consumer).
         let s = t.elapsed().as_secs_f64();
@@ -387,7 +577,7 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
             s,
             written as f64 / s.max(1e-9)
         );
-        if let Some(l) = last_written {
+        if let Some(l) = self.last_written {
             // The same without the last checkpoint and the closing (every
             // log synced and closed): the rate a recorder that runs for
             // hours keeps up with, whose closing comes once.
@@ -397,22 +587,13 @@ pub fn record_nats(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -
                 a,
                 written as f64 / a.max(1e-9),
                 stats.commits,
-                commits.manifests_written,
+                self.commits.manifests_written,
                 stats.last_commit.as_secs_f64(),
                 stats.longest_commit.as_secs_f64(),
-                closing_s,
+                self.closing_s,
             );
         }
     }
-    for (name, rec) in recs {
-        println!(
-            "  {name:<24} {} events, {}, {} missing",
-            rec.events,
-            verdict::seq_span(rec.first_seq, rec.last_seq),
-            rec.lost + rec.missed_before_start
-        );
-    }
-    Ok(0)
 }
 
 #[derive(Debug, Default)]

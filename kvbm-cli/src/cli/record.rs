@@ -287,7 +287,19 @@ fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Re
     let rec = sink.finish()?;
     let why = outcome?;
     done.push((dir, rec));
-    for (d, rec) in &done {
+    print_runs(&done, url, &counters, why);
+    Ok(0)
+}
+
+/// What `record --from URL` prints as it ends: each engine run recorded,
+/// where, and what it missed; then the totals and why it stopped.
+fn print_runs(
+    done: &[(std::path::PathBuf, kvbm_recorder::recorder::Recording)],
+    url: &str,
+    counters: &kvbm_attach::client::ClientCounters,
+    why: &str,
+) {
+    for (d, rec) in done {
         println!(
             "recorded {} events ({} lost in gaps) of engine run {} from {url} into {}",
             rec.events,
@@ -309,7 +321,6 @@ fn record_from(url: &str, out: &Path, remote: &RemoteArgs, log: LogConfig) -> Re
         counters.connects.saturating_sub(1),
         counters.new_runs
     );
-    Ok(0)
 }
 
 /// `record --from zmq://HOST:PORT`: vLLM's KV-event stream until Ctrl-C or
