@@ -21,11 +21,12 @@ use futures_util::{SinkExt, StreamExt};
 use kvbm_attach::client::{Client, ClientConfig, ClientEvent};
 use kvbm_attach::server::{FeederConfig, ServedEngine, Server, ServerConfig, spawn_feeder};
 use kvbm_core::hooks::{Breakpoints, HookSet};
-use kvbm_events::breakpoint::BreakpointSpec;
+use kvbm_events::Emitter;
+use kvbm_events::breakpoint::{BreakpointInfo, BreakpointSpec};
 use kvbm_events::control::ControlCommand;
 use kvbm_events::ring::RingBuffer;
 use kvbm_schema::protocol::{ClientMsg, ServerMsg};
-use kvbm_sim::sim::{Pacing, SimConfig, Simulator};
+use kvbm_sim::sim::{Pacing, SimConfig, SimReport, Simulator};
 use kvbm_sim::workload::{LengthDist, SyntheticConfig, generate};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -245,33 +246,8 @@ fn an_engine_under_chaos_keeps_going_and_a_good_client_misses_nothing() {
         .enable_all()
         .build()
         .unwrap();
-    let workload = generate(&SyntheticConfig {
-        seed: 11,
-        num_requests: 400,
-        arrival_rate_per_s: 16.0,
-        prompt_len: LengthDist::LogNormal {
-            mean: 256.0,
-            sigma: 0.5,
-        },
-        output_len: LengthDist::LogNormal {
-            mean: 30.0,
-            sigma: 0.5,
-        },
-        ..SyntheticConfig::default()
-    })
-    .unwrap();
-    let cfg = SimConfig {
-        pacing: Pacing::RealTime { speed: 1.0 },
-        ..SimConfig::default()
-    };
-    let mut sim = Simulator::new(cfg, workload, engine_rt.handle()).unwrap();
+    let (mut sim, bps) = simulator(engine_rt.handle());
     let emitter = sim.emitter().clone();
-    let bps = Arc::new(Breakpoints::new(Some(emitter.clone()), DEADLINE));
-    sim.leader_mut().set_hooks(
-        HookSet::none()
-            .with_emitter(emitter.clone())
-            .with_breakpoints(bps.clone()),
-    );
     let ring = Arc::new(RingBuffer::with_capacity(1 << 21).unwrap());
     let engine = ServedEngine::new(ring.clone(), emitter.engine())
         .with_run(emitter.run())
@@ -283,53 +259,12 @@ fn an_engine_under_chaos_keeps_going_and_a_good_client_misses_nothing() {
         .enable_all()
         .build()
         .unwrap();
-    let scfg = ServerConfig {
-        addr: "127.0.0.1:0".parse().unwrap(),
-        max_clients: 48,
-        max_connections: 128,
-        max_connections_per_ip: 128,
-        header_read_timeout: Duration::from_secs(1),
-        request_timeout: Duration::from_secs(1),
-        send_timeout: SEND_TIMEOUT,
-        ping_interval: PING,
-        silence_timeout: SILENCE,
-        lease: LEASE,
-        ..ServerConfig::default()
-    };
-    let server = rt.block_on(async { Server::bind(scfg, engine).await.unwrap().spawn() });
+    let server =
+        rt.block_on(async { Server::bind(server_config(), engine).await.unwrap().spawn() });
     let addr = server.local_addr();
 
     // The well-behaved client, from seq 0.
-    let good: Arc<Mutex<Good>> = Arc::default();
-    let g = good.clone();
-    let mut client = Client::spawn(
-        ClientConfig::new(&format!("http://{addr}"))
-            .unwrap()
-            .with_since(0),
-        rt.handle(),
-    )
-    .unwrap();
-    rt.spawn(async move {
-        while let Some(ev) = client.recv().await {
-            let mut g = g.lock().unwrap();
-            match ev {
-                ClientEvent::Events(v) => {
-                    for e in v {
-                        if e.seq != g.1.map_or(0, |s| s + 1) {
-                            let msg = format!("seq {} after {:?}", e.seq, g.1);
-                            g.2.push(msg);
-                        }
-                        g.1 = Some(e.seq);
-                        g.0 += 1;
-                    }
-                }
-                ClientEvent::Gap(gap) => g.2.push(format!("{gap:?}")),
-                ClientEvent::NewRun { .. } => g.2.push("a new run".into()),
-                ClientEvent::Failed(e) => g.2.push(format!("failed: {e}")),
-                _ => {}
-            }
-        }
-    });
+    let good = spawn_good_client(addr, &rt);
 
     // The engine, and a watch on its progress.
     let engine_thread = std::thread::spawn(move || {
@@ -344,28 +279,12 @@ fn an_engine_under_chaos_keeps_going_and_a_good_client_misses_nothing() {
         rt.spawn(actor(addr, seed + 977 * i, stop.clone(), actions.clone()));
     }
     let start = Instant::now();
-    // Progress is the scheduler's iterations: events alone would count a
-    // pause ending while another holds the engine at the same step.
-    let (mut last_iteration, mut last_move) = (emitter.iteration(), Instant::now());
-    let mut longest = Duration::ZERO;
-    let mut ownerless = Vec::new();
-    let mut max_breakpoints = 0;
-    let mut longest_pause = Duration::ZERO;
-    while start.elapsed() < CHAOS && !engine_thread.is_finished() {
-        std::thread::sleep(Duration::from_millis(20));
-        let now = emitter.iteration();
-        if now != last_iteration {
-            longest = longest.max(last_move.elapsed());
-            (last_iteration, last_move) = (now, Instant::now());
-        }
-        for p in bps.paused() {
-            longest_pause = longest_pause.max(p.waited);
-        }
-        let list = bps.list();
-        max_breakpoints = max_breakpoints.max(list.len());
-        ownerless.extend(list.into_iter().filter(|b| b.spec.owner.is_none()));
-    }
-    longest = longest.max(last_move.elapsed());
+    let Watched {
+        longest,
+        ownerless,
+        max_breakpoints,
+        longest_pause,
+    } = watch(&emitter, &bps, &engine_thread, start);
     stop.store(true, Ordering::Relaxed);
     let st = server.stats();
     eprintln!(
@@ -419,6 +338,150 @@ fn an_engine_under_chaos_keeps_going_and_a_good_client_misses_nothing() {
     let report = engine_thread.join().unwrap();
     let emitted = emitter.emitted();
     assert_eq!(report.events_lost, 0);
+    expect_every_event(&good, emitted);
+    rt.block_on(server.shutdown()).unwrap();
+    feeder.stop();
+    drop(engine_rt);
+}
+
+/// A real-time simulated engine with a 400-request workload, its
+/// breakpoints (with the far-off [`DEADLINE`]) installed as its hooks.
+fn simulator(handle: &tokio::runtime::Handle) -> (Simulator, Arc<Breakpoints>) {
+    let workload = generate(&SyntheticConfig {
+        seed: 11,
+        num_requests: 400,
+        arrival_rate_per_s: 16.0,
+        prompt_len: LengthDist::LogNormal {
+            mean: 256.0,
+            sigma: 0.5,
+        },
+        output_len: LengthDist::LogNormal {
+            mean: 30.0,
+            sigma: 0.5,
+        },
+        ..SyntheticConfig::default()
+    })
+    .unwrap();
+    let cfg = SimConfig {
+        pacing: Pacing::RealTime { speed: 1.0 },
+        ..SimConfig::default()
+    };
+    let mut sim = Simulator::new(cfg, workload, handle).unwrap();
+    let emitter = sim.emitter().clone();
+    let bps = Arc::new(Breakpoints::new(Some(emitter.clone()), DEADLINE));
+    sim.leader_mut().set_hooks(
+        HookSet::none()
+            .with_emitter(emitter.clone())
+            .with_breakpoints(bps.clone()),
+    );
+    (sim, bps)
+}
+
+/// The server's limits and timeouts: room for every actor, and short
+/// timeouts so that lost owners are noticed well within [`PAUSE_BOUND`].
+fn server_config() -> ServerConfig {
+    ServerConfig {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        max_clients: 48,
+        max_connections: 128,
+        max_connections_per_ip: 128,
+        header_read_timeout: Duration::from_secs(1),
+        request_timeout: Duration::from_secs(1),
+        send_timeout: SEND_TIMEOUT,
+        ping_interval: PING,
+        silence_timeout: SILENCE,
+        lease: LEASE,
+        ..ServerConfig::default()
+    }
+}
+
+/// Starts the well-behaved client from seq 0; what it receives is
+/// tallied in the returned [`Good`].
+fn spawn_good_client(addr: SocketAddr, rt: &tokio::runtime::Runtime) -> Arc<Mutex<Good>> {
+    let good: Arc<Mutex<Good>> = Arc::default();
+    let g = good.clone();
+    let mut client = Client::spawn(
+        ClientConfig::new(&format!("http://{addr}"))
+            .unwrap()
+            .with_since(0),
+        rt.handle(),
+    )
+    .unwrap();
+    rt.spawn(async move {
+        while let Some(ev) = client.recv().await {
+            let mut g = g.lock().unwrap();
+            match ev {
+                ClientEvent::Events(v) => {
+                    for e in v {
+                        if e.seq != g.1.map_or(0, |s| s + 1) {
+                            let msg = format!("seq {} after {:?}", e.seq, g.1);
+                            g.2.push(msg);
+                        }
+                        g.1 = Some(e.seq);
+                        g.0 += 1;
+                    }
+                }
+                ClientEvent::Gap(gap) => g.2.push(format!("{gap:?}")),
+                ClientEvent::NewRun { .. } => g.2.push("a new run".into()),
+                ClientEvent::Failed(e) => g.2.push(format!("failed: {e}")),
+                _ => {}
+            }
+        }
+    });
+    good
+}
+
+/// What the watch saw while the chaos lasted.
+struct Watched {
+    /// The longest the engine went without a new scheduler iteration.
+    longest: Duration,
+    /// Breakpoints seen without an owner.
+    ownerless: Vec<BreakpointInfo>,
+    max_breakpoints: usize,
+    longest_pause: Duration,
+}
+
+/// Watches the engine's progress, its pauses and its breakpoints every
+/// 20 ms, for [`CHAOS`] from `start` or until the engine finishes.
+fn watch(
+    emitter: &Emitter,
+    bps: &Breakpoints,
+    engine_thread: &std::thread::JoinHandle<SimReport>,
+    start: Instant,
+) -> Watched {
+    // Progress is the scheduler's iterations: events alone would count a
+    // pause ending while another holds the engine at the same step.
+    let (mut last_iteration, mut last_move) = (emitter.iteration(), Instant::now());
+    let mut longest = Duration::ZERO;
+    let mut ownerless = Vec::new();
+    let mut max_breakpoints = 0;
+    let mut longest_pause = Duration::ZERO;
+    while start.elapsed() < CHAOS && !engine_thread.is_finished() {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = emitter.iteration();
+        if now != last_iteration {
+            longest = longest.max(last_move.elapsed());
+            (last_iteration, last_move) = (now, Instant::now());
+        }
+        for p in bps.paused() {
+            longest_pause = longest_pause.max(p.waited);
+        }
+        let list = bps.list();
+        max_breakpoints = max_breakpoints.max(list.len());
+        ownerless.extend(list.into_iter().filter(|b| b.spec.owner.is_none()));
+    }
+    longest = longest.max(last_move.elapsed());
+    Watched {
+        longest,
+        ownerless,
+        max_breakpoints,
+        longest_pause,
+    }
+}
+
+/// Waits (up to 30 s) for the good client to have all `emitted` events,
+/// with nothing wrong along the way.
+fn expect_every_event(good: &Mutex<Good>, emitted: u64) {
     let t = Instant::now();
     loop {
         let (n, last, problems) = good.lock().unwrap().clone();
@@ -433,7 +496,4 @@ fn an_engine_under_chaos_keeps_going_and_a_good_client_misses_nothing() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    rt.block_on(server.shutdown()).unwrap();
-    feeder.stop();
-    drop(engine_rt);
 }

@@ -39,6 +39,7 @@ use ratatui::Terminal;
 use ratatui::backend::TestBackend;
 use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use std::collections::VecDeque;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -101,7 +102,15 @@ impl Gen {
     /// One engine iteration's events into `pending`.
     fn iterate(&mut self) {
         self.iteration += 1;
-        let push = |p: &mut VecDeque<_>, r: Option<&RequestId>, k| p.push_back((r.cloned(), k));
+        self.admit();
+        self.decode();
+        self.offload();
+        self.gauges();
+    }
+
+    /// Admits up to [`ADMIT_PER_ITER`] new requests: each looks up its
+    /// prefix in G1 and G2, prefills in one step and starts decoding.
+    fn admit(&mut self) {
         for _ in 0..ADMIT_PER_ITER {
             let r = self.ids.len();
             if r >= self.n_req {
@@ -178,6 +187,11 @@ impl Gen {
             self.ids.push(id);
             self.computed.push(prompt);
         }
+    }
+
+    /// One decode token for [`DECODE_BATCH`] live requests in turn, a new
+    /// block every 16th.
+    fn decode(&mut self) {
         let live = self.ids.len();
         for k in 0..DECODE_BATCH.min(live) {
             let r = self.rr % live;
@@ -205,6 +219,12 @@ impl Gen {
                 );
             }
         }
+    }
+
+    /// Two offloads to G2 planned, and those planned more than
+    /// [`IN_FLIGHT`] before completed.
+    fn offload(&mut self) {
+        let live = self.ids.len();
         // Offloads of decoding requests' blocks to G2: two planned per
         // iteration, completed IN_FLIGHT later.
         for _ in 0..2 {
@@ -235,6 +255,10 @@ impl Gen {
                 );
             }
         }
+    }
+
+    /// G1's pool gauge every iteration, G2's every fourth.
+    fn gauges(&mut self) {
         let active = self.active;
         push(
             &mut self.pending,
@@ -280,6 +304,11 @@ impl Gen {
         self.ts += TS_STEP_NS;
         ev
     }
+}
+
+/// Queues one event of `request` (none for engine-wide events).
+fn push(p: &mut VecDeque<(Option<RequestId>, EventKind)>, r: Option<&RequestId>, k: EventKind) {
+    p.push_back((r.cloned(), k));
 }
 
 /// (VmRSS, VmHWM) in bytes.
@@ -365,6 +394,121 @@ fn frames(
     out
 }
 
+/// Frame times (ms) on an empty model, with nothing to pull: the
+/// baseline the loaded views are compared with.
+fn empty_frames(
+    cfg: ModelConfig,
+    batch: usize,
+    t: &mut Terminal<TestBackend>,
+    warm: usize,
+    n_frames: usize,
+) -> Vec<f64> {
+    let ring = Arc::new(RingBuffer::with_capacity(2 * batch).unwrap());
+    let mut app = App::new(
+        Model::new(cfg),
+        Source::Live(LiveSource::new(ring.clone(), None)),
+        "bench",
+    );
+    app.resize(WIDTH, HEIGHT);
+    let mut empty = Vec::new();
+    for i in 0..warm + n_frames {
+        let t0 = Instant::now();
+        app.pull(Instant::now());
+        app.tick();
+        draw(t, &app);
+        if i >= warm {
+            empty.push(ms(t0));
+        }
+    }
+    empty
+}
+
+/// Each view's frames on the loaded model, switched to by its keys and
+/// left with Esc.
+fn view_frames(
+    app: &mut App,
+    ring: &RingBuffer,
+    gen_: &mut Gen,
+    t: &mut Terminal<TestBackend>,
+    batch: usize,
+    warm: usize,
+    n_frames: usize,
+) -> Vec<(&'static str, Frames)> {
+    let views: [(&str, &[KeyCode]); 6] = [
+        ("Slots", &[KeyCode::Char('1')]),
+        ("Events (following)", &[KeyCode::Char('6')]),
+        ("Histograms", &[KeyCode::Char('4')]),
+        ("Pools", &[KeyCode::Char('3')]),
+        ("Transfers", &[KeyCode::Char('2')]),
+        (
+            "Request detail (oldest request)",
+            &[KeyCode::Char('1'), KeyCode::Enter],
+        ),
+    ];
+    let mut rows = Vec::new();
+    for (name, keys) in views {
+        for k in keys {
+            key(app, *k);
+        }
+        if name.starts_with("Request") {
+            assert!(app.views.detail.is_some(), "Enter opened the detail");
+        }
+        let f = frames(app, ring, gen_, t, batch, warm, n_frames);
+        rows.push((name, f));
+        key(app, KeyCode::Esc);
+    }
+    rows
+}
+
+/// The same stream as the loaded model's, written with the recorder's
+/// durable log (no fsync: the bench times reading it back).
+fn write_log(dir: &Path, n_req: usize, n_events: usize) {
+    let mut w = LogWriter::create(dir, {
+        let mut c = RecorderConfig::default().log;
+        c.fsync = FsyncPolicy::Never;
+        c
+    })
+    .unwrap();
+    let mut gen_ = Gen::new(n_req);
+    for _ in 0..n_events {
+        w.append(&gen_.next_event()).unwrap();
+    }
+    w.close().unwrap();
+}
+
+/// The best of `rounds` opens of the log, in ms: reading it alone, to
+/// the first frame, and on to a frame at its end.
+fn open_log(dir: &Path, cfg: ModelConfig, n_events: usize, rounds: usize) -> [f64; 3] {
+    let mut best = [f64::MAX; 3];
+    for _ in 0..rounds {
+        let mut t = term();
+        let t0 = Instant::now();
+        let read = read_events(dir, |_| {}).unwrap();
+        let read_ms = ms(t0);
+        assert!(read.damage.is_none());
+        assert_eq!(read.events.len(), n_events);
+        let lost = read_sidecar(dir).map_or(0, |r| r.lost);
+        let events: Arc<[Event]> = read.events.into();
+        let replay = ReplaySource::new(events, lost, cfg);
+        let mut app = App::new(Model::new(cfg), Source::Replay(replay), "log");
+        app.resize(WIDTH, HEIGHT);
+        draw(&mut t, &app);
+        let first_ms = ms(t0);
+        if let Source::Replay(r) = &mut app.source {
+            let n = r.len();
+            r.seek_to(&mut app.model, n);
+        }
+        app.tick();
+        draw(&mut t, &app);
+        let end_ms = ms(t0);
+        assert_eq!(app.model.history().len(), n_events);
+        best[0] = best[0].min(read_ms);
+        best[1] = best[1].min(first_ms);
+        best[2] = best[2].min(end_ms);
+    }
+    best
+}
+
 fn main() {
     let quick = std::env::var("KVBM_BENCH_QUICK").is_ok_and(|v| v == "1");
     let (n_req, n_events) = if quick {
@@ -384,26 +528,9 @@ fn main() {
     let bench_start = Instant::now();
 
     // Baseline: the same frame on an empty model (nothing to pull).
-    let ring = Arc::new(RingBuffer::with_capacity(2 * batch).unwrap());
     let mut t = term();
-    let mut app = App::new(
-        Model::new(cfg),
-        Source::Live(LiveSource::new(ring.clone(), None)),
-        "bench",
-    );
-    app.resize(WIDTH, HEIGHT);
-    let mut empty = Vec::new();
-    for i in 0..warm + n_frames {
-        let t0 = Instant::now();
-        app.pull(Instant::now());
-        app.tick();
-        draw(&mut t, &app);
-        if i >= warm {
-            empty.push(ms(t0));
-        }
-    }
+    let empty = empty_frames(cfg, batch, &mut t, warm, n_frames);
     let empty_ms = median(&empty);
-    drop(app);
 
     // The loaded model, fed event by event (no copy of the stream is held).
     let (rss0, _) = rss();
@@ -426,29 +553,7 @@ fn main() {
         "bench",
     );
     app.resize(WIDTH, HEIGHT);
-    let views: [(&str, &[KeyCode]); 6] = [
-        ("Slots", &[KeyCode::Char('1')]),
-        ("Events (following)", &[KeyCode::Char('6')]),
-        ("Histograms", &[KeyCode::Char('4')]),
-        ("Pools", &[KeyCode::Char('3')]),
-        ("Transfers", &[KeyCode::Char('2')]),
-        (
-            "Request detail (oldest request)",
-            &[KeyCode::Char('1'), KeyCode::Enter],
-        ),
-    ];
-    let mut rows = Vec::new();
-    for (name, keys) in views {
-        for k in keys {
-            key(&mut app, *k);
-        }
-        if name.starts_with("Request") {
-            assert!(app.views.detail.is_some(), "Enter opened the detail");
-        }
-        let f = frames(&mut app, &ring, &mut gen_, &mut t, batch, warm, n_frames);
-        rows.push((name, f));
-        key(&mut app, KeyCode::Esc);
-    }
+    let rows = view_frames(&mut app, &ring, &mut gen_, &mut t, batch, warm, n_frames);
     let (_, hwm_frames) = rss();
     let history = app.model.history().len();
     drop(app);
@@ -456,44 +561,8 @@ fn main() {
     // The same stream, written with the recorder's durable log.
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("log");
-    let mut w = LogWriter::create(&dir, {
-        let mut c = RecorderConfig::default().log;
-        c.fsync = FsyncPolicy::Never;
-        c
-    })
-    .unwrap();
-    let mut gen_ = Gen::new(n_req);
-    for _ in 0..n_events {
-        w.append(&gen_.next_event()).unwrap();
-    }
-    w.close().unwrap();
-    let mut best = [f64::MAX; 3];
-    for _ in 0..open_rounds {
-        let mut t = term();
-        let t0 = Instant::now();
-        let read = read_events(&dir, |_| {}).unwrap();
-        let read_ms = ms(t0);
-        assert!(read.damage.is_none());
-        assert_eq!(read.events.len(), n_events);
-        let lost = read_sidecar(&dir).map_or(0, |r| r.lost);
-        let events: Arc<[Event]> = read.events.into();
-        let replay = ReplaySource::new(events, lost, cfg);
-        let mut app = App::new(Model::new(cfg), Source::Replay(replay), "log");
-        app.resize(WIDTH, HEIGHT);
-        draw(&mut t, &app);
-        let first_ms = ms(t0);
-        if let Source::Replay(r) = &mut app.source {
-            let n = r.len();
-            r.seek_to(&mut app.model, n);
-        }
-        app.tick();
-        draw(&mut t, &app);
-        let end_ms = ms(t0);
-        assert_eq!(app.model.history().len(), n_events);
-        best[0] = best[0].min(read_ms);
-        best[1] = best[1].min(first_ms);
-        best[2] = best[2].min(end_ms);
-    }
+    write_log(&dir, n_req, n_events);
+    let best = open_log(&dir, cfg, n_events, open_rounds);
     let (_, hwm_end) = rss();
 
     let ok = |v: f64, target: f64| if v <= target { "ok" } else { "MISSED" };

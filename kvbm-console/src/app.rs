@@ -472,6 +472,29 @@ impl App {
                     text: String::new(),
                 });
             }
+            Action::DeleteBreakpoint
+            | Action::ClearBreakpoints
+            | Action::Resume
+            | Action::ResumeAll
+            | Action::Step => self.control_action(action),
+            Action::PlayPause
+            | Action::Faster
+            | Action::Slower
+            | Action::SeekBack
+            | Action::SeekForward
+            | Action::JumpStart
+            | Action::JumpEnd
+            | Action::StepForward
+            | Action::StepBack => self.replay_action(action),
+            // The fleet console's own: never dispatched here (Scope::Fleet).
+            Action::FleetTab(_) | Action::Find => {}
+        }
+    }
+
+    /// The keys that command the engine's breakpoints and pauses: each
+    /// says what it did (or why it could not) and refreshes the list.
+    fn control_action(&mut self, action: Action) {
+        match action {
             Action::DeleteBreakpoint => {
                 let id = self.views.breakpoints.selected_breakpoint();
                 match (id, self.control().cloned()) {
@@ -521,17 +544,7 @@ impl App {
                 }
                 self.refresh_control();
             }
-            Action::PlayPause
-            | Action::Faster
-            | Action::Slower
-            | Action::SeekBack
-            | Action::SeekForward
-            | Action::JumpStart
-            | Action::JumpEnd
-            | Action::StepForward
-            | Action::StepBack => self.replay_action(action),
-            // The fleet console's own: never dispatched here (Scope::Fleet).
-            Action::FleetTab(_) | Action::Find => {}
+            _ => {}
         }
     }
 

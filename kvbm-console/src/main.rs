@@ -205,49 +205,7 @@ fn run_command(command: Command) -> Result<()> {
         Command::Walkthrough(args) => {
             rt.block_on(walkthrough::run(&args, std::io::stdout().lock()))
         }
-        Command::Demo { engine, view } => {
-            let embedded = Embedded::start(&engine)?;
-            let result = {
-                let mut source = LiveSource::new(embedded.ring.clone(), Some(embedded.control()));
-                if let Some(summary) = kvbm_recorder::sidecar::engine_summary(&embedded.engine_info)
-                {
-                    source = source.with_engine_summary(summary);
-                }
-                let mut app = App::new(Model::new(view.model()), Source::Live(source), "demo");
-                app.views
-                    .transfers
-                    .set_bytes_note(Some(embedded.bytes_note.clone()));
-                let mut term = Term::enter()?;
-                let mut said_done = false;
-                rt.block_on(run(&mut app, &mut term, |app| {
-                    if !said_done && embedded.finished() {
-                        said_done = true;
-                        app.ui.message = Some(kvbm_console::app::Message {
-                            text: "the engine finished its workload".into(),
-                            error: false,
-                        });
-                    }
-                }))
-                // The app (holding the engine's control) and the terminal
-                // go here, before the engine is stopped.
-            };
-            let (rec, kept) = embedded.stop()?;
-            result?;
-            match kept {
-                Some(dir) => println!(
-                    "recorded {} events ({} lost) to {}",
-                    rec.events,
-                    rec.lost,
-                    dir.display()
-                ),
-                None => println!(
-                    "recorded {} events ({} lost) to a temporary log, now removed \
-                     (--record DIR keeps one)",
-                    rec.events, rec.lost
-                ),
-            }
-            Ok(())
-        }
+        Command::Demo { engine, view } => run_demo(&engine, view, &rt),
         Command::Attach {
             url, ring, view, ..
         } if kvbm_attach::nats::is_nats_url(&url) => {
@@ -266,30 +224,7 @@ fn run_command(command: Command) -> Result<()> {
             view,
             ..
         } if kvbm_ingest::vllm::is_zmq_url(&url) => {
-            use kvbm_ingest::vllm::{ZmqConfig, ZmqEndpoint};
-            let mut cfg = ZmqConfig::new(ZmqEndpoint::parse(&url).map_err(anyhow::Error::msg)?);
-            cfg.replay = replay_endpoint
-                .as_deref()
-                .map(ZmqEndpoint::parse)
-                .transpose()
-                .map_err(anyhow::Error::msg)?;
-            // Joining a running engine: fetch what its replay buffer holds.
-            let has_replay = cfg.replay.is_some();
-            cfg.since = has_replay.then_some(0);
-            let remote = ZmqRemote::start(cfg, ring as usize, rt.handle())?;
-            let handle = remote.handle().clone();
-            let mut app = App::new(
-                Model::new(view.model()),
-                Source::Live(remote.source()),
-                handle.url(),
-            );
-            let mut term = Term::enter()?;
-            let mut notices = kvbm_console::remote::ZmqNotices::default();
-            rt.block_on(run(&mut app, &mut term, |app| {
-                if let Some((text, error)) = notices.next(&handle.counters(), has_replay) {
-                    app.ui.message = Some(kvbm_console::app::Message { text, error });
-                }
-            }))
+            attach_zmq(&url, replay_endpoint, ring, view, &rt)
         }
         Command::Attach {
             url,
@@ -297,83 +232,183 @@ fn run_command(command: Command) -> Result<()> {
             token,
             ring,
             view,
-        } => {
-            anyhow::ensure!(
-                replay_endpoint.is_none(),
-                "--replay-endpoint is for a zmq:// source"
-            );
-            let mut cfg = ClientConfig::new(&url)?;
-            cfg.token = token;
-            let remote = Remote::start(cfg, ring as usize, rt.handle())?;
-            let control = remote.control();
-            let status = remote.status();
-            let mut app = App::new(
-                Model::new(view.model()),
-                Source::Live(remote.source()),
-                status.url(),
-            );
-            let mut term = Term::enter()?;
-            let mut said_failed = false;
-            rt.block_on(run(&mut app, &mut term, |app| {
-                if let Some(e) = control.take_error() {
-                    app.ui.message = Some(kvbm_console::app::Message {
-                        text: e,
-                        error: true,
-                    });
-                }
-                if let ConnState::Failed { error } = status.state()
-                    && !said_failed
-                {
-                    said_failed = true;
-                    app.ui.message = Some(kvbm_console::app::Message {
-                        text: error,
-                        error: true,
-                    });
-                }
-            }))
+        } => attach_websocket(&url, replay_endpoint, token, ring, view, &rt),
+        Command::Replay { log, play, view } => run_replay(&log, play, view, &rt),
+    }
+}
+
+/// `demo`: an engine in this process, watched live and recorded; what was
+/// recorded is reported once the console closes.
+fn run_demo(engine: &DemoArgs, view: ViewArgs, rt: &tokio::runtime::Runtime) -> Result<()> {
+    let embedded = Embedded::start(engine)?;
+    let result = {
+        let mut source = LiveSource::new(embedded.ring.clone(), Some(embedded.control()));
+        if let Some(summary) = kvbm_recorder::sidecar::engine_summary(&embedded.engine_info) {
+            source = source.with_engine_summary(summary);
         }
-        Command::Replay { log, play, view } => {
-            // Before the console takes the terminal: a bar while a long
-            // log loads.
-            let total = kvbm_recorder::recorder::open_log(&log)
-                .map(|r| r.info().total_records)
-                .unwrap_or(0);
-            let bar = kvbm_recorder::progress::Progress::new(total, "events read");
-            let read = kvbm_recorder::recorder::read_events(&log, |n| bar.set(n))
-                .with_context(|| format!("opening log {}", log.display()))?;
-            bar.done();
-            let side = kvbm_recorder::recorder::read_sidecar(&log);
-            let lost = side.as_ref().map_or(0, |r| r.lost);
-            let events: Arc<[kvbm_events::Event]> = read.events.into();
-            let n = events.len();
-            let mut replay = ReplaySource::new(events, lost, view.model())
-                .with_engine_summary(side.and_then(|r| r.engine_summary()));
-            if let Some(speed) = play {
-                anyhow::ensure!(
-                    (0.25..=64.0).contains(&speed),
-                    "--play {speed}: the speed must be within 0.25 to 64"
-                );
-                while replay.speed() < speed {
-                    replay.change_speed(true);
-                }
-                while replay.speed() > speed {
-                    replay.change_speed(false);
-                }
-                replay.set_playing(true);
-            }
-            let name = log.file_name().map_or_else(
-                || log.display().to_string(),
-                |n| n.to_string_lossy().into_owned(),
-            );
-            let mut app = App::new(Model::new(view.model()), Source::Replay(replay), name);
-            if let Some(damage) = &read.damage {
+        let mut app = App::new(Model::new(view.model()), Source::Live(source), "demo");
+        app.views
+            .transfers
+            .set_bytes_note(Some(embedded.bytes_note.clone()));
+        let mut term = Term::enter()?;
+        let mut said_done = false;
+        rt.block_on(run(&mut app, &mut term, |app| {
+            if !said_done && embedded.finished() {
+                said_done = true;
                 app.ui.message = Some(kvbm_console::app::Message {
-                    text: format!("log damaged, {n} events before the damage are shown: {damage}"),
-                    error: true,
+                    text: "the engine finished its workload".into(),
+                    error: false,
                 });
             }
-            let mut term = Term::enter()?;
-            rt.block_on(run(&mut app, &mut term, |_| {}))
-        }
+        }))
+        // The app (holding the engine's control) and the terminal
+        // go here, before the engine is stopped.
+    };
+    let (rec, kept) = embedded.stop()?;
+    result?;
+    match kept {
+        Some(dir) => println!(
+            "recorded {} events ({} lost) to {}",
+            rec.events,
+            rec.lost,
+            dir.display()
+        ),
+        None => println!(
+            "recorded {} events ({} lost) to a temporary log, now removed \
+                 (--record DIR keeps one)",
+            rec.events, rec.lost
+        ),
     }
+    Ok(())
+}
+
+/// `attach` to a vLLM engine's ZMQ event publisher, from its replay
+/// buffer when it has one.
+fn attach_zmq(
+    url: &str,
+    replay_endpoint: Option<String>,
+    ring: u64,
+    view: ViewArgs,
+    rt: &tokio::runtime::Runtime,
+) -> Result<()> {
+    use kvbm_ingest::vllm::{ZmqConfig, ZmqEndpoint};
+    let mut cfg = ZmqConfig::new(ZmqEndpoint::parse(url).map_err(anyhow::Error::msg)?);
+    cfg.replay = replay_endpoint
+        .as_deref()
+        .map(ZmqEndpoint::parse)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    // Joining a running engine: fetch what its replay buffer holds.
+    let has_replay = cfg.replay.is_some();
+    cfg.since = has_replay.then_some(0);
+    let remote = ZmqRemote::start(cfg, ring as usize, rt.handle())?;
+    let handle = remote.handle().clone();
+    let mut app = App::new(
+        Model::new(view.model()),
+        Source::Live(remote.source()),
+        handle.url(),
+    );
+    let mut term = Term::enter()?;
+    let mut notices = kvbm_console::remote::ZmqNotices::default();
+    rt.block_on(run(&mut app, &mut term, |app| {
+        if let Some((text, error)) = notices.next(&handle.counters(), has_replay) {
+            app.ui.message = Some(kvbm_console::app::Message { text, error });
+        }
+    }))
+}
+
+/// `attach` to a kvbm engine's WebSocket server, showing a failed
+/// connection or control command as an error message.
+fn attach_websocket(
+    url: &str,
+    replay_endpoint: Option<String>,
+    token: Option<String>,
+    ring: u64,
+    view: ViewArgs,
+    rt: &tokio::runtime::Runtime,
+) -> Result<()> {
+    anyhow::ensure!(
+        replay_endpoint.is_none(),
+        "--replay-endpoint is for a zmq:// source"
+    );
+    let mut cfg = ClientConfig::new(url)?;
+    cfg.token = token;
+    let remote = Remote::start(cfg, ring as usize, rt.handle())?;
+    let control = remote.control();
+    let status = remote.status();
+    let mut app = App::new(
+        Model::new(view.model()),
+        Source::Live(remote.source()),
+        status.url(),
+    );
+    let mut term = Term::enter()?;
+    let mut said_failed = false;
+    rt.block_on(run(&mut app, &mut term, |app| {
+        if let Some(e) = control.take_error() {
+            app.ui.message = Some(kvbm_console::app::Message {
+                text: e,
+                error: true,
+            });
+        }
+        if let ConnState::Failed { error } = status.state()
+            && !said_failed
+        {
+            said_failed = true;
+            app.ui.message = Some(kvbm_console::app::Message {
+                text: error,
+                error: true,
+            });
+        }
+    }))
+}
+
+/// `replay` an engine's recorded log, read in full first (with a progress
+/// bar), optionally playing from the start at `play` times real time.
+fn run_replay(
+    log: &std::path::Path,
+    play: Option<f64>,
+    view: ViewArgs,
+    rt: &tokio::runtime::Runtime,
+) -> Result<()> {
+    // Before the console takes the terminal: a bar while a long
+    // log loads.
+    let total = kvbm_recorder::recorder::open_log(log)
+        .map(|r| r.info().total_records)
+        .unwrap_or(0);
+    let bar = kvbm_recorder::progress::Progress::new(total, "events read");
+    let read = kvbm_recorder::recorder::read_events(log, |n| bar.set(n))
+        .with_context(|| format!("opening log {}", log.display()))?;
+    bar.done();
+    let side = kvbm_recorder::recorder::read_sidecar(log);
+    let lost = side.as_ref().map_or(0, |r| r.lost);
+    let events: Arc<[kvbm_events::Event]> = read.events.into();
+    let n = events.len();
+    let mut replay = ReplaySource::new(events, lost, view.model())
+        .with_engine_summary(side.and_then(|r| r.engine_summary()));
+    if let Some(speed) = play {
+        anyhow::ensure!(
+            (0.25..=64.0).contains(&speed),
+            "--play {speed}: the speed must be within 0.25 to 64"
+        );
+        while replay.speed() < speed {
+            replay.change_speed(true);
+        }
+        while replay.speed() > speed {
+            replay.change_speed(false);
+        }
+        replay.set_playing(true);
+    }
+    let name = log.file_name().map_or_else(
+        || log.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let mut app = App::new(Model::new(view.model()), Source::Replay(replay), name);
+    if let Some(damage) = &read.damage {
+        app.ui.message = Some(kvbm_console::app::Message {
+            text: format!("log damaged, {n} events before the damage are shown: {damage}"),
+            error: true,
+        });
+    }
+    let mut term = Term::enter()?;
+    rt.block_on(run(&mut app, &mut term, |_| {}))
 }

@@ -23,7 +23,7 @@
 use kvbm_attach::client::{ClientConfig, ConnState};
 use kvbm_console::app::{App, Source};
 use kvbm_console::model::{Model, ModelConfig};
-use kvbm_console::remote::Remote;
+use kvbm_console::remote::{Remote, RemoteStatus};
 use kvbm_recorder::recorder::{Ended, Recording, read_sidecar};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
@@ -274,25 +274,7 @@ fn engine_restarts_are_new_runs_in_the_recording_inspect_check_and_header() {
     // Restart 2, once both clients wait long enough between attempts that
     // the new run overtakes the old one before they are back.
     drop(engine);
-    let t = Instant::now();
-    loop {
-        app.pull(Instant::now());
-        let console_wait = match status.state() {
-            ConnState::Reconnecting { next_try, .. } => {
-                next_try.saturating_duration_since(Instant::now())
-            }
-            _ => Duration::ZERO,
-        };
-        let recorder_wait = recorder_retry_in(&rec_lines).unwrap_or(0.0);
-        if console_wait >= Duration::from_millis(2500) && recorder_wait >= 3.0 {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "the clients never backed off: console {console_wait:?}, recorder {recorder_wait} s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until_both_back_off(&mut app, &status, &rec_lines);
     let _engine = start_engine(port);
     wait_app(&mut app, 30, "run 3 in the header", |a| {
         header(a).contains("RUN 3 (engine restarted)")
@@ -336,9 +318,42 @@ fn engine_restarts_are_new_runs_in_the_recording_inspect_check_and_header() {
     assert!(st.success(), "{said}");
     assert_eq!(said.matches("the engine restarted").count(), 2, "{said}");
 
+    check_the_recordings(&rec_dir, run3_held_at_connect);
+}
+
+/// Waits (up to 30 s) until the console and the recorder, reconnecting,
+/// each wait long enough before their next attempt (2.5 s and 3 s) that a
+/// new run can overtake the old one's sequence numbers meanwhile.
+fn wait_until_both_back_off(app: &mut App, status: &RemoteStatus, rec_lines: &Mutex<Vec<String>>) {
+    let t = Instant::now();
+    loop {
+        app.pull(Instant::now());
+        let console_wait = match status.state() {
+            ConnState::Reconnecting { next_try, .. } => {
+                next_try.saturating_duration_since(Instant::now())
+            }
+            _ => Duration::ZERO,
+        };
+        let recorder_wait = recorder_retry_in(rec_lines).unwrap_or(0.0);
+        if console_wait >= Duration::from_millis(2500) && recorder_wait >= 3.0 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the clients never backed off: console {console_wait:?}, recorder {recorder_wait} s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Three recordings, one per run, linked to each other, each whole and
+/// said to have ended by a restart (but the last) by `inspect` and
+/// `check`; the third run had overtaken the second when the recorder
+/// reconnected to it.
+fn check_the_recordings(rec_dir: &Path, run3_held_at_connect: u64) {
     // Three recordings, one per run, each from the run's first event.
     let dirs = [
-        rec_dir.clone(),
+        rec_dir.to_path_buf(),
         rec_dir.with_file_name("rec-run2"),
         rec_dir.with_file_name("rec-run3"),
     ];

@@ -512,8 +512,21 @@ fn walkthrough_contents(frames: &[(&str, Vec<String>)]) {
         walkthrough_header(lines);
     }
 
+    walkthrough_slots(
+        frame("cpu-offload-slots-160x48"),
+        frame("cpu-offload-slots-80x24"),
+    );
+    walkthrough_transfers(frame("cpu-offload-transfers-160x48"));
+    walkthrough_pools(frame("cpu-offload-pools-160x48"));
+    walkthrough_histograms(frame("cpu-offload-histograms-160x48"));
+    walkthrough_events(frame("cpu-offload-events-160x48"));
+    walkthrough_detail(frame("cpu-offload-detail-160x48"));
+}
+
+/// The slots view, wide and narrow: both requests finished, B with A's
+/// 32 tokens hit on the host.
+fn walkthrough_slots(slots: &[String], narrow: &[String]) {
     // Slots, wide: Request State Age Prompt Gen G1 G2 G3 HitG1 HitG2 HitG3 Xfer TTFT.
-    let slots = frame("cpu-offload-slots-160x48");
     has(slots, "Slots — 2 shown");
     assert_eq!(
         row(slots, "Request"),
@@ -536,7 +549,6 @@ fn walkthrough_contents(frames: &[(&str, Vec<String>)]) {
         ]
     );
     // Slots, narrow: the tiers folded into G1/G2/G3 and one Hit column.
-    let narrow = frame("cpu-offload-slots-80x24");
     assert_eq!(
         row(narrow, "A"),
         ["A", "Finished", "10.00s", "32", "0", "0/0/0", "0", "0"]
@@ -545,9 +557,12 @@ fn walkthrough_contents(frames: &[(&str, Vec<String>)]) {
         row(narrow, "B"),
         ["B", "Finished", "719.7µs", "49", "0", "0/0/0", "32", "0"]
     );
+}
 
+/// The transfers view: the totals per direction and the three transfers,
+/// newest first.
+fn walkthrough_transfers(t: &[String]) {
     // Transfers: Dir Planned Done Skipped Cancelled Failed Blocks Bytes Rate.
-    let t = frame("cpu-offload-transfers-160x48");
     assert_eq!(
         row(t, "G1→G2")[..8],
         ["G1→G2", "2", "2", "0", "0", "0", "3", "192B"]
@@ -562,12 +577,14 @@ fn walkthrough_contents(frames: &[(&str, Vec<String>)]) {
     assert_eq!(row(t, "#3")[..5], ["#3", "B", "Completed", "G1→G2", "1"]);
     assert_eq!(row(t, "#2")[..5], ["#2", "B", "Completed", "G2→G1", "2"]);
     assert_eq!(row(t, "#1")[..5], ["#1", "A", "Completed", "G1→G2", "2"]);
+}
 
+/// The pools view: occupancy, hit rates and registrations per tier.
+fn walkthrough_pools(p: &[String]) {
     // Pools: G1 holds A's 2 blocks and B's third (inactive); B's loaded
     // copies were duplicates of A's (5 registered, 2 duplicates); G1's
     // prefix cache is off, so its 4 looked-up blocks (1 for A, 3 for B)
     // all miss, while G2 hits 2 of the same 4. No disk tier.
-    let p = frame("cpu-offload-pools-160x48");
     has(p, "G1 device — 100 blocks");
     has(p, "active 0  ▓ inactive 3  ░ free 97");
     has(p, "hit rate 0.0% (0 of 4 blocks looked up, 2 lookups)");
@@ -577,10 +594,12 @@ fn walkthrough_contents(frames: &[(&str, Vec<String>)]) {
     has(p, "hit rate 50.0% (2 of 4 blocks looked up, 2 lookups)");
     has(p, "registered 3 (0 duplicates)");
     has(p, "no gauge seen");
+}
 
+/// The histograms view: the time in each state and the transfers' latencies.
+fn walkthrough_histograms(h: &[String]) {
     // Histograms: Series Count p50 p90 p99 Max. Prefilling: A 960 µs, B
     // 719.7 µs; every other interval is an instant.
-    let h = frame("cpu-offload-histograms-160x48");
     has(h, "Histograms — 2 requests, 2 finished");
     assert_eq!(row(h, "TTFT")[..2], ["TTFT", "0"]);
     for (state, count) in [
@@ -611,10 +630,12 @@ fn walkthrough_contents(frames: &[(&str, Vec<String>)]) {
     );
     has_row(h, &["transfer", "G1→G2", "2", "0ns"]);
     has_row(h, &["transfer", "G2→G1", "1", "0ns"]);
+}
 
+/// The events view: all 49 kept, the screen following the last.
+fn walkthrough_events(e: &[String]) {
     // Events: all 49 kept, following, so the screen ends at seq 48 (the
     // last host gauge) with consecutive seqs above it.
-    let e = frame("cpu-offload-events-160x48");
     has(e, "Events — 49 shown of 49 kept · following");
     let seqs: Vec<u64> = e
         .iter()
@@ -647,10 +668,12 @@ fn walkthrough_contents(frames: &[(&str, Vec<String>)]) {
             "50"
         ]
     );
+}
 
+/// Request A's detail: its summary, timeline and own events.
+fn walkthrough_detail(d: &[String]) {
     // Request A's detail: its 12 events (the others of iterations 1 and 2
     // carry no request), 960 µs of prefill, its one store.
-    let d = frame("cpu-offload-detail-160x48");
     has(d, "Request A");
     has(d, "Finished  age 10.00s");
     has(d, "prompt 32 · computed 32");

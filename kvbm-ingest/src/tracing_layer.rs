@@ -693,6 +693,23 @@ fn u32_of(v: u64) -> Result<u32, Refused> {
     u32::try_from(v).map_err(|_| Refused::BadValue)
 }
 
+/// The blocks a `BlocksAllocated` names: its list, else `blocks` ids in a
+/// row from `first_block` (0 when not given), at most [`MAX_LIST_LEN`].
+fn allocated_blocks(f: &Fields) -> Result<Vec<BlockId>, Refused> {
+    Ok(match (&f.blocks_list, f.num(Num::Blocks)) {
+        (Some(list), _) => list.iter().map(|&b| u32_of(b)).collect::<Result<_, _>>()?,
+        (None, Some(n)) => {
+            if n > MAX_LIST_LEN as u64 {
+                return Err(Refused::BadValue);
+            }
+            let first = f.num(Num::FirstBlock).map_or(Ok(0), u32_of)?;
+            let end = first.checked_add(u32_of(n)?).ok_or(Refused::BadValue)?;
+            (first..end).collect()
+        }
+        (None, None) => return Err(Refused::MissingField),
+    })
+}
+
 impl Shared {
     fn stats(&self) -> LayerStats {
         let c = &self.counters;
@@ -785,40 +802,17 @@ impl Shared {
                 self.remember(req, SlotState::Initialized);
                 ev
             }
-            KindTag::SlotTransition => {
-                let req = request.ok_or(Missing)?;
-                let tokens = f.num(Num::Tokens);
-                let to = f.state.as_ref().ok_or(Missing)?;
-                let to = parse_state(to.as_str(), tokens).ok_or(Refused::BadValue)?;
-                let from = match &f.from {
-                    Some(s) => Some(parse_state(s.as_str(), None).ok_or(Refused::BadValue)?),
-                    None => None,
-                };
-                let from = self.advance(req, from, to);
-                EventKind::SlotTransition { from, to }
-            }
+            KindTag::SlotTransition => self.transition(f, request.ok_or(Missing)?)?,
             KindTag::MatchResult => EventKind::MatchResult {
                 tier: tier()?,
                 looked_up: opt32(Num::LookedUp)?,
                 hit_blocks: opt32(Num::HitBlocks)?,
                 hit_tokens: opt32(Num::HitTokens)?,
             },
-            KindTag::BlocksAllocated => {
-                let tier = tier()?;
-                let blocks: Vec<BlockId> = match (&f.blocks_list, f.num(Num::Blocks)) {
-                    (Some(list), _) => list.iter().map(|&b| u32_of(b)).collect::<Result<_, _>>()?,
-                    (None, Some(n)) => {
-                        if n > MAX_LIST_LEN as u64 {
-                            return Err(Refused::BadValue);
-                        }
-                        let first = opt32(Num::FirstBlock)?;
-                        let end = first.checked_add(u32_of(n)?).ok_or(Refused::BadValue)?;
-                        (first..end).collect()
-                    }
-                    (None, None) => return Err(Missing),
-                };
-                EventKind::BlocksAllocated { tier, blocks }
-            }
+            KindTag::BlocksAllocated => EventKind::BlocksAllocated {
+                tier: tier()?,
+                blocks: allocated_blocks(f)?,
+            },
             KindTag::BlocksReleased => EventKind::BlocksReleased {
                 tier: tier()?,
                 count: f
@@ -912,6 +906,20 @@ impl Shared {
                 }
             }
         }))
+    }
+
+    /// A `SlotTransition` of `req` to the state named, from the state
+    /// named, else the one remembered (see [`Self::advance`]).
+    fn transition(&self, f: &Fields, req: &RequestId) -> Result<EventKind, Refused> {
+        let tokens = f.num(Num::Tokens);
+        let to = f.state.as_ref().ok_or(Refused::MissingField)?;
+        let to = parse_state(to.as_str(), tokens).ok_or(Refused::BadValue)?;
+        let from = match &f.from {
+            Some(s) => Some(parse_state(s.as_str(), None).ok_or(Refused::BadValue)?),
+            None => None,
+        };
+        let from = self.advance(req, from, to);
+        Ok(EventKind::SlotTransition { from, to })
     }
 
     fn shared_max(&self) -> usize {

@@ -8,7 +8,7 @@
 //! [`SimArgs::load`] turns the options into a [`SimConfig`] and a workload,
 //! checking what clap cannot.
 
-use crate::model::ModelPreset;
+use crate::model::{ModelPreset, WorkerModel};
 use crate::scenario;
 use crate::sim::{OffloadMode, Pacing, SimConfig};
 use crate::workload::{
@@ -17,7 +17,7 @@ use crate::workload::{
 };
 use kvbm_events::breakpoint::{MAX_DEADLINE, MIN_DEADLINE};
 use std::io::BufReader;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// A built-in scenario instead of a workload.
@@ -309,6 +309,44 @@ impl SimArgs {
     /// Checks the options and builds the engine's configuration and
     /// workload.
     pub fn load(&self) -> Result<Loaded, SimArgsError> {
+        self.check()?;
+        let mut config = SimConfig {
+            block_size: self.block_size,
+            device_capacity_tokens: self.device_capacity_tokens,
+            host_capacity_tokens: self.host_capacity_tokens,
+            disk_capacity_tokens: self.disk_capacity_tokens,
+            max_batch_tokens: self.max_batch_tokens,
+            offload_mode: match self.offload {
+                Offload::Eager => OffloadMode::Eager,
+                Offload::Lazy => OffloadMode::Lazy,
+            },
+            real_bytes_per_token: self.real_bytes_per_token,
+            worker: self.worker(),
+            model: self.model_name(),
+            pacing: match self.real_time {
+                Some(speed) => Pacing::RealTime { speed },
+                None => Pacing::Virtual,
+            },
+            ..SimConfig::default()
+        };
+        let (workload, skipped) = match (&self.scenario, &self.trace) {
+            (Some(Scenario::CpuOffload), _) => {
+                scenario::cpu_offload_engine(&mut config);
+                (scenario::cpu_offload_workload(), Vec::new())
+            }
+            (None, Some(path)) => self.read_trace(path)?,
+            (None, None) => (self.synthetic_workload()?, Vec::new()),
+        };
+        Ok(Loaded {
+            config,
+            workload,
+            skipped,
+        })
+    }
+
+    /// Checks the options one at a time, so that an error names the first
+    /// bad one.
+    fn check(&self) -> Result<(), SimArgsError> {
         if self.block_size == 0 {
             return Err(bad("block-size", "must be at least 1"));
         }
@@ -347,22 +385,6 @@ impl SimArgs {
         if self.real_bytes_per_token == 0 {
             return Err(bad("real-bytes-per-token", "must be at least 1"));
         }
-        let mut worker = self.model.worker();
-        if let Some(v) = self.prefill_us_per_token {
-            worker.prefill_ns_per_token = (v * 1e3) as u64;
-        }
-        if let Some(v) = self.decode_ms_per_step {
-            worker.decode_ns_per_step = (v * 1e6) as u64;
-        }
-        if let Some(v) = self.kv_bytes_per_token {
-            worker.model_kv_bytes_per_token = v;
-        }
-        worker.pcie_bytes_per_s = self.pcie_gbps * 1e9;
-        worker.disk_bytes_per_s = self.disk_gbps * 1e9;
-        let model = match self.kv_bytes_per_token {
-            None => self.model.spec().name.to_string(),
-            Some(v) => format!("{} with {v} KV bytes/token", self.model.spec().name),
-        };
         if let Some(s) = self.real_time {
             positive("real-time", s)?;
         }
@@ -383,94 +405,99 @@ impl SimArgs {
         if self.max_batch_tokens == 0 {
             return Err(bad("max-batch-tokens", "must be at least 1"));
         }
-        let mut config = SimConfig {
-            block_size: self.block_size,
-            device_capacity_tokens: self.device_capacity_tokens,
-            host_capacity_tokens: self.host_capacity_tokens,
-            disk_capacity_tokens: self.disk_capacity_tokens,
-            max_batch_tokens: self.max_batch_tokens,
-            offload_mode: match self.offload {
-                Offload::Eager => OffloadMode::Eager,
-                Offload::Lazy => OffloadMode::Lazy,
-            },
-            real_bytes_per_token: self.real_bytes_per_token,
-            worker,
-            model,
-            pacing: match self.real_time {
-                Some(speed) => Pacing::RealTime { speed },
-                None => Pacing::Virtual,
-            },
-            ..SimConfig::default()
+        Ok(())
+    }
+
+    /// The model's worker, with the timings and sizes given overriding its
+    /// own.
+    fn worker(&self) -> WorkerModel {
+        let mut worker = self.model.worker();
+        if let Some(v) = self.prefill_us_per_token {
+            worker.prefill_ns_per_token = (v * 1e3) as u64;
+        }
+        if let Some(v) = self.decode_ms_per_step {
+            worker.decode_ns_per_step = (v * 1e6) as u64;
+        }
+        if let Some(v) = self.kv_bytes_per_token {
+            worker.model_kv_bytes_per_token = v;
+        }
+        worker.pcie_bytes_per_s = self.pcie_gbps * 1e9;
+        worker.disk_bytes_per_s = self.disk_gbps * 1e9;
+        worker
+    }
+
+    /// The model's name, and its KV bytes per token when given.
+    fn model_name(&self) -> String {
+        match self.kv_bytes_per_token {
+            None => self.model.spec().name.to_string(),
+            Some(v) => format!("{} with {v} KV bytes/token", self.model.spec().name),
+        }
+    }
+
+    /// Reads a Mooncake trace leniently: unreadable lines are skipped (and
+    /// returned), but a trace with nothing readable is an error.
+    fn read_trace(
+        &self,
+        path: &Path,
+    ) -> Result<(Vec<RequestSpec>, Vec<SkippedLine>), SimArgsError> {
+        let f = std::fs::File::open(path).map_err(|source| SimArgsError::OpenTrace {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let opts = MooncakeOptions {
+            max_requests: self.max_requests,
+            time_scale: self.time_scale,
+            max_total_tokens: Some(self.max_trace_tokens),
+            ..MooncakeOptions::default()
         };
-        let (workload, skipped) = match (&self.scenario, &self.trace) {
-            (Some(Scenario::CpuOffload), _) => {
-                scenario::cpu_offload_engine(&mut config);
-                (scenario::cpu_offload_workload(), Vec::new())
-            }
-            (None, Some(path)) => {
-                let f = std::fs::File::open(path).map_err(|source| SimArgsError::OpenTrace {
-                    path: path.clone(),
-                    source,
-                })?;
-                let opts = MooncakeOptions {
-                    max_requests: self.max_requests,
-                    time_scale: self.time_scale,
-                    max_total_tokens: Some(self.max_trace_tokens),
-                    ..MooncakeOptions::default()
-                };
-                let report =
-                    parse_mooncake_lenient(BufReader::new(f), &opts).map_err(|e| match e {
-                        WorkloadError::TooManyTokens { line, max } => SimArgsError::TraceTooBig {
-                            path: path.clone(),
-                            line,
-                            max,
-                        },
-                        source => SimArgsError::Workload {
-                            what: format!("reading trace {}", path.display()),
-                            source,
-                        },
-                    })?;
-                if report.requests.is_empty() {
-                    return Err(match report.skipped.first() {
-                        Some(first) => SimArgsError::NothingInTrace {
-                            path: path.clone(),
-                            skipped: report.skipped.len(),
-                            first_line: first.line,
-                            first: first.error.to_string(),
-                        },
-                        None => SimArgsError::EmptyTrace { path: path.clone() },
-                    });
-                }
-                (report.requests, report.skipped)
-            }
-            (None, None) => {
-                let length = |mean: usize| LengthDist::LogNormal {
-                    mean: mean as f64,
-                    sigma: self.length_sigma,
-                };
-                let workload = generate(&SyntheticConfig {
-                    seed: self.seed,
-                    num_requests: self.requests,
-                    arrival_rate_per_s: self.rate,
-                    prompt_len: length(self.prompt_len),
-                    output_len: length(self.output_len),
-                    shared_prefix_ratio: self.shared_prefix_ratio,
-                    num_shared_prefixes: self.shared_prefixes,
-                    shared_prefix_len: self.shared_prefix_len,
-                    max_len: self.max_len,
-                    ..SyntheticConfig::default()
-                })
-                .map_err(|source| SimArgsError::Workload {
-                    what: "synthetic workload".into(),
-                    source,
-                })?;
-                (workload, Vec::new())
-            }
+        let report = parse_mooncake_lenient(BufReader::new(f), &opts).map_err(|e| match e {
+            WorkloadError::TooManyTokens { line, max } => SimArgsError::TraceTooBig {
+                path: path.to_path_buf(),
+                line,
+                max,
+            },
+            source => SimArgsError::Workload {
+                what: format!("reading trace {}", path.display()),
+                source,
+            },
+        })?;
+        if report.requests.is_empty() {
+            return Err(match report.skipped.first() {
+                Some(first) => SimArgsError::NothingInTrace {
+                    path: path.to_path_buf(),
+                    skipped: report.skipped.len(),
+                    first_line: first.line,
+                    first: first.error.to_string(),
+                },
+                None => SimArgsError::EmptyTrace {
+                    path: path.to_path_buf(),
+                },
+            });
+        }
+        Ok((report.requests, report.skipped))
+    }
+
+    /// The synthetic workload the options describe.
+    fn synthetic_workload(&self) -> Result<Vec<RequestSpec>, SimArgsError> {
+        let length = |mean: usize| LengthDist::LogNormal {
+            mean: mean as f64,
+            sigma: self.length_sigma,
         };
-        Ok(Loaded {
-            config,
-            workload,
-            skipped,
+        generate(&SyntheticConfig {
+            seed: self.seed,
+            num_requests: self.requests,
+            arrival_rate_per_s: self.rate,
+            prompt_len: length(self.prompt_len),
+            output_len: length(self.output_len),
+            shared_prefix_ratio: self.shared_prefix_ratio,
+            num_shared_prefixes: self.shared_prefixes,
+            shared_prefix_len: self.shared_prefix_len,
+            max_len: self.max_len,
+            ..SyntheticConfig::default()
+        })
+        .map_err(|source| SimArgsError::Workload {
+            what: "synthetic workload".into(),
+            source,
         })
     }
 }

@@ -602,6 +602,30 @@ mod tests {
     /// in a direction outside the four usual ones), skips (one reason that
     /// needs escaping), slots and an inconsistency.
     fn busy() -> AppState {
+        let st = state(busy_engine());
+        store_server_counters(&st.counters);
+        let kinds = slot_and_block_events()
+            .into_iter()
+            .chain(transfer_events())
+            .chain([ghost_transition()]);
+        {
+            let mut g = st.reduced.lock();
+            for (seq, (request, kind)) in kinds.enumerate() {
+                g.state.apply(&ev(seq as u64, request, kind));
+            }
+            g.missed = 11;
+            g.skips
+                .insert((Direction::HOST_TO_DEVICE, "already_present".into()), 2);
+            g.skips
+                .insert((Direction::DEVICE_TO_HOST, "we\"ird\\".into()), 1);
+        }
+        st
+    }
+
+    /// The engine behind `busy`: a ring that has lapped and recorded a gap,
+    /// a control showing two breakpoints and one paused call, and bus
+    /// counters.
+    fn busy_engine() -> ServedEngine {
         let ring = Arc::new(RingBuffer::with_capacity(4).unwrap());
         for s in 0..6 {
             ring.push(ev(
@@ -631,7 +655,7 @@ mod tests {
             breakpoints: vec![bp(1), bp(2)],
             paused: vec![paused],
         };
-        let engine = ServedEngine::new(ring, 3)
+        ServedEngine::new(ring, 3)
             .with_control(Arc::new(FixedControl(view)))
             .with_bus_counters(|| BusCounters {
                 published: 1234,
@@ -639,9 +663,12 @@ mod tests {
                 tap_dropped: 6,
                 tap_queued: 7,
                 ..BusCounters::default()
-            });
-        let st = state(engine);
-        let c = &st.counters;
+            })
+    }
+
+    /// Gives every server counter its own value, so that a family printed
+    /// from the wrong counter shows in the golden file.
+    fn store_server_counters(c: &Counters) {
         c.connected.store(2, Ordering::Relaxed);
         c.accepted.store(9, Ordering::Relaxed);
         c.rejected.store(1, Ordering::Relaxed);
@@ -659,13 +686,13 @@ mod tests {
         c.gap_events.store(30, Ordering::Relaxed);
         c.unauthorized.store(4, Ordering::Relaxed);
         c.conns.refused.store(3, Ordering::Relaxed);
+    }
 
-        let device_to_disk = Direction {
-            src: Tier::Device,
-            dst: Tier::Disk,
-        };
+    /// Two slots, prefix lookups in two tiers, two pool gauges, a duplicate
+    /// registration and an eviction.
+    fn slot_and_block_events() -> Vec<(Option<&'static str>, EventKind)> {
         let (a, b) = (Some("a"), Some("b"));
-        let kinds = [
+        vec![
             (
                 a,
                 EventKind::SlotCreated {
@@ -751,6 +778,18 @@ mod tests {
                     sequence_hash: SequenceHash(99),
                 },
             ),
+        ]
+    }
+
+    /// Transfers in every outcome, one in a direction outside the four
+    /// usual ones.
+    fn transfer_events() -> Vec<(Option<&'static str>, EventKind)> {
+        let device_to_disk = Direction {
+            src: Tier::Device,
+            dst: Tier::Disk,
+        };
+        let (a, b) = (Some("a"), Some("b"));
+        vec![
             (
                 a,
                 EventKind::TransferPlanned {
@@ -850,26 +889,19 @@ mod tests {
                     direction: Direction::DISK_TO_HOST,
                 },
             ),
-            (
-                Some("ghost"),
-                EventKind::SlotTransition {
-                    from: SlotState::Decoding,
-                    to: SlotState::Finished,
-                },
-            ),
-        ];
-        {
-            let mut g = st.reduced.lock();
-            for (seq, (request, kind)) in kinds.into_iter().enumerate() {
-                g.state.apply(&ev(seq as u64, request, kind));
-            }
-            g.missed = 11;
-            g.skips
-                .insert((Direction::HOST_TO_DEVICE, "already_present".into()), 2);
-            g.skips
-                .insert((Direction::DEVICE_TO_HOST, "we\"ird\\".into()), 1);
-        }
-        st
+        ]
+    }
+
+    /// A transition for a request that was never created: the
+    /// inconsistency.
+    fn ghost_transition() -> (Option<&'static str>, EventKind) {
+        (
+            Some("ghost"),
+            EventKind::SlotTransition {
+                from: SlotState::Decoding,
+                to: SlotState::Finished,
+            },
+        )
     }
 
     /// Compares with `tests/metrics/NAME.prom`; `UPDATE_METRICS=1` writes it.

@@ -6,6 +6,7 @@ use super::list::ListState;
 use super::{View, head, panel, selected, state_color};
 use crate::fmt;
 use crate::model::{History, Model};
+use kvbm_events::reducer::SlotView;
 use kvbm_events::slot::SlotState;
 use kvbm_events::{Event, EventKind, RequestId};
 use kvbm_recorder::analysis::capacity::Lookup;
@@ -238,179 +239,43 @@ impl View for Detail {
         ])
         .areas(area);
         let request: &str = &self.request;
-        let st = model.state();
+        let slot = model.state().slot(request);
         let now = model.now_ns();
         let h = model.history();
         let evs: Vec<&Event> = self.rows.iter().filter_map(|&i| h.get(i)).collect();
+        let lookups = model.capacity().request_lookups(request);
 
         // Summary.
-        let mut info = match st.slot(request) {
-            Some(s) => vec![
-                Line::from(vec![
-                    Span::styled(s.state.to_string(), Style::new().fg(state_color(&s.state))),
-                    Span::raw(format!(
-                        "  age {} · in state {} · prompt {} · computed {} · generated {}/{}",
-                        fmt::dur(now.saturating_sub(s.created_ns)),
-                        fmt::dur(now.saturating_sub(s.state_since_ns)),
-                        s.prompt_tokens,
-                        s.computed,
-                        s.generated,
-                        s.max_output_tokens
-                    )),
-                ]),
-                Line::from(format!(
-                    "blocks G1 {} G2 {} G3 {} · cached tokens hit G1 {} G2 {} G3 {} · outstanding {} · TTFT {}",
-                    s.blocks[0],
-                    s.blocks[1],
-                    s.blocks[2],
-                    s.hit_tokens[0],
-                    s.hit_tokens[1],
-                    s.hit_tokens[2],
-                    s.outstanding,
-                    s.ttft_ns().map_or("-".into(), fmt::dur)
-                )),
-            ],
-            None => vec![Line::from(Span::styled(
-                "no longer tracked (pruned after finishing, or not seen yet); its events follow",
-                Style::new().fg(Color::DarkGray),
-            ))],
-        };
-        // Why its lookups missed: the first, and the latest after it, here;
-        // every one in its row of the event list below.
-        let lookups = model.capacity().request_lookups(request);
-        let shown: Vec<(usize, &Lookup)> = match lookups.len() {
-            0 => Vec::new(),
-            1 => vec![(1, &lookups[0])],
-            n => vec![(1, &lookups[0]), (n, &lookups[n - 1])],
-        };
-        if shown.is_empty() {
-            info.push(Line::from(Span::styled(
-                "no lookup recorded",
-                Style::new().fg(Color::DarkGray),
-            )));
-        }
-        for (n, l) in shown {
-            info.push(Line::from(Span::styled(
-                lookup_line(n, l),
-                Style::new().fg(if l.stopped.is_some() {
-                    Color::Yellow
-                } else {
-                    Color::Green
-                }),
-            )));
-        }
         f.render_widget(
-            Paragraph::new(info).block(panel(format!("Request {request}"))),
+            Paragraph::new(summary(slot, &lookups, now)).block(panel(format!("Request {request}"))),
             info_a,
         );
 
         // Timeline.
-        let inner_w = time_a.width.saturating_sub(2) as usize;
-        let mut lines = Vec::new();
-        let t0 = st
-            .slot(request)
-            .map(|s| s.created_ns)
-            .or(evs.first().map(|e| e.ts_ns))
-            .unwrap_or(now);
-        let sp = spans(&evs);
-        // The axis runs to the end of the request, or of its last transfer
-        // (offloads can outlive a finished request), or to now.
-        let end = st
-            .slot(request)
-            .filter(|s| s.is_finished())
-            .map(|s| s.state_since_ns)
-            .unwrap_or(now)
-            .max(sp.iter().map(|s| s.end.unwrap_or(now)).max().unwrap_or(0))
-            .max(t0 + 1);
-        if let Some(s) = st.slot(request) {
-            let mut bar: Vec<Span> = Vec::new();
-            let mut drawn = 0usize;
-            for (a, b, state) in s.intervals(end) {
-                let to = if state == SlotState::Finished {
-                    inner_w
-                } else {
-                    col(b, t0, end, inner_w).max(drawn)
-                };
-                let to = to.max(col(a, t0, end, inner_w) + 1).min(inner_w);
-                if to > drawn {
-                    bar.push(Span::styled(
-                        "█".repeat(to - drawn),
-                        Style::new().fg(state_color(&state)),
-                    ));
-                    drawn = to;
-                }
-            }
-            lines.push(Line::from(bar));
-            let legend: Vec<Span> = s
-                .intervals(end)
-                .flat_map(|(a, b, state)| {
-                    [
-                        Span::styled("■ ", Style::new().fg(state_color(&state))),
-                        Span::raw(format!("{} {}  ", state.name(), fmt::dur(b - a))),
-                    ]
-                })
-                .collect();
-            lines.push(Line::from(legend));
-            if s.history_dropped > 0 {
-                lines.push(Line::from(Span::styled(
-                    format!("({} earlier states not kept)", s.history_dropped),
-                    Style::new().fg(Color::Red),
-                )));
-            }
-        }
-        if sp.is_empty() {
-            lines.push(Line::from(Span::styled(
-                "no transfers",
-                Style::new().fg(Color::DarkGray),
-            )));
-        }
-        let hidden = sp.len().saturating_sub(MAX_SPANS);
-        for s in sp.iter().skip(hidden) {
-            let a = col(s.start, t0, end, inner_w);
-            let b = col(s.end.unwrap_or(now), t0, end, inner_w)
-                .max(a + 1)
-                .min(inner_w);
-            let color = match s.status {
-                "completed" => Color::Green,
-                "skipped" | "cancelled" => Color::DarkGray,
-                "failed" => Color::Red,
-                _ => Color::Cyan,
-            };
-            let label = format!(" {} {}", s.label, s.status);
-            let bar = Span::styled("━".repeat(b - a), Style::new().fg(color));
-            let width = label.chars().count();
-            let line = if b + width > inner_w && a > width {
-                // No room on the right: the label goes on the left of the span.
-                vec![
-                    Span::raw(" ".repeat(a - width - 1)),
-                    Span::raw(label),
-                    Span::raw(" "),
-                    bar,
-                ]
-            } else {
-                // Otherwise on the right, clipped at the border if need be.
-                vec![Span::raw(" ".repeat(a)), bar, Span::raw(label)]
-            };
-            lines.push(Line::from(line));
-        }
-        let title = format!(
-            "Timeline from {} for {}{}",
-            fmt::clock(t0),
-            fmt::dur(end - t0),
-            if hidden > 0 {
-                format!(" · {hidden} earlier transfers not drawn")
-            } else {
-                String::new()
-            }
-        );
-        f.render_widget(Paragraph::new(lines).block(panel(title)), time_a);
+        draw_timeline(f, time_a, slot, &evs, now);
 
         // Events.
+        self.draw_events(f, area, list_a, &evs, &lookups);
+    }
+}
+
+impl Detail {
+    /// The request's event list, one row each, the selected row marked and
+    /// a lookup's row explained by that lookup.
+    fn draw_events(
+        &self,
+        f: &mut Frame,
+        area: Rect,
+        list_a: Rect,
+        evs: &[&Event],
+        lookups: &[Lookup],
+    ) {
+        let request: &str = &self.request;
         let inner = list_area(area);
         let visible = inner.height.saturating_sub(1) as usize;
         let l = &self.list;
         let off = l.offset_for(evs.len(), visible);
-        let explained = explained_rows(&evs, &lookups);
+        let explained = explained_rows(evs, lookups);
         let rows: Vec<GridRow> = evs
             .iter()
             .zip(explained)
@@ -441,6 +306,168 @@ impl View for Detail {
         );
         f.render_widget(table, list_a);
     }
+}
+
+/// The summary panel's lines: the request's state, ages, tokens and
+/// blocks (or why it is not tracked), then its first and latest lookups.
+fn summary(slot: Option<&SlotView>, lookups: &[Lookup], now: u64) -> Vec<Line<'static>> {
+    let mut info = match slot {
+        Some(s) => vec![
+            Line::from(vec![
+                Span::styled(s.state.to_string(), Style::new().fg(state_color(&s.state))),
+                Span::raw(format!(
+                    "  age {} · in state {} · prompt {} · computed {} · generated {}/{}",
+                    fmt::dur(now.saturating_sub(s.created_ns)),
+                    fmt::dur(now.saturating_sub(s.state_since_ns)),
+                    s.prompt_tokens,
+                    s.computed,
+                    s.generated,
+                    s.max_output_tokens
+                )),
+            ]),
+            Line::from(format!(
+                "blocks G1 {} G2 {} G3 {} · cached tokens hit G1 {} G2 {} G3 {} · outstanding {} · TTFT {}",
+                s.blocks[0],
+                s.blocks[1],
+                s.blocks[2],
+                s.hit_tokens[0],
+                s.hit_tokens[1],
+                s.hit_tokens[2],
+                s.outstanding,
+                s.ttft_ns().map_or("-".into(), fmt::dur)
+            )),
+        ],
+        None => vec![Line::from(Span::styled(
+            "no longer tracked (pruned after finishing, or not seen yet); its events follow",
+            Style::new().fg(Color::DarkGray),
+        ))],
+    };
+    // Why its lookups missed: the first, and the latest after it, here;
+    // every one in its row of the event list below.
+    let shown: Vec<(usize, &Lookup)> = match lookups.len() {
+        0 => Vec::new(),
+        1 => vec![(1, &lookups[0])],
+        n => vec![(1, &lookups[0]), (n, &lookups[n - 1])],
+    };
+    if shown.is_empty() {
+        info.push(Line::from(Span::styled(
+            "no lookup recorded",
+            Style::new().fg(Color::DarkGray),
+        )));
+    }
+    for (n, l) in shown {
+        info.push(Line::from(Span::styled(
+            lookup_line(n, l),
+            Style::new().fg(if l.stopped.is_some() {
+                Color::Yellow
+            } else {
+                Color::Green
+            }),
+        )));
+    }
+    info
+}
+
+/// The timeline panel: the request's states as one bar with a legend, its
+/// transfers as spans beneath, on one time axis.
+fn draw_timeline(f: &mut Frame, time_a: Rect, slot: Option<&SlotView>, evs: &[&Event], now: u64) {
+    let inner_w = time_a.width.saturating_sub(2) as usize;
+    let mut lines = Vec::new();
+    let t0 = slot
+        .map(|s| s.created_ns)
+        .or(evs.first().map(|e| e.ts_ns))
+        .unwrap_or(now);
+    let sp = spans(evs);
+    // The axis runs to the end of the request, or of its last transfer
+    // (offloads can outlive a finished request), or to now.
+    let end = slot
+        .filter(|s| s.is_finished())
+        .map(|s| s.state_since_ns)
+        .unwrap_or(now)
+        .max(sp.iter().map(|s| s.end.unwrap_or(now)).max().unwrap_or(0))
+        .max(t0 + 1);
+    if let Some(s) = slot {
+        let mut bar: Vec<Span> = Vec::new();
+        let mut drawn = 0usize;
+        for (a, b, state) in s.intervals(end) {
+            let to = if state == SlotState::Finished {
+                inner_w
+            } else {
+                col(b, t0, end, inner_w).max(drawn)
+            };
+            let to = to.max(col(a, t0, end, inner_w) + 1).min(inner_w);
+            if to > drawn {
+                bar.push(Span::styled(
+                    "█".repeat(to - drawn),
+                    Style::new().fg(state_color(&state)),
+                ));
+                drawn = to;
+            }
+        }
+        lines.push(Line::from(bar));
+        let legend: Vec<Span> = s
+            .intervals(end)
+            .flat_map(|(a, b, state)| {
+                [
+                    Span::styled("■ ", Style::new().fg(state_color(&state))),
+                    Span::raw(format!("{} {}  ", state.name(), fmt::dur(b - a))),
+                ]
+            })
+            .collect();
+        lines.push(Line::from(legend));
+        if s.history_dropped > 0 {
+            lines.push(Line::from(Span::styled(
+                format!("({} earlier states not kept)", s.history_dropped),
+                Style::new().fg(Color::Red),
+            )));
+        }
+    }
+    if sp.is_empty() {
+        lines.push(Line::from(Span::styled(
+            "no transfers",
+            Style::new().fg(Color::DarkGray),
+        )));
+    }
+    let hidden = sp.len().saturating_sub(MAX_SPANS);
+    for s in sp.iter().skip(hidden) {
+        let a = col(s.start, t0, end, inner_w);
+        let b = col(s.end.unwrap_or(now), t0, end, inner_w)
+            .max(a + 1)
+            .min(inner_w);
+        let color = match s.status {
+            "completed" => Color::Green,
+            "skipped" | "cancelled" => Color::DarkGray,
+            "failed" => Color::Red,
+            _ => Color::Cyan,
+        };
+        let label = format!(" {} {}", s.label, s.status);
+        let bar = Span::styled("━".repeat(b - a), Style::new().fg(color));
+        let width = label.chars().count();
+        let line = if b + width > inner_w && a > width {
+            // No room on the right: the label goes on the left of the span.
+            vec![
+                Span::raw(" ".repeat(a - width - 1)),
+                Span::raw(label),
+                Span::raw(" "),
+                bar,
+            ]
+        } else {
+            // Otherwise on the right, clipped at the border if need be.
+            vec![Span::raw(" ".repeat(a)), bar, Span::raw(label)]
+        };
+        lines.push(Line::from(line));
+    }
+    let title = format!(
+        "Timeline from {} for {}{}",
+        fmt::clock(t0),
+        fmt::dur(end - t0),
+        if hidden > 0 {
+            format!(" · {hidden} earlier transfers not drawn")
+        } else {
+            String::new()
+        }
+    );
+    f.render_widget(Paragraph::new(lines).block(panel(title)), time_a);
 }
 
 const EVENT_COLS: [Col; 4] = [

@@ -113,42 +113,7 @@ impl View for Transfers {
         let [tot_a, mid_a, bot_a] = split(area);
 
         // Totals per direction.
-        let totals: Vec<GridRow> = st
-            .direction_totals()
-            .iter()
-            .map(|t| {
-                let rate = if t.elapsed_ns > 0 {
-                    format!(
-                        "{}/s",
-                        fmt::bytes((t.bytes as f64 / (t.elapsed_ns as f64 / 1e9)) as u64)
-                    )
-                } else {
-                    "-".into()
-                };
-                GridRow::plain([
-                    t.direction.to_string(),
-                    fmt::count(t.planned),
-                    fmt::count(t.completed),
-                    fmt::count(t.skipped),
-                    fmt::count(t.cancelled),
-                    fmt::count(t.failed),
-                    fmt::count(t.blocks),
-                    fmt::bytes(t.bytes),
-                    rate,
-                ])
-            })
-            .collect();
-        let title = match (&self.bytes_note, totals.is_empty()) {
-            (None, true) => "Totals — no transfers yet".to_string(),
-            (None, false) => "Totals by direction".to_string(),
-            (Some(n), true) => format!("Totals — no transfers yet · {n}"),
-            (Some(n), false) => format!("Totals by direction · {n}"),
-        };
-        let widths = columns::fit(&TOTAL_COLS, &totals, tot_a.width.saturating_sub(2));
-        f.render_widget(
-            columns::table(&TOTAL_COLS, &widths, totals, head(), panel(title)),
-            tot_a,
-        );
+        self.draw_totals(f, tot_a, st);
 
         // One selection over in flight + recent.
         let all = &self.rows;
@@ -257,6 +222,49 @@ impl View for Transfers {
         f.render_widget(
             columns::table(&RECENT_COLS, &widths, recent, head(), panel(bot_title)),
             bot_a,
+        );
+    }
+}
+
+impl Transfers {
+    /// The totals table: per direction, each outcome's count, the blocks
+    /// and bytes moved and the rate; the title carries the bytes note.
+    fn draw_totals(&self, f: &mut Frame, tot_a: Rect, st: &EngineState) {
+        let totals: Vec<GridRow> = st
+            .direction_totals()
+            .iter()
+            .map(|t| {
+                let rate = if t.elapsed_ns > 0 {
+                    format!(
+                        "{}/s",
+                        fmt::bytes((t.bytes as f64 / (t.elapsed_ns as f64 / 1e9)) as u64)
+                    )
+                } else {
+                    "-".into()
+                };
+                GridRow::plain([
+                    t.direction.to_string(),
+                    fmt::count(t.planned),
+                    fmt::count(t.completed),
+                    fmt::count(t.skipped),
+                    fmt::count(t.cancelled),
+                    fmt::count(t.failed),
+                    fmt::count(t.blocks),
+                    fmt::bytes(t.bytes),
+                    rate,
+                ])
+            })
+            .collect();
+        let title = match (&self.bytes_note, totals.is_empty()) {
+            (None, true) => "Totals — no transfers yet".to_string(),
+            (None, false) => "Totals by direction".to_string(),
+            (Some(n), true) => format!("Totals — no transfers yet · {n}"),
+            (Some(n), false) => format!("Totals by direction · {n}"),
+        };
+        let widths = columns::fit(&TOTAL_COLS, &totals, tot_a.width.saturating_sub(2));
+        f.render_widget(
+            columns::table(&TOTAL_COLS, &widths, totals, head(), panel(title)),
+            tot_a,
         );
     }
 }
