@@ -23,7 +23,7 @@ use kvbm_core::offload::{
     OffloadPipeline, PipelineConfig, TransferHandle, TransferStatus, precondition,
 };
 use kvbm_core::storage::DiskStorage;
-use kvbm_core::{BlockPool, ImmutableBlock, TokenSequence};
+use kvbm_core::{BlockPool, ImmutableBlock, SaltHash, TokenSequence};
 use kvbm_sim::sim::kv_bytes;
 use std::io::Write;
 use std::sync::Arc;
@@ -185,7 +185,6 @@ pub async fn run(args: &WalkthroughArgs, w: impl Write) -> Result<()> {
     let t = build(bs)?;
     let mut o = Out { w };
     let salt = kvbm_core::tokens::salt_hash(b"demo-model");
-    let prompt = |start: u32, len: usize| -> Vec<u32> { (start..start + len as u32).collect() };
 
     o.line(format!(
         "kvbm demo — block size {bs} tokens, {} KiB per block; G1 is host memory standing in for a GPU",
@@ -194,7 +193,27 @@ pub async fn run(args: &WalkthroughArgs, w: impl Write) -> Result<()> {
     o.line("(the interactive console is not built yet; this prints what the block manager did)")?;
     o.pools(&t)?;
 
-    // Request A.
+    let a_tokens = request_a(&t, &mut o, bs, salt).await?;
+    request_c(&t, &mut o, bs, salt).await?;
+    request_b(&t, &mut o, bs, salt, &a_tokens).await?;
+    report_pipelines(&t, &mut o)?;
+    o.line("demo finished: every copy verified")?;
+    Ok(())
+}
+
+/// `len` consecutive token ids from `start`.
+fn prompt(start: u32, len: usize) -> Vec<u32> {
+    (start..start + len as u32).collect()
+}
+
+/// [1] Request A is computed on G1 and offloaded eagerly, G1 → G2 → G3;
+/// offloading it again is skipped. Returns its prompt (B shares it).
+async fn request_a<W: Write>(
+    t: &Tiers,
+    o: &mut Out<W>,
+    bs: usize,
+    salt: SaltHash,
+) -> Result<Vec<u32>> {
     let a_tokens = prompt(1000, 2 * bs + bs / 2);
     let a = TokenSequence::from_tokens(&a_tokens, bs, salt)?;
     o.line(format!(
@@ -205,7 +224,7 @@ pub async fn run(args: &WalkthroughArgs, w: impl Write) -> Result<()> {
     ))?;
     let hit = t.g1.pool().match_prefix(&a.sequence_hashes());
     o.line(format!("    G1 prefix match: {} blocks", hit.len()))?;
-    let a_blocks = compute_on_g1(&t, &a, hit)?;
+    let a_blocks = compute_on_g1(t, &a, hit)?;
     o.line(format!(
         "    computed and registered {} blocks on G1: ids {:?}",
         a_blocks.len(),
@@ -241,16 +260,21 @@ pub async fn run(args: &WalkthroughArgs, w: impl Write) -> Result<()> {
     ))?;
     drop((a_blocks, a_g2, a_g3));
     o.line("    request A finished: its blocks stay cached, inactive")?;
-    o.pools(&t)?;
+    o.pools(t)?;
 
-    // Request C pushes A out of G1 and G2.
+    Ok(a_tokens)
+}
+
+/// [2] Request C fills G1 and G2, pushing A out of both; the offload of
+/// its last blocks is cancelled while it waits for its forward pass.
+async fn request_c<W: Write>(t: &Tiers, o: &mut Out<W>, bs: usize, salt: SaltHash) -> Result<()> {
     let c = TokenSequence::from_tokens(&prompt(50_000, 6 * bs), bs, salt)?;
     o.line(format!(
         "\n[2] request C: {} unrelated tokens ({} blocks) — fills G1 and G2",
         c.total_tokens(),
         c.blocks().len()
     ))?;
-    let c_blocks = compute_on_g1(&t, &c, Vec::new())?;
+    let c_blocks = compute_on_g1(t, &c, Vec::new())?;
     let keep = t.g2.pool().capacity();
     let h = t
         .offload_12
@@ -273,9 +297,20 @@ pub async fn run(args: &WalkthroughArgs, w: impl Write) -> Result<()> {
         h.cancel().await
     ))?;
     drop(c_blocks);
-    o.pools(&t)?;
+    o.pools(t)?;
 
-    // Request B shares A's full blocks.
+    Ok(())
+}
+
+/// [3] Request B shares A's full blocks, found on G3 only: onboarded
+/// G3 → G2 → G1 and checked byte for byte against A's forward pass.
+async fn request_b<W: Write>(
+    t: &Tiers,
+    o: &mut Out<W>,
+    bs: usize,
+    salt: SaltHash,
+    a_tokens: &[u32],
+) -> Result<()> {
     let mut b_tokens = a_tokens[..2 * bs].to_vec();
     b_tokens.extend(prompt(9000, bs + bs / 3));
     let b = TokenSequence::from_tokens(&b_tokens, bs, salt)?;
@@ -314,7 +349,7 @@ pub async fn run(args: &WalkthroughArgs, w: impl Write) -> Result<()> {
         "    onboarded G3 → G2 → G1 (G1 ids {:?}); {checked} bytes checked against A's forward pass",
         up1.iter().map(|b| b.id()).collect::<Vec<_>>()
     ))?;
-    let b_blocks = compute_on_g1(&t, &b, up1)?;
+    let b_blocks = compute_on_g1(t, &b, up1)?;
     o.line(format!(
         "    computed the other {} full blocks; {} tokens of {} came from cache",
         b_blocks.len() - 2,
@@ -322,8 +357,13 @@ pub async fn run(args: &WalkthroughArgs, w: impl Write) -> Result<()> {
         b.total_tokens()
     ))?;
     drop((up2, b_blocks));
-    o.pools(&t)?;
+    o.pools(t)?;
 
+    Ok(())
+}
+
+/// What each pipeline did, with its engine's refusals and failures.
+fn report_pipelines<W: Write>(t: &Tiers, o: &mut Out<W>) -> Result<()> {
     o.line("\npipelines:")?;
     for (what, p) in [
         ("G1 → G2 offload", &t.offload_12),
@@ -351,6 +391,5 @@ pub async fn run(args: &WalkthroughArgs, w: impl Write) -> Result<()> {
             c.failed
         ))?;
     }
-    o.line("demo finished: every copy verified")?;
     Ok(())
 }
