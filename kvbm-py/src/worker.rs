@@ -269,6 +269,61 @@ fn tier_err(what: impl Into<String>, e: impl std::fmt::Display) -> WorkerError {
     }
 }
 
+/// Checks that vLLM's tensors are what the geometry says: one per layer,
+/// on the CPU, contiguous, with a block's bytes per block first and room
+/// for every block. (`geometry` is checked already.)
+fn check_tensors(geometry: &Geometry, tensors: &[KvTensor]) -> Result<(), WorkerError> {
+    if tensors.len() != geometry.num_layers {
+        return Err(WorkerError::Tensor {
+            name: "(all)".into(),
+            reason: format!(
+                "{} tensors for {} layers",
+                tensors.len(),
+                geometry.num_layers
+            ),
+        });
+    }
+    for t in tensors {
+        let bad = |reason: String| WorkerError::Tensor {
+            name: t.name.clone(),
+            reason,
+        };
+        if t.device != "cpu" {
+            return Err(bad(format!(
+                "on {}; this build of kvbm copies CPU tensors only (the cuda engine has not been run on a GPU yet)",
+                t.device
+            )));
+        }
+        if !t.contiguous {
+            return Err(bad("not contiguous".into()));
+        }
+        if t.num_blocks < geometry.num_gpu_blocks {
+            return Err(bad(format!(
+                "{} blocks, vLLM configured {}",
+                t.num_blocks, geometry.num_gpu_blocks
+            )));
+        }
+        if t.block_stride_bytes != geometry.page_bytes {
+            return Err(bad(format!(
+                "{} bytes per block, the cache config says {} (the block dimension must come first)",
+                t.block_stride_bytes, geometry.page_bytes
+            )));
+        }
+        if t.data_ptr == 0 {
+            return Err(bad("its data_ptr is null (0)".into()));
+        }
+        // Cannot overflow: Geometry::check.
+        let need = (geometry.num_gpu_blocks * geometry.page_bytes) as u64;
+        if t.nbytes < need {
+            return Err(bad(format!(
+                "{} bytes at {:#x}, need {need}",
+                t.nbytes, t.data_ptr
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl WorkerSide {
     /// Wraps `tensors` (one per layer, in vLLM's order) as G1 and opens
     /// the tiers `cfg` configures for rank `shard` of vLLM engine
@@ -288,54 +343,7 @@ impl WorkerSide {
         shard: Shard,
     ) -> Result<Self, WorkerError> {
         geometry.check()?;
-        if tensors.len() != geometry.num_layers {
-            return Err(WorkerError::Tensor {
-                name: "(all)".into(),
-                reason: format!(
-                    "{} tensors for {} layers",
-                    tensors.len(),
-                    geometry.num_layers
-                ),
-            });
-        }
-        for t in &tensors {
-            let bad = |reason: String| WorkerError::Tensor {
-                name: t.name.clone(),
-                reason,
-            };
-            if t.device != "cpu" {
-                return Err(bad(format!(
-                    "on {}; this build of kvbm copies CPU tensors only (the cuda engine has not been run on a GPU yet)",
-                    t.device
-                )));
-            }
-            if !t.contiguous {
-                return Err(bad("not contiguous".into()));
-            }
-            if t.num_blocks < geometry.num_gpu_blocks {
-                return Err(bad(format!(
-                    "{} blocks, vLLM configured {}",
-                    t.num_blocks, geometry.num_gpu_blocks
-                )));
-            }
-            if t.block_stride_bytes != geometry.page_bytes {
-                return Err(bad(format!(
-                    "{} bytes per block, the cache config says {} (the block dimension must come first)",
-                    t.block_stride_bytes, geometry.page_bytes
-                )));
-            }
-            if t.data_ptr == 0 {
-                return Err(bad("its data_ptr is null (0)".into()));
-            }
-            // Cannot overflow: Geometry::check.
-            let need = (geometry.num_gpu_blocks * geometry.page_bytes) as u64;
-            if t.nbytes < need {
-                return Err(bad(format!(
-                    "{} bytes at {:#x}, need {need}",
-                    t.nbytes, t.data_ptr
-                )));
-            }
-        }
+        check_tensors(&geometry, &tensors)?;
         let g1_layout = geometry.layout(geometry.num_gpu_blocks, LayoutKind::LayerSeparate)?;
         let regions = tensors
             .iter()
