@@ -6,10 +6,13 @@
 - The block manager links no server, socket, CLI or terminal crate; the
   console links no server; the vLLM connector (kvbm-py) links no
   simulator, plotting, CLI or ZMQ crate, and at most MAX_PY crates.
+- Tiers are assembled in one place: only kvbm_core::assembly calls the
+  unsafe TierLink::new (kvbm-core's own tests and benches aside).
 
 Exits 1 naming each rule broken, with what broke it.
 """
 
+import pathlib
 import subprocess
 import sys
 
@@ -31,6 +34,10 @@ FORBIDDEN = {
     "kvbm-py": {"kvbm-sim", "kvbm-ingest", "kvbm-cli", "plotters", "clap", "zeromq", "ratatui"},
 }
 MAX_PY = 150
+# The one place that assembles tiers: outside kvbm-core's own tests and
+# benches, only kvbm_core::assembly may call the unsafe TierLink::new.
+ASSEMBLY = "kvbm-core/src/assembly.rs"
+LINK_ALLOWED_UNDER = ("kvbm-core/tests/", "kvbm-core/benches/", "kvbm-core/src/link.rs")
 
 
 def tree(package, *extra):
@@ -66,6 +73,13 @@ def main():
         found = {name for name, _ in tree(package, *extra)} & banned
         if found:
             broken.append(f"{package} reaches {sorted(found)}, which it must not")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for f in sorted(root.glob("*/**/*.rs")):
+        rel = f.relative_to(root).as_posix()
+        if rel.startswith("target/") or rel == ASSEMBLY or rel.startswith(LINK_ALLOWED_UNDER):
+            continue
+        if "TierLink::new(" in f.read_text(errors="replace"):
+            broken.append(f"{rel} calls TierLink::new: build tiers with kvbm_core::assembly")
     py = tree("kvbm-py", "--features", "python")
     print(f"kvbm-py (--features python) builds {len(py)} crates (at most {MAX_PY})")
     if len(py) > MAX_PY:
