@@ -214,33 +214,8 @@ pub fn kind_of(tag: KindTag, s: Shape) -> BoxedStrategy<EventKind> {
                 error,
             })
             .boxed(),
-        KindTag::BatchDispatched => (id.clone(), direction(), vec(id, 0..8), any::<u32>())
-            .prop_map(|(batch, direction, transfers, blocks)| K::BatchDispatched {
-                batch,
-                direction,
-                transfers,
-                blocks,
-            })
-            .boxed(),
-        KindTag::BatchCompleted => (
-            id,
-            direction(),
-            any::<bool>(),
-            n,
-            any::<u64>(),
-            any::<u64>(),
-        )
-            .prop_map(
-                |(batch, direction, ok, blocks, bytes, elapsed_ns)| K::BatchCompleted {
-                    batch,
-                    direction,
-                    ok,
-                    blocks,
-                    bytes,
-                    elapsed_ns,
-                },
-            )
-            .boxed(),
+        KindTag::BatchDispatched => batch_dispatched(s),
+        KindTag::BatchCompleted => batch_completed(s),
         KindTag::PoolGauge => (tier(), n.clone(), n.clone(), n.clone(), n)
             .prop_map(|(tier, capacity, active, inactive, empty)| K::PoolGauge {
                 tier,
@@ -270,17 +245,61 @@ pub fn kind_of(tag: KindTag, s: Shape) -> BoxedStrategy<EventKind> {
                 computed,
             })
             .boxed(),
-        KindTag::PrefixLookup => (n.clone(), n.clone(), n, vec(hash, 0..24))
-            .prop_map(
-                |(tokens, block_size, computed_blocks, hashes)| K::PrefixLookup {
-                    tokens,
-                    block_size,
-                    computed_blocks,
-                    hashes,
-                },
-            )
-            .boxed(),
+        KindTag::PrefixLookup => prefix_lookup(s),
     }
+}
+
+/// `BatchDispatched` events, for [`kind_of`].
+fn batch_dispatched(s: Shape) -> BoxedStrategy<EventKind> {
+    (0..s.ids, direction(), vec(0..s.ids, 0..8), any::<u32>())
+        .prop_map(
+            |(batch, direction, transfers, blocks)| EventKind::BatchDispatched {
+                batch,
+                direction,
+                transfers,
+                blocks,
+            },
+        )
+        .boxed()
+}
+
+/// `BatchCompleted` events, for [`kind_of`].
+fn batch_completed(s: Shape) -> BoxedStrategy<EventKind> {
+    (
+        0..s.ids,
+        direction(),
+        any::<bool>(),
+        0..s.counts,
+        any::<u64>(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(batch, direction, ok, blocks, bytes, elapsed_ns)| EventKind::BatchCompleted {
+                batch,
+                direction,
+                ok,
+                blocks,
+                bytes,
+                elapsed_ns,
+            },
+        )
+        .boxed()
+}
+
+/// `PrefixLookup` events, for [`kind_of`].
+fn prefix_lookup(s: Shape) -> BoxedStrategy<EventKind> {
+    let n = 0..s.counts;
+    let hash = (0..s.hashes).prop_map(SequenceHash);
+    (n.clone(), n.clone(), n, vec(hash, 0..24))
+        .prop_map(
+            |(tokens, block_size, computed_blocks, hashes)| EventKind::PrefixLookup {
+                tokens,
+                block_size,
+                computed_blocks,
+                hashes,
+            },
+        )
+        .boxed()
 }
 
 /// Any single event: random envelope, no request or any request id, any

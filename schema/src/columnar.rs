@@ -29,14 +29,18 @@
 //! a panic.
 
 use crate::convert::{
-    DecodeError, cause_from_fb, cause_to_fb, check_kind_version, check_version, decode_state,
-    direction_from_fb, direction_to_fb, encode_state, entry_from_fb, entry_to_fb, kind_from_fb,
-    kind_to_fb, phase_from_fb, phase_to_fb, tier_from_fb, tier_to_fb,
+    DecodeError, batch_dispatched_from_fb, batch_dispatched_table, blocks_allocated_from_fb,
+    blocks_allocated_table, cause_from_fb, cause_to_fb, check_kind_version, check_version,
+    decode_state, direction_from_fb, direction_to_fb, encode_state, entry_from_fb, entry_to_fb,
+    kind_from_fb, kind_to_fb, phase_from_fb, phase_to_fb, prefix_lookup_from_fb,
+    prefix_lookup_table, tier_from_fb, tier_to_fb, transfer_failed_from_fb, transfer_failed_table,
+    transfer_skipped_from_fb, transfer_skipped_table,
 };
 use crate::fb;
 use crate::{OLDEST_READABLE_VERSION, SCHEMA_VERSION};
 use flatbuffers::{FlatBufferBuilder, InvalidFlatbuffer, Push, VerifierOptions, WIPOffset};
-use kvbm_events::SequenceHash;
+use kvbm_events::tier::{BlockId, Tier};
+use kvbm_events::{Direction, SequenceHash};
 use kvbm_events::{Event, EventKind, KindTag};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -525,6 +529,9 @@ impl BlockEncoder {
     /// Pushes the kind's row into its column.
     fn push_kind(&mut self, kind: &EventKind) {
         let fbb = &mut self.fbb;
+        // Exhaustive: every kind this build declares has a column here; the
+        // transfer and batch kinds are pushed by a method each. The kinds
+        // stored as tables are built as in a record (`convert`).
         match kind {
             EventKind::SlotCreated {
                 prompt_tokens,
@@ -534,10 +541,8 @@ impl BlockEncoder {
                     .push(fb::SlotCreatedRow::new(*prompt_tokens, *max_output_tokens));
             }
             EventKind::SlotTransition { from, to } => {
-                self.slot_transition.push(fb::SlotTransitionRow::new(
-                    &encode_state(*from),
-                    &encode_state(*to),
-                ));
+                let row = fb::SlotTransitionRow::new(&encode_state(*from), &encode_state(*to));
+                self.slot_transition.push(row);
             }
             EventKind::MatchResult {
                 tier,
@@ -545,23 +550,17 @@ impl BlockEncoder {
                 hit_blocks,
                 hit_tokens,
             } => {
-                self.match_result.push(fb::MatchResultRow::new(
+                let row = fb::MatchResultRow::new(
                     tier_to_fb(*tier),
                     *looked_up,
                     *hit_blocks,
                     *hit_tokens,
-                ));
+                );
+                self.match_result.push(row);
             }
             EventKind::BlocksAllocated { tier, blocks } => {
-                let blocks = fbb.create_vector(blocks);
-                let t = fb::BlocksAllocated::create(
-                    fbb,
-                    &fb::BlocksAllocatedArgs {
-                        tier: tier_to_fb(*tier),
-                        blocks: Some(blocks),
-                    },
-                );
-                self.blocks_allocated.push(t);
+                self.blocks_allocated
+                    .push(blocks_allocated_table(fbb, *tier, blocks));
             }
             EventKind::BlocksReleased { tier, count } => {
                 self.blocks_released
@@ -573,120 +572,52 @@ impl BlockEncoder {
                 sequence_hash,
                 duplicate_of,
             } => {
-                self.block_registered.push(fb::BlockRegisteredRow::new(
-                    tier_to_fb(*tier),
-                    duplicate_of.is_some(),
-                    *block,
-                    duplicate_of.unwrap_or(0),
-                    sequence_hash.0,
-                ));
+                let row = block_registered_row(*tier, *block, *sequence_hash, *duplicate_of);
+                self.block_registered.push(row);
             }
             EventKind::BlockEvicted {
                 tier,
                 block,
                 sequence_hash,
             } => {
-                self.block_evicted.push(fb::BlockEvictedRow::new(
-                    tier_to_fb(*tier),
-                    *block,
-                    sequence_hash.0,
-                ));
+                let row = fb::BlockEvictedRow::new(tier_to_fb(*tier), *block, sequence_hash.0);
+                self.block_evicted.push(row);
             }
             EventKind::TransferPlanned {
                 transfer,
                 direction,
                 blocks,
-            } => {
-                self.transfer_planned.push(fb::TransferRow::new(
-                    *transfer,
-                    &direction_to_fb(*direction),
-                    *blocks,
-                ));
-            }
+            } => self.push_transfer_planned(*transfer, *direction, *blocks),
             EventKind::TransferPromoted {
                 transfer,
                 direction,
                 blocks,
-            } => {
-                self.transfer_promoted.push(fb::TransferRow::new(
-                    *transfer,
-                    &direction_to_fb(*direction),
-                    *blocks,
-                ));
-            }
+            } => self.push_transfer_promoted(*transfer, *direction, *blocks),
             EventKind::TransferSkipped {
                 transfer,
                 direction,
                 reason,
-            } => {
-                let reason = fbb.create_string(reason);
-                let d = direction_to_fb(*direction);
-                let t = fb::TransferSkipped::create(
-                    fbb,
-                    &fb::TransferSkippedArgs {
-                        transfer: *transfer,
-                        direction: Some(&d),
-                        reason: Some(reason),
-                    },
-                );
-                self.transfer_skipped.push(t);
-            }
+            } => self.push_transfer_skipped(*transfer, *direction, reason),
             EventKind::TransferCancelled {
                 transfer,
                 direction,
-            } => {
-                self.transfer_cancelled.push(fb::TransferCancelledRow::new(
-                    *transfer,
-                    &direction_to_fb(*direction),
-                ));
-            }
+            } => self.push_transfer_cancelled(*transfer, *direction),
             EventKind::TransferCompleted {
                 transfer,
                 direction,
                 blocks,
-            } => {
-                self.transfer_completed.push(fb::TransferRow::new(
-                    *transfer,
-                    &direction_to_fb(*direction),
-                    *blocks,
-                ));
-            }
+            } => self.push_transfer_completed(*transfer, *direction, *blocks),
             EventKind::TransferFailed {
                 transfer,
                 direction,
                 error,
-            } => {
-                let error = fbb.create_string(error);
-                let d = direction_to_fb(*direction);
-                let t = fb::TransferFailed::create(
-                    fbb,
-                    &fb::TransferFailedArgs {
-                        transfer: *transfer,
-                        direction: Some(&d),
-                        error: Some(error),
-                    },
-                );
-                self.transfer_failed.push(t);
-            }
+            } => self.push_transfer_failed(*transfer, *direction, error),
             EventKind::BatchDispatched {
                 batch,
                 direction,
                 transfers,
                 blocks,
-            } => {
-                let transfers = fbb.create_vector(transfers);
-                let d = direction_to_fb(*direction);
-                let t = fb::BatchDispatched::create(
-                    fbb,
-                    &fb::BatchDispatchedArgs {
-                        batch: *batch,
-                        direction: Some(&d),
-                        transfers: Some(transfers),
-                        blocks: *blocks,
-                    },
-                );
-                self.batch_dispatched.push(t);
-            }
+            } => self.push_batch_dispatched(*batch, *direction, transfers, *blocks),
             EventKind::BatchCompleted {
                 batch,
                 direction,
@@ -694,16 +625,7 @@ impl BlockEncoder {
                 blocks,
                 bytes,
                 elapsed_ns,
-            } => {
-                self.batch_completed.push(fb::BatchCompletedRow::new(
-                    *batch,
-                    &direction_to_fb(*direction),
-                    *ok,
-                    *blocks,
-                    *bytes,
-                    *elapsed_ns,
-                ));
-            }
+            } => self.push_batch_completed(*batch, *direction, *ok, *blocks, *bytes, *elapsed_ns),
             EventKind::PoolGauge {
                 tier,
                 capacity,
@@ -711,30 +633,21 @@ impl BlockEncoder {
                 inactive,
                 empty,
             } => {
-                self.pool_gauge.push(fb::PoolGaugeRow::new(
-                    tier_to_fb(*tier),
-                    *capacity,
-                    *active,
-                    *inactive,
-                    *empty,
-                ));
+                let tier = tier_to_fb(*tier);
+                let row = fb::PoolGaugeRow::new(tier, *capacity, *active, *inactive, *empty);
+                self.pool_gauge.push(row);
             }
             EventKind::HookCall { entry, phase } => {
-                self.hook_call.push(fb::HookCallRow::new(
-                    entry_to_fb(*entry),
-                    phase_to_fb(*phase),
-                ));
+                let row = fb::HookCallRow::new(entry_to_fb(*entry), phase_to_fb(*phase));
+                self.hook_call.push(row);
             }
             EventKind::BreakpointHit {
                 breakpoint,
                 entry,
                 deadline_ns,
             } => {
-                self.breakpoint_hit.push(fb::BreakpointHitRow::new(
-                    *breakpoint,
-                    entry_to_fb(*entry),
-                    *deadline_ns,
-                ));
+                let row = fb::BreakpointHitRow::new(*breakpoint, entry_to_fb(*entry), *deadline_ns);
+                self.breakpoint_hit.push(row);
             }
             EventKind::Resumed { breakpoint, cause } => {
                 self.resumed
@@ -754,23 +667,73 @@ impl BlockEncoder {
                 computed_blocks,
                 hashes,
             } => {
-                fbb.start_vector::<u64>(hashes.len());
-                for h in hashes.iter().rev() {
-                    fbb.push(h.0);
-                }
-                let hashes = fbb.end_vector(hashes.len());
-                let t = fb::PrefixLookup::create(
-                    fbb,
-                    &fb::PrefixLookupArgs {
-                        tokens: *tokens,
-                        block_size: *block_size,
-                        computed_blocks: *computed_blocks,
-                        hashes: Some(hashes),
-                    },
-                );
+                let t = prefix_lookup_table(fbb, *tokens, *block_size, *computed_blocks, hashes);
                 self.prefix_lookup.push(t);
             }
         }
+    }
+
+    /// Pushes a `TransferPlanned` into its column.
+    fn push_transfer_planned(&mut self, transfer: u64, direction: Direction, blocks: u32) {
+        let row = transfer_row(transfer, direction, blocks);
+        self.transfer_planned.push(row);
+    }
+
+    /// Pushes a `TransferPromoted` into its column.
+    fn push_transfer_promoted(&mut self, transfer: u64, direction: Direction, blocks: u32) {
+        let row = transfer_row(transfer, direction, blocks);
+        self.transfer_promoted.push(row);
+    }
+
+    /// Pushes a `TransferSkipped` into its column.
+    fn push_transfer_skipped(&mut self, transfer: u64, direction: Direction, reason: &str) {
+        let t = transfer_skipped_table(&mut self.fbb, transfer, direction, reason);
+        self.transfer_skipped.push(t);
+    }
+
+    /// Pushes a `TransferCancelled` into its column.
+    fn push_transfer_cancelled(&mut self, transfer: u64, direction: Direction) {
+        let row = fb::TransferCancelledRow::new(transfer, &direction_to_fb(direction));
+        self.transfer_cancelled.push(row);
+    }
+
+    /// Pushes a `TransferCompleted` into its column.
+    fn push_transfer_completed(&mut self, transfer: u64, direction: Direction, blocks: u32) {
+        let row = transfer_row(transfer, direction, blocks);
+        self.transfer_completed.push(row);
+    }
+
+    /// Pushes a `TransferFailed` into its column.
+    fn push_transfer_failed(&mut self, transfer: u64, direction: Direction, error: &str) {
+        let t = transfer_failed_table(&mut self.fbb, transfer, direction, error);
+        self.transfer_failed.push(t);
+    }
+
+    /// Pushes a `BatchDispatched` into its column.
+    fn push_batch_dispatched(
+        &mut self,
+        batch: u64,
+        direction: Direction,
+        transfers: &[u64],
+        blocks: u32,
+    ) {
+        let t = batch_dispatched_table(&mut self.fbb, batch, direction, transfers, blocks);
+        self.batch_dispatched.push(t);
+    }
+
+    /// Pushes a `BatchCompleted` into its column.
+    fn push_batch_completed(
+        &mut self,
+        batch: u64,
+        direction: Direction,
+        ok: bool,
+        blocks: u32,
+        bytes: u64,
+        elapsed_ns: u64,
+    ) {
+        let d = direction_to_fb(direction);
+        let row = fb::BatchCompletedRow::new(batch, &d, ok, blocks, bytes, elapsed_ns);
+        self.batch_completed.push(row);
     }
 
     /// Writes the block and returns its bytes, valid until the next call.
@@ -1330,6 +1293,8 @@ impl<'a> BlockView<'a> {
         let b = &self.block;
         let missing = || DecodeError::MissingKind;
         let tag = kind_from_fb(fb::EventKind(k)).ok_or(DecodeError::UnknownKind(k))?;
+        // Exhaustive: every kind this build declares is read here. The
+        // kinds stored as tables are decoded as in a record (`convert`).
         Ok(match tag {
             KindTag::SlotCreated => {
                 let r = b.slot_created().ok_or_else(missing)?.get(row);
@@ -1355,11 +1320,7 @@ impl<'a> BlockView<'a> {
                 }
             }
             KindTag::BlocksAllocated => {
-                let t = b.blocks_allocated().ok_or_else(missing)?.get(row);
-                EventKind::BlocksAllocated {
-                    tier: tier_from_fb(t.tier(), "BlocksAllocated.tier")?,
-                    blocks: t.blocks().iter().collect(),
-                }
+                blocks_allocated_from_fb(b.blocks_allocated().ok_or_else(missing)?.get(row))?
             }
             KindTag::BlocksReleased => {
                 let r = b.blocks_released().ok_or_else(missing)?.get(row);
@@ -1369,23 +1330,7 @@ impl<'a> BlockView<'a> {
                 }
             }
             KindTag::BlockRegistered => {
-                let r = b.block_registered().ok_or_else(missing)?.get(row);
-                let duplicate_of = if r.has_duplicate() {
-                    Some(r.duplicate_of())
-                } else if r.duplicate_of() != 0 {
-                    return Err(DecodeError::UnexpectedValue {
-                        field: "BlockRegisteredRow.duplicate_of",
-                        value: u64::from(r.duplicate_of()),
-                    });
-                } else {
-                    None
-                };
-                EventKind::BlockRegistered {
-                    tier: tier_from_fb(r.tier(), "BlockRegistered.tier")?,
-                    block: r.block(),
-                    sequence_hash: SequenceHash(r.sequence_hash()),
-                    duplicate_of,
-                }
+                block_registered_from_row(b.block_registered().ok_or_else(missing)?.get(row))?
             }
             KindTag::BlockEvicted => {
                 let r = b.block_evicted().ok_or_else(missing)?.get(row);
@@ -1412,12 +1357,7 @@ impl<'a> BlockView<'a> {
                 }
             }
             KindTag::TransferSkipped => {
-                let t = b.transfer_skipped().ok_or_else(missing)?.get(row);
-                EventKind::TransferSkipped {
-                    transfer: t.transfer(),
-                    direction: direction_from_fb(t.direction(), "TransferSkipped.direction")?,
-                    reason: t.reason().to_owned(),
-                }
+                transfer_skipped_from_fb(b.transfer_skipped().ok_or_else(missing)?.get(row))?
             }
             KindTag::TransferCancelled => {
                 let r = b.transfer_cancelled().ok_or_else(missing)?.get(row);
@@ -1435,42 +1375,16 @@ impl<'a> BlockView<'a> {
                 }
             }
             KindTag::TransferFailed => {
-                let t = b.transfer_failed().ok_or_else(missing)?.get(row);
-                EventKind::TransferFailed {
-                    transfer: t.transfer(),
-                    direction: direction_from_fb(t.direction(), "TransferFailed.direction")?,
-                    error: t.error().to_owned(),
-                }
+                transfer_failed_from_fb(b.transfer_failed().ok_or_else(missing)?.get(row))?
             }
             KindTag::BatchDispatched => {
-                let t = b.batch_dispatched().ok_or_else(missing)?.get(row);
-                EventKind::BatchDispatched {
-                    batch: t.batch(),
-                    direction: direction_from_fb(t.direction(), "BatchDispatched.direction")?,
-                    transfers: t.transfers().iter().collect(),
-                    blocks: t.blocks(),
-                }
+                batch_dispatched_from_fb(b.batch_dispatched().ok_or_else(missing)?.get(row))?
             }
             KindTag::BatchCompleted => {
-                let r = b.batch_completed().ok_or_else(missing)?.get(row);
-                EventKind::BatchCompleted {
-                    batch: r.batch(),
-                    direction: direction_from_fb(r.direction(), "BatchCompleted.direction")?,
-                    ok: r.ok(),
-                    blocks: r.blocks(),
-                    bytes: r.bytes(),
-                    elapsed_ns: r.elapsed_ns(),
-                }
+                batch_completed_from_row(b.batch_completed().ok_or_else(missing)?.get(row))?
             }
             KindTag::PoolGauge => {
-                let r = b.pool_gauge().ok_or_else(missing)?.get(row);
-                EventKind::PoolGauge {
-                    tier: tier_from_fb(r.tier(), "PoolGauge.tier")?,
-                    capacity: r.capacity(),
-                    active: r.active(),
-                    inactive: r.inactive(),
-                    empty: r.empty(),
-                }
+                pool_gauge_from_row(b.pool_gauge().ok_or_else(missing)?.get(row))?
             }
             KindTag::HookCall => {
                 let r = b.hook_call().ok_or_else(missing)?.get(row);
@@ -1503,16 +1417,77 @@ impl<'a> BlockView<'a> {
                 }
             }
             KindTag::PrefixLookup => {
-                let t = b.prefix_lookup().ok_or_else(missing)?.get(row);
-                EventKind::PrefixLookup {
-                    tokens: t.tokens(),
-                    block_size: t.block_size(),
-                    computed_blocks: t.computed_blocks(),
-                    hashes: t.hashes().iter().map(SequenceHash).collect(),
-                }
+                prefix_lookup_from_fb(b.prefix_lookup().ok_or_else(missing)?.get(row))?
             }
         })
     }
+}
+
+/// The row of a `TransferPlanned`, `TransferPromoted` or
+/// `TransferCompleted` (their columns share the row type).
+fn transfer_row(transfer: u64, direction: Direction, blocks: u32) -> fb::TransferRow {
+    fb::TransferRow::new(transfer, &direction_to_fb(direction), blocks)
+}
+
+/// The row of a `BlockRegistered`: a flag says whether `duplicate_of` is
+/// set, and the id is 0 when it is not.
+fn block_registered_row(
+    tier: Tier,
+    block: BlockId,
+    sequence_hash: SequenceHash,
+    duplicate_of: Option<BlockId>,
+) -> fb::BlockRegisteredRow {
+    fb::BlockRegisteredRow::new(
+        tier_to_fb(tier),
+        duplicate_of.is_some(),
+        block,
+        duplicate_of.unwrap_or(0),
+        sequence_hash.0,
+    )
+}
+
+/// Decodes a `BlockRegistered` row, refusing a `duplicate_of` set without
+/// its flag.
+fn block_registered_from_row(r: &fb::BlockRegisteredRow) -> Result<EventKind, DecodeError> {
+    let duplicate_of = if r.has_duplicate() {
+        Some(r.duplicate_of())
+    } else if r.duplicate_of() != 0 {
+        return Err(DecodeError::UnexpectedValue {
+            field: "BlockRegisteredRow.duplicate_of",
+            value: u64::from(r.duplicate_of()),
+        });
+    } else {
+        None
+    };
+    Ok(EventKind::BlockRegistered {
+        tier: tier_from_fb(r.tier(), "BlockRegistered.tier")?,
+        block: r.block(),
+        sequence_hash: SequenceHash(r.sequence_hash()),
+        duplicate_of,
+    })
+}
+
+/// Decodes a `BatchCompleted` row.
+fn batch_completed_from_row(r: &fb::BatchCompletedRow) -> Result<EventKind, DecodeError> {
+    Ok(EventKind::BatchCompleted {
+        batch: r.batch(),
+        direction: direction_from_fb(r.direction(), "BatchCompleted.direction")?,
+        ok: r.ok(),
+        blocks: r.blocks(),
+        bytes: r.bytes(),
+        elapsed_ns: r.elapsed_ns(),
+    })
+}
+
+/// Decodes a `PoolGauge` row.
+fn pool_gauge_from_row(r: &fb::PoolGaugeRow) -> Result<EventKind, DecodeError> {
+    Ok(EventKind::PoolGauge {
+        tier: tier_from_fb(r.tier(), "PoolGauge.tier")?,
+        capacity: r.capacity(),
+        active: r.active(),
+        inactive: r.inactive(),
+        empty: r.empty(),
+    })
 }
 
 /// `to - from`, wrapping, zigzag-encoded: small either way.

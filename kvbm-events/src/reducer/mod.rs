@@ -179,7 +179,7 @@
 use crate::event::KindTag;
 use crate::hash::SequenceHash;
 use crate::slot::SlotState;
-use crate::tier::Tier;
+use crate::tier::{BlockId, Tier};
 use crate::{Direction, EntryPoint, Event, EventKind, HookPhase, RequestId, ResumeCause};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -367,27 +367,7 @@ impl EngineState {
                 looked_up,
                 hit_blocks,
                 hit_tokens,
-            } => {
-                let pool = &mut self.pools[tier.index()];
-                pool.lookups += 1;
-                pool.looked_up_blocks += u64::from(*looked_up);
-                pool.hit_blocks += u64::from(*hit_blocks);
-                pool.hit_tokens += u64::from(*hit_tokens);
-                let learns = *tier != Tier::Device
-                    && self.block_size == 0
-                    && *hit_blocks > 0
-                    && hit_tokens % hit_blocks == 0;
-                if learns {
-                    self.block_size = hit_tokens / hit_blocks;
-                }
-                // Host and disk hits are credited when they are loaded
-                // (module docs, *Per-request hits*).
-                if let Some(slot) = self.request_slot(req, ts)
-                    && *tier == Tier::Device
-                {
-                    slot.hit_tokens[Tier::Device.index()] = u64::from(*hit_tokens);
-                }
-            }
+            } => self.match_result(req, ts, *tier, *looked_up, *hit_blocks, *hit_tokens),
             EventKind::BlocksAllocated { tier, blocks } => {
                 self.pools[tier.index()].allocated_blocks += blocks.len() as u64;
                 if let Some(slot) = self.request_slot(req, ts) {
@@ -396,54 +376,26 @@ impl EngineState {
                 }
             }
             EventKind::BlocksReleased { tier, count } => {
-                self.pools[tier.index()].released_blocks += u64::from(*count);
-                let underflow = self.request_slot(req, ts).is_some_and(|slot| {
-                    let held = &mut slot.blocks[tier.index()];
-                    let under = *count > *held;
-                    *held = held.saturating_sub(*count);
-                    under
-                });
-                self.inconsistencies.blocks_underflow += u64::from(underflow);
+                self.blocks_released(req, ts, *tier, *count)
             }
             EventKind::BlockRegistered {
                 tier,
                 sequence_hash,
                 duplicate_of,
                 ..
-            } => {
-                let pool = &mut self.pools[tier.index()];
-                pool.registrations += 1;
-                if duplicate_of.is_some() {
-                    pool.duplicate_registrations += 1;
-                } else if !pool.registered.insert(*sequence_hash) {
-                    self.inconsistencies.register_already_registered += 1;
-                }
-            }
+            } => self.block_registered(*tier, *sequence_hash, *duplicate_of),
             EventKind::BlockEvicted {
                 tier,
                 sequence_hash,
                 ..
-            } => {
-                let pool = &mut self.pools[tier.index()];
-                pool.evictions += 1;
-                if !pool.registered.remove(sequence_hash) {
-                    self.inconsistencies.evict_unregistered += 1;
-                }
-            }
+            } => self.block_evicted(*tier, *sequence_hash),
             EventKind::PoolGauge {
                 tier,
                 capacity,
                 active,
                 inactive,
                 empty,
-            } => {
-                let pool = &mut self.pools[tier.index()];
-                pool.capacity = *capacity;
-                pool.active = *active;
-                pool.inactive = *inactive;
-                pool.empty = *empty;
-                pool.gauge_ns = Some(ts);
-            }
+            } => self.pool_gauge(ts, *tier, *capacity, *active, *inactive, *empty),
             EventKind::TransferPlanned {
                 transfer,
                 direction,
@@ -453,50 +405,17 @@ impl EngineState {
                 transfer,
                 direction,
                 blocks,
-            } => {
-                self.direction_mut(*direction).promoted += 1;
-                match self.in_flight.get_mut(transfer) {
-                    Some(t) => {
-                        if t.direction != *direction {
-                            self.inconsistencies.transfer_direction_mismatch += 1;
-                        }
-                        t.status = TransferState::Promoted;
-                        t.blocks = *blocks;
-                        t.updated_ns = ts;
-                    }
-                    None => self.inconsistencies.unknown_transfer += 1,
-                }
-            }
+            } => self.transfer_promoted(ts, *transfer, *direction, *blocks),
             EventKind::TransferCompleted {
                 transfer,
                 direction,
                 blocks,
-            } => {
-                let totals = self.direction_mut(*direction);
-                totals.completed += 1;
-                totals.completed_blocks += u64::from(*blocks);
-                self.transfer_ended(
-                    ts,
-                    *transfer,
-                    *direction,
-                    TransferState::Completed,
-                    Some(*blocks),
-                );
-            }
+            } => self.transfer_completed(ts, *transfer, *direction, *blocks),
             EventKind::TransferSkipped {
                 transfer,
                 direction,
                 reason,
-            } => {
-                self.direction_mut(*direction).skipped += 1;
-                self.transfer_ended(
-                    ts,
-                    *transfer,
-                    *direction,
-                    TransferState::Skipped(reason.clone()),
-                    None,
-                );
-            }
+            } => self.transfer_skipped(ts, *transfer, *direction, reason),
             EventKind::TransferCancelled {
                 transfer,
                 direction,
@@ -508,39 +427,13 @@ impl EngineState {
                 transfer,
                 direction,
                 error,
-            } => {
-                self.direction_mut(*direction).failed += 1;
-                self.transfer_ended(
-                    ts,
-                    *transfer,
-                    *direction,
-                    TransferState::Failed(error.clone()),
-                    None,
-                );
-            }
+            } => self.transfer_failed(ts, *transfer, *direction, error),
             EventKind::BatchDispatched {
                 batch,
                 direction,
                 transfers,
                 blocks,
-            } => {
-                self.direction_mut(*direction).batches_dispatched += 1;
-                for id in transfers {
-                    if let Some(t) = self.in_flight.get_mut(id) {
-                        t.batch = Some(*batch);
-                    }
-                }
-                let view = BatchView {
-                    id: *batch,
-                    direction: *direction,
-                    transfers: transfers.clone(),
-                    blocks: *blocks,
-                    dispatched_ns: ts,
-                };
-                if self.batches.insert(*batch, view).is_some() {
-                    self.inconsistencies.duplicate_batch += 1;
-                }
-            }
+            } => self.batch_dispatched(ts, *batch, *direction, transfers, *blocks),
             EventKind::BatchCompleted {
                 batch,
                 direction,
@@ -548,17 +441,7 @@ impl EngineState {
                 blocks,
                 bytes,
                 elapsed_ns,
-            } => {
-                if self.batches.remove(batch).is_none() {
-                    self.inconsistencies.unknown_batch += 1;
-                }
-                let totals = self.direction_mut(*direction);
-                totals.batches += 1;
-                totals.batches_failed += u64::from(!*ok);
-                totals.blocks += u64::from(*blocks);
-                totals.bytes = totals.bytes.saturating_add(*bytes);
-                totals.elapsed_ns = totals.elapsed_ns.saturating_add(*elapsed_ns);
-            }
+            } => self.batch_completed(*batch, *direction, *ok, *blocks, *bytes, *elapsed_ns),
             EventKind::HookCall { entry, phase } => {
                 self.hooks[entry_index(*entry)][phase_index(*phase)] += 1;
             }
@@ -566,38 +449,13 @@ impl EngineState {
                 breakpoint,
                 entry,
                 deadline_ns,
-            } => {
-                self.breakpoints.hits += 1;
-                self.paused
-                    .entry(*breakpoint)
-                    .or_default()
-                    .push_back(PausedCall {
-                        breakpoint: *breakpoint,
-                        entry: *entry,
-                        request: req.cloned(),
-                        hit_ns: ts,
-                        deadline_ns: *deadline_ns,
-                        seq: ev.seq,
-                    });
-            }
+            } => self.breakpoint_hit(req, ts, ev.seq, *breakpoint, *entry, *deadline_ns),
             EventKind::Resumed { breakpoint, cause } => self.resumed(req, *breakpoint, *cause),
             EventKind::TokensScheduled {
                 prefill,
                 decode,
                 computed,
-            } => {
-                if req.is_none() {
-                    self.inconsistencies.missing_request += 1;
-                }
-                if let Some(slot) = self.request_slot(req, ts) {
-                    slot.computed = *computed;
-                    slot.prefilled += u64::from(*prefill);
-                    slot.generated += u64::from(*decode);
-                    if *decode > 0 && slot.first_token_ns.is_none() {
-                        slot.first_token_ns = Some(ts);
-                    }
-                }
-            }
+            } => self.tokens_scheduled(req, ts, *prefill, *decode, *computed),
             // What a request looked up is the capacity analysis's input
             // (kvbm-recorder); only the block size is kept here.
             EventKind::PrefixLookup { block_size, .. } => {
@@ -861,6 +719,237 @@ impl EngineState {
         // Empty queues are removed so equal histories give equal states.
         if queue.is_empty() {
             self.paused.remove(&breakpoint);
+        }
+    }
+
+    /// A prefix lookup on one tier: its pool's hit counters, the block size
+    /// (learned from the first host or disk hit) and the slot's G1 hits.
+    fn match_result(
+        &mut self,
+        req: Option<&RequestId>,
+        ts: u64,
+        tier: Tier,
+        looked_up: u32,
+        hit_blocks: u32,
+        hit_tokens: u32,
+    ) {
+        let pool = &mut self.pools[tier.index()];
+        pool.lookups += 1;
+        pool.looked_up_blocks += u64::from(looked_up);
+        pool.hit_blocks += u64::from(hit_blocks);
+        pool.hit_tokens += u64::from(hit_tokens);
+        let learns = tier != Tier::Device
+            && self.block_size == 0
+            && hit_blocks > 0
+            && hit_tokens.is_multiple_of(hit_blocks);
+        if learns {
+            self.block_size = hit_tokens / hit_blocks;
+        }
+        // Host and disk hits are credited when they are loaded
+        // (module docs, *Per-request hits*).
+        if let Some(slot) = self.request_slot(req, ts)
+            && tier == Tier::Device
+        {
+            slot.hit_tokens[Tier::Device.index()] = u64::from(hit_tokens);
+        }
+    }
+
+    /// A request let go of blocks: its pool's count and what the slot
+    /// holds, counting a release of more than it held.
+    fn blocks_released(&mut self, req: Option<&RequestId>, ts: u64, tier: Tier, count: u32) {
+        self.pools[tier.index()].released_blocks += u64::from(count);
+        let underflow = self.request_slot(req, ts).is_some_and(|slot| {
+            let held = &mut slot.blocks[tier.index()];
+            let under = count > *held;
+            *held = held.saturating_sub(count);
+            under
+        });
+        self.inconsistencies.blocks_underflow += u64::from(underflow);
+    }
+
+    /// A block registered under a hash: a primary registration adds the
+    /// hash to its pool's registered set.
+    fn block_registered(
+        &mut self,
+        tier: Tier,
+        sequence_hash: SequenceHash,
+        duplicate_of: Option<BlockId>,
+    ) {
+        let pool = &mut self.pools[tier.index()];
+        pool.registrations += 1;
+        if duplicate_of.is_some() {
+            pool.duplicate_registrations += 1;
+        } else if !pool.registered.insert(sequence_hash) {
+            self.inconsistencies.register_already_registered += 1;
+        }
+    }
+
+    /// A block evicted: its hash leaves its pool's registered set.
+    fn block_evicted(&mut self, tier: Tier, sequence_hash: SequenceHash) {
+        let pool = &mut self.pools[tier.index()];
+        pool.evictions += 1;
+        if !pool.registered.remove(&sequence_hash) {
+            self.inconsistencies.evict_unregistered += 1;
+        }
+    }
+
+    /// Occupancy of one tier's pool, as last reported.
+    fn pool_gauge(
+        &mut self,
+        ts: u64,
+        tier: Tier,
+        capacity: u32,
+        active: u32,
+        inactive: u32,
+        empty: u32,
+    ) {
+        let pool = &mut self.pools[tier.index()];
+        pool.capacity = capacity;
+        pool.active = active;
+        pool.inactive = inactive;
+        pool.empty = empty;
+        pool.gauge_ns = Some(ts);
+    }
+
+    /// A candidate committed: the in-flight transfer becomes Promoted.
+    fn transfer_promoted(&mut self, ts: u64, transfer: u64, direction: Direction, blocks: u32) {
+        self.direction_mut(direction).promoted += 1;
+        match self.in_flight.get_mut(&transfer) {
+            Some(t) => {
+                if t.direction != direction {
+                    self.inconsistencies.transfer_direction_mismatch += 1;
+                }
+                t.status = TransferState::Promoted;
+                t.blocks = blocks;
+                t.updated_ns = ts;
+            }
+            None => self.inconsistencies.unknown_transfer += 1,
+        }
+    }
+
+    /// A candidate's blocks arrived: its direction's totals count them,
+    /// and the transfer ends Completed.
+    fn transfer_completed(&mut self, ts: u64, transfer: u64, direction: Direction, blocks: u32) {
+        let totals = self.direction_mut(direction);
+        totals.completed += 1;
+        totals.completed_blocks += u64::from(blocks);
+        self.transfer_ended(
+            ts,
+            transfer,
+            direction,
+            TransferState::Completed,
+            Some(blocks),
+        );
+    }
+
+    /// A candidate skipped: the transfer ends Skipped, with the reason.
+    fn transfer_skipped(&mut self, ts: u64, transfer: u64, direction: Direction, reason: &str) {
+        self.direction_mut(direction).skipped += 1;
+        let status = TransferState::Skipped(reason.to_owned());
+        self.transfer_ended(ts, transfer, direction, status, None);
+    }
+
+    /// A candidate's copy failed: the transfer ends Failed, with the error.
+    fn transfer_failed(&mut self, ts: u64, transfer: u64, direction: Direction, error: &str) {
+        self.direction_mut(direction).failed += 1;
+        let status = TransferState::Failed(error.to_owned());
+        self.transfer_ended(ts, transfer, direction, status, None);
+    }
+
+    /// A batch dispatched: its transfers are marked with it, and it is in
+    /// flight until it completes.
+    fn batch_dispatched(
+        &mut self,
+        ts: u64,
+        batch: u64,
+        direction: Direction,
+        transfers: &[u64],
+        blocks: u32,
+    ) {
+        self.direction_mut(direction).batches_dispatched += 1;
+        for id in transfers {
+            if let Some(t) = self.in_flight.get_mut(id) {
+                t.batch = Some(batch);
+            }
+        }
+        let view = BatchView {
+            id: batch,
+            direction,
+            transfers: transfers.to_vec(),
+            blocks,
+            dispatched_ns: ts,
+        };
+        if self.batches.insert(batch, view).is_some() {
+            self.inconsistencies.duplicate_batch += 1;
+        }
+    }
+
+    /// A batch finished: it leaves the in-flight batches, and its
+    /// direction's totals count it.
+    fn batch_completed(
+        &mut self,
+        batch: u64,
+        direction: Direction,
+        ok: bool,
+        blocks: u32,
+        bytes: u64,
+        elapsed_ns: u64,
+    ) {
+        if self.batches.remove(&batch).is_none() {
+            self.inconsistencies.unknown_batch += 1;
+        }
+        let totals = self.direction_mut(direction);
+        totals.batches += 1;
+        totals.batches_failed += u64::from(!ok);
+        totals.blocks += u64::from(blocks);
+        totals.bytes = totals.bytes.saturating_add(bytes);
+        totals.elapsed_ns = totals.elapsed_ns.saturating_add(elapsed_ns);
+    }
+
+    /// A breakpoint paused a call: the call joins the breakpoint's queue.
+    fn breakpoint_hit(
+        &mut self,
+        req: Option<&RequestId>,
+        ts: u64,
+        seq: u64,
+        breakpoint: u64,
+        entry: EntryPoint,
+        deadline_ns: u64,
+    ) {
+        self.breakpoints.hits += 1;
+        self.paused
+            .entry(breakpoint)
+            .or_default()
+            .push_back(PausedCall {
+                breakpoint,
+                entry,
+                request: req.cloned(),
+                hit_ns: ts,
+                deadline_ns,
+                seq,
+            });
+    }
+
+    /// What the scheduler ran for a request: the slot's token counts, and
+    /// its first token's time.
+    fn tokens_scheduled(
+        &mut self,
+        req: Option<&RequestId>,
+        ts: u64,
+        prefill: u32,
+        decode: u32,
+        computed: u32,
+    ) {
+        if req.is_none() {
+            self.inconsistencies.missing_request += 1;
+        }
+        if let Some(slot) = self.request_slot(req, ts) {
+            slot.computed = computed;
+            slot.prefilled += u64::from(prefill);
+            slot.generated += u64::from(decode);
+            if decode > 0 && slot.first_token_ns.is_none() {
+                slot.first_token_ns = Some(ts);
+            }
         }
     }
 
