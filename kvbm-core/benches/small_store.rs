@@ -131,19 +131,203 @@ fn mapping(dir: &std::path::Path, name: &str, len: usize) -> memmap2::MmapRaw {
     m
 }
 
-fn main() {
-    let quick = std::env::var("KVBM_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
-    let laps = if quick { 1 } else { 4 };
-    let dir = shm_dir();
-    // "vLLM's" KV tensors: one buffer per layer, block-major, as the worker
-    // wraps them (HostStorage::external).
-    let mut tensors: Vec<Vec<u8>> = (0..LAYERS)
+/// "vLLM's" KV tensors: one buffer per layer, block-major, as the worker
+/// wraps them (HostStorage::external).
+fn kv_tensors() -> Vec<Vec<u8>> {
+    (0..LAYERS)
         .map(|l| {
             (0..G1_BLOCKS * PAGE)
                 .map(|i| (i % 251) as u8 ^ (l as u8).wrapping_mul(17))
                 .collect()
         })
-        .collect();
+        .collect()
+}
+
+/// What one batch took, in ns, by each variant.
+#[derive(Default)]
+struct Times {
+    outside: u64,
+    own: u64,
+    bare: u64,
+    single: u64,
+    s_outside: u64,
+    s_own: u64,
+}
+
+/// Every variant's samples, over all measured batches.
+#[derive(Default)]
+struct Results {
+    e_out: Samples,
+    e_own: Samples,
+    pieces: Samples,
+    one: Samples,
+    s_out: Samples,
+    s_own: Samples,
+}
+
+impl Results {
+    fn push(&mut self, t: &Times, bytes: usize) {
+        self.e_out.push(t.outside, bytes);
+        self.e_own.push(t.own, bytes);
+        self.pieces.push(t.bare, bytes);
+        self.one.push(t.single, bytes);
+        self.s_out.push(t.s_outside, bytes);
+        self.s_own.push(t.s_own, bytes);
+    }
+
+    /// The table: a row per variant, each against one memcpy's p50.
+    fn print_table(mut self) {
+        println!(
+            "| variant | p50 µs | p90 µs | GB/s at p50 | GB/s all bytes / all time | p50 vs one memcpy |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|");
+        let base = {
+            let mut v = self.one.ns.clone();
+            v.sort_unstable();
+            self.one.bytes as f64 / self.one.ns.len() as f64 / v[(v.len() - 1) / 2] as f64
+        };
+        self.e_out.row("engine, ordinary stores, whole call", base);
+        self.e_own
+            .row("engine, ordinary stores, own clock (the recording's)", base);
+        self.pieces.row("the same pieces, bare", base);
+        self.s_out.row("engine, streaming stores, whole call", base);
+        self.s_own.row("engine, streaming stores, own clock", base);
+        self.one.row("one memcpy of the same bytes", base);
+    }
+}
+
+/// The variants' copies of a batch, each into a destination of its own.
+struct Copies<'a> {
+    /// The engine with ordinary stores.
+    engine: &'a MemcpyEngine,
+    /// The engine as the vLLM worker builds it for stores.
+    streaming: &'a MemcpyEngine,
+    /// G1's layers, for the bare pieces.
+    ptrs: &'a [*mut u8],
+    bare_dst: &'a memmap2::MmapRaw,
+    plain_dst: &'a memmap2::MmapRaw,
+    /// Two blocks' bytes, for the one memcpy.
+    src_plain: &'a [u8],
+    /// A block's bytes.
+    bb: usize,
+}
+
+impl Copies<'_> {
+    /// Copies batch `i` (`pairs`, at tier block `dst` on) by every
+    /// variant, starting with the one `i` picks.
+    fn time(&self, pairs: &[BlockPair], dst: usize, i: usize) -> Times {
+        let bytes = pairs.len() * self.bb;
+        let mut times = Times::default();
+        // Each variant goes first as often as the others: the first to
+        // read a source block may find it less warm. Each writes a tier
+        // (or mapping) of its own, so every destination is cold.
+        for v in 0..4 {
+            match (v + i) % 4 {
+                // The engine as the vLLM worker builds it for stores.
+                3 => (times.s_outside, times.s_own) = whole_call(self.streaming, pairs),
+                // The engine, as the worker calls it.
+                0 => (times.outside, times.own) = whole_call(self.engine, pairs),
+                1 => times.bare = self.bare(pairs),
+                2 => times.single = self.one_memcpy(dst, bytes),
+                _ => {}
+            }
+        }
+        times
+    }
+
+    /// The same pieces as the engine's, bare: ns taken.
+    fn bare(&self, pairs: &[BlockPair]) -> u64 {
+        let t = Instant::now();
+        for p in pairs {
+            for (l, from) in self.ptrs.iter().enumerate() {
+                // SAFETY: p.src < G1_BLOCKS and p.dst <
+                // G2_BLOCKS, so both ranges are inside
+                // their allocations, which are distinct.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        from.add(p.src as usize * PAGE),
+                        self.bare_dst
+                            .as_mut_ptr()
+                            .add(p.dst as usize * self.bb + l * PAGE),
+                        PAGE,
+                    )
+                };
+            }
+        }
+        t.elapsed().as_nanos() as u64
+    }
+
+    /// One memcpy of the same bytes, to tier block `dst`: ns taken.
+    fn one_memcpy(&self, dst: usize, bytes: usize) -> u64 {
+        let t = Instant::now();
+        // SAFETY: src_plain holds 2 blocks; dst + n <= G2_BLOCKS.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.src_plain.as_ptr(),
+                self.plain_dst.as_mut_ptr().add(dst * self.bb),
+                bytes,
+            )
+        };
+        t.elapsed().as_nanos() as u64
+    }
+}
+
+/// One `transfer_blocking` call: ns for the whole call, and the ns the
+/// engine reports for it.
+fn whole_call(engine: &MemcpyEngine, pairs: &[BlockPair]) -> (u64, u64) {
+    let t = Instant::now();
+    // SAFETY: nothing else touches these storages.
+    let stats = unsafe { engine.transfer_blocking(pairs.to_vec()) }.expect("store");
+    (
+        t.elapsed().as_nanos() as u64,
+        stats.elapsed.as_nanos() as u64,
+    )
+}
+
+/// The engines' bytes are right (a copy that is fast and wrong is no
+/// use): the last batch's blocks, read back from both tiers.
+fn check_last_batch(
+    g1: &HostStorage,
+    g2: &HostStorage,
+    g2s: &HostStorage,
+    last: &[BlockPair],
+    bb: usize,
+) {
+    let (mut out, mut want) = (vec![0u8; bb], vec![0u8; bb]);
+    for p in last {
+        // SAFETY: all copies are done.
+        unsafe {
+            g2.read_block(p.dst, &mut out).expect("read g2");
+            g1.read_block(p.src, &mut want).expect("read g1");
+        }
+        assert!(out == want, "the engine's copy differs from its source");
+        // SAFETY: as above.
+        unsafe { g2s.read_block(p.dst, &mut out) }.expect("read g2s");
+        assert!(
+            out == want,
+            "the streaming engine's copy differs from its source"
+        );
+    }
+}
+
+/// What a reading of the clock costs here, for judging the µs below.
+fn print_instant_cost() {
+    let t = Instant::now();
+    let mut x = t;
+    for _ in 0..100_000 {
+        x = std::hint::black_box(Instant::now());
+    }
+    println!(
+        "Instant::now() costs {:.0} ns here",
+        x.duration_since(t).as_nanos() as f64 / 100_000.0
+    );
+}
+
+fn main() {
+    let quick = std::env::var("KVBM_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+    let laps = if quick { 1 } else { 4 };
+    let dir = shm_dir();
+    let mut tensors = kv_tensors();
     let ptrs: Vec<*mut u8> = tensors.iter_mut().map(|t| t.as_mut_ptr()).collect();
     // SAFETY: the tensors outlive the storage and the engine (dropped at the
     // end of main, after them), and nothing else writes them.
@@ -162,13 +346,7 @@ fn main() {
         MemcpyEngine::new(g1.clone(), Tier::Device, g2.clone(), Tier::Host).expect("engine");
     let src_plain: Vec<u8> = (0..2 * bb).map(|i| (i % 241) as u8).collect();
 
-    let (mut e_out, mut e_own, mut pieces, mut one) = (
-        Samples::default(),
-        Samples::default(),
-        Samples::default(),
-        Samples::default(),
-    );
-    let (mut s_out, mut s_own) = (Samples::default(), Samples::default());
+    let mut results = Results::default();
     let g2s = tier(dir.path(), "g2-streaming");
     let streaming = MemcpyEngine::with_stores(
         g1.clone(),
@@ -179,6 +357,15 @@ fn main() {
         Stores::Streaming,
     )
     .expect("streaming engine");
+    let copies = Copies {
+        engine: &engine,
+        streaming: &streaming,
+        ptrs: &ptrs,
+        bare_dst: &bare_dst,
+        plain_dst: &plain_dst,
+        src_plain: &src_plain,
+        bb,
+    };
     // Batches of 1, 1, 1, 2 blocks: 40 KiB on average.
     let sizes = [1usize, 1, 1, 2];
     let mut src_next = 0u32;
@@ -196,133 +383,31 @@ fn main() {
                 })
                 .collect();
             let bytes = n * bb;
-            let (mut outside, mut own, mut bare, mut single) = (0, 0, 0, 0);
-            // Each variant goes first as often as the others: the first to
-            // read a source block may find it less warm. Each writes a tier
-            // (or mapping) of its own, so every destination is cold.
-            let (mut s_outside, mut s_own_ns) = (0, 0);
-            for v in 0..4 {
-                match (v + i) % 4 {
-                    3 => {
-                        // The engine as the vLLM worker builds it for stores.
-                        let t = Instant::now();
-                        // SAFETY: nothing else touches these storages.
-                        let stats =
-                            unsafe { streaming.transfer_blocking(pairs.clone()) }.expect("store");
-                        s_outside = t.elapsed().as_nanos() as u64;
-                        s_own_ns = stats.elapsed.as_nanos() as u64;
-                    }
-                    0 => {
-                        // The engine, as the worker calls it.
-                        let t = Instant::now();
-                        // SAFETY: nothing else touches these storages.
-                        let stats =
-                            unsafe { engine.transfer_blocking(pairs.clone()) }.expect("store");
-                        outside = t.elapsed().as_nanos() as u64;
-                        own = stats.elapsed.as_nanos() as u64;
-                    }
-                    1 => {
-                        // The same pieces, bare.
-                        let t = Instant::now();
-                        for p in &pairs {
-                            for (l, from) in ptrs.iter().enumerate() {
-                                // SAFETY: p.src < G1_BLOCKS and p.dst <
-                                // G2_BLOCKS, so both ranges are inside
-                                // their allocations, which are distinct.
-                                unsafe {
-                                    std::ptr::copy_nonoverlapping(
-                                        from.add(p.src as usize * PAGE),
-                                        bare_dst.as_mut_ptr().add(p.dst as usize * bb + l * PAGE),
-                                        PAGE,
-                                    )
-                                };
-                            }
-                        }
-                        bare = t.elapsed().as_nanos() as u64;
-                    }
-                    2 => {
-                        // One memcpy of the same bytes.
-                        let t = Instant::now();
-                        // SAFETY: src_plain holds 2 blocks; dst + n <= G2_BLOCKS.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                src_plain.as_ptr(),
-                                plain_dst.as_mut_ptr().add(dst * bb),
-                                bytes,
-                            )
-                        };
-                        single = t.elapsed().as_nanos() as u64;
-                    }
-                    _ => {}
-                }
-            }
+            let times = copies.time(&pairs, dst, i);
             if lap > 0 {
-                e_out.push(outside, bytes);
-                e_own.push(own, bytes);
-                pieces.push(bare, bytes);
-                one.push(single, bytes);
-                s_out.push(s_outside, bytes);
-                s_own.push(s_own_ns, bytes);
+                results.push(&times, bytes);
             }
             last = pairs;
             dst += n;
         }
     }
-    // The engine's bytes are right (a copy that is fast and wrong is no
-    // use): the last batch's blocks, read back.
-    let (mut out, mut want) = (vec![0u8; bb], vec![0u8; bb]);
-    for p in &last {
-        // SAFETY: all copies are done.
-        unsafe {
-            g2.read_block(p.dst, &mut out).expect("read g2");
-            g1.read_block(p.src, &mut want).expect("read g1");
-        }
-        assert!(out == want, "the engine's copy differs from its source");
-        // SAFETY: as above.
-        unsafe { g2s.read_block(p.dst, &mut out) }.expect("read g2s");
-        assert!(
-            out == want,
-            "the streaming engine's copy differs from its source"
-        );
-    }
+    check_last_batch(&g1, &g2, &g2s, &last, bb);
 
     println!(
         "kvbm small-store bench: {} batches of 1-2 blocks of {} KiB ({LAYERS} layers x {} KiB), avg {} KiB, into a {} MiB shared tier in {} walked in order{}",
-        e_out.ns.len(),
+        results.e_out.ns.len(),
         bb >> 10,
         PAGE >> 10,
-        (e_out.bytes / e_out.ns.len() as u64) >> 10,
+        (results.e_out.bytes / results.e_out.ns.len() as u64) >> 10,
         g2_len >> 20,
         dir.path()
             .parent()
             .map_or("?".into(), |p| p.display().to_string()),
         if quick { " (quick)" } else { "" }
     );
-    let t = Instant::now();
-    let mut x = t;
-    for _ in 0..100_000 {
-        x = std::hint::black_box(Instant::now());
-    }
-    println!(
-        "Instant::now() costs {:.0} ns here",
-        x.duration_since(t).as_nanos() as f64 / 100_000.0
-    );
+    print_instant_cost();
     println!();
-    println!(
-        "| variant | p50 µs | p90 µs | GB/s at p50 | GB/s all bytes / all time | p50 vs one memcpy |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|");
-    let base = {
-        let mut v = one.ns.clone();
-        v.sort_unstable();
-        one.bytes as f64 / one.ns.len() as f64 / v[(v.len() - 1) / 2] as f64
-    };
-    e_out.row("engine, ordinary stores, whole call", base);
-    e_own.row("engine, ordinary stores, own clock (the recording's)", base);
-    pieces.row("the same pieces, bare", base);
-    s_out.row("engine, streaming stores, whole call", base);
-    s_own.row("engine, streaming stores, own clock", base);
-    one.row("one memcpy of the same bytes", base);
+    results.print_table();
     drop(engine);
     drop(streaming);
     drop(g1);

@@ -7,7 +7,7 @@
 //! fast layer.
 
 use kvbm_events::bus::TapItem;
-use kvbm_events::{Event, EventKind, Tier};
+use kvbm_events::{BlockId, Event, EventKind, Tier};
 use kvbm_py::config::Config;
 use kvbm_py::scheduler::{Parallel, Scheduled, SchedulerSide, StepInput};
 use kvbm_py::tiers::{Geometry, Shard};
@@ -168,33 +168,52 @@ fn events(tap: &mut kvbm_events::bus::TapReceiver<Event>) -> Vec<Event> {
     out
 }
 
-fn run_store_then_load(extra: serde_json::Value) {
-    let mut r = rig(extra);
-    let mut tap = r.sched.emitter().bus().take_tap().unwrap();
-    // Request A: 9 tokens, two full blocks, computed in one step into
-    // vLLM blocks 1, 2, 3.
-    let a = prompt(100, 9);
-    r.admit_without_hit("A", &a, &[1, 2, 3]);
-    let step =
-        |req: &str, p: &[u32], before: usize, n: usize, blocks: &[u32], new: Vec<u32>| StepInput {
-            scheduled: vec![Scheduled {
-                request: req.into(),
-                new_tokens: new,
-                prompt_len: p.len(),
-                computed_before: before,
-                scheduled: n,
-                block_ids: Some(blocks.to_vec()),
-            }],
-            preempted: Vec::new(),
-            g1_free: Some(BLOCKS - blocks.len()),
-        };
+/// One vLLM step that runs one request: `n` of prompt `p`'s tokens from
+/// `before` on, in `blocks`, and the rest of G1 free.
+fn one_run(
+    req: &str,
+    p: &[u32],
+    before: usize,
+    n: usize,
+    blocks: &[u32],
+    new: Vec<u32>,
+) -> StepInput {
+    StepInput {
+        scheduled: vec![run(req, p, before, n, blocks, new)],
+        preempted: Vec::new(),
+        g1_free: Some(BLOCKS - blocks.len()),
+    }
+}
+
+/// Takes the tap's events into `seen` until `done` says they are all
+/// there or `within` has passed: completions are events of the
+/// pipelines' own tasks, so they come a moment after the step.
+fn collect_until(
+    tap: &mut kvbm_events::bus::TapReceiver<Event>,
+    seen: &mut Vec<Event>,
+    within: std::time::Duration,
+    done: impl Fn(&[Event]) -> bool,
+) {
+    let t = std::time::Instant::now();
+    while t.elapsed() < within && !done(seen) {
+        seen.extend(events(tap));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Request A of `run_store_then_load`: 9 tokens, two full blocks,
+/// computed into vLLM blocks 1, 2, 3, stored and finished. Returns the
+/// two full blocks' bytes as computed, once vLLM may reuse them.
+fn compute_and_store_a(r: &mut Rig, a: &[u32]) -> (Vec<u8>, Vec<u8>) {
+    // Computed in one step.
+    r.admit_without_hit("A", a, &[1, 2, 3]);
     r.step(
-        step("A", &a, 0, 9, &[1, 2, 3], Vec::new()),
-        &[(1, &a, 0), (2, &a, 1)],
+        one_run("A", a, 0, 9, &[1, 2, 3], Vec::new()),
+        &[(1, a, 0), (2, a, 1)],
     );
     // Next step: A's stores (blocks 1 and 2) ship and run before the
     // forward pass; A decodes one token.
-    r.step(step("A", &a, 9, 1, &[1, 2, 3], vec![7]), &[]);
+    r.step(one_run("A", a, 9, 1, &[1, 2, 3], vec![7]), &[]);
     let computed_1 = r.cache.block(1);
     let computed_2 = r.cache.block(2);
     if r.sched.request_finished("A", &[1, 2]).unwrap() {
@@ -212,6 +231,14 @@ fn run_store_then_load(extra: serde_json::Value) {
         }
         assert!(announced, "A never finished sending");
     }
+    (computed_1, computed_2)
+}
+
+/// vLLM forgets its cache, then request B, sharing A's 8-token prefix,
+/// gets an external hit of two blocks and loads them into vLLM blocks 5
+/// and 6, byte for byte as A computed them. Returns B's prompt.
+fn reload_a_as_b(r: &mut Rig, a: &[u32], computed: (Vec<u8>, Vec<u8>)) -> Vec<u32> {
+    let (computed_1, computed_2) = computed;
     // vLLM forgets its cache (reset_prefix_cache) and reuses the blocks.
     for b in 1..4 {
         r.cache.wipe(b);
@@ -228,31 +255,111 @@ fn run_store_then_load(extra: serde_json::Value) {
     r.sched
         .update_state_after_alloc("B", &[5, 6, 7], 8)
         .unwrap();
-    let errors = r.step(step("B", &b_prompt, 8, 3, &[5, 6, 7], Vec::new()), &[]);
+    let errors = r.step(one_run("B", &b_prompt, 8, 3, &[5, 6, 7], Vec::new()), &[]);
     assert!(errors.is_empty(), "{errors:?} {:?}", r.sched.counters());
     assert_eq!(r.cache.block(5), computed_1, "block 0 loaded byte for byte");
     assert_eq!(r.cache.block(6), computed_2, "block 1 loaded byte for byte");
+    b_prompt
+}
+
+/// The transfers completed in `seen`, as (direction, blocks).
+fn completed_transfers(seen: &[Event]) -> Vec<(String, u32)> {
+    seen.iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::TransferCompleted {
+                direction, blocks, ..
+            } => Some((direction.to_string(), *blocks)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The batches the worker completed in `seen`, as (direction, blocks).
+fn completed_batches(seen: &[Event]) -> Vec<(String, u32)> {
+    seen.iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::BatchCompleted {
+                direction,
+                ok: true,
+                blocks,
+                ..
+            } => Some((direction.to_string(), *blocks)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The G1 blocks `req` was given in `seen`, by mirror id, and how many
+/// it released.
+fn device_blocks(seen: &[Event], req: &str) -> (Vec<BlockId>, u32) {
+    let (mut given, mut released) = (Vec::new(), 0);
+    for e in seen.iter().filter(|e| e.request.as_deref() == Some(req)) {
+        match &e.kind {
+            EventKind::BlocksAllocated {
+                tier: Tier::Device,
+                blocks,
+            } => given.extend_from_slice(blocks),
+            EventKind::BlocksReleased {
+                tier: Tier::Device,
+                count,
+            } => released += count,
+            _ => {}
+        }
+    }
+    (given, released)
+}
+
+/// The G1 blocks registered in `seen`, by mirror id.
+fn registered_device_blocks(seen: &[Event]) -> std::collections::HashSet<BlockId> {
+    seen.iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::BlockRegistered {
+                tier: Tier::Device,
+                block,
+                ..
+            } => Some(*block),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `req`'s lookups on G1 in `seen`, as (blocks looked up, hit blocks,
+/// hit tokens).
+fn device_lookups(seen: &[Event], req: &str) -> Vec<(u32, u32, u32)> {
+    seen.iter()
+        .filter(|e| e.request.as_deref() == Some(req))
+        .filter_map(|e| match &e.kind {
+            EventKind::MatchResult {
+                tier: Tier::Device,
+                looked_up,
+                hit_blocks,
+                hit_tokens,
+            } => Some((*looked_up, *hit_blocks, *hit_tokens)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn run_store_then_load(extra: serde_json::Value) {
+    let mut r = rig(extra);
+    let mut tap = r.sched.emitter().bus().take_tap().unwrap();
+    let a = prompt(100, 9);
+    let computed = compute_and_store_a(&mut r, &a);
+    let b_prompt = reload_a_as_b(&mut r, &a, computed);
     // Completions are events of the pipelines' own tasks: give them a
     // moment.
     let mut seen = Vec::new();
-    let completed = |seen: &[Event]| -> Vec<(String, u32)> {
-        seen.iter()
-            .filter_map(|e| match &e.kind {
-                EventKind::TransferCompleted {
-                    direction, blocks, ..
-                } => Some((direction.to_string(), *blocks)),
-                _ => None,
-            })
-            .collect()
-    };
-    let t = std::time::Instant::now();
-    while t.elapsed() < std::time::Duration::from_secs(5)
-        && !completed(&seen).iter().any(|(d, _)| d.ends_with("→G1"))
-    {
-        seen.extend(events(&mut tap));
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let completed = completed(&seen);
+    collect_until(
+        &mut tap,
+        &mut seen,
+        std::time::Duration::from_secs(5),
+        |seen| {
+            completed_transfers(seen)
+                .iter()
+                .any(|(d, _)| d.ends_with("→G1"))
+        },
+    );
+    let completed = completed_transfers(&seen);
     assert!(
         completed
             .iter()
@@ -265,18 +372,7 @@ fn run_store_then_load(extra: serde_json::Value) {
     );
     // The worker reports a batch's bytes and time; its blocks are the
     // batch's own.
-    let batch_blocks: Vec<(String, u32)> = seen
-        .iter()
-        .filter_map(|e| match &e.kind {
-            EventKind::BatchCompleted {
-                direction,
-                ok: true,
-                blocks,
-                ..
-            } => Some((direction.to_string(), *blocks)),
-            _ => None,
-        })
-        .collect();
+    let batch_blocks = completed_batches(&seen);
     assert!(
         batch_blocks.iter().all(|(_, n)| *n > 0)
             && batch_blocks.iter().any(|(d, _)| d.ends_with("→G1")),
@@ -284,40 +380,13 @@ fn run_store_then_load(extra: serde_json::Value) {
     );
     // Each request's G1 blocks, by mirror id: A's two full blocks, given
     // and released when it finished; B's two loaded blocks, still held.
-    let g1 = |req: &str| {
-        let (mut given, mut released) = (Vec::new(), 0);
-        for e in seen.iter().filter(|e| e.request.as_deref() == Some(req)) {
-            match &e.kind {
-                EventKind::BlocksAllocated {
-                    tier: Tier::Device,
-                    blocks,
-                } => given.extend_from_slice(blocks),
-                EventKind::BlocksReleased {
-                    tier: Tier::Device,
-                    count,
-                } => released += count,
-                _ => {}
-            }
-        }
-        (given, released)
-    };
-    let (a_given, a_released) = g1("A");
+    let (a_given, a_released) = device_blocks(&seen, "A");
     assert_eq!((a_given.len(), a_released), (2, 2), "{a_given:?}");
-    let (b_given, b_released) = g1("B");
+    let (b_given, b_released) = device_blocks(&seen, "B");
     assert_eq!((b_given.len(), b_released), (2, 0), "{b_given:?}");
     // The allocations name the ids the registrations do (kvbm's mirror
     // ids), so a consumer maps a request to its prefix.
-    let registered: std::collections::HashSet<u32> = seen
-        .iter()
-        .filter_map(|e| match &e.kind {
-            EventKind::BlockRegistered {
-                tier: Tier::Device,
-                block,
-                ..
-            } => Some(*block),
-            _ => None,
-        })
-        .collect();
+    let registered = registered_device_blocks(&seen);
     assert!(
         a_given.iter().all(|b| registered.contains(b)),
         "{a_given:?} {registered:?}"
@@ -330,24 +399,13 @@ fn run_store_then_load(extra: serde_json::Value) {
         .get_num_new_matched_tokens("C", &c_prompt, BS)
         .unwrap();
     seen.extend(events(&mut tap));
-    let g1_lookups = |req: &str| -> Vec<(u32, u32, u32)> {
-        seen.iter()
-            .filter(|e| e.request.as_deref() == Some(req))
-            .filter_map(|e| match &e.kind {
-                EventKind::MatchResult {
-                    tier: Tier::Device,
-                    looked_up,
-                    hit_blocks,
-                    hit_tokens,
-                } => Some((*looked_up, *hit_blocks, *hit_tokens)),
-                _ => None,
-            })
-            .collect()
-    };
     let full = |p: &[u32]| ((p.len() - 1) / BS) as u32;
-    assert_eq!(g1_lookups("A"), [(full(&a), 0, 0)]);
-    assert_eq!(g1_lookups("B"), [(full(&b_prompt), 0, 0)]);
-    assert_eq!(g1_lookups("C"), [(full(&c_prompt), 1, BS as u32)]);
+    assert_eq!(device_lookups(&seen, "A"), [(full(&a), 0, 0)]);
+    assert_eq!(device_lookups(&seen, "B"), [(full(&b_prompt), 0, 0)]);
+    assert_eq!(
+        device_lookups(&seen, "C"),
+        [(full(&c_prompt), 1, BS as u32)]
+    );
     let c = r.sched.counters();
     assert_eq!(
         (c.late_loads, c.failed_load_blocks, c.unshippable_stores),
@@ -712,6 +770,47 @@ fn run(req: &str, p: &[u32], before: usize, n: usize, blocks: &[u32], new: Vec<u
     }
 }
 
+/// The blocks each request loaded from G2 into G1 in `seen`, by request:
+/// the completed host-to-device transfers, each credited to the request
+/// that planned it.
+fn loaded_from_g2(seen: &[Event]) -> std::collections::BTreeMap<String, u32> {
+    let owner: std::collections::HashMap<u64, String> = seen
+        .iter()
+        .filter_map(|e| match (&e.kind, e.request.as_deref()) {
+            (EventKind::TransferPlanned { transfer, .. }, Some(req)) => {
+                Some((*transfer, req.to_string()))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut out = std::collections::BTreeMap::new();
+    for e in seen {
+        if let EventKind::TransferCompleted {
+            transfer,
+            direction,
+            blocks,
+        } = &e.kind
+            && direction.src == Tier::Host
+            && direction.dst == Tier::Device
+            && let Some(req) = owner.get(transfer)
+        {
+            *out.entry(req.clone()).or_insert(0) += *blocks;
+        }
+    }
+    out
+}
+
+/// The tiers of `req`'s lookups in `seen`, in the order they were said.
+fn lookup_tiers(seen: &[Event], req: &str) -> Vec<Tier> {
+    seen.iter()
+        .filter(|e| e.request.as_deref() == Some(req))
+        .filter_map(|e| match &e.kind {
+            EventKind::MatchResult { tier, .. } => Some(*tier),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Issue 40: the console showed no G2 hit for any of vLLM's requests,
 /// because the connector said a lookup's host result before vLLM's device
 /// one (on every step a request waited) and the reducer let the device
@@ -814,39 +913,14 @@ fn each_reloaded_request_is_credited_the_g2_hits_it_loaded() {
     assert!(errors.is_empty(), "{errors:?} {:?}", r.sched.counters());
     // Completions are events of the pipelines' own tasks.
     let mut seen = Vec::new();
-    let loaded = |seen: &[Event]| -> std::collections::BTreeMap<String, u32> {
-        let owner: std::collections::HashMap<u64, String> = seen
-            .iter()
-            .filter_map(|e| match (&e.kind, e.request.as_deref()) {
-                (EventKind::TransferPlanned { transfer, .. }, Some(req)) => {
-                    Some((*transfer, req.to_string()))
-                }
-                _ => None,
-            })
-            .collect();
-        let mut out = std::collections::BTreeMap::new();
-        for e in seen {
-            if let EventKind::TransferCompleted {
-                transfer,
-                direction,
-                blocks,
-            } = &e.kind
-                && direction.src == Tier::Host
-                && direction.dst == Tier::Device
-                && let Some(req) = owner.get(transfer)
-            {
-                *out.entry(req.clone()).or_insert(0) += *blocks;
-            }
-        }
-        out
-    };
-    let t = std::time::Instant::now();
-    while t.elapsed() < std::time::Duration::from_secs(10) && loaded(&seen).len() < 2 {
-        seen.extend(events(&mut tap));
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    collect_until(
+        &mut tap,
+        &mut seen,
+        std::time::Duration::from_secs(10),
+        |seen| loaded_from_g2(seen).len() >= 2,
+    );
     seen.extend(events(&mut tap));
-    let loaded = loaded(&seen);
+    let loaded = loaded_from_g2(&seen);
     assert_eq!(
         loaded,
         [("B1".to_string(), 2), ("B2".to_string(), 2)].into(),
@@ -855,14 +929,7 @@ fn each_reloaded_request_is_credited_the_g2_hits_it_loaded() {
     // The connector says a lookup's device result first: each of B's
     // device results comes right before its host one.
     for req in rb {
-        let tiers: Vec<Tier> = seen
-            .iter()
-            .filter(|e| e.request.as_deref() == Some(req))
-            .filter_map(|e| match &e.kind {
-                EventKind::MatchResult { tier, .. } => Some(*tier),
-                _ => None,
-            })
-            .collect();
+        let tiers = lookup_tiers(&seen, req);
         assert_eq!(tiers, [Tier::Device, Tier::Host].repeat(4), "{req}");
     }
     let state = kvbm_events::reducer::fold(&seen);
