@@ -25,7 +25,7 @@
 //! resumes them) and the redelivered messages it already wrote are skipped
 //! as duplicates: no duplicates, no holes. [`FleetWriter::into_shards`]
 //! splits a writer into several, each owning some engines' logs, to write
-//! on threads of their own ([`crate::shards`]).
+//! on threads of their own (the `kvbm-recorder` program's `kvbm_cli::shards`).
 //!
 //! Every log keeps its segment open, so a fleet of thousands of engines
 //! needs thousands of open files, past the soft limit most systems start

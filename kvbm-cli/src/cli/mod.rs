@@ -1,6 +1,6 @@
 //! The `kvbm-recorder` command line: the commands and their options
 //! ([`Cli`]), and [`run`], which hands each command to its module:
-//! [`record`] writes a log, [`read`] reads one back, [`capacity`] asks what
+//! `record` writes a log, `read` reads one back, `capacity` asks what
 //! every cache size would have given.
 
 mod capacity;
