@@ -87,7 +87,10 @@ def main():
         where = f"{f}:{n}: {' '.join(words)}"
         if "-p" not in words:
             continue
-        pkg = words[words.index("-p") + 1]
+        pkg = words[words.index("-p") + 1] if words.index("-p") + 1 < len(words) else ""
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", pkg):
+            # Prose about commands (`cargo run -p …`), not a command.
+            continue
         if pkg not in known:
             problems.append(f"{where}: no package {pkg}")
             continue
