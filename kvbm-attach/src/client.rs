@@ -2,7 +2,7 @@
 //! console's `attach` and `kvbm-recorder record --from` run.
 //!
 //! [`Client::spawn`] starts one task on a tokio runtime that connects to
-//! `GET /events?since=SEQ&run=RUN&version=2`, checks the server's
+//! `GET /events?since=SEQ&run=RUN&version=3`, checks the server's
 //! [`ServerMsg::Hello`], and hands everything it reads to the caller as
 //! [`ClientEvent`]s through a bounded channel, in order:
 //!
@@ -1576,15 +1576,15 @@ mod tests {
         assert_eq!(e.to_string(), "http://127.0.0.1:6669");
         assert_eq!(
             e.events_url(Some(42), None),
-            "ws://127.0.0.1:6669/events?since=42&version=2"
+            "ws://127.0.0.1:6669/events?since=42&version=3"
         );
         assert_eq!(
             e.events_url(Some(42), Some(RunId(0xab))),
-            "ws://127.0.0.1:6669/events?since=42&run=00000000000000ab&version=2"
+            "ws://127.0.0.1:6669/events?since=42&run=00000000000000ab&version=3"
         );
         assert_eq!(
             e.events_url(None, None),
-            "ws://127.0.0.1:6669/events?version=2"
+            "ws://127.0.0.1:6669/events?version=3"
         );
         assert_eq!(
             Endpoint::parse(" HTTP://localhost:80/ ").unwrap().host,
@@ -1594,7 +1594,7 @@ mod tests {
         assert_eq!(v6.host, "::1");
         assert_eq!(
             v6.events_url(None, None),
-            "ws://[::1]:9000/events?version=2"
+            "ws://[::1]:9000/events?version=3"
         );
         assert_eq!(Endpoint::parse("ws://h:1").unwrap().port, 1);
         for (bad, why) in [
@@ -1839,16 +1839,16 @@ mod tests {
         };
         let mismatch = classify_connect_error(resp(
             400,
-            Some("3"),
-            r#"{"code":"protocol_mismatch","message":"this server speaks v3"}"#,
+            Some("4"),
+            r#"{"code":"protocol_mismatch","message":"this server speaks v4"}"#,
         ));
         let Ended::Fatal(e) = mismatch else {
             panic!("a mismatch is fatal")
         };
         assert_eq!(
             e.to_string(),
-            "protocol mismatch: this client speaks kvbm attach protocol v2, the server speaks v3 \
-             (this server speaks v3)"
+            "protocol mismatch: this client speaks kvbm attach protocol v3, the server speaks v4 \
+             (this server speaks v4)"
         );
         assert!(matches!(
             classify_connect_error(resp(401, None, r#"{"code":"unauthorized","message":"no"}"#)),
@@ -1939,7 +1939,7 @@ mod tests {
             let mut buf = Vec::new();
             kvbm_schema::protocol::encode_batch(
                 &events,
-                &mut kvbm_schema::convert::Encoder::new(),
+                &mut kvbm_schema::columnar::BlockEncoder::new(),
                 &mut buf,
             );
             ws.send(Message::binary(buf)).await.unwrap();
@@ -2041,9 +2041,9 @@ mod tests {
         assert_eq!(
             uris,
             [
-                "/events?since=0&version=2",
-                "/events?since=5&run=0000000000000007&version=2",
-                "/events?since=12&run=0000000000000007&version=2"
+                "/events?since=0&version=3",
+                "/events?since=5&run=0000000000000007&version=3",
+                "/events?since=12&run=0000000000000007&version=3"
             ]
         );
         let h = c.handle();
@@ -2131,7 +2131,7 @@ mod tests {
         );
         assert_eq!(
             uris.lock().unwrap()[1],
-            "/events?since=50&run=0000000000000001&version=2"
+            "/events?since=50&run=0000000000000001&version=3"
         );
     }
 
@@ -2200,10 +2200,10 @@ mod tests {
             let (mut tcp, _) = l.accept().await.unwrap();
             let mut buf = vec![0u8; 4096];
             let _ = tcp.read(&mut buf).await;
-            let body = r#"{"code":"protocol_mismatch","message":"server speaks v3, asked v1"}"#;
+            let body = r#"{"code":"protocol_mismatch","message":"server speaks v4, asked v1"}"#;
             let resp = format!(
                 "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n\
-                 x-kvbm-protocol: 3\r\ncontent-length: {}\r\n\r\n{body}",
+                 x-kvbm-protocol: 4\r\ncontent-length: {}\r\n\r\n{body}",
                 body.len()
             );
             tcp.write_all(resp.as_bytes()).await.unwrap();
@@ -2216,8 +2216,8 @@ mod tests {
         };
         assert_eq!(
             e.to_string(),
-            "protocol mismatch: this client speaks kvbm attach protocol v2, the server speaks v3 \
-             (server speaks v3, asked v1)"
+            "protocol mismatch: this client speaks kvbm attach protocol v3, the server speaks v4 \
+             (server speaks v4, asked v1)"
         );
     }
 
@@ -2270,7 +2270,7 @@ mod tests {
             .unwrap()
         };
         // Word for word what a server older than the field sends.
-        let old = r#"{"type":"hello","protocol":2,"engine":7,"run":"0000000000000007","client":2,"client_key":"k","first_seq":null,"last_seq":null}"#;
+        let old = r#"{"type":"hello","protocol":3,"engine":7,"run":"0000000000000007","client":2,"client_key":"k","first_seq":null,"last_seq":null}"#;
         let hellos: Arc<[String]> = [new(&a), old.to_string(), new(&b)].into();
         // One permit lets a connection say hello (after the first), the
         // next lets it close: the test looks in between.

@@ -75,7 +75,7 @@ type Ws =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 async fn ws(addr: SocketAddr) -> Option<Ws> {
-    let url = format!("ws://{addr}/events?version=2");
+    let url = format!("ws://{addr}/events?version=3");
     let (s, _) = tokio::time::timeout(
         Duration::from_secs(5),
         tokio_tungstenite::connect_async(url),

@@ -125,7 +125,7 @@ type WsStream =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 async fn ws(addr: SocketAddr) -> (WsStream, u64, String) {
-    let (mut s, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/events?version=2"))
+    let (mut s, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/events?version=3"))
         .await
         .unwrap();
     loop {
@@ -469,7 +469,7 @@ async fn one_address_cannot_take_every_place_and_loopback_keeps_one() {
         .unwrap();
         assert_eq!(r.status, 200, "{}", r.head);
     }
-    match tokio_tungstenite::connect_async(format!("ws://{addr}/events?version=2")).await {
+    match tokio_tungstenite::connect_async(format!("ws://{addr}/events?version=3")).await {
         Err(tungstenite::Error::Http(resp)) => assert_eq!(resp.status(), 503),
         other => panic!("a WebSocket on the reserved place: {other:?}"),
     }
@@ -606,7 +606,7 @@ async fn unparsable_requests_get_json_errors_too() {
         assert_eq!(r.status, status, "{}", r.head);
         assert_eq!(
             r.header("x-kvbm-protocol").as_deref(),
-            Some("2"),
+            Some("3"),
             "{}",
             r.head
         );

@@ -199,7 +199,7 @@ async fn ws_connect(
         resp.headers()
             .get("x-kvbm-protocol")
             .and_then(|v| v.to_str().ok()),
-        Some("2"),
+        Some("3"),
         "the handshake states the server's version"
     );
     Ok(s)
@@ -401,7 +401,7 @@ async fn backfill_then_live_and_resume_without_duplicates_or_gaps() {
     let h = serve(local(), f.engine.clone()).await;
     let addr = h.local_addr();
 
-    let mut ws = ws_connect(addr, "?version=2", &[("x-kvbm-protocol", "2")])
+    let mut ws = ws_connect(addr, "?version=3", &[("x-kvbm-protocol", "3")])
         .await
         .unwrap();
     let mut seen = Seen::default();
@@ -415,7 +415,7 @@ async fn backfill_then_live_and_resume_without_duplicates_or_gaps() {
         }) => {
             assert_eq!(
                 (protocol, engine, first_seq, last_seq),
-                (2, 3, Some(0), Some(499))
+                (3, 3, Some(0), Some(499))
             );
         }
         other => panic!("the server speaks first with Hello, got {other:?}"),
@@ -434,7 +434,7 @@ async fn backfill_then_live_and_resume_without_duplicates_or_gaps() {
     drop(ws);
 
     // Resume from the middle: no duplicate, no gap, then live again.
-    let mut ws = ws_connect(addr, "?since=650&version=2", &[]).await.unwrap();
+    let mut ws = ws_connect(addr, "?since=650&version=3", &[]).await.unwrap();
     let mut again = Seen::default();
     read_until(&mut ws, &mut again, |s| s.live_at.is_some()).await;
     f.emit(100).await;
@@ -535,21 +535,22 @@ async fn a_protocol_mismatch_is_a_400_naming_both_versions() {
     let h = serve(local(), f.engine.clone()).await;
     let addr = h.local_addr();
 
-    let r = http(addr, "GET", "/health", &[("x-kvbm-protocol", "3")], b"").await;
+    let r = http(addr, "GET", "/health", &[("x-kvbm-protocol", "4")], b"").await;
     assert_eq!(r.status, 400);
     let e = r.error();
     assert_eq!(e.code, "protocol_mismatch");
-    assert!(e.message.contains('3') && e.message.contains('2'), "{e:?}");
-    assert_eq!(r.header("x-kvbm-protocol"), Some("2"));
+    assert!(e.message.contains('4') && e.message.contains('3'), "{e:?}");
+    assert_eq!(r.header("x-kvbm-protocol"), Some("3"));
 
-    let ok = http(addr, "GET", "/health", &[("x-kvbm-protocol", "2")], b"").await;
+    let ok = http(addr, "GET", "/health", &[("x-kvbm-protocol", "3")], b"").await;
     assert_eq!(ok.status, 200);
     let health: Health = ok.json();
-    assert_eq!((health.status.as_str(), health.protocol), ("ok", 2));
+    assert_eq!((health.status.as_str(), health.protocol), ("ok", 3));
     assert_eq!(health.run, f.engine.run(), "the served run is in /health");
 
     // On the WebSocket: by query parameter and by header.
-    for (q, hdr) in [("?version=1", None), ("", Some("7"))] {
+    // Version 2 (one record per event) is refused as clearly as any other.
+    for (q, hdr) in [("?version=1", None), ("?version=2", None), ("", Some("7"))] {
         let headers: Vec<(&str, &str)> = hdr.map(|v| ("x-kvbm-protocol", v)).into_iter().collect();
         match ws_connect(addr, q, &headers).await {
             Err(tungstenite::Error::Http(resp)) => {
@@ -624,7 +625,7 @@ async fn health_and_snapshot_say_what_the_engine_runs_as_when_told() {
 
 /// The WebSocket's first frame, as the server wrote it.
 async fn first_text(addr: SocketAddr) -> String {
-    let (mut s, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/events?version=2"))
+    let (mut s, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/events?version=3"))
         .await
         .unwrap();
     loop {
@@ -1779,7 +1780,7 @@ fn kvbm_sim_serves_and_prints_its_address() {
     let _ = child.wait();
     let r = r.unwrap();
     assert_eq!(r.status, 200);
-    assert_eq!(r.json::<Health>().protocol, 2);
+    assert_eq!(r.json::<Health>().protocol, 3);
 
     // Off loopback without a token: a clear error, nothing served.
     let out = std::process::Command::new(kvbm_testkit::bin::workspace_bin("kvbm-sim", "kvbm-sim"))

@@ -116,49 +116,21 @@ struct ClientReport {
     error: Option<String>,
 }
 
-/// Sequence number of a frame's record at byte `at`; the next offset.
-fn record_seq(frame: &[u8], at: usize) -> Result<(u64, usize), String> {
-    let len = frame
-        .get(at..at + 4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-        .ok_or("truncated frame")?;
-    let rec = frame.get(at + 4..at + 4 + len).ok_or("truncated record")?;
-    let ev = kvbm_schema::convert::decode(rec).map_err(|e| e.to_string())?;
-    Ok((ev.seq, at + 4 + len))
-}
-
-/// First and last seq and the count of a frame, decoding two records.
+/// First and last seq and the count of a frame: the block checked whole,
+/// its span read from its columns.
 fn frame_span(frame: &[u8]) -> Result<(u64, u64, u64), String> {
-    let count = frame
-        .get(..4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64)
-        .ok_or("empty frame")?;
-    if count == 0 {
+    let block = kvbm_schema::columnar::CheckedBlock::check(frame).map_err(|e| e.to_string())?;
+    if block.is_empty() {
         return Err("empty batch".into());
     }
-    let (first, mut at) = record_seq(frame, 4)?;
-    let mut last = first;
-    for _ in 1..count {
-        let len = frame
-            .get(at..at + 4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-            .ok_or("truncated frame")?;
-        // Decode only the last one.
-        if at + 4 + len == frame.len() {
-            last = record_seq(frame, at)?.0;
-        }
-        at += 4 + len;
-    }
-    if at != frame.len() {
-        return Err("trailing bytes".into());
-    }
-    Ok((first, last, count))
+    let span = block.span();
+    Ok((span.first_seq, span.last_seq, block.len() as u64))
 }
 
 async fn subscriber(addr: SocketAddr, target: Arc<AtomicU64>) -> ClientReport {
     let mut r = ClientReport::default();
     let (mut ws, _) =
-        match tokio_tungstenite::connect_async(format!("ws://{addr}/events?since=0&version=2"))
+        match tokio_tungstenite::connect_async(format!("ws://{addr}/events?since=0&version=3"))
             .await
         {
             Ok(x) => x,

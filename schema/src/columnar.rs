@@ -1,9 +1,12 @@
-//! The durable log's block encoding: a run of events stored column by
+//! The block encoding of events: a run of events stored column by
 //! column as one flatbuffers `EventBlock` (`schema/kvbm_events.fbs`), with
 //! the file identifier `KVBB`.
 //!
-//! Why columns rather than one [`EventRecord`](crate::fb::EventRecord)
-//! per event: most event kinds are fixed-size, and a column of fixed-size
+//! The same blocks carry events everywhere they travel: the log's
+//! frames, NATS batches ([`crate::nats::wire`]) and the attach protocol's
+//! binary frames ([`crate::protocol`]).
+//!
+//! Why columns rather than a table per event: most event kinds are fixed-size, and a column of fixed-size
 //! rows is a flatbuffers vector of structs, which the verifier checks with
 //! one range check however many rows it has, where a table per event costs
 //! a vtable lookup and a bounds check per field. The envelope (sequence
@@ -28,15 +31,15 @@
 //! checks it), and random or mutated bytes are refused with an error, never
 //! a panic.
 
-use crate::convert::{
+use crate::fb;
+use crate::values::{
     DecodeError, batch_dispatched_from_fb, batch_dispatched_table, blocks_allocated_from_fb,
     blocks_allocated_table, cause_from_fb, cause_to_fb, check_kind_version, check_version,
     decode_state, direction_from_fb, direction_to_fb, encode_state, entry_from_fb, entry_to_fb,
-    kind_from_fb, kind_to_fb, phase_from_fb, phase_to_fb, prefix_lookup_from_fb,
+    kind_from_column, kind_to_column, phase_from_fb, phase_to_fb, prefix_lookup_from_fb,
     prefix_lookup_table, tier_from_fb, tier_to_fb, transfer_failed_from_fb, transfer_failed_table,
     transfer_skipped_from_fb, transfer_skipped_table,
 };
-use crate::fb;
 use crate::{OLDEST_READABLE_VERSION, SCHEMA_VERSION};
 use flatbuffers::{FlatBufferBuilder, InvalidFlatbuffer, Push, VerifierOptions, WIPOffset};
 use kvbm_events::tier::{BlockId, Tier};
@@ -480,8 +483,7 @@ impl BlockEncoder {
         self.prev = (ev.seq, ev.ts_ns, ev.iteration);
         self.request.push(request);
         self.push_kind(&ev.kind);
-        let kind = kind_to_fb(ev.kind.tag());
-        self.kind.push(kind.0);
+        self.kind.push(kind_to_column(ev.kind.tag()));
         true
     }
 
@@ -531,7 +533,7 @@ impl BlockEncoder {
         let fbb = &mut self.fbb;
         // Exhaustive: every kind this build declares has a column here; the
         // transfer and batch kinds are pushed by a method each. The kinds
-        // stored as tables are built as in a record (`convert`).
+        // stored as tables are built by `values`.
         match kind {
             EventKind::SlotCreated {
                 prompt_tokens,
@@ -890,7 +892,7 @@ fn kind_rows(b: &fb::EventBlock<'_>, k: u8) -> Option<(usize, &'static str)> {
     fn n<T>(v: Option<flatbuffers::Vector<'_, T>>) -> usize {
         v.map_or(0, |v| v.len())
     }
-    let tag = kind_from_fb(fb::EventKind(k))?;
+    let tag = kind_from_column(k)?;
     // The schema names each kind's column by its snake_case name.
     let rows = match tag {
         KindTag::SlotCreated => n(b.slot_created()),
@@ -973,7 +975,7 @@ pub fn verify_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
             });
         };
         // A kind the block's version did not have yet is corruption.
-        if let Some(tag) = kind_from_fb(fb::EventKind(k))
+        if let Some(tag) = kind_from_column(k)
             && let Err(error) = check_kind_version(tag, version)
         {
             return Err(BlockError::Event {
@@ -990,7 +992,7 @@ pub fn verify_block(bytes: &[u8]) -> Result<BlockView<'_>, BlockError> {
         }
     }
     // Columns of kinds no event has must be absent or empty too.
-    for k in fb::EventKind::ENUM_MIN..=fb::EventKind::ENUM_MAX {
+    for k in 1..=KindTag::COUNT as u8 {
         if let Some((rows, column)) = kind_rows(&block, k)
             && rows != counts[usize::from(k)]
         {
@@ -1141,7 +1143,7 @@ impl<'a> BlockView<'a> {
             present[usize::from(k)] = true;
         }
         for k in (0..=u8::MAX).filter(|&k| present[usize::from(k)]) {
-            let checked = match kind_from_fb(fb::EventKind(k)) {
+            let checked = match kind_from_column(k) {
                 Some(tag) => self.check_column(tag),
                 None => Err((0, DecodeError::UnknownKind(k))),
             };
@@ -1292,9 +1294,9 @@ impl<'a> BlockView<'a> {
     fn kind_at(&self, k: u8, row: usize) -> Result<EventKind, DecodeError> {
         let b = &self.block;
         let missing = || DecodeError::MissingKind;
-        let tag = kind_from_fb(fb::EventKind(k)).ok_or(DecodeError::UnknownKind(k))?;
+        let tag = kind_from_column(k).ok_or(DecodeError::UnknownKind(k))?;
         // Exhaustive: every kind this build declares is read here. The
-        // kinds stored as tables are decoded as in a record (`convert`).
+        // kinds stored as tables are decoded by `values`.
         Ok(match tag {
             KindTag::SlotCreated => {
                 let r = b.slot_created().ok_or_else(missing)?.get(row);
@@ -1521,7 +1523,7 @@ pub fn decode_block(bytes: &[u8]) -> Result<Vec<Event>, BlockError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::convert::tests::{apply, mutation};
+    use crate::values::tests::{apply, mutation};
     use kvbm_events::testing::{event, sample_events};
     use proptest::collection::vec;
     use proptest::prelude::*;
@@ -1713,7 +1715,7 @@ mod tests {
         let engine = fbb.create_vector(&[0u32, 0]);
         let iteration = fbb.create_vector(&[0u16, 0]);
         let request = fbb.create_vector(request);
-        let kind = fbb.create_vector(&[fb::EventKind::HookCall.0; 2]);
+        let kind = fbb.create_vector(&[crate::values::kind_to_column(KindTag::HookCall); 2]);
         let requests = fbb.create_vector::<WIPOffset<&str>>(&[]);
         let row = fb::HookCallRow::new(fb::EntryPoint::CreateSlot, fb::HookPhase::Will);
         let hook_call = fbb.create_vector(&vec![row; rows]);
@@ -1741,7 +1743,7 @@ mod tests {
         let ts = fbb.create_vector(&[0u32]);
         let iteration = fbb.create_vector(&[0u16]);
         let request = fbb.create_vector(&[0u16]);
-        let kind = fbb.create_vector(&[fb::EventKind::PrefixLookup.0]);
+        let kind = fbb.create_vector(&[crate::values::kind_to_column(KindTag::PrefixLookup)]);
         let requests = fbb.create_vector::<WIPOffset<&str>>(&[]);
         let hashes = fbb.create_vector(&[5u64, 6]);
         let t = fb::PrefixLookup::create(
@@ -1844,10 +1846,10 @@ mod tests {
             })
         ));
         assert!(decode_block(b"short").is_err());
-        let record =
-            crate::convert::encode(&sample_events()[0], &mut FlatBufferBuilder::new()).to_vec();
+        let mut other = encode(&sample_events()).remove(0);
+        other[4..8].copy_from_slice(b"KVBE");
         assert!(matches!(
-            decode_block(&record),
+            decode_block(&other),
             Err(BlockError::WrongIdentifier { .. })
         ));
     }

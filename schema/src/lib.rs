@@ -2,14 +2,15 @@
 //!
 //! - [`fb`]: what `flatc` 25.12.19 generates from `schema/kvbm_events.fbs`
 //!   (`src/generated/`, committed, rebuilt by `schema/regen.sh`; CI fails
-//!   when the two drift apart): one flatbuffers record,
-//!   [`fb::EventRecord`], per `kvbm_events::Event` (the envelope and an
-//!   [`fb::EventKind`] union with one table per event kind), and one
-//!   durable-log block, [`fb::EventBlock`], which holds a run of events
-//!   column by column (fixed-size kinds as rows of structs).
-//! - [`convert`]: one event to and from an `EventRecord`.
-//! - [`columnar`]: a run of events to and from an `EventBlock`.
-//! - [`protocol`]: the attach protocol's messages and event batches.
+//!   when the two drift apart): the [`fb::EventBlock`], which holds a run
+//!   of events column by column (fixed-size kinds as rows of structs).
+//! - [`columnar`]: a run of events to and from an `EventBlock`, the one
+//!   encoding of events wherever they go: the durable log, NATS batches
+//!   ([`nats::wire`]) and the attach protocol's frames ([`protocol`]).
+//! - [`values`]: the enums, states and variable-size kinds the columns
+//!   hold, to and from the schema's types.
+//! - [`protocol`]: the attach protocol's messages and event frames.
+//! - [`nats`]: the fleet's NATS batches and subjects.
 //!
 //! What must not live here: files, sockets, the block manager.
 
@@ -34,9 +35,9 @@
 mod generated;
 
 pub mod columnar;
-pub mod convert;
 pub mod nats;
 pub mod protocol;
+pub mod values;
 
 /// The generated flatbuffers types.
 pub mod fb {
@@ -46,71 +47,30 @@ pub mod fb {
 /// Version of the event schema this build writes; bumped whenever what a
 /// log or a record may hold changes.
 ///
-/// Records carry it in `EventRecord.schema_version` (and log blocks in
-/// `EventBlock.schema_version`), whose default in the schema is frozen at
-/// 1: version-1 records spend no bytes on it, and a record of any later
-/// version stores its number explicitly.
+/// Blocks carry it in `EventBlock.schema_version`, whose default in the
+/// schema is frozen at 1: version-1 blocks spend no bytes on it, and a
+/// block of any later version stores its number explicitly.
 ///
 /// - 1: the original kinds.
 /// - 2: adds `PrefixLookup` (each request's block hashes at its first
 ///   lookup, for the capacity analysis). A version-1 log still reads: its
-///   blocks simply hold no `PrefixLookup`, and a version-1 block or record
-///   that claims one is refused as corrupt
-///   ([`convert::kind_since_version`]).
+///   blocks simply hold no `PrefixLookup`, and a version-1 block that
+///   claims one is refused as corrupt ([`values::kind_since_version`]).
 pub const SCHEMA_VERSION: u32 = 2;
 
 /// The oldest schema version this build reads.
 pub const OLDEST_READABLE_VERSION: u32 = 1;
 
-/// The flatbuffers file identifier of an [`EventRecord`](fb::EventRecord) buffer (bytes 4..8).
-pub const FILE_IDENTIFIER: &str = "KVBE";
-
 #[cfg(test)]
 mod tests {
-    use super::fb::*;
     use super::*;
 
     #[test]
     fn constants_match_the_schema() {
-        assert_eq!(FILE_IDENTIFIER, EVENT_RECORD_IDENTIFIER);
+        assert_eq!(columnar::BLOCK_IDENTIFIER, fb::EVENT_BLOCK_IDENTIFIER);
         // The schema's default for `schema_version` must stay 1 (see the
         // .fbs); SCHEMA_VERSION may grow past it, never below.
-        assert_eq!(EventRecordArgs::default().schema_version, 1);
+        assert_eq!(fb::EventBlockArgs::default().schema_version, 1);
         const { assert!(SCHEMA_VERSION >= 1) };
-    }
-
-    #[test]
-    fn a_minimal_record_round_trips_through_the_generated_code() {
-        let mut fbb = flatbuffers::FlatBufferBuilder::new();
-        let kind = SlotCreated::create(
-            &mut fbb,
-            &SlotCreatedArgs {
-                prompt_tokens: 7,
-                max_output_tokens: 3,
-            },
-        );
-        let request = fbb.create_string("r-1");
-        let rec = EventRecord::create(
-            &mut fbb,
-            &EventRecordArgs {
-                seq: 5,
-                request: Some(request),
-                kind_type: EventKind::SlotCreated,
-                kind: Some(kind.as_union_value()),
-                ..Default::default()
-            },
-        );
-        finish_event_record_buffer(&mut fbb, rec);
-        let buf = fbb.finished_data();
-        assert!(event_record_buffer_has_identifier(buf));
-        let rec = root_as_event_record(buf).unwrap();
-        assert_eq!(rec.schema_version(), 1);
-        assert_eq!(rec.seq(), 5);
-        assert_eq!(rec.request(), Some("r-1"));
-        let created = rec.kind_as_slot_created().unwrap();
-        assert_eq!(
-            (created.prompt_tokens(), created.max_output_tokens()),
-            (7, 3)
-        );
     }
 }

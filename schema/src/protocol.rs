@@ -18,7 +18,7 @@
 //! in. An engine that restarts starts its sequence numbers again under a
 //! new run id; a v1 client could not tell and spliced the runs together.
 //!
-//! - `GET /health` → `{"status":"ok","protocol":2,"run":"…",...}` ([`Health`]).
+//! - `GET /health` → `{"status":"ok","protocol":3,"run":"…",...}` ([`Health`]).
 //! - `GET /snapshot` → the reducer's `EngineState` as JSON.
 //! - `GET /metrics` → Prometheus text, every name prefixed `kvbm_`.
 //! - `GET /breakpoints` → [`BreakpointsView`]; `POST /breakpoints` with a
@@ -40,7 +40,7 @@
 //!   [`ControlResult`] as JSON (`{"done":true}`, `{"count":2}`); an id that
 //!   names no breakpoint (`DELETE`) or no paused call (`/resume`) is a
 //!   `404 not_found`.
-//! - `GET /events?since=SEQ&run=RUN&version=2` upgrades to a WebSocket
+//! - `GET /events?since=SEQ&run=RUN&version=3` upgrades to a WebSocket
 //!   (below). `run` is the run `since` counts in: when the server's run is
 //!   another (the engine restarted), `since` does not apply and the stream
 //!   starts at the new run's first event (seq 0; a gap says what the
@@ -57,11 +57,11 @@
 //! whose `summary` is one line for a person, the facts behind it beside;
 //! the same value as `engine_info` in `GET /health` and `GET /snapshot`),
 //! so a client learns it again at every (re)connection, a restarted
-//! engine's included. The field is absent when the engine said nothing;
-//! it came within version 2, so a hello without it (an older server) is
-//! still a version 2 hello, and a client that knows nothing of it ignores
-//! it (a hello's unknown fields are ignored, never refused). Then
-//! binary frames, each an [`encode_batch`] of events in sequence order,
+//! engine's included. The field is absent when the engine said nothing,
+//! and a client that knows nothing of it ignores it (a hello's unknown
+//! fields are ignored, never refused). Then
+//! binary frames, each an [`encode_batch`] of events in sequence order
+//! (one columnar block, as the durable log and NATS batches hold them),
 //! starting at `since` (or at the oldest event the server holds when
 //! `since` is absent). When events from the requested range are no longer
 //! held (the ring overwrote them, or they were lost before the server saw
@@ -86,12 +86,19 @@
 //! disconnected, and its breakpoints removed: a frozen console (stopped,
 //! or behind a half-open connection) cannot keep the engine paused.
 
+use crate::columnar::{BlockEncoder, BlockError, decode_block};
 use kvbm_events::control::{BreakpointsView, ControlCommand, ControlResult};
 use kvbm_events::{Event, RunId};
 use serde::{Deserialize, Serialize};
 
-/// The protocol version both sides state.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// The protocol version both sides state; a server refuses a client of
+/// another version, and a client a server of another.
+///
+/// - 2: binary frames held one flatbuffers record per event.
+/// - 3: a binary frame is one columnar block, the encoding the durable
+///   log and NATS batches use: a third of the bytes, decoded by the same
+///   verifier.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// HTTP header carrying the protocol version (requests and responses).
 pub const VERSION_HEADER: &str = "x-kvbm-protocol";
@@ -247,99 +254,58 @@ pub enum ClientMsg {
 /// Why a binary frame could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BatchError {
-    /// The frame ended inside a length or a record.
-    #[error("event batch truncated at byte {at} of {len}")]
-    Truncated {
-        /// Where.
-        at: usize,
+    /// Longer than [`MAX_FRAME`].
+    #[error("event batch of {len} bytes exceeds {MAX_FRAME}")]
+    TooLarge {
         /// Frame length.
         len: usize,
     },
-    /// More records than the frame could hold, or a record larger than
-    /// [`MAX_RECORD`].
-    #[error("event batch malformed at byte {at}: {reason}")]
-    Malformed {
-        /// Where.
-        at: usize,
-        /// What.
-        reason: String,
-    },
-    /// A record failed the flatbuffers verifier or conversion.
-    #[error("event {index} of the batch does not decode: {reason}")]
-    Record {
-        /// Its index in the batch.
-        index: usize,
-        /// Why.
-        reason: String,
-    },
+    /// The frame is not a valid block (the verifier refused it, or an
+    /// event in it does not decode).
+    #[error("event batch: {0}")]
+    Block(#[from] BlockError),
 }
 
-/// Largest record accepted in a batch.
-pub const MAX_RECORD: usize = 1 << 20;
+/// Largest binary frame accepted: a block as large as the durable log
+/// takes. The server's frames are far smaller ([`FRAME_TARGET`]).
+pub const MAX_FRAME: usize = (16 << 20) + 4096;
 
-/// A binary frame: `u32` LE count, then per event a `u32` LE length and a
-/// flatbuffers record ([`crate::convert`]).
-pub fn encode_batch(events: &[Event], enc: &mut crate::convert::Encoder, out: &mut Vec<u8>) {
+/// The block size the server aims for when it batches events: a frame
+/// holds events until its block would pass this many bytes
+/// ([`crate::columnar::event_bytes`]), or until it cannot hold the next.
+pub const FRAME_TARGET: usize = 1 << 20;
+
+/// Encodes the leading events of `events` that fit one block (at most
+/// [`FRAME_TARGET`] bytes, and whatever differences a block's columns can
+/// hold) into `out` as one binary frame, and returns how many it took: at
+/// least one, unless `events` is empty (then `out` is left empty).
+pub fn encode_batch(events: &[Event], enc: &mut BlockEncoder, out: &mut Vec<u8>) -> usize {
     out.clear();
-    out.extend_from_slice(&(events.len() as u32).to_le_bytes());
+    let mut taken = 0;
     for e in events {
-        let rec = enc.encode(e);
-        out.extend_from_slice(&(rec.len() as u32).to_le_bytes());
-        out.extend_from_slice(rec);
+        if !enc.try_push(e, crate::columnar::event_bytes(e), FRAME_TARGET) {
+            break;
+        }
+        taken += 1;
     }
+    if taken > 0 {
+        out.extend_from_slice(enc.finish());
+    }
+    taken
 }
 
-/// Reads a binary frame written by [`encode_batch`], verifying every
-/// record. Never panics on any input.
+/// Reads a binary frame written by [`encode_batch`]: verifies the block
+/// and decodes every event. Never panics on any input.
 pub fn decode_batch(frame: &[u8]) -> Result<Vec<Event>, BatchError> {
-    let len = frame.len();
-    let word = |at: usize| -> Result<usize, BatchError> {
-        frame
-            .get(at..at + 4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-            .ok_or(BatchError::Truncated { at, len })
-    };
-    let count = word(0)?;
-    // Each record takes at least its 4-byte length.
-    if count > (len - 4) / 4 {
-        return Err(BatchError::Malformed {
-            at: 0,
-            reason: format!("{count} records cannot fit in {len} bytes"),
-        });
+    if frame.len() > MAX_FRAME {
+        return Err(BatchError::TooLarge { len: frame.len() });
     }
-    let mut out = Vec::with_capacity(count);
-    let mut at = 4;
-    for index in 0..count {
-        let n = word(at)?;
-        if n > MAX_RECORD {
-            return Err(BatchError::Malformed {
-                at,
-                reason: format!("record of {n} bytes exceeds {MAX_RECORD}"),
-            });
-        }
-        let body = frame
-            .get(at + 4..at + 4 + n)
-            .ok_or(BatchError::Truncated { at: at + 4, len })?;
-        let ev = crate::convert::decode(body).map_err(|e| BatchError::Record {
-            index,
-            reason: e.to_string(),
-        })?;
-        out.push(ev);
-        at += 4 + n;
-    }
-    if at != len {
-        return Err(BatchError::Malformed {
-            at,
-            reason: format!("{} trailing bytes", len - at),
-        });
-    }
-    Ok(out)
+    Ok(decode_block(frame)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::convert::Encoder;
     use kvbm_events::EventKind;
     use proptest::prelude::*;
 
@@ -362,10 +328,19 @@ mod tests {
     fn batches_round_trip() {
         let events: Vec<Event> = (0..10).map(ev).collect();
         let mut buf = Vec::new();
-        encode_batch(&events, &mut Encoder::new(), &mut buf);
+        let mut enc = BlockEncoder::new();
+        assert_eq!(encode_batch(&events, &mut enc, &mut buf), 10);
         assert_eq!(decode_batch(&buf).unwrap(), events);
-        encode_batch(&[], &mut Encoder::new(), &mut buf);
-        assert_eq!(decode_batch(&buf).unwrap(), vec![]);
+        assert_eq!(encode_batch(&[], &mut enc, &mut buf), 0);
+        assert!(buf.is_empty() && decode_batch(&buf).is_err());
+        // A frame takes what one block can hold: an event 2^33 ns after
+        // the one before it does not fit a block's u32 time difference.
+        let mut later = ev(10);
+        later.ts_ns = 1 << 33;
+        let with_later: Vec<Event> = events.iter().cloned().chain([later.clone()]).collect();
+        assert_eq!(encode_batch(&with_later, &mut enc, &mut buf), 10);
+        assert_eq!(encode_batch(&with_later[10..], &mut enc, &mut buf), 1);
+        assert_eq!(decode_batch(&buf).unwrap(), vec![later]);
     }
 
     #[test]
@@ -471,7 +446,7 @@ mod tests {
         ) {
             let _ = decode_batch(&bytes);
             let mut buf = Vec::new();
-            encode_batch(&[ev(1), ev(2)], &mut Encoder::new(), &mut buf);
+            encode_batch(&[ev(1), ev(2)], &mut BlockEncoder::new(), &mut buf);
             let i = flip % buf.len();
             buf[i] ^= 1 << bit;
             let _ = decode_batch(&buf);

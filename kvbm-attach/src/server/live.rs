@@ -11,27 +11,27 @@ use super::AppState;
 use axum::body::Bytes;
 use kvbm_events::Event;
 use kvbm_events::ring::RingBuffer;
-use kvbm_schema::convert::Encoder;
-use kvbm_schema::protocol::GapReason;
+use kvbm_schema::columnar::{BlockEncoder, decode_block, event_bytes};
+use kvbm_schema::protocol::{FRAME_TARGET, GapReason, encode_batch};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::watch;
 
 /// Events of consecutive ring positions *and* consecutive sequence numbers,
-/// encoded as one binary frame ([`kvbm_schema::protocol::encode_batch`]'s format).
+/// encoded as one binary frame ([`kvbm_schema::protocol::encode_batch`]'s
+/// format: one columnar block).
 #[derive(Debug)]
 pub(super) struct Batch {
     pub first_pos: u64,
     pub first_seq: u64,
-    /// Byte offset of each record's length word in `frame`.
-    offsets: Vec<u32>,
+    events: u64,
     frame: Bytes,
 }
 
 impl Batch {
     pub fn len(&self) -> u64 {
-        self.offsets.len() as u64
+        self.events
     }
 
     pub fn end_pos(&self) -> u64 {
@@ -42,24 +42,38 @@ impl Batch {
         self.first_seq + self.len() - 1
     }
 
-    /// The frame of events `i..`.
+    /// The frame of events `i..`. Only a client that starts inside a
+    /// batch (resuming, or joining while it is the newest) needs a suffix:
+    /// a block cannot be sliced, so that one is decoded and encoded again.
     pub fn frame_from(&self, i: usize) -> Bytes {
         if i == 0 {
             return self.frame.clone();
         }
-        let off = self.offsets[i] as usize;
-        let mut v = Vec::with_capacity(4 + self.frame.len() - off);
-        v.extend_from_slice(&((self.offsets.len() - i) as u32).to_le_bytes());
-        v.extend_from_slice(&self.frame[off..]);
-        Bytes::from(v)
+        let mut events = match decode_block(&self.frame) {
+            Ok(events) => events,
+            // Cannot happen (the frame was encoded here); the whole batch
+            // then goes, and the client counts what it had already as
+            // duplicates rather than losing anything.
+            Err(_) => return self.frame.clone(),
+        };
+        events.drain(..i.min(events.len()));
+        let mut enc = BlockEncoder::new();
+        let mut out = Vec::new();
+        if encode_batch(&events, &mut enc, &mut out) != events.len() {
+            // A suffix of a block always fits one block; if not, the
+            // whole batch, as above.
+            return self.frame.clone();
+        }
+        Bytes::from(out)
     }
 }
 
-/// Builds batches, cutting wherever sequence numbers or positions jump.
+/// Builds batches, cutting wherever sequence numbers or positions jump, or
+/// where a block is full ([`FRAME_TARGET`] bytes, or a difference its
+/// columns cannot hold).
 pub(super) struct BatchBuilder {
-    enc: Encoder,
-    buf: Vec<u8>,
-    offsets: Vec<u32>,
+    enc: BlockEncoder,
+    events: u64,
     first_pos: u64,
     first_seq: u64,
 }
@@ -67,57 +81,57 @@ pub(super) struct BatchBuilder {
 impl BatchBuilder {
     pub fn new() -> Self {
         BatchBuilder {
-            enc: Encoder::new(),
-            buf: Vec::new(),
-            offsets: Vec::new(),
+            enc: BlockEncoder::new(),
+            events: 0,
             first_pos: 0,
             first_seq: 0,
         }
     }
 
     fn next_pos(&self) -> u64 {
-        self.first_pos + self.offsets.len() as u64
+        self.first_pos + self.events
     }
 
     fn next_seq(&self) -> u64 {
-        self.first_seq + self.offsets.len() as u64
+        self.first_seq + self.events
     }
 
     /// Adds the event at ring position `pos`; returns the finished batch
     /// when this event could not extend the current one.
     pub fn push(&mut self, pos: u64, ev: &Event) -> Option<Batch> {
-        let done =
-            if !self.offsets.is_empty() && (pos != self.next_pos() || ev.seq != self.next_seq()) {
-                self.finish()
-            } else {
-                None
-            };
-        if self.offsets.is_empty() {
-            self.buf.clear();
-            self.buf.extend_from_slice(&0u32.to_le_bytes());
-            self.first_pos = pos;
-            self.first_seq = ev.seq;
-        }
-        self.offsets.push(self.buf.len() as u32);
-        let rec = self.enc.encode(ev);
-        self.buf
-            .extend_from_slice(&(rec.len() as u32).to_le_bytes());
-        self.buf.extend_from_slice(rec);
+        let size = event_bytes(ev);
+        let done = if self.events > 0
+            && (pos != self.next_pos()
+                || ev.seq != self.next_seq()
+                || !self.enc.try_push(ev, size, FRAME_TARGET))
+        {
+            self.finish()
+        } else if self.events > 0 {
+            // `try_push` above took it.
+            self.events += 1;
+            return None;
+        } else {
+            None
+        };
+        // An empty block takes any event.
+        let took = self.enc.try_push(ev, size, FRAME_TARGET);
+        debug_assert!(took);
+        self.first_pos = pos;
+        self.first_seq = ev.seq;
+        self.events = 1;
         done
     }
 
     /// The batch being built, if any.
     pub fn finish(&mut self) -> Option<Batch> {
-        if self.offsets.is_empty() {
+        if self.events == 0 {
             return None;
         }
-        let n = self.offsets.len() as u32;
-        self.buf[..4].copy_from_slice(&n.to_le_bytes());
-        let frame = Bytes::from(std::mem::take(&mut self.buf));
+        let frame = Bytes::copy_from_slice(self.enc.finish());
         Some(Batch {
             first_pos: self.first_pos,
             first_seq: self.first_seq,
-            offsets: std::mem::take(&mut self.offsets),
+            events: std::mem::take(&mut self.events),
             frame,
         })
     }
@@ -467,6 +481,29 @@ mod tests {
         let third = b.finish().unwrap();
         assert_eq!((third.first_pos, third.end_pos()), (5, 6));
         assert!(b.finish().is_none());
+    }
+
+    /// A batch is one block: an event whose time difference a block
+    /// cannot hold (an idle engine's 5 s pause) starts the next batch, and
+    /// so does a block grown to `FRAME_TARGET`.
+    #[test]
+    fn batches_cut_where_a_block_is_full() {
+        let mut b = BatchBuilder::new();
+        assert!(b.push(0, &ev(0)).is_none());
+        let mut late = ev(1);
+        late.ts_ns = 5_000_000_000;
+        let first = b.push(1, &late).unwrap();
+        assert_eq!((first.first_seq, first.len()), (0, 1));
+        let mut big = ev(2);
+        big.kind = EventKind::BlocksAllocated {
+            tier: kvbm_events::tier::Tier::Device,
+            blocks: (0..FRAME_TARGET as u32 / 4).collect(),
+        };
+        big.ts_ns = late.ts_ns;
+        let second = b.push(2, &big).unwrap();
+        assert_eq!(seqs(&second.frame), [1]);
+        let third = b.finish().unwrap();
+        assert_eq!(decode_block(&third.frame).unwrap(), [big]);
     }
 
     fn drain(c: &mut Cursor, ring: &RingBuffer, live: &LiveWindow) -> (Vec<u64>, Vec<GapOut>) {

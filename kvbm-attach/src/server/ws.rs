@@ -633,7 +633,7 @@ mod tests {
     fn a_bad_since_is_refused_quoting_its_start() {
         assert_eq!(parse_query(None).ok(), Some(Resume::default()));
         assert_eq!(
-            parse_query(Some("version=2&since=42"))
+            parse_query(Some("version=3&since=42"))
                 .ok()
                 .map(|q| q.since),
             Some(Some(42))
