@@ -208,6 +208,74 @@ pub fn event_bytes(ev: &Event) -> usize {
     ENVELOPE_BYTES + request + kind + 8
 }
 
+/// The kinds' columns: each kind's tag, its column's name in the schema
+/// (its snake_case name) and what a column holds, once. The encoder's
+/// columns, their clearing, the block's arguments and the row count of a
+/// kind's column all follow from this list, and a kind missing from it does
+/// not compile (`kind_rows` matches every tag).
+macro_rules! kind_columns {
+    ($($tag:ident => $col:ident: $ty:ty,)*) => {
+        /// The encoder's column of each kind.
+        #[derive(Default)]
+        struct Columns {
+            $($col: Vec<$ty>,)*
+        }
+
+        impl Columns {
+            fn clear(&mut self) {
+                $(self.$col.clear();)*
+            }
+
+            /// Writes each column that has rows into the block.
+            fn write(
+                &self,
+                fbb: &mut FlatBufferBuilder<'static>,
+                args: &mut fb::EventBlockArgs<'static>,
+            ) {
+                $(args.$col = column(fbb, &self.$col);)*
+            }
+        }
+
+        /// Rows in the column of kind `k` (0 when the column is absent),
+        /// and the column's name; `None` for a kind this build does not
+        /// know.
+        fn kind_rows(b: &fb::EventBlock<'_>, k: u8) -> Option<(usize, &'static str)> {
+            fn n<T>(v: Option<flatbuffers::Vector<'_, T>>) -> usize {
+                v.map_or(0, |v| v.len())
+            }
+            let tag = kind_from_column(k)?;
+            let rows = match tag {
+                $(KindTag::$tag => n(b.$col()),)*
+            };
+            Some((rows, tag.snake_name()))
+        }
+    };
+}
+
+kind_columns! {
+    SlotCreated => slot_created: fb::SlotCreatedRow,
+    SlotTransition => slot_transition: fb::SlotTransitionRow,
+    MatchResult => match_result: fb::MatchResultRow,
+    BlocksAllocated => blocks_allocated: WIPOffset<fb::BlocksAllocated<'static>>,
+    BlocksReleased => blocks_released: fb::BlocksReleasedRow,
+    BlockRegistered => block_registered: fb::BlockRegisteredRow,
+    BlockEvicted => block_evicted: fb::BlockEvictedRow,
+    TransferPlanned => transfer_planned: fb::TransferRow,
+    TransferPromoted => transfer_promoted: fb::TransferRow,
+    TransferSkipped => transfer_skipped: WIPOffset<fb::TransferSkipped<'static>>,
+    TransferCancelled => transfer_cancelled: fb::TransferCancelledRow,
+    TransferCompleted => transfer_completed: fb::TransferRow,
+    TransferFailed => transfer_failed: WIPOffset<fb::TransferFailed<'static>>,
+    BatchDispatched => batch_dispatched: WIPOffset<fb::BatchDispatched<'static>>,
+    BatchCompleted => batch_completed: fb::BatchCompletedRow,
+    PoolGauge => pool_gauge: fb::PoolGaugeRow,
+    HookCall => hook_call: fb::HookCallRow,
+    BreakpointHit => breakpoint_hit: fb::BreakpointHitRow,
+    Resumed => resumed: fb::ResumedRow,
+    TokensScheduled => tokens_scheduled: fb::TokensScheduledRow,
+    PrefixLookup => prefix_lookup: WIPOffset<fb::PrefixLookup<'static>>,
+}
+
 /// Gathers events into a block. Reused from block to block: `finish`, then
 /// the next `push` starts a new block.
 pub struct BlockEncoder {
@@ -236,27 +304,8 @@ pub struct BlockEncoder {
     /// for almost every event. Entries point at `Arc`s held in
     /// `request_ids`, so an address cannot be reused within a block.
     request_cache: [(usize, u16); REQUEST_CACHE],
-    slot_created: Vec<fb::SlotCreatedRow>,
-    slot_transition: Vec<fb::SlotTransitionRow>,
-    match_result: Vec<fb::MatchResultRow>,
-    blocks_allocated: Vec<WIPOffset<fb::BlocksAllocated<'static>>>,
-    blocks_released: Vec<fb::BlocksReleasedRow>,
-    block_registered: Vec<fb::BlockRegisteredRow>,
-    block_evicted: Vec<fb::BlockEvictedRow>,
-    transfer_planned: Vec<fb::TransferRow>,
-    transfer_promoted: Vec<fb::TransferRow>,
-    transfer_skipped: Vec<WIPOffset<fb::TransferSkipped<'static>>>,
-    transfer_cancelled: Vec<fb::TransferCancelledRow>,
-    transfer_completed: Vec<fb::TransferRow>,
-    transfer_failed: Vec<WIPOffset<fb::TransferFailed<'static>>>,
-    batch_dispatched: Vec<WIPOffset<fb::BatchDispatched<'static>>>,
-    batch_completed: Vec<fb::BatchCompletedRow>,
-    pool_gauge: Vec<fb::PoolGaugeRow>,
-    hook_call: Vec<fb::HookCallRow>,
-    breakpoint_hit: Vec<fb::BreakpointHitRow>,
-    resumed: Vec<fb::ResumedRow>,
-    tokens_scheduled: Vec<fb::TokensScheduledRow>,
-    prefix_lookup: Vec<WIPOffset<fb::PrefixLookup<'static>>>,
+    /// One column per kind.
+    cols: Columns,
 }
 
 impl std::fmt::Debug for BlockEncoder {
@@ -301,27 +350,7 @@ impl BlockEncoder {
             requests: Vec::new(),
             request_ids: HashMap::new(),
             request_cache: [(0, 0); REQUEST_CACHE],
-            slot_created: Vec::new(),
-            slot_transition: Vec::new(),
-            match_result: Vec::new(),
-            blocks_allocated: Vec::new(),
-            blocks_released: Vec::new(),
-            block_registered: Vec::new(),
-            block_evicted: Vec::new(),
-            transfer_planned: Vec::new(),
-            transfer_promoted: Vec::new(),
-            transfer_skipped: Vec::new(),
-            transfer_cancelled: Vec::new(),
-            transfer_completed: Vec::new(),
-            transfer_failed: Vec::new(),
-            batch_dispatched: Vec::new(),
-            batch_completed: Vec::new(),
-            pool_gauge: Vec::new(),
-            hook_call: Vec::new(),
-            breakpoint_hit: Vec::new(),
-            resumed: Vec::new(),
-            tokens_scheduled: Vec::new(),
-            prefix_lookup: Vec::new(),
+            cols: Columns::default(),
         }
     }
 
@@ -343,8 +372,9 @@ impl BlockEncoder {
 
     /// Empties the encoder, keeping its buffers.
     pub fn clear(&mut self) {
-        // Every field by name, with no `..`: a new kind's column does not
-        // compile until it is cleared here too.
+        // Every field by name, with no `..`: a new field does not compile
+        // until it is cleared here too (the kinds' columns clear
+        // themselves: `kind_columns!`).
         let BlockEncoder {
             fbb,
             finished,
@@ -361,27 +391,7 @@ impl BlockEncoder {
             requests,
             request_ids,
             request_cache,
-            slot_created,
-            slot_transition,
-            match_result,
-            blocks_allocated,
-            blocks_released,
-            block_registered,
-            block_evicted,
-            transfer_planned,
-            transfer_promoted,
-            transfer_skipped,
-            transfer_cancelled,
-            transfer_completed,
-            transfer_failed,
-            batch_dispatched,
-            batch_completed,
-            pool_gauge,
-            hook_call,
-            breakpoint_hit,
-            resumed,
-            tokens_scheduled,
-            prefix_lookup,
+            cols,
         } = self;
         fbb.reset();
         *finished = false;
@@ -397,27 +407,7 @@ impl BlockEncoder {
         kind.clear();
         requests.clear();
         request_ids.clear();
-        slot_created.clear();
-        slot_transition.clear();
-        match_result.clear();
-        blocks_allocated.clear();
-        blocks_released.clear();
-        block_registered.clear();
-        block_evicted.clear();
-        transfer_planned.clear();
-        transfer_promoted.clear();
-        transfer_skipped.clear();
-        transfer_cancelled.clear();
-        transfer_completed.clear();
-        transfer_failed.clear();
-        batch_dispatched.clear();
-        batch_completed.clear();
-        pool_gauge.clear();
-        hook_call.clear();
-        breakpoint_hit.clear();
-        resumed.clear();
-        tokens_scheduled.clear();
-        prefix_lookup.clear();
+        cols.clear();
     }
 
     /// Adds an event to the block (after a `finish`, to a new block), or
@@ -539,12 +529,13 @@ impl BlockEncoder {
                 prompt_tokens,
                 max_output_tokens,
             } => {
-                self.slot_created
+                self.cols
+                    .slot_created
                     .push(fb::SlotCreatedRow::new(*prompt_tokens, *max_output_tokens));
             }
             EventKind::SlotTransition { from, to } => {
                 let row = fb::SlotTransitionRow::new(&encode_state(*from), &encode_state(*to));
-                self.slot_transition.push(row);
+                self.cols.slot_transition.push(row);
             }
             EventKind::MatchResult {
                 tier,
@@ -558,14 +549,16 @@ impl BlockEncoder {
                     *hit_blocks,
                     *hit_tokens,
                 );
-                self.match_result.push(row);
+                self.cols.match_result.push(row);
             }
             EventKind::BlocksAllocated { tier, blocks } => {
-                self.blocks_allocated
+                self.cols
+                    .blocks_allocated
                     .push(blocks_allocated_table(fbb, *tier, blocks));
             }
             EventKind::BlocksReleased { tier, count } => {
-                self.blocks_released
+                self.cols
+                    .blocks_released
                     .push(fb::BlocksReleasedRow::new(tier_to_fb(*tier), *count));
             }
             EventKind::BlockRegistered {
@@ -575,7 +568,7 @@ impl BlockEncoder {
                 duplicate_of,
             } => {
                 let row = block_registered_row(*tier, *block, *sequence_hash, *duplicate_of);
-                self.block_registered.push(row);
+                self.cols.block_registered.push(row);
             }
             EventKind::BlockEvicted {
                 tier,
@@ -583,7 +576,7 @@ impl BlockEncoder {
                 sequence_hash,
             } => {
                 let row = fb::BlockEvictedRow::new(tier_to_fb(*tier), *block, sequence_hash.0);
-                self.block_evicted.push(row);
+                self.cols.block_evicted.push(row);
             }
             EventKind::TransferPlanned {
                 transfer,
@@ -637,11 +630,11 @@ impl BlockEncoder {
             } => {
                 let tier = tier_to_fb(*tier);
                 let row = fb::PoolGaugeRow::new(tier, *capacity, *active, *inactive, *empty);
-                self.pool_gauge.push(row);
+                self.cols.pool_gauge.push(row);
             }
             EventKind::HookCall { entry, phase } => {
                 let row = fb::HookCallRow::new(entry_to_fb(*entry), phase_to_fb(*phase));
-                self.hook_call.push(row);
+                self.cols.hook_call.push(row);
             }
             EventKind::BreakpointHit {
                 breakpoint,
@@ -649,10 +642,11 @@ impl BlockEncoder {
                 deadline_ns,
             } => {
                 let row = fb::BreakpointHitRow::new(*breakpoint, entry_to_fb(*entry), *deadline_ns);
-                self.breakpoint_hit.push(row);
+                self.cols.breakpoint_hit.push(row);
             }
             EventKind::Resumed { breakpoint, cause } => {
-                self.resumed
+                self.cols
+                    .resumed
                     .push(fb::ResumedRow::new(*breakpoint, cause_to_fb(*cause)));
             }
             EventKind::TokensScheduled {
@@ -660,7 +654,8 @@ impl BlockEncoder {
                 decode,
                 computed,
             } => {
-                self.tokens_scheduled
+                self.cols
+                    .tokens_scheduled
                     .push(fb::TokensScheduledRow::new(*prefill, *decode, *computed));
             }
             EventKind::PrefixLookup {
@@ -670,7 +665,7 @@ impl BlockEncoder {
                 hashes,
             } => {
                 let t = prefix_lookup_table(fbb, *tokens, *block_size, *computed_blocks, hashes);
-                self.prefix_lookup.push(t);
+                self.cols.prefix_lookup.push(t);
             }
         }
     }
@@ -678,37 +673,37 @@ impl BlockEncoder {
     /// Pushes a `TransferPlanned` into its column.
     fn push_transfer_planned(&mut self, transfer: u64, direction: Direction, blocks: u32) {
         let row = transfer_row(transfer, direction, blocks);
-        self.transfer_planned.push(row);
+        self.cols.transfer_planned.push(row);
     }
 
     /// Pushes a `TransferPromoted` into its column.
     fn push_transfer_promoted(&mut self, transfer: u64, direction: Direction, blocks: u32) {
         let row = transfer_row(transfer, direction, blocks);
-        self.transfer_promoted.push(row);
+        self.cols.transfer_promoted.push(row);
     }
 
     /// Pushes a `TransferSkipped` into its column.
     fn push_transfer_skipped(&mut self, transfer: u64, direction: Direction, reason: &str) {
         let t = transfer_skipped_table(&mut self.fbb, transfer, direction, reason);
-        self.transfer_skipped.push(t);
+        self.cols.transfer_skipped.push(t);
     }
 
     /// Pushes a `TransferCancelled` into its column.
     fn push_transfer_cancelled(&mut self, transfer: u64, direction: Direction) {
         let row = fb::TransferCancelledRow::new(transfer, &direction_to_fb(direction));
-        self.transfer_cancelled.push(row);
+        self.cols.transfer_cancelled.push(row);
     }
 
     /// Pushes a `TransferCompleted` into its column.
     fn push_transfer_completed(&mut self, transfer: u64, direction: Direction, blocks: u32) {
         let row = transfer_row(transfer, direction, blocks);
-        self.transfer_completed.push(row);
+        self.cols.transfer_completed.push(row);
     }
 
     /// Pushes a `TransferFailed` into its column.
     fn push_transfer_failed(&mut self, transfer: u64, direction: Direction, error: &str) {
         let t = transfer_failed_table(&mut self.fbb, transfer, direction, error);
-        self.transfer_failed.push(t);
+        self.cols.transfer_failed.push(t);
     }
 
     /// Pushes a `BatchDispatched` into its column.
@@ -720,7 +715,7 @@ impl BlockEncoder {
         blocks: u32,
     ) {
         let t = batch_dispatched_table(&mut self.fbb, batch, direction, transfers, blocks);
-        self.batch_dispatched.push(t);
+        self.cols.batch_dispatched.push(t);
     }
 
     /// Pushes a `BatchCompleted` into its column.
@@ -735,7 +730,7 @@ impl BlockEncoder {
     ) {
         let d = direction_to_fb(direction);
         let row = fb::BatchCompletedRow::new(batch, &d, ok, blocks, bytes, elapsed_ns);
-        self.batch_completed.push(row);
+        self.cols.batch_completed.push(row);
     }
 
     /// Writes the block and returns its bytes, valid until the next call.
@@ -750,7 +745,7 @@ impl BlockEncoder {
         let request = fbb.create_vector(&self.request);
         let kind = fbb.create_vector(&self.kind);
         let requests = fbb.create_vector(&self.requests);
-        let args = fb::EventBlockArgs {
+        let mut args = fb::EventBlockArgs {
             schema_version: WRITE_VERSION,
             base_seq: self.base.0,
             base_ts_ns: self.base.1,
@@ -763,28 +758,9 @@ impl BlockEncoder {
             request: Some(request),
             kind: Some(kind),
             requests: Some(requests),
-            slot_created: column(fbb, &self.slot_created),
-            slot_transition: column(fbb, &self.slot_transition),
-            match_result: column(fbb, &self.match_result),
-            blocks_allocated: column(fbb, &self.blocks_allocated),
-            blocks_released: column(fbb, &self.blocks_released),
-            block_registered: column(fbb, &self.block_registered),
-            block_evicted: column(fbb, &self.block_evicted),
-            transfer_planned: column(fbb, &self.transfer_planned),
-            transfer_promoted: column(fbb, &self.transfer_promoted),
-            transfer_skipped: column(fbb, &self.transfer_skipped),
-            transfer_cancelled: column(fbb, &self.transfer_cancelled),
-            transfer_completed: column(fbb, &self.transfer_completed),
-            transfer_failed: column(fbb, &self.transfer_failed),
-            batch_dispatched: column(fbb, &self.batch_dispatched),
-            batch_completed: column(fbb, &self.batch_completed),
-            pool_gauge: column(fbb, &self.pool_gauge),
-            hook_call: column(fbb, &self.hook_call),
-            breakpoint_hit: column(fbb, &self.breakpoint_hit),
-            resumed: column(fbb, &self.resumed),
-            tokens_scheduled: column(fbb, &self.tokens_scheduled),
-            prefix_lookup: column(fbb, &self.prefix_lookup),
+            ..Default::default()
         };
+        self.cols.write(fbb, &mut args);
         let root = fb::EventBlock::create(fbb, &args);
         fbb.finish(root, Some(BLOCK_IDENTIFIER));
         self.finished = true;
@@ -884,40 +860,6 @@ impl std::fmt::Debug for BlockView<'_> {
             .field("events", &self.len)
             .finish_non_exhaustive()
     }
-}
-
-/// Rows in the column of kind `k` (0 when the column is absent), and the
-/// column's name; `None` for a kind this build does not know.
-fn kind_rows(b: &fb::EventBlock<'_>, k: u8) -> Option<(usize, &'static str)> {
-    fn n<T>(v: Option<flatbuffers::Vector<'_, T>>) -> usize {
-        v.map_or(0, |v| v.len())
-    }
-    let tag = kind_from_column(k)?;
-    // The schema names each kind's column by its snake_case name.
-    let rows = match tag {
-        KindTag::SlotCreated => n(b.slot_created()),
-        KindTag::SlotTransition => n(b.slot_transition()),
-        KindTag::MatchResult => n(b.match_result()),
-        KindTag::BlocksAllocated => n(b.blocks_allocated()),
-        KindTag::BlocksReleased => n(b.blocks_released()),
-        KindTag::BlockRegistered => n(b.block_registered()),
-        KindTag::BlockEvicted => n(b.block_evicted()),
-        KindTag::TransferPlanned => n(b.transfer_planned()),
-        KindTag::TransferPromoted => n(b.transfer_promoted()),
-        KindTag::TransferSkipped => n(b.transfer_skipped()),
-        KindTag::TransferCancelled => n(b.transfer_cancelled()),
-        KindTag::TransferCompleted => n(b.transfer_completed()),
-        KindTag::TransferFailed => n(b.transfer_failed()),
-        KindTag::BatchDispatched => n(b.batch_dispatched()),
-        KindTag::BatchCompleted => n(b.batch_completed()),
-        KindTag::PoolGauge => n(b.pool_gauge()),
-        KindTag::HookCall => n(b.hook_call()),
-        KindTag::BreakpointHit => n(b.breakpoint_hit()),
-        KindTag::Resumed => n(b.resumed()),
-        KindTag::TokensScheduled => n(b.tokens_scheduled()),
-        KindTag::PrefixLookup => n(b.prefix_lookup()),
-    };
-    Some((rows, tag.snake_name()))
 }
 
 /// Checks untrusted bytes as an event block: identifier, the flatbuffers
