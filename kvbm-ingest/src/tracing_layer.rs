@@ -1263,6 +1263,16 @@ mod tests {
         for name in SlotState::NAMES {
             assert_eq!(parse_state(name, None).map(|s| s.name()), Some(name));
         }
+        // The module's table documents each accepted kind: a new kind
+        // needs its row there too.
+        let docs = include_str!("tracing_layer.rs");
+        for name in kind_names() {
+            let row = format!("//! | `{name}`");
+            assert!(
+                docs.contains(&row),
+                "no row for `{name}` in the vocabulary table"
+            );
+        }
         for t in Tier::ALL {
             assert_eq!(parse_tier(t.short_name()), Some(t));
         }
