@@ -517,6 +517,7 @@ def main():
     round_ratios = {c: [] for c in configs}
     steps = {n: {} for n in names}
     methods = {n: {} for n in names}  # side -> method -> [calls, ns]
+    phases = {n: [] for n in names}  # kvbm's scheduler side, µs a step by phase, one dict a group
     recs = []
     again = 0  # groups run again because an engine did not answer
     for t in range(a.trials):
@@ -554,6 +555,7 @@ def main():
             cpu_rounds[n].append(cpu / a.rounds)
             threads[n].append(rows)
             timed = timing.read(e.timing)
+            phases[n].extend(timed.pop("phases", []))
             for side, ms in timed.pop("methods").items():
                 for m, (calls, ns) in ms.items():
                     acc = methods[n].setdefault(side, {}).setdefault(m, [0, 0])
@@ -606,6 +608,14 @@ def main():
             print("    by method, µs a step (a call): " + ", ".join(
                 f"{m} {ns / len(steps[n][side]) / 1e3:.1f} ({ns / max(calls, 1) / 1e3:.1f})"
                 for m, (calls, ns) in ms[:6]))
+            if side == "scheduler" and phases[n]:
+                # The Rust side's own account of the same steps (warm-up
+                # included), median over the groups.
+                keys = list(phases[n][0])
+                med = {k: statistics.median(p.get(k, 0.0) for p in phases[n]) for k in keys}
+                print(f"    kvbm's scheduler side by phase, µs a step, median over {len(phases[n])} groups "
+                      f"(total {sum(med.values()):.1f}): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if v >= 0.05))
 
     if a.guard:
         sys.exit(guard(threads, walls, steps, names, a.rounds))
