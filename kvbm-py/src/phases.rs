@@ -18,7 +18,7 @@ pub enum Phase {
     Plan,
     /// Starting the step's loads.
     StartLoads,
-    /// Waiting for the step's transfers to reach the worker-bound queues.
+    /// Waiting for the step's loads to reach the worker-bound queues.
     WaitShipped,
     /// Taking the batches off the remote engines and translating them.
     Ship,
