@@ -1197,6 +1197,45 @@ impl SchedulerSide {
             step: self.step,
             ..StepPlan::default()
         };
+        let shipped_loads = self.ship_batches(&mut plan);
+        self.phases.lap(Phase::Ship, &mut t);
+        self.fail_late_loads(&shipped_loads, &mut plan);
+        drop(loads);
+        for name in &input.preempted {
+            if let Some(id) = self.requests.get(name).map(|r| r.id.clone()) {
+                let _ = self.leader.request_preempted(&id);
+            }
+            self.release_g1(name);
+        }
+        // Finished requests whose stores have drained: vLLM may free their
+        // blocks now.
+        let drained: Vec<String> = self
+            .delayed
+            .iter()
+            .filter(|n| {
+                self.leader
+                    .slot_state(n)
+                    .is_none_or(|s| s == kvbm_events::SlotState::Finished)
+            })
+            .cloned()
+            .collect();
+        for n in drained {
+            self.delayed.remove(&n);
+            self.forget(&n);
+            plan.finished_sending.push(n);
+        }
+        self.leader.remove_finished();
+        self.phases.lap(Phase::Settle, &mut t);
+        self.emit_gauges(input.g1_free);
+        self.counters.steps += 1;
+        self.phases.lap(Phase::Gauges, &mut t);
+        Ok(plan)
+    }
+
+    /// Takes the batches the remote engines hold into `plan`, their block
+    /// ids translated to vLLM's; a batch naming a G1 block vLLM freed is
+    /// failed instead. Returns the mirror blocks the shipped loads fill.
+    fn ship_batches(&mut self, plan: &mut StepPlan) -> HashSet<BlockId> {
         let mut shipped_loads: HashSet<BlockId> = HashSet::new();
         for (route, engine) in &self.engines {
             let registered = match route {
@@ -1237,9 +1276,12 @@ impl SchedulerSide {
                 }
             }
         }
-        self.phases.lap(Phase::Ship, &mut t);
-        // Loads promised for this step that did not ship: vLLM computes
-        // those blocks, and their copies must never land later.
+        shipped_loads
+    }
+
+    /// Loads promised for this step that did not ship: vLLM computes
+    /// those blocks, and their copies must never land later.
+    fn fail_late_loads(&mut self, shipped_loads: &HashSet<BlockId>, plan: &mut StepPlan) {
         let late: Vec<(String, Vec<(BlockId, u32)>)> = self
             .requests
             .iter_mut()
@@ -1259,36 +1301,6 @@ impl SchedulerSide {
                 self.g1.remove(&m);
             }
         }
-        drop(loads);
-        for name in &input.preempted {
-            if let Some(id) = self.requests.get(name).map(|r| r.id.clone()) {
-                let _ = self.leader.request_preempted(&id);
-            }
-            self.release_g1(name);
-        }
-        // Finished requests whose stores have drained: vLLM may free their
-        // blocks now.
-        let drained: Vec<String> = self
-            .delayed
-            .iter()
-            .filter(|n| {
-                self.leader
-                    .slot_state(n)
-                    .is_none_or(|s| s == kvbm_events::SlotState::Finished)
-            })
-            .cloned()
-            .collect();
-        for n in drained {
-            self.delayed.remove(&n);
-            self.forget(&n);
-            plan.finished_sending.push(n);
-        }
-        self.leader.remove_finished();
-        self.phases.lap(Phase::Settle, &mut t);
-        self.emit_gauges(input.g1_free);
-        self.counters.steps += 1;
-        self.phases.lap(Phase::Gauges, &mut t);
-        Ok(plan)
     }
 
     /// Waits until the loads planned so far are in the worker-bound
