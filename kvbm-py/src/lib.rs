@@ -17,10 +17,12 @@
 //! a thin layer over these; the Python class in `python/kvbm/vllm.py`
 //! subclasses vLLM's `KVConnectorBase_V1` and reads vLLM's objects.
 
+pub mod background;
 pub mod config;
 pub mod meta;
 pub mod observe;
 pub mod parallel;
+pub mod phases;
 pub mod scheduler;
 pub mod tiers;
 pub mod worker;

@@ -64,6 +64,7 @@ fn counters_json(s: &SchedulerSide) -> String {
     serde_json::json!({
         "counters": s.counters(),
         "step_timing": s.step_timing(),
+        "phases_us_per_step": s.phases_per_step_us(),
         "events_emitted": s.events_emitted(),
         "publisher": s.publisher_counters(),
         "control": s.control_counters(),

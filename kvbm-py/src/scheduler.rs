@@ -42,6 +42,7 @@ use crate::config::{Config, Offload};
 use crate::meta::{Batch, Pair, Route, StepPlan, StepReport};
 use crate::observe::{FleetCounters, Observers};
 pub use crate::parallel::Parallel;
+use crate::phases::{Phase, Phases};
 use crate::tiers::{
     Geometry, Shard, ShmClaim, TierSizes, disk_path, human, remove_stale, shm_dir, shm_path,
 };
@@ -254,7 +255,9 @@ pub struct SchedulerSide {
     leader: Leader,
     mirror: BlockPool,
     engines: Vec<(Route, Arc<RemoteEngine>)>,
-    pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)>,
+    /// The pipelines into G1, with their remote engines: a step waits
+    /// for its loads to reach the worker-bound queues.
+    load_pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)>,
     /// The host and disk tiers' storages, one per rank.
     _host: Vec<Arc<HostStorage>>,
     _disk: Vec<Arc<DiskStorage>>,
@@ -289,6 +292,8 @@ pub struct SchedulerSide {
     /// per step before that (the last [`TIMING_SAMPLES`]).
     spent_ns: u64,
     step_ns: std::collections::VecDeque<u64>,
+    /// The same time, phase by phase, since the start.
+    phases: Phases,
 }
 
 /// A batch some of the engine's ranks have reported.
@@ -573,7 +578,30 @@ impl SchedulerSide {
     /// pipelines, breakpoints, and the attach server and recording when
     /// configured. Host-tier files that no living engine holds are removed
     /// from `shm_dir` first.
+    ///
+    /// Everything is built on a thread of its own at the lowest priority,
+    /// so that every thread kvbm starts here inherits it (see
+    /// [`crate::background`]).
     pub fn start(
+        cfg: Config,
+        geometry: Geometry,
+        engine_id: &str,
+        parallel: Parallel,
+    ) -> Result<Self, SchedulerError> {
+        std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .name("kvbm-start".into())
+                .spawn_scoped(s, || {
+                    crate::background::lower_this_thread();
+                    Self::start_here(cfg, geometry, engine_id, parallel)
+                })
+                .map_err(setup)?
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+    }
+
+    fn start_here(
         cfg: Config,
         geometry: Geometry,
         engine_id: &str,
@@ -585,6 +613,10 @@ impl SchedulerSide {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("kvbm-scheduler")
+            // Threads tokio starts later may be started from vLLM's.
+            .on_thread_start(|| {
+                crate::background::lower_this_thread();
+            })
             .enable_all()
             .build()
             .map_err(setup)?;
@@ -651,9 +683,11 @@ impl SchedulerSide {
             .iter()
             .filter_map(|(d, e)| route_of(*d).map(|r| (r, e.clone())))
             .collect();
-        let pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)> = connected
+        // Only loads hold a step back (see `wait_until_shipped`).
+        let load_pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)> = connected
             .by_direction
             .iter()
+            .filter(|(d, _)| d.dst == Tier::Device)
             .map(|(d, p)| (p.clone(), remote_of(*d)))
             .collect();
         let p = connected.pipelines;
@@ -692,7 +726,7 @@ impl SchedulerSide {
             leader,
             mirror,
             engines,
-            pipelines,
+            load_pipelines,
             _host: host_storage,
             _disk: disk_storage,
             requests: HashMap::new(),
@@ -709,6 +743,7 @@ impl SchedulerSide {
             fleet_final: Default::default(),
             spent_ns: 0,
             step_ns: std::collections::VecDeque::new(),
+            phases: Phases::default(),
         })
     }
 
@@ -784,6 +819,11 @@ impl SchedulerSide {
         }
     }
 
+    /// The connector's time a step by phase, µs, over the steps so far.
+    pub fn phases_per_step_us(&self) -> serde_json::Map<String, serde_json::Value> {
+        self.phases.per_step_us(self.counters.steps)
+    }
+
     fn spent(&mut self, since: Instant) {
         self.spent_ns += u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
     }
@@ -811,6 +851,7 @@ impl SchedulerSide {
         let t = Instant::now();
         let r = self.get_num_new_matched_tokens_inner(request, prompt, num_computed_tokens);
         self.spent(t);
+        self.phases.lap(Phase::Requests, &mut { t });
         r
     }
 
@@ -880,6 +921,7 @@ impl SchedulerSide {
         let t = Instant::now();
         let r = self.update_state_after_alloc_inner(request, block_ids, num_external_tokens);
         self.spent(t);
+        self.phases.lap(Phase::Requests, &mut { t });
         r
     }
 
@@ -1092,6 +1134,7 @@ impl SchedulerSide {
 
     fn build_meta_inner(&mut self, input: &StepInput) -> Result<StepPlan, SchedulerError> {
         let _guard = self.runtime.enter();
+        let mut t = Instant::now();
         self.step += 1;
         self.breakpoints.sweep_held();
         let mut out = SchedulerOutput::default();
@@ -1138,10 +1181,14 @@ impl SchedulerSide {
                 out.skipped.push(r.id.clone());
             }
         }
+        self.phases.lap(Phase::Follow, &mut t);
         let mut md = self.leader.build_connector_metadata(&out);
         self.triggers.push_back(md.store_trigger.take());
+        self.phases.lap(Phase::Plan, &mut t);
         let loads = self.leader.start_loads(&mut md, self.runtime.handle());
+        self.phases.lap(Phase::StartLoads, &mut t);
         let waited = self.wait_until_shipped(&loads);
+        self.phases.lap(Phase::WaitShipped, &mut t);
         if !waited.is_zero() {
             self.counters.ship_waits += 1;
             self.counters.ship_wait_us += u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
@@ -1150,6 +1197,45 @@ impl SchedulerSide {
             step: self.step,
             ..StepPlan::default()
         };
+        let shipped_loads = self.ship_batches(&mut plan);
+        self.phases.lap(Phase::Ship, &mut t);
+        self.fail_late_loads(&shipped_loads, &mut plan);
+        drop(loads);
+        for name in &input.preempted {
+            if let Some(id) = self.requests.get(name).map(|r| r.id.clone()) {
+                let _ = self.leader.request_preempted(&id);
+            }
+            self.release_g1(name);
+        }
+        // Finished requests whose stores have drained: vLLM may free their
+        // blocks now.
+        let drained: Vec<String> = self
+            .delayed
+            .iter()
+            .filter(|n| {
+                self.leader
+                    .slot_state(n)
+                    .is_none_or(|s| s == kvbm_events::SlotState::Finished)
+            })
+            .cloned()
+            .collect();
+        for n in drained {
+            self.delayed.remove(&n);
+            self.forget(&n);
+            plan.finished_sending.push(n);
+        }
+        self.leader.remove_finished();
+        self.phases.lap(Phase::Settle, &mut t);
+        self.emit_gauges(input.g1_free);
+        self.counters.steps += 1;
+        self.phases.lap(Phase::Gauges, &mut t);
+        Ok(plan)
+    }
+
+    /// Takes the batches the remote engines hold into `plan`, their block
+    /// ids translated to vLLM's; a batch naming a G1 block vLLM freed is
+    /// failed instead. Returns the mirror blocks the shipped loads fill.
+    fn ship_batches(&mut self, plan: &mut StepPlan) -> HashSet<BlockId> {
         let mut shipped_loads: HashSet<BlockId> = HashSet::new();
         for (route, engine) in &self.engines {
             let registered = match route {
@@ -1190,8 +1276,12 @@ impl SchedulerSide {
                 }
             }
         }
-        // Loads promised for this step that did not ship: vLLM computes
-        // those blocks, and their copies must never land later.
+        shipped_loads
+    }
+
+    /// Loads promised for this step that did not ship: vLLM computes
+    /// those blocks, and their copies must never land later.
+    fn fail_late_loads(&mut self, shipped_loads: &HashSet<BlockId>, plan: &mut StepPlan) {
         let late: Vec<(String, Vec<(BlockId, u32)>)> = self
             .requests
             .iter_mut()
@@ -1211,45 +1301,21 @@ impl SchedulerSide {
                 self.g1.remove(&m);
             }
         }
-        drop(loads);
-        for name in &input.preempted {
-            if let Some(id) = self.requests.get(name).map(|r| r.id.clone()) {
-                let _ = self.leader.request_preempted(&id);
-            }
-            self.release_g1(name);
-        }
-        // Finished requests whose stores have drained: vLLM may free their
-        // blocks now.
-        let drained: Vec<String> = self
-            .delayed
-            .iter()
-            .filter(|n| {
-                self.leader
-                    .slot_state(n)
-                    .is_none_or(|s| s == kvbm_events::SlotState::Finished)
-            })
-            .cloned()
-            .collect();
-        for n in drained {
-            self.delayed.remove(&n);
-            self.forget(&n);
-            plan.finished_sending.push(n);
-        }
-        self.leader.remove_finished();
-        self.emit_gauges(input.g1_free);
-        self.counters.steps += 1;
-        Ok(plan)
     }
 
-    /// Waits until the transfers planned so far (but stores still waiting
-    /// for their forward pass) are in the worker-bound queues, at most
-    /// `ship_timeout`.
+    /// Waits until the loads planned so far are in the worker-bound
+    /// queues, at most `ship_timeout`: a load must run before this step's
+    /// forward pass reads its blocks. Stores do not hold the step back:
+    /// one that is not queued yet ships with a later step (its blocks stay
+    /// vLLM's until then, see the module docs), and the pipelines' work
+    /// for it runs while the engine waits for its worker instead of on
+    /// vLLM's scheduler thread.
     fn wait_until_shipped(&self, loads: &[(RequestId, Vec<TransferHandle>)]) -> Duration {
         let start = Instant::now();
         let deadline = start + self.cfg.ship_timeout;
         let mut waited = false;
         loop {
-            let ready = self.pipelines.iter().all(|(p, remote)| {
+            let ready = self.load_pipelines.iter().all(|(p, remote)| {
                 let s = p.stats();
                 let before_engine =
                     s.queued_for_policy + s.queued_for_batcher + s.in_queue + s.on_deck;
@@ -1293,21 +1359,23 @@ impl SchedulerSide {
 
     fn update_connector_output_inner(&mut self, reports: &[Vec<u8>]) {
         let _guard = self.runtime.enter();
+        let mut t = Instant::now();
         // vLLM reports its steps' outputs in the order it scheduled them:
         // this is the oldest shipped step's, whose forward pass computed
         // the blocks its trigger holds back.
-        if let Some(t) = self.triggers.pop_front().flatten() {
-            t.trigger();
+        if let Some(trigger) = self.triggers.pop_front().flatten() {
+            trigger.trigger();
         }
         // More steps shipped than vLLM has in flight (two with async
         // scheduling) means outputs that never came: their forward passes
         // are long done, and their stores go rather than wait for good.
         while self.triggers.len() > MAX_STEPS_IN_FLIGHT {
             self.counters.unmatched_outputs += 1;
-            if let Some(t) = self.triggers.pop_front().flatten() {
-                t.trigger();
+            if let Some(trigger) = self.triggers.pop_front().flatten() {
+                trigger.trigger();
             }
         }
+        self.phases.lap(Phase::Trigger, &mut t);
         for bytes in reports {
             let report = match StepReport::from_bytes(bytes) {
                 Ok(r) => r,
@@ -1321,6 +1389,7 @@ impl SchedulerSide {
                 self.resolve(d);
             }
         }
+        self.phases.lap(Phase::Resolve, &mut t);
     }
 
     /// One rank's report of one batch; the batch resolves once every rank
@@ -1379,6 +1448,7 @@ impl SchedulerSide {
         let t = Instant::now();
         let r = self.request_finished_inner(request, block_ids);
         self.spent(t);
+        self.phases.lap(Phase::Requests, &mut { t });
         r
     }
 

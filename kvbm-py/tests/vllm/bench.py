@@ -61,8 +61,8 @@ How the wall times are taken, and why:
   round is then 30-60% slower, with either connector.
 * `--guard` (CI): one short group, `all` against the do-nothing
   connector, checked against GUARD's bounds (kvbm's threads, their
-  wake-ups and CPU share, the connector's time per step), not against
-  the wall time, which a short run cannot decide.
+  priority, wake-ups and CPU share, the connector's time per step), not
+  against the wall time, which a short run cannot decide.
 
 The offload's baseline is measured where the offload runs: after the
 pairs, `--baseline-trials` more kvbm trials (not timed) in which vLLM's
@@ -82,7 +82,11 @@ The connector's own time per step (`timing.py`) is every call vLLM makes
 to the connector class, Python and Rust alike, on the scheduler side and
 on the worker side, measured for both connectors with the same wrappers
 (so the do-nothing connector's figure is the floor: the calls and the
-wrappers themselves).
+wrappers themselves). Beside it, kvbm's scheduler side's own account of
+its time by phase (`phases_us_per_step` in the connector's counters:
+following vLLM's requests, the leader's plan, waiting for loads to ship,
+releasing stores, resolving the worker's reports, ...): the difference
+from the first figure is Python and the calls' arguments.
 """
 
 import argparse
@@ -247,7 +251,7 @@ def print_threads(threads, rounds, names):
     per = {}
     for kind, trials in threads.items():
         for rows in trials:
-            for p, t, n, cpu, vol, inv in rows:
+            for p, t, n, cpu, vol, inv, *_ in rows:
                 per.setdefault((p, t), {}).setdefault(kind, []).append((n, cpu, vol, inv))
     print("CPU a round by thread, median over trials: ms of CPU / wake-ups / preemptions (threads using "
           "≥ 0.5 ms a round in some engine)")
@@ -292,6 +296,9 @@ GUARD = {
     # The connector's own time per step (scheduler and worker side, mean)
     # beyond the do-nothing connector's, in µs.
     "step_us": 5000,
+    # kvbm's threads in the engine core yield to vLLM's: the lowest
+    # priority (kvbm-py/src/background.rs).
+    "nice": 19,
 }
 
 
@@ -310,8 +317,12 @@ def guard(threads, walls, steps, names, rounds):
         print(f"guard: kvbm's threads in {p}: {n} (at most {limit})")
         if n > limit:
             failed.append(f"{n} kvbm threads in {p}, more than {limit}")
-    for p, t, n, cpu, vol, inv in sorted(kvbm, key=lambda r: -(r[4] + r[5])):
-        print(f"guard:   {p} {t} x{n}: {1e3 * cpu / wall:.1f} ms of CPU and {(vol + inv) / wall:.0f} wake-ups a second")
+    for p, t, n, cpu, vol, inv, nice in sorted(kvbm, key=lambda r: -(r[4] + r[5])):
+        print(f"guard:   {p} {t} x{n}: {1e3 * cpu / wall:.1f} ms of CPU and {(vol + inv) / wall:.0f} wake-ups "
+              f"a second, nice {nice}")
+        if p == "VLLM::EngineCore" and nice < GUARD["nice"]:
+            failed.append(f"{p}'s {t} threads run at nice {nice}, above the lowest priority ({GUARD['nice']}): "
+                          "their wake-ups preempt vLLM's scheduler thread")
     wakeups = sum(r[4] + r[5] for r in kvbm) / wall
     print(f"guard: kvbm's threads woke {wakeups:.0f} times a second of the rounds (at most {GUARD['wakeups_per_s']})")
     if wakeups > GUARD["wakeups_per_s"]:
@@ -436,15 +447,17 @@ def order(names, r):
 
 
 def merge_threads(trials):
-    """Sums a trial's per-round thread rows: [[proc, thread, n, cpu, vol, inv]]."""
+    """Sums a trial's per-round thread rows: [[proc, thread, n, cpu, vol,
+    inv, lowest nice]]."""
     acc = {}
     for rows in trials:
-        for p, t, n, cpu, vol, inv in rows:
-            g = acc.setdefault((p, t), [0, 0.0, 0, 0])
+        for p, t, n, cpu, vol, inv, nice in rows:
+            g = acc.setdefault((p, t), [0, 0.0, 0, 0, nice])
             g[0] = max(g[0], n)
             g[1] += cpu
             g[2] += vol
             g[3] += inv
+            g[4] = min(g[4], nice)
     return [[p, t, *g] for (p, t), g in acc.items()]
 
 
@@ -517,6 +530,7 @@ def main():
     round_ratios = {c: [] for c in configs}
     steps = {n: {} for n in names}
     methods = {n: {} for n in names}  # side -> method -> [calls, ns]
+    phases = {n: [] for n in names}  # kvbm's scheduler side, µs a step by phase, one dict a group
     recs = []
     again = 0  # groups run again because an engine did not answer
     for t in range(a.trials):
@@ -554,6 +568,7 @@ def main():
             cpu_rounds[n].append(cpu / a.rounds)
             threads[n].append(rows)
             timed = timing.read(e.timing)
+            phases[n].extend(timed.pop("phases", []))
             for side, ms in timed.pop("methods").items():
                 for m, (calls, ns) in ms.items():
                     acc = methods[n].setdefault(side, {}).setdefault(m, [0, 0])
@@ -606,6 +621,14 @@ def main():
             print("    by method, µs a step (a call): " + ", ".join(
                 f"{m} {ns / len(steps[n][side]) / 1e3:.1f} ({ns / max(calls, 1) / 1e3:.1f})"
                 for m, (calls, ns) in ms[:6]))
+            if side == "scheduler" and phases[n]:
+                # The Rust side's own account of the same steps (warm-up
+                # included), median over the groups.
+                keys = list(phases[n][0])
+                med = {k: statistics.median(p.get(k, 0.0) for p in phases[n]) for k in keys}
+                print(f"    kvbm's scheduler side by phase, µs a step, median over {len(phases[n])} groups "
+                      f"(total {sum(med.values()):.1f}): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if v >= 0.05))
 
     if a.guard:
         sys.exit(guard(threads, walls, steps, names, a.rounds))

@@ -52,6 +52,9 @@ class _Side:
 
 _SIDES = {"scheduler": _Side(), "worker": _Side()}
 _written = [0.0]
+# The scheduler-side connector object, when it is kvbm's: its Rust side's
+# time by phase goes out with each dump.
+_kvbm = [None]
 
 
 def _dump(prefix, force=False):
@@ -61,6 +64,9 @@ def _dump(prefix, force=False):
     _written[0] = now
     out = {k: s.steps for k, s in _SIDES.items() if s.steps}
     out["methods"] = {k: s.methods for k, s in _SIDES.items() if s.methods}
+    sched = getattr(_kvbm[0], "_sched", None)
+    if sched is not None:
+        out["phases"] = json.loads(sched.counters()).get("phases_us_per_step", {})
     path = f"{prefix}.{os.getpid()}.json"
     with open(path + ".tmp", "w") as f:
         json.dump(out, f)
@@ -76,6 +82,8 @@ def _wrap(cls, name, side, prefix):
 
     @functools.wraps(fn)
     def timed(*a, **k):
+        if last and side == "scheduler" and _kvbm[0] is None and getattr(a[0], "_sched", None) is not None:
+            _kvbm[0] = a[0]
         t = time.perf_counter_ns()
         try:
             return fn(*a, **k)
@@ -126,13 +134,16 @@ def install():
 
 
 def read(prefix):
-    """{side: [ns per step, ...]} over a trial's processes, and under
-    "methods" {side: {method: [calls, ns]}}."""
+    """{side: [ns per step, ...]} over a trial's processes, under
+    "methods" {side: {method: [calls, ns]}}, and under "phases" kvbm's
+    scheduler side's µs a step by phase, one dict per process."""
     got = {"methods": {}}
     for path in glob.glob(f"{glob.escape(prefix)}.*.json"):
         with open(path) as f:
             for side, steps in json.load(f).items():
-                if side == "methods":
+                if side == "phases":
+                    got.setdefault("phases", []).append(steps)
+                elif side == "methods":
                     for sd, ms in steps.items():
                         for name, (calls, ns) in ms.items():
                             acc = got["methods"].setdefault(sd, {}).setdefault(name, [0, 0])
