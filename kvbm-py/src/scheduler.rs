@@ -579,8 +579,8 @@ impl SchedulerSide {
     /// configured. Host-tier files that no living engine holds are removed
     /// from `shm_dir` first.
     ///
-    /// Everything is built on a thread of its own at the lowest priority,
-    /// so that every thread kvbm starts here inherits it (see
+    /// Everything is built on a thread of its own that runs as
+    /// `SCHED_BATCH`, so that every thread kvbm starts here does (see
     /// [`crate::background`]).
     pub fn start(
         cfg: Config,
@@ -592,7 +592,7 @@ impl SchedulerSide {
             std::thread::Builder::new()
                 .name("kvbm-start".into())
                 .spawn_scoped(s, || {
-                    crate::background::lower_this_thread();
+                    crate::background::batch_this_thread();
                     Self::start_here(cfg, geometry, engine_id, parallel)
                 })
                 .map_err(setup)?
@@ -615,7 +615,7 @@ impl SchedulerSide {
             .thread_name("kvbm-scheduler")
             // Threads tokio starts later may be started from vLLM's.
             .on_thread_start(|| {
-                crate::background::lower_this_thread();
+                crate::background::batch_this_thread();
             })
             .enable_all()
             .build()

@@ -61,7 +61,7 @@ How the wall times are taken, and why:
   round is then 30-60% slower, with either connector.
 * `--guard` (CI): one short group, `all` against the do-nothing
   connector, checked against GUARD's bounds (kvbm's threads, their
-  priority, wake-ups and CPU share, the connector's time per step), not
+  policy, wake-ups and CPU share, the connector's time per step), not
   against the wall time, which a short run cannot decide.
 
 The offload's baseline is measured where the offload runs: after the
@@ -296,10 +296,14 @@ GUARD = {
     # The connector's own time per step (scheduler and worker side, mean)
     # beyond the do-nothing connector's, in µs.
     "step_us": 5000,
-    # kvbm's threads in the engine core yield to vLLM's: the lowest
-    # priority (kvbm-py/src/background.rs).
-    "nice": 19,
+    # kvbm's threads in the engine core do not preempt vLLM's scheduler
+    # thread when woken: SCHED_BATCH (kvbm-py/src/background.rs).
+    "policy": 3,
 }
+
+
+# Linux's scheduling policies by number, as /proc/<tid>/stat gives them.
+POLICIES = {0: "normal", 3: "batch", 5: "idle"}
 
 
 def guard(threads, walls, steps, names, rounds):
@@ -317,11 +321,11 @@ def guard(threads, walls, steps, names, rounds):
         print(f"guard: kvbm's threads in {p}: {n} (at most {limit})")
         if n > limit:
             failed.append(f"{n} kvbm threads in {p}, more than {limit}")
-    for p, t, n, cpu, vol, inv, nice in sorted(kvbm, key=lambda r: -(r[4] + r[5])):
+    for p, t, n, cpu, vol, inv, policy in sorted(kvbm, key=lambda r: -(r[4] + r[5])):
         print(f"guard:   {p} {t} x{n}: {1e3 * cpu / wall:.1f} ms of CPU and {(vol + inv) / wall:.0f} wake-ups "
-              f"a second, nice {nice}")
-        if p == "VLLM::EngineCore" and nice < GUARD["nice"]:
-            failed.append(f"{p}'s {t} threads run at nice {nice}, above the lowest priority ({GUARD['nice']}): "
+              f"a second, policy {POLICIES.get(policy, policy)}")
+        if p == "VLLM::EngineCore" and policy != GUARD["policy"]:
+            failed.append(f"{p}'s {t} threads run as {POLICIES.get(policy, policy)}, not batch: "
                           "their wake-ups preempt vLLM's scheduler thread")
     wakeups = sum(r[4] + r[5] for r in kvbm) / wall
     print(f"guard: kvbm's threads woke {wakeups:.0f} times a second of the rounds (at most {GUARD['wakeups_per_s']})")
@@ -448,16 +452,16 @@ def order(names, r):
 
 def merge_threads(trials):
     """Sums a trial's per-round thread rows: [[proc, thread, n, cpu, vol,
-    inv, lowest nice]]."""
+    inv, policy]]."""
     acc = {}
     for rows in trials:
-        for p, t, n, cpu, vol, inv, nice in rows:
-            g = acc.setdefault((p, t), [0, 0.0, 0, 0, nice])
+        for p, t, n, cpu, vol, inv, policy in rows:
+            g = acc.setdefault((p, t), [0, 0.0, 0, 0, policy])
             g[0] = max(g[0], n)
             g[1] += cpu
             g[2] += vol
             g[3] += inv
-            g[4] = min(g[4], nice)
+            g[4] = min(g[4], policy)
     return [[p, t, *g] for (p, t), g in acc.items()]
 
 

@@ -122,7 +122,8 @@ def keep_off_worker_cpus():
 def thread_cpu():
     """Every thread of this process and of the processes it started:
     {(process name, pid, thread name, tid): (CPU seconds, voluntary
-    context switches, involuntary ones, nice value)}, from /proc. Two of these, before
+    context switches, involuntary ones, scheduling policy: 0 normal, 3
+    batch)}, from /proc. Two of these, before
     and after a stretch of work, say which threads spent the CPU and how
     often each woke (`cpu_by_thread`)."""
     import psutil
@@ -159,7 +160,7 @@ def thread_cpu():
                 cpu,
                 int(ctx.get("voluntary_ctxt_switches", 0)),
                 int(ctx.get("nonvoluntary_ctxt_switches", 0)),
-                int(fields[16]),  # nice (the stat file's 19th field)
+                int(fields[38]),  # policy (the stat file's 41st field)
             )
     return out
 
@@ -167,19 +168,20 @@ def thread_cpu():
 def cpu_by_thread(before, after):
     """What each thread spent between two `thread_cpu()` snapshots, grouped
     by process and thread name (a tokio runtime's or OpenMP's threads share
-    one): [[process, thread, threads, CPU s, wake-ups, preemptions, the
-    lowest nice value among them], ...], the busiest first. A thread born
+    one): [[process, thread, threads, CPU s, wake-ups, preemptions, their
+    scheduling policy (the lowest number among them)], ...], the busiest
+    first. A thread born
     in between counts from zero."""
     groups = {}
-    for key, (cpu, vol, inv, nice) in after.items():
-        c0, v0, i0, _ = before.get(key, (0.0, 0, 0, nice))
-        g = groups.setdefault((key[0], key[2]), [0, 0.0, 0, 0, nice])
+    for key, (cpu, vol, inv, policy) in after.items():
+        c0, v0, i0, _ = before.get(key, (0.0, 0, 0, policy))
+        g = groups.setdefault((key[0], key[2]), [0, 0.0, 0, 0, policy])
         g[0] += 1
         g[1] += cpu - c0
         g[2] += vol - v0
         g[3] += inv - i0
-        g[4] = min(g[4], nice)
-    rows = [[p, t, n, round(c, 3), v, i, nice] for (p, t), (n, c, v, i, nice) in groups.items()]
+        g[4] = min(g[4], policy)
+    rows = [[p, t, n, round(c, 3), v, i, pol] for (p, t), (n, c, v, i, pol) in groups.items()]
     return sorted(rows, key=lambda r: -r[3])
 
 
