@@ -224,7 +224,14 @@ impl PyScheduler {
     }
 
     /// The worker's reports of the step that just ran.
-    fn update_connector_output(&self, py: Python<'_>, reports: Vec<Vec<u8>>) -> PyResult<()> {
+    fn update_connector_output(
+        &self,
+        py: Python<'_>,
+        reports: Vec<pyo3::pybacked::PyBackedBytes>,
+    ) -> PyResult<()> {
+        // Borrowed from the `bytes` objects and copied once: a `Vec<u8>`
+        // argument would be extracted byte by byte, as a sequence of ints.
+        let reports: Vec<Vec<u8>> = reports.iter().map(|r| r.to_vec()).collect();
         self.with_side(py, |s| {
             s.update_connector_output(&reports);
             Ok(())
