@@ -14,8 +14,10 @@ How the wall times are taken, and why:
   do-nothing connector and with kvbm in each configuration asked for
   (`--configs`, default `recording`: the host tier in /dev/shm and the
   recording; `--breakdown`: `observer` (no tier), `tiers` (no recording),
-  `recording`, and `all` (with the attach server too), so that each
-  part's cost is the step from one to the next). Each engine is warmed up
+  `recording`, `all` (with the attach server too), so that each
+  part's cost is the step from one to the next, and `noop-again`, a
+  second do-nothing engine: an A/A comparison that shows how far two
+  engine instances differ with no kvbm at all). Each engine is warmed up
   and then stopped (SIGSTOP to its whole process group). The rounds then
   alternate between the engines: each in turn is continued, runs one round
   (24 prompts sharing prefixes, 32 tokens each, the prefix cache reset
@@ -368,6 +370,10 @@ CONFIGS = {
     "all": lambda tmp, t: {"host_capacity_tokens": 16384, "shm_dir": SHM,
                            "record": os.path.join(tmp, f"rec-all-{t}"),
                            "serve": f"127.0.0.1:{engine.free_port()}"},
+    # A second do-nothing engine (an A/A comparison): how far two engine
+    # instances of one group differ with no kvbm at all, the floor under
+    # every other configuration's spread.
+    "noop-again": None,
 }
 
 
@@ -543,8 +549,8 @@ def main():
             try:
                 # Started in a different order each group; each waits stopped.
                 for n in order(names, t):
-                    kind = "noop" if n == "noop" else "kvbm"
-                    extra = None if n == "noop" else CONFIGS[n](tmp, f"{t}-{attempt}")
+                    kind = "noop" if n == "noop" or CONFIGS.get(n, 0) is None else "kvbm"
+                    extra = None if kind == "noop" else CONFIGS[n](tmp, f"{t}-{attempt}")
                     group[n] = Served(n, kind, extra, tmp, f"{t}-{attempt}", cpu_env, not a.no_pin, extra_env,
                                       llm, a.rounds, a.reuse)
                 for r in range(a.rounds):
@@ -636,6 +642,8 @@ def main():
 
     if a.guard:
         sys.exit(guard(threads, walls, steps, names, a.rounds))
+    if not recs and not a.baseline_trials:
+        return  # only do-nothing engines ran (an A/A run): no offload to measure
     prefix = os.path.join(tmp, "baseline")
     for t in range(a.baseline_trials):
         run("kvbm", a.rounds, tmp, f"baseline-{t}", cpu_env, not a.no_pin,
