@@ -385,16 +385,24 @@ class Served:
     """One engine of a group (`scenario.py serve`): started, then stopped
     (SIGSTOP to its whole process group) except while it runs a round."""
 
-    def __init__(self, name, kind, extra, tmp, trial, cpu_env, pin, extra_env, llm, rounds, reuse):
+    def __init__(self, name, kind, extra, tmp, trial, cpu_env, pin, extra_env, llm, rounds, reuse, fixed_layout):
         self.name, self.rounds, self.threads, self.rec = name, [], [], (extra or {}).get("record")
         self.timing = os.path.join(tmp, f"timing-{name}-{trial}")
         env = dict(os.environ, **cpu_env, **(extra_env or {}))
+        # Two instances of one engine differ in wall time by a few percent
+        # when their address layouts and string hashes differ (see
+        # `--random-layout`); with both fixed, every engine of every group
+        # lays out its code, heap and dicts the same way.
+        prefix = []
+        if fixed_layout:
+            env["PYTHONHASHSEED"] = "0"
+            prefix = ["setarch", "-R"]
         env["KVBM_BENCH_TIMING"] = self.timing
         env["KVBM_SCENARIO_TIMEOUT_S"] = str(900 + 60 * rounds)
         args = {"connector": kind, "max_tokens": 32, "pin": pin, "llm": llm or {}, "extra": extra or {},
                 "reuse": reuse}
         self.err = open(os.path.join(tmp, f"stderr-{name}-{trial}"), "w+")
-        self.p = engine.spawn([sys.executable, os.path.join(HERE, "scenario.py"), "serve", json.dumps(args)],
+        self.p = engine.spawn(prefix + [sys.executable, os.path.join(HERE, "scenario.py"), "serve", json.dumps(args)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
                               env=env, cwd=HERE)
         self.cpus = self._answer(300)["cpus"]
@@ -487,6 +495,10 @@ def main():
                          "with a plain memcpy, for the offload's baseline (their wall time is not used)")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave the engine core and front end free to run on the worker's CPUs")
+    ap.add_argument("--random-layout", action="store_true",
+                    help="leave address-space randomisation and Python's string hashing as they are; by default "
+                         "every engine runs under `setarch -R` with PYTHONHASHSEED=0, so instances of one "
+                         "configuration do not differ by where their code and data happen to land")
     ap.add_argument("--allow-debug-build", action="store_true",
                     help="time kvbm even if the installed module is a debug build")
     ap.add_argument("--tp", type=int, default=1,
@@ -526,11 +538,13 @@ def main():
                  "one), so its figures would not be kvbm's: install it optimised with "
                  "`pip install ./kvbm-py`, or pass --allow-debug-build")
     cpu_env = {k: os.environ.get(k, v) for k, v in CPU_ENV.items()}
+    fixed_layout = not a.random_layout and shutil.which("setarch") is not None
     names = ["noop"] + configs
     print(f"engines with {cpu_env}, {'not ' if a.no_pin else ''}kept off the worker's CPUs; "
           f"{a.trials} groups of trials ({', '.join(names)}), {a.rounds} timed rounds each, interleaved, "
           f"{'the same prompts every round (kvbm serves them from its tier)' if a.reuse else 'new prompts every round'}; "
-          f"vLLM: tensor_parallel_size {a.tp}, async_scheduling {a.async_scheduling}", flush=True)
+          f"vLLM: tensor_parallel_size {a.tp}, async_scheduling {a.async_scheduling}; address layout and "
+          f"string hashes {'fixed (setarch -R, PYTHONHASHSEED=0)' if fixed_layout else 'random'}", flush=True)
     tmp = tempfile.mkdtemp(prefix="kvbm-bench-")
     walls = {n: [] for n in names}
     cpu_rounds = {n: [] for n in names}
@@ -552,7 +566,7 @@ def main():
                     kind = "noop" if n == "noop" or CONFIGS.get(n, 0) is None else "kvbm"
                     extra = None if kind == "noop" else CONFIGS[n](tmp, f"{t}-{attempt}")
                     group[n] = Served(n, kind, extra, tmp, f"{t}-{attempt}", cpu_env, not a.no_pin, extra_env,
-                                      llm, a.rounds, a.reuse)
+                                      llm, a.rounds, a.reuse, fixed_layout)
                 for r in range(a.rounds):
                     for n in order(names, r + t):
                         group[n].round()
