@@ -42,7 +42,6 @@ use crate::values::{
 };
 use crate::{OLDEST_READABLE_VERSION, SCHEMA_VERSION};
 use flatbuffers::{FlatBufferBuilder, InvalidFlatbuffer, Push, VerifierOptions, WIPOffset};
-use kvbm_events::tier::{BlockId, Tier};
 use kvbm_events::{Direction, SequenceHash};
 use kvbm_events::{Event, EventKind, KindTag};
 use std::collections::HashMap;
@@ -178,43 +177,59 @@ pub enum BlockError {
 /// with this).
 pub fn event_bytes(ev: &Event) -> usize {
     let request = ev.request.as_ref().map_or(0, |r| r.len() + 8);
-    // Row sizes are the structs' sizes; a table kind adds its table, its
-    // vtable share and the vector entry pointing at it.
-    const TABLE: usize = 48;
-    let kind = match &ev.kind {
-        EventKind::SlotCreated { .. } => size_of::<fb::SlotCreatedRow>(),
-        EventKind::SlotTransition { .. } => size_of::<fb::SlotTransitionRow>(),
-        EventKind::MatchResult { .. } => size_of::<fb::MatchResultRow>(),
-        EventKind::BlocksAllocated { blocks, .. } => TABLE + 4 * blocks.len(),
-        EventKind::BlocksReleased { .. } => size_of::<fb::BlocksReleasedRow>(),
-        EventKind::BlockRegistered { .. } => size_of::<fb::BlockRegisteredRow>(),
-        EventKind::BlockEvicted { .. } => size_of::<fb::BlockEvictedRow>(),
-        EventKind::TransferPlanned { .. }
-        | EventKind::TransferPromoted { .. }
-        | EventKind::TransferCompleted { .. } => size_of::<fb::TransferRow>(),
-        EventKind::TransferCancelled { .. } => size_of::<fb::TransferCancelledRow>(),
-        EventKind::TransferSkipped { reason, .. } => TABLE + reason.len() + 8,
-        EventKind::TransferFailed { error, .. } => TABLE + error.len() + 8,
-        EventKind::BatchDispatched { transfers, .. } => TABLE + 8 * transfers.len() + 8,
-        EventKind::BatchCompleted { .. } => size_of::<fb::BatchCompletedRow>(),
-        EventKind::PoolGauge { .. } => size_of::<fb::PoolGaugeRow>(),
-        EventKind::HookCall { .. } => size_of::<fb::HookCallRow>(),
-        EventKind::BreakpointHit { .. } => size_of::<fb::BreakpointHitRow>(),
-        EventKind::Resumed { .. } => size_of::<fb::ResumedRow>(),
-        EventKind::TokensScheduled { .. } => size_of::<fb::TokensScheduledRow>(),
-        EventKind::PrefixLookup { hashes, .. } => TABLE + 8 * hashes.len() + 8,
-    };
     // Alignment padding of the row's column, at most 7 bytes.
-    ENVELOPE_BYTES + request + kind + 8
+    ENVELOPE_BYTES + request + kind_bytes(&ev.kind) + 8
 }
 
-/// The kinds' columns: each kind's tag, its column's name in the schema
-/// (its snake_case name) and what a column holds, once. The encoder's
-/// columns, their clearing, the block's arguments and the row count of a
-/// kind's column all follow from this list, and a kind missing from it does
-/// not compile (`kind_rows` matches every tag).
+/// A table kind's share of a block beyond its own bytes: the table's
+/// header, its vtable share and the vector entry pointing at it.
+const TABLE: usize = 48;
+
+/// `$given` if there is one, else `$default` (an optional part of a
+/// `kind_columns!` entry).
+macro_rules! given_or {
+    (, $default:expr) => {
+        $default
+    };
+    ($given:expr, $default:expr) => {
+        $given
+    };
+}
+
+/// The kinds' columns, one entry a kind: its fields, its column's name in
+/// the schema (its snake_case name) and what the column holds, then how a
+/// kind becomes a row and back.
+///
+/// - `size`: what the event adds to a block by [`event_bytes`]; a row
+///   kind's is its row's size, so only a table kind gives one;
+/// - `encode`: the row (or, given the builder, the table) from the
+///   fields, which are bound by reference;
+/// - `decode(r)`: the kind from row `r`, with `?` on what is checked;
+/// - `check`: what [`BlockView::validate`] runs on each row, with `?`;
+///   by default the decoding itself (a table kind gives a check that
+///   does not copy its lists).
+///
+/// Everything the codec does by kind follows from this list: the
+/// encoder's columns and their clearing, the block's arguments, each
+/// column's row count, sizing, pushing, checking and decoding. Each of
+/// those matches every kind, so a kind missing here does not compile.
 macro_rules! kind_columns {
-    ($($tag:ident => $col:ident: $ty:ty,)*) => {
+    ($(
+        $tag:ident { $($field:ident),* } => $col:ident: $ty:ty
+        $(, size = $size:expr)?
+        , encode $(($fbb:ident))? = $encode:expr
+        , decode($r:ident) = $decode:expr
+        $(, check = $check:expr)?
+        ;
+    )*) => {
+        /// What `kind` adds to a block besides its envelope.
+        #[allow(unused_variables)] // a row kind's size needs none of its fields
+        fn kind_bytes(kind: &EventKind) -> usize {
+            match kind {
+                $(EventKind::$tag { $($field),* } => given_or!($($size)?, size_of::<$ty>()),)*
+            }
+        }
+
         /// The encoder's column of each kind.
         #[derive(Default)]
         struct Columns {
@@ -224,6 +239,17 @@ macro_rules! kind_columns {
         impl Columns {
             fn clear(&mut self) {
                 $(self.$col.clear();)*
+            }
+
+            /// Pushes `kind`'s row into its column (a table kind's table
+            /// into `fbb` first).
+            fn push(&mut self, fbb: &mut FlatBufferBuilder<'static>, kind: &EventKind) {
+                match kind {
+                    $(EventKind::$tag { $($field),* } => {
+                        $(let $fbb = &mut *fbb;)?
+                        self.$col.push($encode);
+                    })*
+                }
             }
 
             /// Writes each column that has rows into the block.
@@ -249,31 +275,185 @@ macro_rules! kind_columns {
             };
             Some((rows, tag.snake_name()))
         }
+
+        /// Runs kind `tag`'s check on every row of its column: the bad
+        /// row and why.
+        fn check_column(b: &fb::EventBlock<'_>, tag: KindTag) -> Result<(), (usize, DecodeError)> {
+            match tag {
+                $(KindTag::$tag => {
+                    let rows = b.$col().ok_or((0, DecodeError::MissingKind))?;
+                    rows.iter().enumerate().try_for_each(|(i, $r)| {
+                        let check = || -> Result<(), DecodeError> {
+                            // A kind may have nothing to check.
+                            let _ = &$r;
+                            let _ = given_or!($($check)?, $decode);
+                            Ok(())
+                        };
+                        check().map_err(|e| (i, e))
+                    })
+                })*
+            }
+        }
+
+        /// Row `row` of kind `tag`'s column.
+        fn kind_at(b: &fb::EventBlock<'_>, tag: KindTag, row: usize) -> Result<EventKind, DecodeError> {
+            Ok(match tag {
+                $(KindTag::$tag => {
+                    let $r = b.$col().ok_or(DecodeError::MissingKind)?.get(row);
+                    $decode
+                })*
+            })
+        }
     };
 }
 
 kind_columns! {
-    SlotCreated => slot_created: fb::SlotCreatedRow,
-    SlotTransition => slot_transition: fb::SlotTransitionRow,
-    MatchResult => match_result: fb::MatchResultRow,
-    BlocksAllocated => blocks_allocated: WIPOffset<fb::BlocksAllocated<'static>>,
-    BlocksReleased => blocks_released: fb::BlocksReleasedRow,
-    BlockRegistered => block_registered: fb::BlockRegisteredRow,
-    BlockEvicted => block_evicted: fb::BlockEvictedRow,
-    TransferPlanned => transfer_planned: fb::TransferRow,
-    TransferPromoted => transfer_promoted: fb::TransferRow,
-    TransferSkipped => transfer_skipped: WIPOffset<fb::TransferSkipped<'static>>,
-    TransferCancelled => transfer_cancelled: fb::TransferCancelledRow,
-    TransferCompleted => transfer_completed: fb::TransferRow,
-    TransferFailed => transfer_failed: WIPOffset<fb::TransferFailed<'static>>,
-    BatchDispatched => batch_dispatched: WIPOffset<fb::BatchDispatched<'static>>,
-    BatchCompleted => batch_completed: fb::BatchCompletedRow,
-    PoolGauge => pool_gauge: fb::PoolGaugeRow,
-    HookCall => hook_call: fb::HookCallRow,
-    BreakpointHit => breakpoint_hit: fb::BreakpointHitRow,
-    Resumed => resumed: fb::ResumedRow,
-    TokensScheduled => tokens_scheduled: fb::TokensScheduledRow,
-    PrefixLookup => prefix_lookup: WIPOffset<fb::PrefixLookup<'static>>,
+    SlotCreated { prompt_tokens, max_output_tokens } => slot_created: fb::SlotCreatedRow,
+        encode = fb::SlotCreatedRow::new(*prompt_tokens, *max_output_tokens),
+        decode(r) = EventKind::SlotCreated {
+            prompt_tokens: r.prompt_tokens(),
+            max_output_tokens: r.max_output_tokens(),
+        };
+    SlotTransition { from, to } => slot_transition: fb::SlotTransitionRow,
+        encode = fb::SlotTransitionRow::new(&encode_state(*from), &encode_state(*to)),
+        decode(r) = EventKind::SlotTransition {
+            from: decode_state(r.from(), "SlotTransition.from")?,
+            to: decode_state(r.to(), "SlotTransition.to")?,
+        };
+    MatchResult { tier, looked_up, hit_blocks, hit_tokens } => match_result: fb::MatchResultRow,
+        encode = fb::MatchResultRow::new(tier_to_fb(*tier), *looked_up, *hit_blocks, *hit_tokens),
+        decode(r) = EventKind::MatchResult {
+            tier: tier_from_fb(r.tier(), "MatchResult.tier")?,
+            looked_up: r.looked_up(),
+            hit_blocks: r.hit_blocks(),
+            hit_tokens: r.hit_tokens(),
+        };
+    BlocksAllocated { tier, blocks } => blocks_allocated: WIPOffset<fb::BlocksAllocated<'static>>,
+        size = TABLE + 4 * blocks.len(),
+        encode(fbb) = blocks_allocated_table(fbb, *tier, blocks),
+        decode(t) = blocks_allocated_from_fb(t)?,
+        check = tier_from_fb(t.tier(), "BlocksAllocated.tier")?;
+    BlocksReleased { tier, count } => blocks_released: fb::BlocksReleasedRow,
+        encode = fb::BlocksReleasedRow::new(tier_to_fb(*tier), *count),
+        decode(r) = EventKind::BlocksReleased {
+            tier: tier_from_fb(r.tier(), "BlocksReleased.tier")?,
+            count: r.count(),
+        };
+    BlockRegistered { tier, block, sequence_hash, duplicate_of } => block_registered: fb::BlockRegisteredRow,
+        encode = fb::BlockRegisteredRow::new(
+            tier_to_fb(*tier),
+            duplicate_of.is_some(),
+            *block,
+            duplicate_of.unwrap_or(0),
+            sequence_hash.0,
+        ),
+        decode(r) = block_registered_from_row(r)?;
+    BlockEvicted { tier, block, sequence_hash } => block_evicted: fb::BlockEvictedRow,
+        encode = fb::BlockEvictedRow::new(tier_to_fb(*tier), *block, sequence_hash.0),
+        decode(r) = EventKind::BlockEvicted {
+            tier: tier_from_fb(r.tier(), "BlockEvicted.tier")?,
+            block: r.block(),
+            sequence_hash: SequenceHash(r.sequence_hash()),
+        };
+    TransferPlanned { transfer, direction, blocks } => transfer_planned: fb::TransferRow,
+        encode = transfer_row(*transfer, *direction, *blocks),
+        decode(r) = EventKind::TransferPlanned {
+            transfer: r.transfer(),
+            direction: direction_from_fb(r.direction(), "TransferPlanned.direction")?,
+            blocks: r.blocks(),
+        };
+    TransferPromoted { transfer, direction, blocks } => transfer_promoted: fb::TransferRow,
+        encode = transfer_row(*transfer, *direction, *blocks),
+        decode(r) = EventKind::TransferPromoted {
+            transfer: r.transfer(),
+            direction: direction_from_fb(r.direction(), "TransferPromoted.direction")?,
+            blocks: r.blocks(),
+        };
+    TransferSkipped { transfer, direction, reason } => transfer_skipped: WIPOffset<fb::TransferSkipped<'static>>,
+        size = TABLE + reason.len() + 8,
+        encode(fbb) = transfer_skipped_table(fbb, *transfer, *direction, reason),
+        decode(t) = transfer_skipped_from_fb(t)?,
+        check = direction_from_fb(t.direction(), "TransferSkipped.direction")?;
+    TransferCancelled { transfer, direction } => transfer_cancelled: fb::TransferCancelledRow,
+        encode = fb::TransferCancelledRow::new(*transfer, &direction_to_fb(*direction)),
+        decode(r) = EventKind::TransferCancelled {
+            transfer: r.transfer(),
+            direction: direction_from_fb(r.direction(), "TransferCancelled.direction")?,
+        };
+    TransferCompleted { transfer, direction, blocks } => transfer_completed: fb::TransferRow,
+        encode = transfer_row(*transfer, *direction, *blocks),
+        decode(r) = EventKind::TransferCompleted {
+            transfer: r.transfer(),
+            direction: direction_from_fb(r.direction(), "TransferCompleted.direction")?,
+            blocks: r.blocks(),
+        };
+    TransferFailed { transfer, direction, error } => transfer_failed: WIPOffset<fb::TransferFailed<'static>>,
+        size = TABLE + error.len() + 8,
+        encode(fbb) = transfer_failed_table(fbb, *transfer, *direction, error),
+        decode(t) = transfer_failed_from_fb(t)?,
+        check = direction_from_fb(t.direction(), "TransferFailed.direction")?;
+    BatchDispatched { batch, direction, transfers, blocks } => batch_dispatched: WIPOffset<fb::BatchDispatched<'static>>,
+        size = TABLE + 8 * transfers.len() + 8,
+        encode(fbb) = batch_dispatched_table(fbb, *batch, *direction, transfers, *blocks),
+        decode(t) = batch_dispatched_from_fb(t)?,
+        check = direction_from_fb(t.direction(), "BatchDispatched.direction")?;
+    BatchCompleted { batch, direction, ok, blocks, bytes, elapsed_ns } => batch_completed: fb::BatchCompletedRow,
+        encode = fb::BatchCompletedRow::new(
+            *batch,
+            &direction_to_fb(*direction),
+            *ok,
+            *blocks,
+            *bytes,
+            *elapsed_ns,
+        ),
+        decode(r) = EventKind::BatchCompleted {
+            batch: r.batch(),
+            direction: direction_from_fb(r.direction(), "BatchCompleted.direction")?,
+            ok: r.ok(),
+            blocks: r.blocks(),
+            bytes: r.bytes(),
+            elapsed_ns: r.elapsed_ns(),
+        };
+    PoolGauge { tier, capacity, active, inactive, empty } => pool_gauge: fb::PoolGaugeRow,
+        encode = fb::PoolGaugeRow::new(tier_to_fb(*tier), *capacity, *active, *inactive, *empty),
+        decode(r) = EventKind::PoolGauge {
+            tier: tier_from_fb(r.tier(), "PoolGauge.tier")?,
+            capacity: r.capacity(),
+            active: r.active(),
+            inactive: r.inactive(),
+            empty: r.empty(),
+        };
+    HookCall { entry, phase } => hook_call: fb::HookCallRow,
+        encode = fb::HookCallRow::new(entry_to_fb(*entry), phase_to_fb(*phase)),
+        decode(r) = EventKind::HookCall {
+            entry: entry_from_fb(r.entry(), "HookCall.entry")?,
+            phase: phase_from_fb(r.phase(), "HookCall.phase")?,
+        };
+    BreakpointHit { breakpoint, entry, deadline_ns } => breakpoint_hit: fb::BreakpointHitRow,
+        encode = fb::BreakpointHitRow::new(*breakpoint, entry_to_fb(*entry), *deadline_ns),
+        decode(r) = EventKind::BreakpointHit {
+            breakpoint: r.breakpoint(),
+            entry: entry_from_fb(r.entry(), "BreakpointHit.entry")?,
+            deadline_ns: r.deadline_ns(),
+        };
+    Resumed { breakpoint, cause } => resumed: fb::ResumedRow,
+        encode = fb::ResumedRow::new(*breakpoint, cause_to_fb(*cause)),
+        decode(r) = EventKind::Resumed {
+            breakpoint: r.breakpoint(),
+            cause: cause_from_fb(r.cause(), "Resumed.cause")?,
+        };
+    TokensScheduled { prefill, decode, computed } => tokens_scheduled: fb::TokensScheduledRow,
+        encode = fb::TokensScheduledRow::new(*prefill, *decode, *computed),
+        decode(r) = EventKind::TokensScheduled {
+            prefill: r.prefill(),
+            decode: r.decode(),
+            computed: r.computed(),
+        };
+    PrefixLookup { tokens, block_size, computed_blocks, hashes } => prefix_lookup: WIPOffset<fb::PrefixLookup<'static>>,
+        size = TABLE + 8 * hashes.len() + 8,
+        encode(fbb) = prefix_lookup_table(fbb, *tokens, *block_size, *computed_blocks, hashes),
+        decode(t) = prefix_lookup_from_fb(t)?,
+        check = ();
 }
 
 /// Gathers events into a block. Reused from block to block: `finish`, then
@@ -472,7 +652,7 @@ impl BlockEncoder {
         self.iteration.push(di as u16);
         self.prev = (ev.seq, ev.ts_ns, ev.iteration);
         self.request.push(request);
-        self.push_kind(&ev.kind);
+        self.cols.push(&mut self.fbb, &ev.kind);
         self.kind.push(kind_to_column(ev.kind.tag()));
         true
     }
@@ -516,221 +696,6 @@ impl BlockEncoder {
             self.request_cache[slot] = (addr, id);
         }
         id
-    }
-
-    /// Pushes the kind's row into its column.
-    fn push_kind(&mut self, kind: &EventKind) {
-        let fbb = &mut self.fbb;
-        // Exhaustive: every kind this build declares has a column here; the
-        // transfer and batch kinds are pushed by a method each. The kinds
-        // stored as tables are built by `values`.
-        match kind {
-            EventKind::SlotCreated {
-                prompt_tokens,
-                max_output_tokens,
-            } => {
-                self.cols
-                    .slot_created
-                    .push(fb::SlotCreatedRow::new(*prompt_tokens, *max_output_tokens));
-            }
-            EventKind::SlotTransition { from, to } => {
-                let row = fb::SlotTransitionRow::new(&encode_state(*from), &encode_state(*to));
-                self.cols.slot_transition.push(row);
-            }
-            EventKind::MatchResult {
-                tier,
-                looked_up,
-                hit_blocks,
-                hit_tokens,
-            } => {
-                let row = fb::MatchResultRow::new(
-                    tier_to_fb(*tier),
-                    *looked_up,
-                    *hit_blocks,
-                    *hit_tokens,
-                );
-                self.cols.match_result.push(row);
-            }
-            EventKind::BlocksAllocated { tier, blocks } => {
-                self.cols
-                    .blocks_allocated
-                    .push(blocks_allocated_table(fbb, *tier, blocks));
-            }
-            EventKind::BlocksReleased { tier, count } => {
-                self.cols
-                    .blocks_released
-                    .push(fb::BlocksReleasedRow::new(tier_to_fb(*tier), *count));
-            }
-            EventKind::BlockRegistered {
-                tier,
-                block,
-                sequence_hash,
-                duplicate_of,
-            } => {
-                let row = block_registered_row(*tier, *block, *sequence_hash, *duplicate_of);
-                self.cols.block_registered.push(row);
-            }
-            EventKind::BlockEvicted {
-                tier,
-                block,
-                sequence_hash,
-            } => {
-                let row = fb::BlockEvictedRow::new(tier_to_fb(*tier), *block, sequence_hash.0);
-                self.cols.block_evicted.push(row);
-            }
-            EventKind::TransferPlanned {
-                transfer,
-                direction,
-                blocks,
-            } => self.push_transfer_planned(*transfer, *direction, *blocks),
-            EventKind::TransferPromoted {
-                transfer,
-                direction,
-                blocks,
-            } => self.push_transfer_promoted(*transfer, *direction, *blocks),
-            EventKind::TransferSkipped {
-                transfer,
-                direction,
-                reason,
-            } => self.push_transfer_skipped(*transfer, *direction, reason),
-            EventKind::TransferCancelled {
-                transfer,
-                direction,
-            } => self.push_transfer_cancelled(*transfer, *direction),
-            EventKind::TransferCompleted {
-                transfer,
-                direction,
-                blocks,
-            } => self.push_transfer_completed(*transfer, *direction, *blocks),
-            EventKind::TransferFailed {
-                transfer,
-                direction,
-                error,
-            } => self.push_transfer_failed(*transfer, *direction, error),
-            EventKind::BatchDispatched {
-                batch,
-                direction,
-                transfers,
-                blocks,
-            } => self.push_batch_dispatched(*batch, *direction, transfers, *blocks),
-            EventKind::BatchCompleted {
-                batch,
-                direction,
-                ok,
-                blocks,
-                bytes,
-                elapsed_ns,
-            } => self.push_batch_completed(*batch, *direction, *ok, *blocks, *bytes, *elapsed_ns),
-            EventKind::PoolGauge {
-                tier,
-                capacity,
-                active,
-                inactive,
-                empty,
-            } => {
-                let tier = tier_to_fb(*tier);
-                let row = fb::PoolGaugeRow::new(tier, *capacity, *active, *inactive, *empty);
-                self.cols.pool_gauge.push(row);
-            }
-            EventKind::HookCall { entry, phase } => {
-                let row = fb::HookCallRow::new(entry_to_fb(*entry), phase_to_fb(*phase));
-                self.cols.hook_call.push(row);
-            }
-            EventKind::BreakpointHit {
-                breakpoint,
-                entry,
-                deadline_ns,
-            } => {
-                let row = fb::BreakpointHitRow::new(*breakpoint, entry_to_fb(*entry), *deadline_ns);
-                self.cols.breakpoint_hit.push(row);
-            }
-            EventKind::Resumed { breakpoint, cause } => {
-                self.cols
-                    .resumed
-                    .push(fb::ResumedRow::new(*breakpoint, cause_to_fb(*cause)));
-            }
-            EventKind::TokensScheduled {
-                prefill,
-                decode,
-                computed,
-            } => {
-                self.cols
-                    .tokens_scheduled
-                    .push(fb::TokensScheduledRow::new(*prefill, *decode, *computed));
-            }
-            EventKind::PrefixLookup {
-                tokens,
-                block_size,
-                computed_blocks,
-                hashes,
-            } => {
-                let t = prefix_lookup_table(fbb, *tokens, *block_size, *computed_blocks, hashes);
-                self.cols.prefix_lookup.push(t);
-            }
-        }
-    }
-
-    /// Pushes a `TransferPlanned` into its column.
-    fn push_transfer_planned(&mut self, transfer: u64, direction: Direction, blocks: u32) {
-        let row = transfer_row(transfer, direction, blocks);
-        self.cols.transfer_planned.push(row);
-    }
-
-    /// Pushes a `TransferPromoted` into its column.
-    fn push_transfer_promoted(&mut self, transfer: u64, direction: Direction, blocks: u32) {
-        let row = transfer_row(transfer, direction, blocks);
-        self.cols.transfer_promoted.push(row);
-    }
-
-    /// Pushes a `TransferSkipped` into its column.
-    fn push_transfer_skipped(&mut self, transfer: u64, direction: Direction, reason: &str) {
-        let t = transfer_skipped_table(&mut self.fbb, transfer, direction, reason);
-        self.cols.transfer_skipped.push(t);
-    }
-
-    /// Pushes a `TransferCancelled` into its column.
-    fn push_transfer_cancelled(&mut self, transfer: u64, direction: Direction) {
-        let row = fb::TransferCancelledRow::new(transfer, &direction_to_fb(direction));
-        self.cols.transfer_cancelled.push(row);
-    }
-
-    /// Pushes a `TransferCompleted` into its column.
-    fn push_transfer_completed(&mut self, transfer: u64, direction: Direction, blocks: u32) {
-        let row = transfer_row(transfer, direction, blocks);
-        self.cols.transfer_completed.push(row);
-    }
-
-    /// Pushes a `TransferFailed` into its column.
-    fn push_transfer_failed(&mut self, transfer: u64, direction: Direction, error: &str) {
-        let t = transfer_failed_table(&mut self.fbb, transfer, direction, error);
-        self.cols.transfer_failed.push(t);
-    }
-
-    /// Pushes a `BatchDispatched` into its column.
-    fn push_batch_dispatched(
-        &mut self,
-        batch: u64,
-        direction: Direction,
-        transfers: &[u64],
-        blocks: u32,
-    ) {
-        let t = batch_dispatched_table(&mut self.fbb, batch, direction, transfers, blocks);
-        self.cols.batch_dispatched.push(t);
-    }
-
-    /// Pushes a `BatchCompleted` into its column.
-    fn push_batch_completed(
-        &mut self,
-        batch: u64,
-        direction: Direction,
-        ok: bool,
-        blocks: u32,
-        bytes: u64,
-        elapsed_ns: u64,
-    ) {
-        let d = direction_to_fb(direction);
-        let row = fb::BatchCompletedRow::new(batch, &d, ok, blocks, bytes, elapsed_ns);
-        self.cols.batch_completed.push(row);
     }
 
     /// Writes the block and returns its bytes, valid until the next call.
@@ -1086,7 +1051,7 @@ impl<'a> BlockView<'a> {
         }
         for k in (0..=u8::MAX).filter(|&k| present[usize::from(k)]) {
             let checked = match kind_from_column(k) {
-                Some(tag) => self.check_column(tag),
+                Some(tag) => check_column(&self.block, tag),
                 None => Err((0, DecodeError::UnknownKind(k))),
             };
             if let Err((row, error)) = checked {
@@ -1101,88 +1066,6 @@ impl<'a> BlockView<'a> {
             }
         }
         Ok(())
-    }
-
-    /// The fields of kind `tag`'s column that [`kind_at`](Self::kind_at)
-    /// converts with a check, row by row: the bad row and why.
-    fn check_column(&self, tag: KindTag) -> Result<(), (usize, DecodeError)> {
-        fn column<T>(c: Option<T>) -> Result<T, (usize, DecodeError)> {
-            c.ok_or((0, DecodeError::MissingKind))
-        }
-        fn each<T>(
-            rows: impl Iterator<Item = T>,
-            check: impl Fn(T) -> Result<(), DecodeError>,
-        ) -> Result<(), (usize, DecodeError)> {
-            rows.enumerate()
-                .try_for_each(|(i, r)| check(r).map_err(|e| (i, e)))
-        }
-        let b = &self.block;
-        match tag {
-            // Nothing in these can be out of range.
-            KindTag::SlotCreated | KindTag::TokensScheduled | KindTag::PrefixLookup => Ok(()),
-            KindTag::SlotTransition => each(column(b.slot_transition())?.iter(), |r| {
-                decode_state(r.from(), "SlotTransition.from")?;
-                decode_state(r.to(), "SlotTransition.to").map(drop)
-            }),
-            KindTag::MatchResult => each(column(b.match_result())?.iter(), |r| {
-                tier_from_fb(r.tier(), "MatchResult.tier").map(drop)
-            }),
-            KindTag::BlocksAllocated => each(column(b.blocks_allocated())?.iter(), |t| {
-                tier_from_fb(t.tier(), "BlocksAllocated.tier").map(drop)
-            }),
-            KindTag::BlocksReleased => each(column(b.blocks_released())?.iter(), |r| {
-                tier_from_fb(r.tier(), "BlocksReleased.tier").map(drop)
-            }),
-            KindTag::BlockRegistered => each(column(b.block_registered())?.iter(), |r| {
-                if !r.has_duplicate() && r.duplicate_of() != 0 {
-                    return Err(DecodeError::UnexpectedValue {
-                        field: "BlockRegisteredRow.duplicate_of",
-                        value: u64::from(r.duplicate_of()),
-                    });
-                }
-                tier_from_fb(r.tier(), "BlockRegistered.tier").map(drop)
-            }),
-            KindTag::BlockEvicted => each(column(b.block_evicted())?.iter(), |r| {
-                tier_from_fb(r.tier(), "BlockEvicted.tier").map(drop)
-            }),
-            KindTag::TransferPlanned => each(column(b.transfer_planned())?.iter(), |r| {
-                direction_from_fb(r.direction(), "TransferPlanned.direction").map(drop)
-            }),
-            KindTag::TransferPromoted => each(column(b.transfer_promoted())?.iter(), |r| {
-                direction_from_fb(r.direction(), "TransferPromoted.direction").map(drop)
-            }),
-            KindTag::TransferSkipped => each(column(b.transfer_skipped())?.iter(), |t| {
-                direction_from_fb(t.direction(), "TransferSkipped.direction").map(drop)
-            }),
-            KindTag::TransferCancelled => each(column(b.transfer_cancelled())?.iter(), |r| {
-                direction_from_fb(r.direction(), "TransferCancelled.direction").map(drop)
-            }),
-            KindTag::TransferCompleted => each(column(b.transfer_completed())?.iter(), |r| {
-                direction_from_fb(r.direction(), "TransferCompleted.direction").map(drop)
-            }),
-            KindTag::TransferFailed => each(column(b.transfer_failed())?.iter(), |t| {
-                direction_from_fb(t.direction(), "TransferFailed.direction").map(drop)
-            }),
-            KindTag::BatchDispatched => each(column(b.batch_dispatched())?.iter(), |t| {
-                direction_from_fb(t.direction(), "BatchDispatched.direction").map(drop)
-            }),
-            KindTag::BatchCompleted => each(column(b.batch_completed())?.iter(), |r| {
-                direction_from_fb(r.direction(), "BatchCompleted.direction").map(drop)
-            }),
-            KindTag::PoolGauge => each(column(b.pool_gauge())?.iter(), |r| {
-                tier_from_fb(r.tier(), "PoolGauge.tier").map(drop)
-            }),
-            KindTag::HookCall => each(column(b.hook_call())?.iter(), |r| {
-                entry_from_fb(r.entry(), "HookCall.entry")?;
-                phase_from_fb(r.phase(), "HookCall.phase").map(drop)
-            }),
-            KindTag::BreakpointHit => each(column(b.breakpoint_hit())?.iter(), |r| {
-                entry_from_fb(r.entry(), "BreakpointHit.entry").map(drop)
-            }),
-            KindTag::Resumed => each(column(b.resumed())?.iter(), |r| {
-                cause_from_fb(r.cause(), "Resumed.cause").map(drop)
-            }),
-        }
     }
 
     /// Decodes every event of the block, in order, appending them to `out`.
@@ -1234,136 +1117,8 @@ impl<'a> BlockView<'a> {
     /// Row `row` of kind `k`'s column. `verify_block` checked that the
     /// column has a row for every event of its kind, so it is there.
     fn kind_at(&self, k: u8, row: usize) -> Result<EventKind, DecodeError> {
-        let b = &self.block;
-        let missing = || DecodeError::MissingKind;
         let tag = kind_from_column(k).ok_or(DecodeError::UnknownKind(k))?;
-        // Exhaustive: every kind this build declares is read here. The
-        // kinds stored as tables are decoded by `values`.
-        Ok(match tag {
-            KindTag::SlotCreated => {
-                let r = b.slot_created().ok_or_else(missing)?.get(row);
-                EventKind::SlotCreated {
-                    prompt_tokens: r.prompt_tokens(),
-                    max_output_tokens: r.max_output_tokens(),
-                }
-            }
-            KindTag::SlotTransition => {
-                let r = b.slot_transition().ok_or_else(missing)?.get(row);
-                EventKind::SlotTransition {
-                    from: decode_state(r.from(), "SlotTransition.from")?,
-                    to: decode_state(r.to(), "SlotTransition.to")?,
-                }
-            }
-            KindTag::MatchResult => {
-                let r = b.match_result().ok_or_else(missing)?.get(row);
-                EventKind::MatchResult {
-                    tier: tier_from_fb(r.tier(), "MatchResult.tier")?,
-                    looked_up: r.looked_up(),
-                    hit_blocks: r.hit_blocks(),
-                    hit_tokens: r.hit_tokens(),
-                }
-            }
-            KindTag::BlocksAllocated => {
-                blocks_allocated_from_fb(b.blocks_allocated().ok_or_else(missing)?.get(row))?
-            }
-            KindTag::BlocksReleased => {
-                let r = b.blocks_released().ok_or_else(missing)?.get(row);
-                EventKind::BlocksReleased {
-                    tier: tier_from_fb(r.tier(), "BlocksReleased.tier")?,
-                    count: r.count(),
-                }
-            }
-            KindTag::BlockRegistered => {
-                block_registered_from_row(b.block_registered().ok_or_else(missing)?.get(row))?
-            }
-            KindTag::BlockEvicted => {
-                let r = b.block_evicted().ok_or_else(missing)?.get(row);
-                EventKind::BlockEvicted {
-                    tier: tier_from_fb(r.tier(), "BlockEvicted.tier")?,
-                    block: r.block(),
-                    sequence_hash: SequenceHash(r.sequence_hash()),
-                }
-            }
-            KindTag::TransferPlanned => {
-                let r = b.transfer_planned().ok_or_else(missing)?.get(row);
-                EventKind::TransferPlanned {
-                    transfer: r.transfer(),
-                    direction: direction_from_fb(r.direction(), "TransferPlanned.direction")?,
-                    blocks: r.blocks(),
-                }
-            }
-            KindTag::TransferPromoted => {
-                let r = b.transfer_promoted().ok_or_else(missing)?.get(row);
-                EventKind::TransferPromoted {
-                    transfer: r.transfer(),
-                    direction: direction_from_fb(r.direction(), "TransferPromoted.direction")?,
-                    blocks: r.blocks(),
-                }
-            }
-            KindTag::TransferSkipped => {
-                transfer_skipped_from_fb(b.transfer_skipped().ok_or_else(missing)?.get(row))?
-            }
-            KindTag::TransferCancelled => {
-                let r = b.transfer_cancelled().ok_or_else(missing)?.get(row);
-                EventKind::TransferCancelled {
-                    transfer: r.transfer(),
-                    direction: direction_from_fb(r.direction(), "TransferCancelled.direction")?,
-                }
-            }
-            KindTag::TransferCompleted => {
-                let r = b.transfer_completed().ok_or_else(missing)?.get(row);
-                EventKind::TransferCompleted {
-                    transfer: r.transfer(),
-                    direction: direction_from_fb(r.direction(), "TransferCompleted.direction")?,
-                    blocks: r.blocks(),
-                }
-            }
-            KindTag::TransferFailed => {
-                transfer_failed_from_fb(b.transfer_failed().ok_or_else(missing)?.get(row))?
-            }
-            KindTag::BatchDispatched => {
-                batch_dispatched_from_fb(b.batch_dispatched().ok_or_else(missing)?.get(row))?
-            }
-            KindTag::BatchCompleted => {
-                batch_completed_from_row(b.batch_completed().ok_or_else(missing)?.get(row))?
-            }
-            KindTag::PoolGauge => {
-                pool_gauge_from_row(b.pool_gauge().ok_or_else(missing)?.get(row))?
-            }
-            KindTag::HookCall => {
-                let r = b.hook_call().ok_or_else(missing)?.get(row);
-                EventKind::HookCall {
-                    entry: entry_from_fb(r.entry(), "HookCall.entry")?,
-                    phase: phase_from_fb(r.phase(), "HookCall.phase")?,
-                }
-            }
-            KindTag::BreakpointHit => {
-                let r = b.breakpoint_hit().ok_or_else(missing)?.get(row);
-                EventKind::BreakpointHit {
-                    breakpoint: r.breakpoint(),
-                    entry: entry_from_fb(r.entry(), "BreakpointHit.entry")?,
-                    deadline_ns: r.deadline_ns(),
-                }
-            }
-            KindTag::Resumed => {
-                let r = b.resumed().ok_or_else(missing)?.get(row);
-                EventKind::Resumed {
-                    breakpoint: r.breakpoint(),
-                    cause: cause_from_fb(r.cause(), "Resumed.cause")?,
-                }
-            }
-            KindTag::TokensScheduled => {
-                let r = b.tokens_scheduled().ok_or_else(missing)?.get(row);
-                EventKind::TokensScheduled {
-                    prefill: r.prefill(),
-                    decode: r.decode(),
-                    computed: r.computed(),
-                }
-            }
-            KindTag::PrefixLookup => {
-                prefix_lookup_from_fb(b.prefix_lookup().ok_or_else(missing)?.get(row))?
-            }
-        })
+        kind_at(&self.block, tag, row)
     }
 }
 
@@ -1371,23 +1126,6 @@ impl<'a> BlockView<'a> {
 /// `TransferCompleted` (their columns share the row type).
 fn transfer_row(transfer: u64, direction: Direction, blocks: u32) -> fb::TransferRow {
     fb::TransferRow::new(transfer, &direction_to_fb(direction), blocks)
-}
-
-/// The row of a `BlockRegistered`: a flag says whether `duplicate_of` is
-/// set, and the id is 0 when it is not.
-fn block_registered_row(
-    tier: Tier,
-    block: BlockId,
-    sequence_hash: SequenceHash,
-    duplicate_of: Option<BlockId>,
-) -> fb::BlockRegisteredRow {
-    fb::BlockRegisteredRow::new(
-        tier_to_fb(tier),
-        duplicate_of.is_some(),
-        block,
-        duplicate_of.unwrap_or(0),
-        sequence_hash.0,
-    )
 }
 
 /// Decodes a `BlockRegistered` row, refusing a `duplicate_of` set without
@@ -1408,29 +1146,6 @@ fn block_registered_from_row(r: &fb::BlockRegisteredRow) -> Result<EventKind, De
         block: r.block(),
         sequence_hash: SequenceHash(r.sequence_hash()),
         duplicate_of,
-    })
-}
-
-/// Decodes a `BatchCompleted` row.
-fn batch_completed_from_row(r: &fb::BatchCompletedRow) -> Result<EventKind, DecodeError> {
-    Ok(EventKind::BatchCompleted {
-        batch: r.batch(),
-        direction: direction_from_fb(r.direction(), "BatchCompleted.direction")?,
-        ok: r.ok(),
-        blocks: r.blocks(),
-        bytes: r.bytes(),
-        elapsed_ns: r.elapsed_ns(),
-    })
-}
-
-/// Decodes a `PoolGauge` row.
-fn pool_gauge_from_row(r: &fb::PoolGaugeRow) -> Result<EventKind, DecodeError> {
-    Ok(EventKind::PoolGauge {
-        tier: tier_from_fb(r.tier(), "PoolGauge.tier")?,
-        capacity: r.capacity(),
-        active: r.active(),
-        inactive: r.inactive(),
-        empty: r.empty(),
     })
 }
 
