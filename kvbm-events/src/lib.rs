@@ -2,7 +2,8 @@
 //!
 //! - [`event`]: the envelope and the event kinds (each declared once);
 //!   [`tier`], [`slot`] and [`hash`]: the tiers, slot states and block
-//!   hashes the kinds talk about.
+//!   hashes the kinds talk about; [`fields`]: a kind read from named
+//!   values, field by field, as its declaration says.
 //! - [`emitter`]: stamps events and publishes them on the [`bus`], a
 //!   lossy broadcast for live viewers plus one bounded lossless tap.
 //! - [`ring`]: the last N events in memory, for consoles and servers to
@@ -25,6 +26,7 @@ pub mod bus;
 pub mod control;
 pub mod emitter;
 pub mod event;
+pub mod fields;
 pub mod hash;
 pub mod reducer;
 pub mod ring;

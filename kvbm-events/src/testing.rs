@@ -1,9 +1,9 @@
 //! Property-test strategies for events, shared by every crate's tests
 //! (feature `testing`).
 //!
-//! There is one strategy per kind, chosen by an exhaustive match on
-//! [`KindTag`], so a new kind does not compile until it can be generated
-//! here, and every test that generates events generates it.
+//! Each kind's strategy and its sample are made by the kind's declaration
+//! from its fields' types ([`FieldValue`]), so every test that generates
+//! events generates a new kind without an edit here.
 //!
 //! - [`Shape::WIDE`]: any value of every field (codecs, parsers);
 //! - [`Shape::SMALL`]: small id spaces and counts, so that random events
@@ -124,182 +124,154 @@ pub fn event_kind(shape: Shape) -> BoxedStrategy<EventKind> {
     Union::new(KindTag::ALL.iter().map(|&k| kind_of(k, shape))).boxed()
 }
 
-/// Events of kind `tag` only.
+/// Events of kind `tag` only ([`KindTag::strategy`]).
 pub fn kind_of(tag: KindTag, s: Shape) -> BoxedStrategy<EventKind> {
-    use EventKind as K;
-    let id = 0..s.ids;
-    let n = 0..s.counts;
-    let hash = (0..s.hashes).prop_map(SequenceHash);
-    let state = slot_state(s.state_tokens);
-    // Exhaustive on purpose: a new kind must be generated here.
-    match tag {
-        KindTag::SlotCreated => (n.clone(), n)
-            .prop_map(|(prompt_tokens, max_output_tokens)| K::SlotCreated {
-                prompt_tokens,
-                max_output_tokens,
-            })
-            .boxed(),
-        KindTag::SlotTransition => (state.clone(), state)
-            .prop_map(|(from, to)| K::SlotTransition { from, to })
-            .boxed(),
-        KindTag::MatchResult => (tier(), n.clone(), n.clone(), n)
-            .prop_map(|(tier, looked_up, hit_blocks, hit_tokens)| K::MatchResult {
-                tier,
-                looked_up,
-                hit_blocks,
-                hit_tokens,
-            })
-            .boxed(),
-        KindTag::BlocksAllocated => (tier(), vec(n, 0..16))
-            .prop_map(|(tier, blocks)| K::BlocksAllocated { tier, blocks })
-            .boxed(),
-        KindTag::BlocksReleased => (tier(), n)
-            .prop_map(|(tier, count)| K::BlocksReleased { tier, count })
-            .boxed(),
-        KindTag::BlockRegistered => (tier(), n.clone(), hash, proptest::option::of(n))
-            .prop_map(
-                |(tier, block, sequence_hash, duplicate_of)| K::BlockRegistered {
-                    tier,
-                    block,
-                    sequence_hash,
-                    duplicate_of,
-                },
-            )
-            .boxed(),
-        KindTag::BlockEvicted => (tier(), n, hash)
-            .prop_map(|(tier, block, sequence_hash)| K::BlockEvicted {
-                tier,
-                block,
-                sequence_hash,
-            })
-            .boxed(),
-        KindTag::TransferPlanned => (id, direction(), n)
-            .prop_map(|(transfer, direction, blocks)| K::TransferPlanned {
-                transfer,
-                direction,
-                blocks,
-            })
-            .boxed(),
-        KindTag::TransferPromoted => (id, direction(), n)
-            .prop_map(|(transfer, direction, blocks)| K::TransferPromoted {
-                transfer,
-                direction,
-                blocks,
-            })
-            .boxed(),
-        KindTag::TransferSkipped => (id, direction(), text_of(s))
-            .prop_map(|(transfer, direction, reason)| K::TransferSkipped {
-                transfer,
-                direction,
-                reason,
-            })
-            .boxed(),
-        KindTag::TransferCancelled => (id, direction())
-            .prop_map(|(transfer, direction)| K::TransferCancelled {
-                transfer,
-                direction,
-            })
-            .boxed(),
-        KindTag::TransferCompleted => (id, direction(), n)
-            .prop_map(|(transfer, direction, blocks)| K::TransferCompleted {
-                transfer,
-                direction,
-                blocks,
-            })
-            .boxed(),
-        KindTag::TransferFailed => (id, direction(), text_of(s))
-            .prop_map(|(transfer, direction, error)| K::TransferFailed {
-                transfer,
-                direction,
-                error,
-            })
-            .boxed(),
-        KindTag::BatchDispatched => batch_dispatched(s),
-        KindTag::BatchCompleted => batch_completed(s),
-        KindTag::PoolGauge => (tier(), n.clone(), n.clone(), n.clone(), n)
-            .prop_map(|(tier, capacity, active, inactive, empty)| K::PoolGauge {
-                tier,
-                capacity,
-                active,
-                inactive,
-                empty,
-            })
-            .boxed(),
-        KindTag::HookCall => (entry(), phase())
-            .prop_map(|(entry, phase)| K::HookCall { entry, phase })
-            .boxed(),
-        KindTag::BreakpointHit => (id, entry(), any::<u64>())
-            .prop_map(|(breakpoint, entry, deadline_ns)| K::BreakpointHit {
-                breakpoint,
-                entry,
-                deadline_ns,
-            })
-            .boxed(),
-        KindTag::Resumed => (id, cause())
-            .prop_map(|(breakpoint, cause)| K::Resumed { breakpoint, cause })
-            .boxed(),
-        KindTag::TokensScheduled => (n.clone(), n, any::<u32>())
-            .prop_map(|(prefill, decode, computed)| K::TokensScheduled {
-                prefill,
-                decode,
-                computed,
-            })
-            .boxed(),
-        KindTag::PrefixLookup => prefix_lookup(s),
+    tag.strategy(s)
+}
+
+/// A type an event kind's field may have: how tests draw it, and a fixed
+/// example. The kinds' strategies and samples are made from these by the
+/// kind's declaration, so a kind whose fields have these types needs
+/// nothing here; a field of a new type does not compile until its type
+/// has an impl.
+pub trait FieldValue: Sized + Clone + std::fmt::Debug + 'static {
+    /// Values as `shape` draws them.
+    fn strategy(shape: Shape) -> BoxedStrategy<Self>;
+    /// A fixed value other than the default, varying with `n` (each field
+    /// of [`KindTag::sample`] has its own `n`).
+    fn sample(n: u32) -> Self;
+}
+
+impl FieldValue for u32 {
+    /// Token and block counts, block ids and gauges.
+    fn strategy(s: Shape) -> BoxedStrategy<Self> {
+        (0..s.counts).boxed()
+    }
+    fn sample(n: u32) -> Self {
+        3 * n + 1
     }
 }
 
-/// `BatchDispatched` events, for [`kind_of`].
-fn batch_dispatched(s: Shape) -> BoxedStrategy<EventKind> {
-    (0..s.ids, direction(), vec(0..s.ids, 0..8), any::<u32>())
-        .prop_map(
-            |(batch, direction, transfers, blocks)| EventKind::BatchDispatched {
-                batch,
-                direction,
-                transfers,
-                blocks,
-            },
-        )
-        .boxed()
+impl FieldValue for u64 {
+    /// Transfer, batch and breakpoint ids, bytes and durations.
+    fn strategy(s: Shape) -> BoxedStrategy<Self> {
+        (0..s.ids).boxed()
+    }
+    fn sample(n: u32) -> Self {
+        1000 * u64::from(n) + 7
+    }
 }
 
-/// `BatchCompleted` events, for [`kind_of`].
-fn batch_completed(s: Shape) -> BoxedStrategy<EventKind> {
-    (
-        0..s.ids,
-        direction(),
-        any::<bool>(),
-        0..s.counts,
-        any::<u64>(),
-        any::<u64>(),
-    )
-        .prop_map(
-            |(batch, direction, ok, blocks, bytes, elapsed_ns)| EventKind::BatchCompleted {
-                batch,
-                direction,
-                ok,
-                blocks,
-                bytes,
-                elapsed_ns,
-            },
-        )
-        .boxed()
+impl FieldValue for bool {
+    fn strategy(_: Shape) -> BoxedStrategy<Self> {
+        any::<bool>().boxed()
+    }
+    fn sample(_: u32) -> Self {
+        true
+    }
 }
 
-/// `PrefixLookup` events, for [`kind_of`].
-fn prefix_lookup(s: Shape) -> BoxedStrategy<EventKind> {
-    let n = 0..s.counts;
-    let hash = (0..s.hashes).prop_map(SequenceHash);
-    (n.clone(), n.clone(), n, vec(hash, 0..24))
-        .prop_map(
-            |(tokens, block_size, computed_blocks, hashes)| EventKind::PrefixLookup {
-                tokens,
-                block_size,
-                computed_blocks,
-                hashes,
-            },
-        )
-        .boxed()
+impl FieldValue for String {
+    fn strategy(s: Shape) -> BoxedStrategy<Self> {
+        text_of(s)
+    }
+    fn sample(n: u32) -> Self {
+        format!("why {n}: \"quoted\", \\ and ü\n")
+    }
+}
+
+impl FieldValue for Tier {
+    fn strategy(_: Shape) -> BoxedStrategy<Self> {
+        tier().boxed()
+    }
+    fn sample(n: u32) -> Self {
+        Tier::ALL[n as usize % Tier::ALL.len()]
+    }
+}
+
+impl FieldValue for Direction {
+    fn strategy(_: Shape) -> BoxedStrategy<Self> {
+        direction().boxed()
+    }
+    fn sample(n: u32) -> Self {
+        let d = [
+            Direction::DEVICE_TO_HOST,
+            Direction::HOST_TO_DISK,
+            Direction::DISK_TO_HOST,
+            Direction::HOST_TO_DEVICE,
+        ];
+        d[n as usize % d.len()]
+    }
+}
+
+impl FieldValue for SlotState {
+    fn strategy(s: Shape) -> BoxedStrategy<Self> {
+        slot_state(s.state_tokens).boxed()
+    }
+    fn sample(n: u32) -> Self {
+        let tokens = 16 * n as usize;
+        if n.is_multiple_of(2) {
+            SlotState::OnboardStaged(tokens)
+        } else {
+            SlotState::Onboarding(tokens)
+        }
+    }
+}
+
+impl FieldValue for EntryPoint {
+    fn strategy(_: Shape) -> BoxedStrategy<Self> {
+        entry().boxed()
+    }
+    fn sample(n: u32) -> Self {
+        EntryPoint::ALL[n as usize % EntryPoint::ALL.len()]
+    }
+}
+
+impl FieldValue for HookPhase {
+    fn strategy(_: Shape) -> BoxedStrategy<Self> {
+        phase().boxed()
+    }
+    fn sample(_: u32) -> Self {
+        HookPhase::Finished
+    }
+}
+
+impl FieldValue for ResumeCause {
+    fn strategy(_: Shape) -> BoxedStrategy<Self> {
+        cause().boxed()
+    }
+    fn sample(_: u32) -> Self {
+        ResumeCause::Deadline
+    }
+}
+
+impl FieldValue for SequenceHash {
+    fn strategy(s: Shape) -> BoxedStrategy<Self> {
+        (0..s.hashes).prop_map(SequenceHash).boxed()
+    }
+    fn sample(n: u32) -> Self {
+        // High bits set: hashes are full-width.
+        SequenceHash(0x1f2e_3d4c_5b6a_0000 ^ u64::from(n))
+    }
+}
+
+impl<T: FieldValue> FieldValue for Option<T> {
+    fn strategy(s: Shape) -> BoxedStrategy<Self> {
+        proptest::option::of(T::strategy(s)).boxed()
+    }
+    fn sample(n: u32) -> Self {
+        Some(T::sample(n))
+    }
+}
+
+impl<T: FieldValue> FieldValue for Vec<T> {
+    /// Up to 16 values.
+    fn strategy(s: Shape) -> BoxedStrategy<Self> {
+        vec(T::strategy(s), 0..16).boxed()
+    }
+    fn sample(n: u32) -> Self {
+        (0..3).map(|i| T::sample(100 * n + i)).collect()
+    }
 }
 
 /// Any single event: random envelope, no request or any request id, any
@@ -389,124 +361,9 @@ enum Step {
     Foreign,
 }
 
-/// One fixed example of kind `tag`, every field set to something other
-/// than its default.
+/// One fixed example of kind `tag` ([`KindTag::sample`]).
 pub fn sample_kind(tag: KindTag) -> EventKind {
-    use EventKind as K;
-    let d = Direction::DEVICE_TO_HOST;
-    match tag {
-        KindTag::SlotCreated => K::SlotCreated {
-            prompt_tokens: 48,
-            max_output_tokens: 8,
-        },
-        KindTag::SlotTransition => K::SlotTransition {
-            from: SlotState::OnboardStaged(32),
-            to: SlotState::Onboarding(32),
-        },
-        KindTag::MatchResult => K::MatchResult {
-            tier: Tier::Host,
-            looked_up: 3,
-            hit_blocks: 2,
-            hit_tokens: 32,
-        },
-        KindTag::BlocksAllocated => K::BlocksAllocated {
-            tier: Tier::Device,
-            blocks: vec![4, 5, 6],
-        },
-        KindTag::BlocksReleased => K::BlocksReleased {
-            tier: Tier::Device,
-            count: 3,
-        },
-        KindTag::BlockRegistered => K::BlockRegistered {
-            tier: Tier::Disk,
-            block: 7,
-            sequence_hash: SequenceHash(0x1f2e_3d4c_5b6a_7988),
-            duplicate_of: Some(2),
-        },
-        KindTag::BlockEvicted => K::BlockEvicted {
-            tier: Tier::Host,
-            block: 9,
-            sequence_hash: SequenceHash(u64::MAX),
-        },
-        KindTag::TransferPlanned => K::TransferPlanned {
-            transfer: 11,
-            direction: d,
-            blocks: 2,
-        },
-        KindTag::TransferPromoted => K::TransferPromoted {
-            transfer: 11,
-            direction: d,
-            blocks: 2,
-        },
-        KindTag::TransferSkipped => K::TransferSkipped {
-            transfer: 12,
-            direction: Direction::HOST_TO_DISK,
-            reason: "DestinationFull".into(),
-        },
-        KindTag::TransferCancelled => K::TransferCancelled {
-            transfer: 13,
-            direction: Direction::DISK_TO_HOST,
-        },
-        KindTag::TransferCompleted => K::TransferCompleted {
-            transfer: 11,
-            direction: d,
-            blocks: 2,
-        },
-        KindTag::TransferFailed => K::TransferFailed {
-            transfer: 14,
-            direction: Direction::HOST_TO_DEVICE,
-            error: "short read: 3 of 4096 bytes".into(),
-        },
-        KindTag::BatchDispatched => K::BatchDispatched {
-            batch: 3,
-            direction: d,
-            transfers: vec![11, 15],
-            blocks: 4,
-        },
-        KindTag::BatchCompleted => K::BatchCompleted {
-            batch: 3,
-            direction: d,
-            ok: true,
-            blocks: 4,
-            bytes: 1 << 20,
-            elapsed_ns: 250_000,
-        },
-        KindTag::PoolGauge => K::PoolGauge {
-            tier: Tier::Host,
-            capacity: 64,
-            active: 10,
-            inactive: 20,
-            empty: 34,
-        },
-        KindTag::HookCall => K::HookCall {
-            entry: EntryPoint::BuildConnectorMetadata,
-            phase: HookPhase::Finished,
-        },
-        KindTag::BreakpointHit => K::BreakpointHit {
-            breakpoint: 2,
-            entry: EntryPoint::GetNumNewMatchedTokens,
-            deadline_ns: 60_000_000_000,
-        },
-        KindTag::Resumed => K::Resumed {
-            breakpoint: 2,
-            cause: ResumeCause::Deadline,
-        },
-        KindTag::TokensScheduled => K::TokensScheduled {
-            prefill: 16,
-            decode: 1,
-            computed: 49,
-        },
-        KindTag::PrefixLookup => K::PrefixLookup {
-            tokens: 49,
-            block_size: 16,
-            computed_blocks: 1,
-            hashes: vec![
-                SequenceHash(0x0a0b),
-                SequenceHash(u64::MAX),
-                SequenceHash(7),
-            ],
-        },
-    }
+    tag.sample()
 }
 
 /// [`sample_kind`] of every kind, in declaration order.

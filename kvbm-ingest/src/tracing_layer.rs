@@ -65,6 +65,7 @@
 //! | `pool_gauge`        | `tier`, `capacity`                      | `active`, `inactive`, `empty` (0)    | [`EventKind::PoolGauge`] |
 //! | `tokens_scheduled`  | `request_id`                            | `prefill`, `decode`, `computed` (0)  | [`EventKind::TokensScheduled`] |
 //! | `prefix_lookup`     | `request_id`, `tokens`, `block_size`, `hashes`: a list `"0x1f,0x2e"` | `computed_blocks` (0) | [`EventKind::PrefixLookup`] |
+//! | any other kind      | each field of the kind, under its name in [`EventKind`] | a field of an `Option` type (none) | the kind |
 //!
 //! Kind names are the [`EventKind`] names in snake_case; hook and breakpoint
 //! events are not accepted (they belong to `kvbm_core::hooks`).
@@ -83,6 +84,7 @@
 //! bad value refuses the whole event ([`LayerStats::bad_value`]).
 
 use kvbm_events::SequenceHash;
+use kvbm_events::fields::FieldSource;
 use kvbm_events::slot::SlotState;
 use kvbm_events::tier::{BlockId, Tier};
 use kvbm_events::{Category, Direction, Emitter, EventKind, KindTag, RequestId};
@@ -388,8 +390,16 @@ struct Fields {
     blocks_list: Option<Vec<u64>>,
     transfers: Option<Vec<u64>>,
     hashes: Option<Vec<u64>>,
+    /// Fields of names not above, as text, for the kinds read by their
+    /// declared names (`EventKind::read_fields`); at most [`OTHERS`], on
+    /// the stack.
+    other: [Option<(&'static str, Small)>; OTHERS],
     bad: bool,
 }
+
+/// Fields of other names kept per event; a field beyond these is ignored,
+/// as every unknown field is.
+const OTHERS: usize = 4;
 
 /// A short string on the stack (state names, numbers written with `?`).
 #[derive(Clone, Copy)]
@@ -543,8 +553,37 @@ impl Fields {
         self.num[n as usize]
     }
 
+    /// Keeps a field of a name the layer does not know, as text, while
+    /// there is room (`message`, which every event with text has, is
+    /// never a kind's field).
+    fn other(&mut self, field: &Field, value: Small) {
+        let name = field.name();
+        if name == "message" {
+            return;
+        }
+        if let Some(slot) = self.other.iter_mut().find(|s| s.is_none()) {
+            *slot = Some((name, value));
+        }
+    }
+
+    /// The text of a field kept by [`other`](Self::other).
+    fn other_text(&self, name: &str) -> Result<&str, Refused> {
+        let (_, text) = self
+            .other
+            .iter()
+            .flatten()
+            .find(|(n, _)| *n == name)
+            .ok_or(Refused::MissingField)?;
+        // Longer than the stack copy holds: not a value a field can take.
+        if text.ok() {
+            Ok(text.as_str())
+        } else {
+            Err(Refused::BadValue)
+        }
+    }
+
     /// A field given as text (a `&str`, or a value's `Debug`/`Display`).
-    fn text(&mut self, known: KnownField, s: &str) {
+    fn set_text(&mut self, known: KnownField, s: &str) {
         match known {
             KnownField::Kind => self.kind = Some(parse_kind(s).ok_or(())),
             KnownField::Request => self.request = Some(ReqText::new(s)),
@@ -586,7 +625,7 @@ impl Fields {
         }
     }
 
-    fn number(&mut self, known: KnownField, v: u64) {
+    fn set_number(&mut self, known: KnownField, v: u64) {
         match known {
             KnownField::Num(n) => self.num[n as usize] = Some(v),
             KnownField::Request => {
@@ -601,24 +640,26 @@ impl Fields {
 
 impl Visit for Fields {
     fn record_u64(&mut self, field: &Field, value: u64) {
-        if let Some(known) = field_of(field.name()) {
-            self.number(known, value);
+        match field_of(field.name()) {
+            Some(known) => self.set_number(known, value),
+            None => self.other(field, Small::from_debug(&value)),
         }
     }
 
     fn record_i64(&mut self, field: &Field, value: i64) {
-        if let Some(known) = field_of(field.name()) {
-            match u64::try_from(value) {
-                Ok(v) => self.number(known, v),
+        match field_of(field.name()) {
+            Some(known) => match u64::try_from(value) {
+                Ok(v) => self.set_number(known, v),
                 Err(_) => self.bad = true,
-            }
+            },
+            None => self.other(field, Small::from_debug(&value)),
         }
     }
 
     fn record_u128(&mut self, field: &Field, value: u128) {
         if let Some(known) = field_of(field.name()) {
             match u64::try_from(value) {
-                Ok(v) => self.number(known, v),
+                Ok(v) => self.set_number(known, v),
                 Err(_) => self.bad = true,
             }
         }
@@ -627,7 +668,7 @@ impl Visit for Fields {
     fn record_i128(&mut self, field: &Field, value: i128) {
         if let Some(known) = field_of(field.name()) {
             match u64::try_from(value) {
-                Ok(v) => self.number(known, v),
+                Ok(v) => self.set_number(known, v),
                 Err(_) => self.bad = true,
             }
         }
@@ -643,23 +684,25 @@ impl Visit for Fields {
         match field_of(field.name()) {
             Some(KnownField::Ok) => self.ok = Some(value),
             Some(_) => self.bad = true,
-            None => {}
+            None => self.other(field, Small::from_debug(&value)),
         }
     }
 
     fn record_str(&mut self, field: &Field, value: &str) {
-        if let Some(known) = field_of(field.name()) {
-            self.text(known, value);
+        match field_of(field.name()) {
+            Some(known) => self.set_text(known, value),
+            None => self.other(field, Small::copy_of(value)),
         }
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
         let Some(known) = field_of(field.name()) else {
+            self.other(field, Small::from_debug(value));
             return;
         };
         let small = Small::from_debug(value);
         if small.ok() {
-            self.text(known, small.as_str());
+            self.set_text(known, small.as_str());
             return;
         }
         // Only free text and ids may be long; formatting them allocates.
@@ -674,10 +717,106 @@ impl Visit for Fields {
                     .strip_prefix('"')
                     .and_then(|t| t.strip_suffix('"'))
                     .unwrap_or(&s);
-                self.text(known, s);
+                self.set_text(known, s);
             }
             _ => self.bad = true,
         }
+    }
+}
+
+/// The fields as a kind's declaration names them, for the kinds read by
+/// [`EventKind::read_fields`]: a name the layer knows reads its slot (so
+/// its aliases, such as `hash` for `sequence_hash`, work there too), any
+/// other name the text kept for it.
+impl FieldSource for Fields {
+    type Error = Refused;
+
+    fn has(&self, name: &'static str) -> bool {
+        match field_of(name) {
+            Some(KnownField::Num(Num::Blocks)) => {
+                self.num(Num::Blocks).is_some() || self.blocks_list.is_some()
+            }
+            Some(KnownField::Num(n)) => self.num(n).is_some(),
+            Some(KnownField::Tier) => self.tier.is_some(),
+            Some(KnownField::Direction) => self.direction.is_some(),
+            Some(KnownField::State) => self.state.is_some(),
+            Some(KnownField::From) => self.from.is_some(),
+            Some(KnownField::Ok) => self.ok.is_some(),
+            Some(KnownField::Text) => self.text.is_some(),
+            Some(KnownField::Transfers) => self.transfers.is_some(),
+            Some(KnownField::Hashes) => self.hashes.is_some(),
+            Some(KnownField::Kind | KnownField::Request) => true,
+            None => self.other.iter().flatten().any(|(n, _)| *n == name),
+        }
+    }
+
+    fn number(&self, name: &'static str) -> Result<u64, Refused> {
+        match field_of(name) {
+            Some(KnownField::Num(n)) => self.num(n).ok_or(Refused::MissingField),
+            Some(_) => Err(Refused::BadValue),
+            None => parse_u64(self.other_text(name)?).ok_or(Refused::BadValue),
+        }
+    }
+
+    fn flag(&self, name: &'static str) -> Result<bool, Refused> {
+        match field_of(name) {
+            Some(KnownField::Ok) => self.ok.ok_or(Refused::MissingField),
+            Some(_) => Err(Refused::BadValue),
+            None => match self.other_text(name)? {
+                "true" => Ok(true),
+                "false" => Ok(false),
+                _ => Err(Refused::BadValue),
+            },
+        }
+    }
+
+    fn text(&self, name: &'static str) -> Result<String, Refused> {
+        match field_of(name) {
+            Some(KnownField::Text) => self.text.clone().ok_or(Refused::MissingField),
+            Some(_) => Err(Refused::BadValue),
+            None => self.other_text(name).map(str::to_owned),
+        }
+    }
+
+    fn numbers(&self, name: &'static str) -> Result<Vec<u64>, Refused> {
+        let list = match field_of(name) {
+            Some(KnownField::Transfers) => &self.transfers,
+            Some(KnownField::Hashes) => &self.hashes,
+            Some(KnownField::Num(Num::Blocks)) => &self.blocks_list,
+            Some(_) => return Err(Refused::BadValue),
+            None => return parse_list(self.other_text(name)?).ok_or(Refused::BadValue),
+        };
+        list.clone().ok_or(Refused::MissingField)
+    }
+
+    fn tier(&self, name: &'static str) -> Result<Tier, Refused> {
+        match field_of(name) {
+            Some(KnownField::Tier) => self.tier.ok_or(Refused::MissingField),
+            Some(_) => Err(Refused::BadValue),
+            None => parse_tier(self.other_text(name)?).ok_or(Refused::BadValue),
+        }
+    }
+
+    fn direction(&self, name: &'static str) -> Result<Direction, Refused> {
+        match field_of(name) {
+            Some(KnownField::Direction) => self.direction.ok_or(Refused::MissingField),
+            Some(_) => Err(Refused::BadValue),
+            None => parse_direction(self.other_text(name)?).ok_or(Refused::BadValue),
+        }
+    }
+
+    fn state(&self, name: &'static str) -> Result<SlotState, Refused> {
+        let text = match field_of(name) {
+            Some(KnownField::State) => self.state.as_ref().map(Small::as_str),
+            Some(KnownField::From) => self.from.as_ref().map(Small::as_str),
+            Some(_) => return Err(Refused::BadValue),
+            None => Some(self.other_text(name)?),
+        };
+        parse_state(text.ok_or(Refused::MissingField)?, None).ok_or(Refused::BadValue)
+    }
+
+    fn bad_value(&self, _: &'static str) -> Refused {
+        Refused::BadValue
     }
 }
 
@@ -787,7 +926,8 @@ impl Shared {
             }
             Kind::Event(tag) => tag,
         };
-        // Exhaustive: every kind is either built here or refused.
+        // Kinds with defaults, other names or per-request state have an
+        // arm; the rest are read by their declaration.
         Ok(Some(match tag {
             KindTag::HookCall | KindTag::BreakpointHit | KindTag::Resumed => {
                 // `parse_kind` never yields these (see `traced`).
@@ -827,34 +967,10 @@ impl Shared {
                 sequence_hash: SequenceHash(need(Num::Hash)?),
                 duplicate_of: f.num(Num::DuplicateOf).map(u32_of).transpose()?,
             },
-            KindTag::BlockEvicted => EventKind::BlockEvicted {
-                tier: tier()?,
-                block: need32(Num::Block)?,
-                sequence_hash: SequenceHash(need(Num::Hash)?),
-            },
-            KindTag::TransferPlanned => EventKind::TransferPlanned {
-                transfer: transfer()?,
-                direction: direction()?,
-                blocks: need32(Num::Blocks)?,
-            },
-            KindTag::TransferPromoted => EventKind::TransferPromoted {
-                transfer: transfer()?,
-                direction: direction()?,
-                blocks: need32(Num::Blocks)?,
-            },
-            KindTag::TransferCompleted => EventKind::TransferCompleted {
-                transfer: transfer()?,
-                direction: direction()?,
-                blocks: need32(Num::Blocks)?,
-            },
             KindTag::TransferSkipped => EventKind::TransferSkipped {
                 transfer: transfer()?,
                 direction: direction()?,
                 reason: f.text.clone().unwrap_or_default(),
-            },
-            KindTag::TransferCancelled => EventKind::TransferCancelled {
-                transfer: transfer()?,
-                direction: direction()?,
             },
             KindTag::TransferFailed => EventKind::TransferFailed {
                 transfer: transfer()?,
@@ -905,6 +1021,10 @@ impl Shared {
                         .collect(),
                 }
             }
+            // Every other kind: each field under its declared name, all
+            // required but an `Option`. A new kind is read this way until
+            // it needs defaults or other names (an arm above).
+            tag => EventKind::read_fields(tag, f)?,
         }))
     }
 
@@ -1246,6 +1366,87 @@ mod tests {
         );
     }
 
+    /// A field's value as an engine would write it in a `tracing` event.
+    fn as_field_text(v: &serde_json::Value) -> Option<String> {
+        use serde_json::Value as V;
+        Some(match v {
+            V::Null => return None,
+            V::String(s) => s.clone(),
+            V::Array(a) => a
+                .iter()
+                .filter_map(as_field_text)
+                .collect::<Vec<_>>()
+                .join(","),
+            // A direction, or a slot state with its token count.
+            V::Object(o) => match (o.get("src"), o.get("dst")) {
+                (Some(src), Some(dst)) => {
+                    format!("{}->{}", as_field_text(src)?, as_field_text(dst)?)
+                }
+                _ => {
+                    let (name, n) = o.iter().next()?;
+                    format!("{name}({})", as_field_text(n)?)
+                }
+            },
+            other => other.to_string(),
+        })
+    }
+
+    #[test]
+    fn every_traced_kind_reads_back_from_its_declared_field_names() {
+        // Each kind's sample, written as fields under the names its
+        // declaration gives them, builds that sample again: so a kind read
+        // by its declaration (the generic arm) and every hand-written arm
+        // take the declared names.
+        let (e, _t) = setup(16);
+        let layer = KvbmLayer::new(e);
+        let req: RequestId = Arc::from("r");
+        for &tag in KindTag::ALL.iter().filter(|t| traced(**t)) {
+            let sample = tag.sample();
+            let json = serde_json::to_value(&sample).unwrap();
+            let mut f = Fields::default();
+            let mut others = 0;
+            for &name in tag.field_names() {
+                let Some(text) = as_field_text(&json[name]) else {
+                    continue;
+                };
+                match field_of(name) {
+                    Some(known) => f.set_text(known, &text),
+                    None => {
+                        f.other[others] = Some((name, Small::copy_of(&text)));
+                        others += 1;
+                    }
+                }
+            }
+            assert!(!f.bad, "{tag}: {json}");
+            let built = layer.shared.build(Kind::Event(tag), &f, Some(&req));
+            assert!(
+                matches!(&built, Ok(Some(k)) if *k == sample),
+                "{tag}: {json} gave {:?}",
+                built.map_err(|e| matches!(e, Refused::MissingField))
+            );
+        }
+    }
+
+    #[test]
+    fn a_field_of_a_name_the_layer_does_not_know_is_read_by_its_declared_type() {
+        let mut f = Fields::default();
+        f.other[0] = Some(("new_size", Small::copy_of("0x20")));
+        f.other[1] = Some(("to_tier", Small::copy_of("disk")));
+        f.other[2] = Some(("route", Small::copy_of("G1->G2")));
+        f.other[3] = Some(("ids", Small::copy_of("[1, 2,3]")));
+        assert_eq!(f.number("new_size").ok(), Some(32));
+        assert_eq!(f.tier("to_tier").ok(), Some(Tier::Disk));
+        assert_eq!(f.direction("route").ok(), Some(Direction::DEVICE_TO_HOST));
+        assert_eq!(f.numbers("ids").ok(), Some(vec![1, 2, 3]));
+        assert!(f.has("new_size") && !f.has("old_size"));
+        assert!(matches!(f.number("old_size"), Err(Refused::MissingField)));
+        assert!(matches!(f.number("to_tier"), Err(Refused::BadValue)));
+        let long = Small::copy_of(&"9".repeat(60));
+        assert!(!long.ok());
+        f.other[0] = Some(("new_size", long));
+        assert!(matches!(f.number("new_size"), Err(Refused::BadValue)));
+    }
+
     #[test]
     fn the_vocabulary_is_complete() {
         let names: Vec<_> = kind_names().collect();
@@ -1263,16 +1464,21 @@ mod tests {
         for name in SlotState::NAMES {
             assert_eq!(parse_state(name, None).map(|s| s.name()), Some(name));
         }
-        // The module's table documents each accepted kind: a new kind
-        // needs its row there too.
+        // The module's table has a row for no kind the layer does not
+        // accept; a kind without a row is read by its declaration, as the
+        // table's last row says.
         let docs = include_str!("tracing_layer.rs");
-        for name in kind_names() {
-            let row = format!("//! | `{name}`");
+        let rows = docs.lines().filter_map(|l| l.strip_prefix("//! | `"));
+        for name in rows.map(|row| row.split('`').next().unwrap_or("")) {
+            if name == "kind" {
+                continue; // the header
+            }
             assert!(
-                docs.contains(&row),
-                "no row for `{name}` in the vocabulary table"
+                parse_kind(name).is_some(),
+                "the table has a row for `{name}`, which the layer does not accept"
             );
         }
+        assert!(docs.contains("//! | any other kind"));
         for t in Tier::ALL {
             assert_eq!(parse_tier(t.short_name()), Some(t));
         }
