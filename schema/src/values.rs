@@ -459,6 +459,39 @@ pub(crate) mod tests {
     use proptest::collection::vec;
     use proptest::prelude::*;
 
+    #[test]
+    fn the_kinds_already_written_keep_their_bytes() {
+        // A kind's byte in a block is its place in the declaration, and
+        // logs already written hold these: a new kind goes at the end.
+        const WRITTEN: [&str; 21] = [
+            "slot_created",
+            "slot_transition",
+            "match_result",
+            "blocks_allocated",
+            "blocks_released",
+            "block_registered",
+            "block_evicted",
+            "transfer_planned",
+            "transfer_promoted",
+            "transfer_skipped",
+            "transfer_cancelled",
+            "transfer_completed",
+            "transfer_failed",
+            "batch_dispatched",
+            "batch_completed",
+            "pool_gauge",
+            "hook_call",
+            "breakpoint_hit",
+            "resumed",
+            "tokens_scheduled",
+            "prefix_lookup",
+        ];
+        for (i, name) in WRITTEN.iter().enumerate() {
+            let tag = KindTag::from_snake_name(name).unwrap();
+            assert_eq!(kind_to_column(tag), i as u8 + 1, "{name}");
+        }
+    }
+
     /// A corruption of valid bytes.
     #[derive(Debug, Clone)]
     pub(crate) enum Mutation {
