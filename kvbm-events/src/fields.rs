@@ -3,7 +3,7 @@
 //!
 //! A source gives a value by field name and type ([`FieldSource`]); each
 //! field type reads itself from a source ([`ReadField`]); and each kind's
-//! reader, [`EventKind::read_fields`], follows from the kind's declaration:
+//! reader, [`EventKind::read_fields`](crate::EventKind::read_fields), follows from the kind's declaration:
 //! every field is read under its declared name. So an input that names
 //! fields can take a new kind without an edit.
 

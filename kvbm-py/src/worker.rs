@@ -6,6 +6,9 @@
 //!
 //! A load that fails is reported as failed blocks, which vLLM computes
 //! instead: never different tokens.
+//!
+//! With no tier (an observer) there is nothing to copy: the tensors are
+//! not wrapped, so they may be on any device.
 
 use crate::config::Config;
 use crate::meta::{Batch, Done, Pair, Route, StepPlan, StepReport};
@@ -206,7 +209,9 @@ impl Baseline {
 
 /// The worker side. See the module docs.
 pub struct WorkerSide {
-    g1: Arc<HostStorage>,
+    /// vLLM's tensors, when kvbm copies to and from them (an observer
+    /// keeps none).
+    g1: Option<Arc<HostStorage>>,
     /// The host tier, when there is one.
     g2: Option<Arc<HostStorage>>,
     engines: HashMap<Route, Arc<dyn TransferEngine>>,
@@ -270,9 +275,15 @@ fn tier_err(what: impl Into<String>, e: impl std::fmt::Display) -> WorkerError {
 }
 
 /// Checks that vLLM's tensors are what the geometry says: one per layer,
-/// on the CPU, contiguous, with a block's bytes per block first and room
-/// for every block. (`geometry` is checked already.)
-fn check_tensors(geometry: &Geometry, tensors: &[KvTensor]) -> Result<(), WorkerError> {
+/// and, when kvbm copies blocks in and out of them (`copies`), on the CPU,
+/// contiguous, with a block's bytes per block first and room for every
+/// block. An observer reads none of their bytes, so they may be on any
+/// device and in any layout. (`geometry` is checked already.)
+fn check_tensors(
+    geometry: &Geometry,
+    tensors: &[KvTensor],
+    copies: bool,
+) -> Result<(), WorkerError> {
     if tensors.len() != geometry.num_layers {
         return Err(WorkerError::Tensor {
             name: "(all)".into(),
@@ -282,6 +293,9 @@ fn check_tensors(geometry: &Geometry, tensors: &[KvTensor]) -> Result<(), Worker
                 geometry.num_layers
             ),
         });
+    }
+    if !copies {
+        return Ok(());
     }
     for t in tensors {
         let bad = |reason: String| WorkerError::Tensor {
@@ -343,23 +357,30 @@ impl WorkerSide {
         shard: Shard,
     ) -> Result<Self, WorkerError> {
         geometry.check()?;
-        check_tensors(&geometry, &tensors)?;
-        let g1_layout = geometry.layout(geometry.num_gpu_blocks, LayoutKind::LayerSeparate)?;
-        let regions = tensors
-            .iter()
-            .map(|t| t.data_ptr as usize as *mut u8)
-            .collect();
-        // SAFETY: checked above that each region holds the layout's bytes;
-        // the caller keeps them alive and in place.
-        let g1 = Arc::new(
-            unsafe { HostStorage::external(g1_layout, regions) }
-                .map_err(|e| tier_err("wrapping vLLM's KV tensors", e))?,
-        );
         let sizes = TierSizes::of(cfg, &geometry)?;
+        // With no tier kvbm only observes: it moves no bytes and keeps no
+        // pointer into vLLM's tensors, so they may be on a GPU.
+        let copies = sizes.host_blocks > 0 || sizes.disk_blocks > 0;
+        check_tensors(&geometry, &tensors, copies)?;
         let mut engines: HashMap<Route, Arc<dyn TransferEngine>> = HashMap::new();
         let mut host = None;
         let mut shm = None;
-        if sizes.host_blocks > 0 {
+        let g1 = if copies {
+            let g1_layout = geometry.layout(geometry.num_gpu_blocks, LayoutKind::LayerSeparate)?;
+            let regions = tensors
+                .iter()
+                .map(|t| t.data_ptr as usize as *mut u8)
+                .collect();
+            // SAFETY: checked above that each region holds the layout's
+            // bytes; the caller keeps them alive and in place.
+            Some(Arc::new(
+                unsafe { HostStorage::external(g1_layout, regions) }
+                    .map_err(|e| tier_err("wrapping vLLM's KV tensors", e))?,
+            ))
+        } else {
+            None
+        };
+        if let (Some(g1), true) = (&g1, sizes.host_blocks > 0) {
             let path = shm_path(cfg, engine_id, shard);
             let what = || {
                 format!(
@@ -411,7 +432,7 @@ impl WorkerSide {
                 ),
             );
             host = Some(g2);
-        } else if let (true, Some(path)) = (sizes.disk_blocks > 0, &cfg.disk_path) {
+        } else if let (Some(g1), true, Some(path)) = (&g1, sizes.disk_blocks > 0, &cfg.disk_path) {
             let path = &disk_path(path, shard);
             let l = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
             let g3 = Arc::new(DiskStorage::open_or_create(path, l).map_err(|e| {
@@ -517,12 +538,10 @@ impl WorkerSide {
         // forward passes, and each engine's storages are distinct. Blocking:
         // vLLM's forward pass waits for these copies anyway, so the memcpy
         // engine does them on this thread rather than handing them off.
-        let r = match (&mut self.hooks.baseline, &self.g2) {
-            (Some(baseline), Some(g2)) if b.route == Route::DeviceToHost => {
+        let r = match (&mut self.hooks.baseline, &self.g2, &self.g1) {
+            (Some(baseline), Some(g2), Some(g1)) if b.route == Route::DeviceToHost => {
                 let same = pairs.clone();
-                baseline.measure(&self.g1, g2, &same, || unsafe {
-                    engine.transfer_blocking(pairs)
-                })
+                baseline.measure(g1, g2, &same, || unsafe { engine.transfer_blocking(pairs) })
             }
             _ => unsafe { engine.transfer_blocking(pairs) },
         };
@@ -549,28 +568,31 @@ impl WorkerSide {
     }
 
     fn dump(&self, kind: &str, blocks: impl Iterator<Item = (u32, u64)>) {
-        let Some(dir) = &self.hooks.dump else { return };
+        let (Some(dir), Some(g1)) = (&self.hooks.dump, &self.g1) else {
+            return;
+        };
         let dir = dir.join(kind);
         if std::fs::create_dir_all(&dir).is_err() {
             return;
         }
-        let mut buf = vec![0u8; self.g1.layout().block_bytes()];
+        let mut buf = vec![0u8; g1.layout().block_bytes()];
         for (block, hash) in blocks {
             // SAFETY: as for the copies: vLLM is not writing this block now.
-            if unsafe { self.g1.read_block(block, &mut buf) }.is_ok() {
+            if unsafe { g1.read_block(block, &mut buf) }.is_ok() {
                 let _ = std::fs::write(dir.join(format!("{hash:016x}")), &buf);
             }
         }
     }
 
     fn corrupt(&self, p: &Pair) {
-        let mut buf = vec![0u8; self.g1.layout().block_bytes()];
+        let Some(g1) = &self.g1 else { return };
+        let mut buf = vec![0u8; g1.layout().block_bytes()];
         // SAFETY: as for the copies.
         unsafe {
-            if self.g1.read_block(p.dst, &mut buf).is_ok() {
+            if g1.read_block(p.dst, &mut buf).is_ok() {
                 let mid = buf.len() / 2;
                 buf[mid] ^= 0x40;
-                let _ = self.g1.write_block(p.dst, &buf);
+                let _ = g1.write_block(p.dst, &buf);
             }
         }
     }

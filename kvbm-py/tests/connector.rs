@@ -9,6 +9,7 @@
 use kvbm_events::bus::TapItem;
 use kvbm_events::{BlockId, Event, EventKind, Tier};
 use kvbm_py::config::Config;
+use kvbm_py::meta::{Batch, Pair, Route, StepPlan, StepReport};
 use kvbm_py::scheduler::{Parallel, Scheduled, SchedulerSide, StepInput};
 use kvbm_py::tiers::{Geometry, Shard};
 use kvbm_py::worker::{KvTensor, WorkerSide};
@@ -756,6 +757,88 @@ fn a_null_tensor_is_said_to_be_null() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("layer.1") && e.contains("null"), "{e}");
+}
+
+/// vLLM's tensors on a GPU, as the worker side sees them: device memory
+/// at addresses this process must never read, in a layout kvbm's copies do
+/// not take (a per-layer `[2, blocks, ...]` view).
+fn cuda_tensors(cache: &mut Cache) -> Vec<KvTensor> {
+    let mut t = cache.tensors();
+    for (i, t) in t.iter_mut().enumerate() {
+        t.device = "cuda:0".into();
+        t.data_ptr = 0x7f00_0000_0000 + (i as u64) * 0x1000_0000;
+        t.num_blocks = 2;
+        t.block_stride_bytes *= 7;
+        t.contiguous = false;
+    }
+    t
+}
+
+#[test]
+fn an_observer_takes_tensors_on_any_device_and_never_touches_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cache = Cache::new();
+    let observer = host_cfg(dir.path(), json!({"host_capacity_tokens": 0}));
+    assert!(observer.observes_only());
+    let mut w = unsafe {
+        WorkerSide::start(
+            &observer,
+            geometry(),
+            "o",
+            cuda_tensors(&mut cache),
+            Shard::ONE,
+        )
+    }
+    .unwrap();
+    assert!(files(dir.path()).is_empty(), "an observer opens no tier");
+    // Its plans are empty; a plan naming a copy anyway is reported failed,
+    // without a byte of the tensors read.
+    w.bind_plan(StepPlan::default());
+    w.run();
+    assert_eq!(w.take_report(), None);
+    w.bind_plan(StepPlan {
+        step: 1,
+        stores: vec![Batch {
+            route: Route::DeviceToHost,
+            id: 9,
+            pairs: vec![Pair {
+                src: 0,
+                dst: 0,
+                hash: 1,
+            }],
+        }],
+        ..StepPlan::default()
+    });
+    w.run();
+    let report = StepReport::from_bytes(&w.take_report().unwrap()).unwrap();
+    let error = report.done[0].error.as_deref().unwrap_or("");
+    assert!(error.contains("no DeviceToHost engine"), "{error}");
+
+    // Tensors missing a layer are still refused.
+    let mut short = cuda_tensors(&mut cache);
+    short.pop();
+    let e = unsafe { WorkerSide::start(&observer, geometry(), "o", short, Shard::ONE) }
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("tensors for"), "{e}");
+
+    // kvbm with a tier copies bytes, and copies CPU tensors only.
+    let tiered = host_cfg(dir.path(), json!({}));
+    let e = unsafe {
+        WorkerSide::start(
+            &tiered,
+            geometry(),
+            "t",
+            cuda_tensors(&mut cache),
+            Shard::ONE,
+        )
+    }
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("cuda:0") && e.contains("CPU tensors only"),
+        "{e}"
+    );
 }
 
 /// One request run in a step.
