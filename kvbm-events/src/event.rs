@@ -228,58 +228,19 @@ macro_rules! declare_event_kinds {
             }
         }
 
-        impl EventKind {
-            /// Kind `tag` read from named values
-            /// ([`fields`](crate::fields)): each field under its declared
-            /// name, by its type.
-            pub fn read_fields<S: crate::fields::FieldSource + ?Sized>(
-                tag: KindTag,
-                src: &S,
-            ) -> Result<EventKind, S::Error> {
-                use crate::fields::ReadField;
-                Ok(match tag {
-                    $(KindTag::$variant => EventKind::$variant {
-                        $($field: <$fty as ReadField>::read(src, stringify!($field))?),*
-                    },)*
-                })
-            }
-        }
-
-        #[cfg(any(test, feature = "testing"))]
-        impl KindTag {
-            /// Events of this kind, each field drawn by its type as
-            /// `shape` says ([`FieldValue`](crate::testing::FieldValue)).
-            pub fn strategy(
-                self,
-                shape: crate::testing::Shape,
-            ) -> proptest::strategy::BoxedStrategy<EventKind> {
-                use crate::testing::FieldValue;
-                use proptest::strategy::Strategy;
-                match self {
-                    $(KindTag::$variant => ($(<$fty as FieldValue>::strategy(shape),)*)
-                        .prop_map(|($($field,)*)| EventKind::$variant { $($field),* })
-                        .boxed(),)*
-                }
-            }
-
-            /// One fixed event of this kind: every field set by its type
-            /// to something other than its default, and no two fields of
-            /// the whole vocabulary to the same example (so a codec that
-            /// swaps two fields fails on it).
-            pub fn sample(self) -> EventKind {
-                use crate::testing::FieldValue;
-                // 8 a kind: more than any kind's fields.
-                let mut n = 8 * self.index() as u32;
-                let mut next = || {
-                    n += 1;
-                    n
-                };
-                match self {
-                    $(KindTag::$variant => EventKind::$variant {
-                        $($field: <$fty as FieldValue>::sample(next())),*
-                    },)*
-                }
-            }
+        /// Hands every kind, with its fields and their types as declared,
+        /// to the per-kind code other modules build from the declaration:
+        /// `read_fields` ([`crate::fields`]) and `testing`
+        /// ([`crate::testing`]). Each defines its generator macro and
+        /// calls this, so the code follows from the declaration while this
+        /// module depends on neither.
+        macro_rules! with_event_kinds {
+            (read_fields) => {
+                read_fields_of_kinds! { $( $variant { $($field: $fty),* } )* }
+            };
+            (testing) => {
+                testing_of_kinds! { $( $variant { $($field: $fty),* } )* }
+            };
         }
     };
 }

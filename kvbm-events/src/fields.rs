@@ -3,14 +3,14 @@
 //!
 //! A source gives a value by field name and type ([`FieldSource`]); each
 //! field type reads itself from a source ([`ReadField`]); and each kind's
-//! reader, [`EventKind::read_fields`](crate::EventKind::read_fields), follows from the kind's declaration:
+//! reader, [`EventKind::read_fields`], follows from the kind's declaration:
 //! every field is read under its declared name. So an input that names
 //! fields can take a new kind without an edit.
 
-use crate::event::{Direction, EntryPoint, HookPhase, ResumeCause};
+use crate::event::{Direction, EntryPoint, EventKind, HookPhase, KindTag, ResumeCause};
 use crate::hash::SequenceHash;
 use crate::slot::SlotState;
-use crate::tier::Tier;
+use crate::tier::{BlockId, Tier};
 
 /// Named values, read by type. Each method gives field `name` as that
 /// type, or the source's error when the field is missing or does not
@@ -155,6 +155,29 @@ impl<T: ReadField> ReadField for Option<T> {
     }
 }
 
+/// `EventKind::read_fields`, from the kinds as declared (see
+/// `with_event_kinds!` in [`crate::event`]).
+macro_rules! read_fields_of_kinds {
+    ($( $variant:ident { $($field:ident: $fty:ty),* } )*) => {
+        impl EventKind {
+            /// Kind `tag` read from named values: each field under its
+            /// declared name, by its type ([`ReadField`]).
+            pub fn read_fields<S: FieldSource + ?Sized>(
+                tag: KindTag,
+                src: &S,
+            ) -> Result<EventKind, S::Error> {
+                Ok(match tag {
+                    $(KindTag::$variant => EventKind::$variant {
+                        $($field: <$fty as ReadField>::read(src, stringify!($field))?),*
+                    },)*
+                })
+            }
+        }
+    };
+}
+
+with_event_kinds!(read_fields);
+
 impl<T: FromNumber> ReadField for Vec<T> {
     fn read<S: FieldSource + ?Sized>(src: &S, name: &'static str) -> Result<Self, S::Error> {
         src.numbers(name)?
@@ -167,7 +190,6 @@ impl<T: FromNumber> ReadField for Vec<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{EventKind, KindTag};
     use std::collections::HashMap;
 
     /// Values as text, by name; every type parsed from its text.

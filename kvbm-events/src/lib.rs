@@ -25,6 +25,7 @@ pub mod breakpoint;
 pub mod bus;
 pub mod control;
 pub mod emitter;
+#[macro_use]
 pub mod event;
 pub mod fields;
 pub mod hash;

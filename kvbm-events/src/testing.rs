@@ -11,6 +11,7 @@
 //!   analyses).
 
 use crate::event::KindTag;
+use crate::tier::BlockId;
 use crate::{
     Direction, EntryPoint, Event, EventKind, HookPhase, RequestId, ResumeCause, SequenceHash,
     SlotState, Tier,
@@ -128,6 +129,44 @@ pub fn event_kind(shape: Shape) -> BoxedStrategy<EventKind> {
 pub fn kind_of(tag: KindTag, s: Shape) -> BoxedStrategy<EventKind> {
     tag.strategy(s)
 }
+
+/// `KindTag::strategy` and `KindTag::sample`, from the kinds as declared
+/// (see `with_event_kinds!` in [`crate::event`]).
+macro_rules! testing_of_kinds {
+    ($( $variant:ident { $($field:ident: $fty:ty),* } )*) => {
+        impl KindTag {
+            /// Events of this kind, each field drawn by its type as
+            /// `shape` says ([`FieldValue`]).
+            pub fn strategy(self, shape: Shape) -> BoxedStrategy<EventKind> {
+                match self {
+                    $(KindTag::$variant => ($(<$fty as FieldValue>::strategy(shape),)*)
+                        .prop_map(|($($field,)*)| EventKind::$variant { $($field),* })
+                        .boxed(),)*
+                }
+            }
+
+            /// One fixed event of this kind: every field set by its type
+            /// to something other than its default, the fields of a kind
+            /// to different examples where their types allow (so a codec
+            /// that swaps two of a kind's fields fails on it).
+            pub fn sample(self) -> EventKind {
+                // 8 a kind: more than any kind's fields.
+                let mut n = 8 * self.index() as u32;
+                let mut next = || {
+                    n += 1;
+                    n
+                };
+                match self {
+                    $(KindTag::$variant => EventKind::$variant {
+                        $($field: <$fty as FieldValue>::sample(next())),*
+                    },)*
+                }
+            }
+        }
+    };
+}
+
+with_event_kinds!(testing);
 
 /// A type an event kind's field may have: how tests draw it, and a fixed
 /// example. The kinds' strategies and samples are made from these by the
