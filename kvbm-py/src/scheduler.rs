@@ -35,8 +35,12 @@
 //!   ship with a later step, whose worker runs them before its own forward
 //!   pass, i.e. before vLLM can reuse a freed block. A request that finishes with stores
 //!   still out keeps its blocks (`request_finished` answers `delay_free`)
-//!   until they drain; a store whose blocks vLLM freed anyway (preemption)
-//!   is failed instead of shipped.
+//!   until they have run. The next step ships them, waiting for them if
+//!   it runs nothing (an idle engine takes that step and no other), and
+//!   the worker names the request finished sending after running them, so
+//!   vLLM frees the blocks one step after the finish and can reset its
+//!   prefix cache. A store whose blocks vLLM freed anyway (preemption) is
+//!   failed instead of shipped.
 
 use crate::config::{Config, Offload};
 use crate::meta::{Batch, Pair, Route, StepPlan, StepReport};
@@ -187,6 +191,9 @@ pub struct Counters {
     pub held_asks: u64,
     /// Requests whose blocks were kept for stores still out.
     pub delayed_frees: u64,
+    /// Of those, requests freed in the first step after they finished,
+    /// their last stores shipped with it (the rest waited for reports).
+    pub early_frees: u64,
     /// Reports from the worker that did not parse.
     pub bad_reports: u64,
     /// Steps whose output vLLM never reported (their stores went when
@@ -258,6 +265,9 @@ pub struct SchedulerSide {
     /// The pipelines into G1, with their remote engines: a step waits
     /// for its loads to reach the worker-bound queues.
     load_pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)>,
+    /// The pipelines out of G1: once nothing is left in them that has not
+    /// shipped, every finished request's blocks may be freed.
+    store_pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)>,
     /// The host and disk tiers' storages, one per rank.
     _host: Vec<Arc<HostStorage>>,
     _disk: Vec<Arc<DiskStorage>>,
@@ -294,6 +304,23 @@ pub struct SchedulerSide {
     step_ns: std::collections::VecDeque<u64>,
     /// The same time, phase by phase, since the start.
     phases: Phases,
+}
+
+/// True when every container `p` holds has reached its engine (for a
+/// remote engine: its queue for the worker, or the worker); with
+/// `preconditions`, containers still waiting on theirs count as held.
+fn nothing_unshipped(
+    p: &OffloadPipeline,
+    remote: Option<&RemoteEngine>,
+    preconditions: bool,
+) -> bool {
+    let s = p.stats();
+    let mut before_engine = s.queued_for_policy + s.queued_for_batcher + s.in_queue + s.on_deck;
+    if preconditions {
+        before_engine += s.awaiting_precondition;
+    }
+    let unsubmitted = remote.map_or(0, |r| s.in_flight.saturating_sub(r.pending()));
+    before_engine == 0 && unsubmitted == 0
 }
 
 /// A batch some of the engine's ranks have reported.
@@ -683,13 +710,17 @@ impl SchedulerSide {
             .iter()
             .filter_map(|(d, e)| route_of(*d).map(|r| (r, e.clone())))
             .collect();
-        // Only loads hold a step back (see `wait_until_shipped`).
-        let load_pipelines: Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)> = connected
-            .by_direction
-            .iter()
-            .filter(|(d, _)| d.dst == Tier::Device)
-            .map(|(d, p)| (p.clone(), remote_of(*d)))
-            .collect();
+        // Only loads hold a busy step back (see `wait_until_shipped`).
+        let touching = |dev: fn(&Direction) -> bool| -> Vec<(Arc<OffloadPipeline>, Option<Arc<RemoteEngine>>)> {
+            connected
+                .by_direction
+                .iter()
+                .filter(|(d, _)| dev(d))
+                .map(|(d, p)| (p.clone(), remote_of(*d)))
+                .collect()
+        };
+        let load_pipelines = touching(|d| d.dst == Tier::Device);
+        let store_pipelines = touching(|d| d.src == Tier::Device);
         let p = connected.pipelines;
         let mut leader = Leader::new(
             wiring,
@@ -727,6 +758,7 @@ impl SchedulerSide {
             mirror,
             engines,
             load_pipelines,
+            store_pipelines,
             _host: host_storage,
             _disk: disk_storage,
             requests: HashMap::new(),
@@ -1187,7 +1219,10 @@ impl SchedulerSide {
         self.phases.lap(Phase::Plan, &mut t);
         let loads = self.leader.start_loads(&mut md, self.runtime.handle());
         self.phases.lap(Phase::StartLoads, &mut t);
-        let waited = self.wait_until_shipped(&loads);
+        // A step that runs nothing may be the last one an idle engine
+        // takes: finished requests' stores ship with it rather than wait.
+        let drain = out.scheduled.is_empty() && !self.delayed.is_empty();
+        let waited = self.wait_until_shipped(&loads, drain);
         self.phases.lap(Phase::WaitShipped, &mut t);
         if !waited.is_zero() {
             self.counters.ship_waits += 1;
@@ -1197,6 +1232,13 @@ impl SchedulerSide {
             step: self.step,
             ..StepPlan::default()
         };
+        // Checked before the batches are taken: whatever reached the
+        // remote engines by now ships in this plan.
+        let stores_shipped = !self.delayed.is_empty()
+            && self
+                .store_pipelines
+                .iter()
+                .all(|(p, r)| nothing_unshipped(p, r.as_deref(), true));
         let shipped_loads = self.ship_batches(&mut plan);
         self.phases.lap(Phase::Ship, &mut t);
         self.fail_late_loads(&shipped_loads, &mut plan);
@@ -1207,18 +1249,25 @@ impl SchedulerSide {
             }
             self.release_g1(name);
         }
-        // Finished requests whose stores have drained: vLLM may free their
-        // blocks now.
+        // Finished requests whose stores have drained, or (every store out
+        // of G1 shipped) will have run before the worker reports this plan:
+        // vLLM may free their blocks at this step's end, one step after
+        // they finished.
         let drained: Vec<String> = self
             .delayed
             .iter()
             .filter(|n| {
-                self.leader
-                    .slot_state(n)
-                    .is_none_or(|s| s == kvbm_events::SlotState::Finished)
+                stores_shipped
+                    || self
+                        .leader
+                        .slot_state(n)
+                        .is_none_or(|s| s == kvbm_events::SlotState::Finished)
             })
             .cloned()
             .collect();
+        if stores_shipped {
+            self.counters.early_frees += drained.len() as u64;
+        }
         for n in drained {
             self.delayed.remove(&n);
             self.forget(&n);
@@ -1305,29 +1354,34 @@ impl SchedulerSide {
 
     /// Waits until the loads planned so far are in the worker-bound
     /// queues, at most `ship_timeout`: a load must run before this step's
-    /// forward pass reads its blocks. Stores do not hold the step back:
+    /// forward pass reads its blocks. Stores hold the step back only when
+    /// `stores` (an idle step with finished requests waiting): otherwise
     /// one that is not queued yet ships with a later step (its blocks stay
     /// vLLM's until then, see the module docs), and the pipelines' work
     /// for it runs while the engine waits for its worker instead of on
     /// vLLM's scheduler thread.
-    fn wait_until_shipped(&self, loads: &[(RequestId, Vec<TransferHandle>)]) -> Duration {
+    fn wait_until_shipped(
+        &self,
+        loads: &[(RequestId, Vec<TransferHandle>)],
+        stores: bool,
+    ) -> Duration {
         let start = Instant::now();
         let deadline = start + self.cfg.ship_timeout;
         let mut waited = false;
         loop {
-            let ready = self.load_pipelines.iter().all(|(p, remote)| {
-                let s = p.stats();
-                let before_engine =
-                    s.queued_for_policy + s.queued_for_batcher + s.in_queue + s.on_deck;
-                let unsubmitted = match remote {
-                    Some(r) => s.in_flight.saturating_sub(r.pending()),
-                    None => 0,
-                };
-                before_engine == 0 && unsubmitted == 0
-            }) && loads.iter().flat_map(|(_, h)| h).all(|h| {
-                h.status().is_final()
-                    || h.status() == kvbm_core::offload::TransferStatus::Transferring
-            });
+            let ready = self
+                .load_pipelines
+                .iter()
+                .all(|(p, r)| nothing_unshipped(p, r.as_deref(), false))
+                && (!stores
+                    || self
+                        .store_pipelines
+                        .iter()
+                        .all(|(p, r)| nothing_unshipped(p, r.as_deref(), true)))
+                && loads.iter().flat_map(|(_, h)| h).all(|h| {
+                    h.status().is_final()
+                        || h.status() == kvbm_core::offload::TransferStatus::Transferring
+                });
             if ready || Instant::now() >= deadline {
                 return if waited {
                     start.elapsed()

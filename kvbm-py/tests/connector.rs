@@ -219,18 +219,12 @@ fn compute_and_store_a(r: &mut Rig, a: &[u32]) -> (Vec<u8>, Vec<u8>) {
     let computed_2 = r.cache.block(2);
     if r.sched.request_finished("A", &[1, 2]).unwrap() {
         // Stores still out (lazy mode stores now; eager ones may not have
-        // been counted done yet): vLLM keeps the blocks until the worker
-        // reports A finished sending, a step or two later.
-        let mut announced = false;
-        for _ in 0..50 {
-            let (plan, _) = r.step_plan(StepInput::default(), &[]);
-            if plan.finished_sending == ["A"] {
-                announced = true;
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        assert!(announced, "A never finished sending");
+        // shipped yet): vLLM keeps the blocks until the worker reports A
+        // finished sending. The next step, though it runs nothing (an
+        // idle engine may take no other), ships them and names A.
+        let (plan, _) = r.step_plan(StepInput::default(), &[]);
+        assert_eq!(plan.finished_sending, ["A"], "{plan:?}");
+        assert_eq!(r.sched.counters().early_frees, 1);
     }
     (computed_1, computed_2)
 }
@@ -248,10 +242,21 @@ fn reload_a_as_b(r: &mut Rig, a: &[u32], computed: (Vec<u8>, Vec<u8>)) -> Vec<u3
     // Request B shares A's 8-token prefix: an external hit of two blocks.
     let mut b_prompt = a[..8].to_vec();
     b_prompt.extend(prompt(500, 3));
-    let hit = r
-        .sched
-        .get_num_new_matched_tokens("B", &b_prompt, 0)
-        .unwrap();
+    // A's blocks are registered in G2 once the worker's report of their
+    // store is resolved, a moment after vLLM freed them; vLLM asks again
+    // on each step while B waits.
+    let mut hit = None;
+    for _ in 0..400 {
+        hit = r
+            .sched
+            .get_num_new_matched_tokens("B", &b_prompt, 0)
+            .unwrap();
+        if hit == Some(8) {
+            break;
+        }
+        r.step(StepInput::default(), &[]);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     assert_eq!(hit, Some(8));
     r.sched
         .update_state_after_alloc("B", &[5, 6, 7], 8)
@@ -402,7 +407,12 @@ fn run_store_then_load(extra: serde_json::Value) {
     seen.extend(events(&mut tap));
     let full = |p: &[u32]| ((p.len() - 1) / BS) as u32;
     assert_eq!(device_lookups(&seen, "A"), [(full(&a), 0, 0)]);
-    assert_eq!(device_lookups(&seen, "B"), [(full(&b_prompt), 0, 0)]);
+    // B may have been asked about more than once while A's store landed.
+    let b_lookups = device_lookups(&seen, "B");
+    assert!(
+        !b_lookups.is_empty() && b_lookups.iter().all(|l| *l == (full(&b_prompt), 0, 0)),
+        "{b_lookups:?}"
+    );
     assert_eq!(
         device_lookups(&seen, "C"),
         [(full(&c_prompt), 1, BS as u32)]

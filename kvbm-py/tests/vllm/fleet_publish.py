@@ -141,8 +141,9 @@ def main():
         ps = E.prompts(groups=3, per_group=4)
         outs1, cached1 = E.generate(llm, ps)
         # Refused while some finished request's blocks are still held
-        # (kvbm's stores of them not yet run); round 2 then hits vLLM's
-        # own cache instead of kvbm's.
+        # (kvbm's stores of them not yet run: the connector frees them
+        # one step after they finish, and an idle engine takes that step
+        # at once); round 2 would then hit vLLM's own cache, not kvbm's.
         reset = llm.reset_prefix_cache()
         outs2, cached2 = E.generate(llm, ps)
         t1 = time.time()
@@ -235,12 +236,13 @@ def main():
               f"blocks registered on G1 and on G2 ({registered})")
         stores = sum(c for d, c in completed.items() if d.startswith("Device") and d.endswith("Host"))
         loads = sum(c for d, c in completed.items() if d.startswith("Host") and d.endswith("Device"))
-        # On a failure, the connector's own account of its loads: a load
-        # not shipped within `ship_timeout_s` is failed as late (vLLM
-        # recomputes those blocks) and plans no transfer.
+        # The connector's own account of its loads and frees: a load not
+        # shipped within `ship_timeout_s` is failed as late (vLLM
+        # recomputes those blocks) and plans no transfer; a finished
+        # request's blocks freed late keep vLLM from resetting its cache.
         levels = [stats] + [v for v in stats.values() if isinstance(v, dict)]
         shipping = {k: v for d in levels for k, v in d.items()
-                    if not isinstance(v, dict) and any(w in k for w in ("late", "ship", "load"))}
+                    if not isinstance(v, dict) and any(w in k for w in ("late", "ship", "load", "frees"))}
         check(stores > 0 and loads > 0,
               f"transfers completed G1→G2 ({stores}) and G2→G1 ({loads}); the connector's loads: {shipping}")
 
