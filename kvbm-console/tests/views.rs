@@ -526,26 +526,27 @@ fn walkthrough_contents(frames: &[(&str, Vec<String>)]) {
 /// The slots view, wide and narrow: both requests finished, B with A's
 /// 32 tokens hit on the host.
 fn walkthrough_slots(slots: &[String], narrow: &[String]) {
-    // Slots, wide: Request State Age Prompt Gen G1 G2 G3 HitG1 HitG2 HitG3 Xfer TTFT.
+    // Slots, wide: Request State Age Prompt Gen G1 G2 G3 HitG1 HitG2 HitG3
+    // Hitext Xfer TTFT.
     has(slots, "Slots — 2 shown");
     assert_eq!(
         row(slots, "Request"),
         [
             "Request", "State", "Age", "Prompt", "Gen", "G1", "G2", "G3", "Hit", "G1", "Hit", "G2",
-            "Hit", "G3", "Xfer", "TTFT"
+            "Hit", "G3", "Hit", "ext", "Xfer", "TTFT"
         ]
     );
     // A: created at 0, so 10.00 s old at the end; B: 719.7 µs.
     assert_eq!(
         row(slots, "A"),
         [
-            "A", "Finished", "10.00s", "32", "0", "0", "0", "0", "0", "0", "0", "0", "-"
+            "A", "Finished", "10.00s", "32", "0", "0", "0", "0", "0", "0", "0", "0", "0", "-"
         ]
     );
     assert_eq!(
         row(slots, "B"),
         [
-            "B", "Finished", "719.7µs", "49", "0", "0", "0", "0", "0", "32", "0", "0", "-"
+            "B", "Finished", "719.7µs", "49", "0", "0", "0", "0", "0", "32", "0", "0", "0", "-"
         ]
     );
     // Slots, narrow: the tiers folded into G1/G2/G3 and one Hit column.
@@ -932,5 +933,63 @@ fn the_capacity_view_draws_the_curve_the_tiers_and_the_miss_reasons() {
         s.lines()
             .any(|l| l.contains("PrefixLookup") && l.contains("tokens: hit G1")),
         "{s}"
+    );
+}
+
+/// A request another connector served (kvbm beside it in vLLM's
+/// MultiConnector): its detail and its event say "external (other
+/// connector)", and the slots table counts those tokens among its hits.
+#[test]
+fn another_connectors_hit_is_labelled_external() {
+    let mut m = Model::new(ModelConfig::default());
+    let r = Some("beside-1");
+    for (seq, kind) in [
+        EventKind::SlotCreated {
+            prompt_tokens: 65,
+            max_output_tokens: 8,
+        },
+        EventKind::MatchResult {
+            tier: Tier::Device,
+            looked_up: 4,
+            hit_blocks: 1,
+            hit_tokens: 16,
+        },
+        EventKind::ExternalHit {
+            from_token: 16,
+            tokens: 48,
+        },
+        EventKind::SlotTransition {
+            from: SlotState::Initialized,
+            to: SlotState::Prefilling,
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        m.apply(ev(seq as u64, seq as u64 * 1_000_000, r, kind));
+    }
+    let mut app = App::new(m, Source::Fixed, "beside");
+    let narrow = draw(&mut app, 100, 30);
+    has_row(&narrow, &["beside-1", "Prefilling"]);
+    assert_eq!(
+        row(&narrow, "beside-1")[6],
+        "64",
+        "the hits, external among them"
+    );
+    let slots = draw(&mut app, 160, 48);
+    assert_eq!(
+        row(&slots, "beside-1")[8..12],
+        ["16", "0", "0", "48"],
+        "hits on G1, G2, G3, and external"
+    );
+    special(&mut app, KeyCode::Enter);
+    let detail = draw(&mut app, 160, 48);
+    has(
+        &detail,
+        "cached tokens hit G1 16 G2 0 G3 0 external (other connector) 48",
+    );
+    has(
+        &detail,
+        "48 tokens external (other connector) from token 16",
     );
 }

@@ -507,6 +507,17 @@ declare_event_kinds! {
         /// The sequence hash of each full block, in prefix order.
         hashes: Vec<SequenceHash>,
     },
+    /// Tokens of a request that another connector beside kvbm provided
+    /// (vLLM's `MultiConnector`): what the engine had computed when it
+    /// first scheduled the request, less its own prefix hit and kvbm's
+    /// loads. Inferred from what the engine scheduled; that connector
+    /// reports nothing to kvbm.
+    ExternalHit("external_hit", Block) {
+        /// The first of them: the engine's own hit ends here.
+        from_token: u32,
+        /// How many.
+        tokens: u32,
+    },
     }
 }
 

@@ -196,6 +196,8 @@ pub struct Counters {
     pub early_frees: u64,
     /// Reports from the worker that did not parse.
     pub bad_reports: u64,
+    /// Tokens another connector provided (`ExternalHit`), in all.
+    pub external_hit_tokens: u64,
     /// Steps whose output vLLM never reported (their stores went when
     /// more than three steps were out).
     pub unmatched_outputs: u64,
@@ -232,6 +234,11 @@ struct Req {
     /// G1 blocks announced as this request's (`BlocksAllocated`) and not
     /// yet released.
     g1_announced: u32,
+    /// Looked up and not scheduled since: its next schedule tells what
+    /// another connector provided (see `external_hit`).
+    admitting: bool,
+    /// The external tokens vLLM took from kvbm at its latest admission.
+    accepted: usize,
 }
 
 impl Req {
@@ -248,6 +255,8 @@ impl Req {
             mapped: Vec::new(),
             load_dests: Vec::new(),
             g1_announced: 0,
+            admitting: false,
+            accepted: 0,
         }
     }
 }
@@ -936,6 +945,8 @@ impl SchedulerSide {
                 let r = self.req(request);
                 r.lookup_computed = num_computed_tokens;
                 r.matched = tokens;
+                r.admitting = true;
+                r.accepted = 0;
                 Ok(Some(tokens))
             }
         }
@@ -984,6 +995,7 @@ impl SchedulerSide {
             ));
         }
         r.block_ids = block_ids.to_vec();
+        r.accepted = num_external_tokens;
         let id = r.id.clone();
         let first = r.lookup_computed / bs;
         let n = num_external_tokens / bs;
@@ -1128,6 +1140,34 @@ impl SchedulerSide {
         Ok(fresh)
     }
 
+    /// At a request's first schedule after its lookup: what vLLM had
+    /// computed beyond its own prefix hit and kvbm's loads came from
+    /// another connector (kvbm beside it in vLLM's `MultiConnector`, which
+    /// tells kvbm only that its own answer was not taken). Said as an
+    /// `ExternalHit`; nothing when there is none.
+    fn external_hit(&mut self, s: &Scheduled) {
+        let Some(r) = self.requests.get_mut(&s.request) else {
+            return;
+        };
+        if !std::mem::take(&mut r.admitting) {
+            return;
+        }
+        let from = r.lookup_computed.saturating_add(r.accepted);
+        let tokens = s.computed_before.saturating_sub(from);
+        if tokens == 0 {
+            return;
+        }
+        let id = r.id.clone();
+        self.counters.external_hit_tokens += tokens as u64;
+        self.emitter.emit(
+            Some(&id),
+            EventKind::ExternalHit {
+                from_token: u32::try_from(from).unwrap_or(u32::MAX),
+                tokens: u32::try_from(tokens).unwrap_or(u32::MAX),
+            },
+        );
+    }
+
     /// Tells the stream which G1 blocks `request` now holds, by kvbm's
     /// mirror ids (the ids its `BlockRegistered` events name, so a
     /// consumer can map a request to its prefix): its full blocks as they
@@ -1187,6 +1227,7 @@ impl SchedulerSide {
                 }
             };
             scheduled.insert(s.request.clone());
+            self.external_hit(s);
             let prefill = s
                 .scheduled
                 .min(s.prompt_len.saturating_sub(s.computed_before));

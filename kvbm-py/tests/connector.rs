@@ -422,6 +422,9 @@ fn run_store_then_load(extra: serde_json::Value) {
         (c.late_loads, c.failed_load_blocks, c.unshippable_stores),
         (0, 0, 0)
     );
+    // kvbm alone: whatever vLLM computed beyond its own hit, kvbm loaded.
+    assert_eq!(external_hits(&seen), [], "{seen:?}");
+    assert_eq!(c.external_hit_tokens, 0);
     r.sched.shutdown().unwrap();
 }
 
@@ -1039,4 +1042,71 @@ fn each_reloaded_request_is_credited_the_g2_hits_it_loaded() {
         assert_eq!(state.slot(req).unwrap().hit_tokens, [0, 0, 0], "{req}");
     }
     r.sched.shutdown().unwrap();
+}
+
+/// The `ExternalHit`s in `seen`, as (request, from token, tokens).
+fn external_hits(seen: &[Event]) -> Vec<(String, u32, u32)> {
+    seen.iter()
+        .filter_map(|e| match (&e.kind, e.request.as_deref()) {
+            (EventKind::ExternalHit { from_token, tokens }, Some(r)) => {
+                Some((r.to_string(), *from_token, *tokens))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// kvbm beside another connector in vLLM's `MultiConnector`: the other
+/// one wins X's lookup (kvbm is told 0 external tokens) and vLLM schedules
+/// X with its own hit and the other connector's tokens computed. kvbm says
+/// what the other provided once, at that first schedule, and nothing for a
+/// request computed from its own hit alone.
+#[test]
+fn another_connectors_tokens_are_said_as_external_hits() {
+    for extra in [
+        json!({"host_capacity_tokens": 0}),
+        json!({"host_capacity_tokens": 64}),
+    ] {
+        let mut r = rig(extra.clone());
+        let mut tap = r.sched.emitter().bus().take_tap().unwrap();
+        let x = prompt(700, 4 * BS + 1);
+        let y = prompt(800, 2 * BS + 1);
+        // vLLM's own cache holds X's first block; the other connector
+        // holds its next two.
+        assert_eq!(
+            r.sched.get_num_new_matched_tokens("X", &x, BS).unwrap(),
+            Some(0)
+        );
+        r.sched
+            .update_state_after_alloc("X", &[1, 2, 3, 4, 5], 0)
+            .unwrap();
+        r.admit_without_hit("Y", &y, &[6, 7, 8]);
+        let both = |xb: usize, xn: usize, yb: usize, yn: usize| StepInput {
+            scheduled: vec![
+                run("X", &x, xb, xn, &[1, 2, 3, 4, 5], Vec::new()),
+                run("Y", &y, yb, yn, &[6, 7, 8], Vec::new()),
+            ],
+            preempted: Vec::new(),
+            g1_free: Some(BLOCKS - 8),
+        };
+        r.step(both(3 * BS, BS + 1, 0, 2 * BS + 1), &[]);
+        r.step(both(4 * BS + 1, 1, 2 * BS + 1, 1), &[]);
+        let seen = events(&mut tap);
+        assert_eq!(
+            external_hits(&seen),
+            [("X".to_string(), BS as u32, 2 * BS as u32)],
+            "{extra}"
+        );
+        assert_eq!(r.sched.counters().external_hit_tokens, 2 * BS as u64);
+        // What the console's model credits X: the other connector's
+        // tokens among its hits.
+        let mut state = kvbm_events::reducer::EngineState::new();
+        state.apply_all(&seen);
+        let slot = state.slot("X").unwrap();
+        assert_eq!(
+            (slot.external_tokens, slot.total_hit_tokens()),
+            (2 * BS as u64, 3 * BS as u64)
+        );
+        r.sched.shutdown().unwrap();
+    }
 }

@@ -454,6 +454,12 @@ kind_columns! {
         encode(fbb) = prefix_lookup_table(fbb, *tokens, *block_size, *computed_blocks, hashes),
         decode(t) = prefix_lookup_from_fb(t)?,
         check = ();
+    ExternalHit { from_token, tokens } => external_hit: fb::ExternalHitRow,
+        encode = fb::ExternalHitRow::new(*from_token, *tokens),
+        decode(r) = EventKind::ExternalHit {
+            from_token: r.from_token(),
+            tokens: r.tokens(),
+        };
 }
 
 /// Gathers events into a block. Reused from block to block: `finish`, then

@@ -326,13 +326,20 @@ fn summary(slot: Option<&SlotView>, lookups: &[Lookup], now: u64) -> Vec<Line<'s
                 )),
             ]),
             Line::from(format!(
-                "blocks G1 {} G2 {} G3 {} · cached tokens hit G1 {} G2 {} G3 {} · outstanding {} · TTFT {}",
+                "blocks G1 {} G2 {} G3 {} · cached tokens hit G1 {} G2 {} G3 {}{} · outstanding {} · TTFT {}",
                 s.blocks[0],
                 s.blocks[1],
                 s.blocks[2],
                 s.hit_tokens[0],
                 s.hit_tokens[1],
                 s.hit_tokens[2],
+                // Only where another connector (vLLM's MultiConnector)
+                // provided some: most engines have none.
+                if s.external_tokens > 0 {
+                    format!(" external (other connector) {}", s.external_tokens)
+                } else {
+                    String::new()
+                },
                 s.outstanding,
                 s.ttft_ns().map_or("-".into(), fmt::dur)
             )),

@@ -140,6 +140,9 @@ pub fn describe(kind: &EventKind) -> String {
                 .first()
                 .map_or(String::new(), |h| format!(" from {h}"))
         ),
+        EventKind::ExternalHit { from_token, tokens } => {
+            format!("{tokens} tokens external (other connector) from token {from_token}")
+        }
     }
 }
 

@@ -276,7 +276,7 @@ impl View for Slots {
 }
 
 /// Columns on terminals at least [`WIDE`] wide: one per tier.
-const WIDE_COLS: [Col; 13] = [
+const WIDE_COLS: [Col; 14] = [
     Col::text("Request", 7, 40),
     Col::text("State", 8, 17),
     Col::num("Age", 3, 8),
@@ -288,6 +288,8 @@ const WIDE_COLS: [Col; 13] = [
     Col::num("Hit G1", 6, 7),
     Col::num("Hit G2", 6, 7),
     Col::num("Hit G3", 6, 7),
+    // Another connector's (kvbm beside it in vLLM's MultiConnector).
+    Col::num("Hit ext", 7, 7),
     Col::num("Xfer", 4, 5),
     Col::num("TTFT", 4, 8),
 ];
@@ -317,6 +319,7 @@ fn row(s: &SlotView, now: u64, wide: bool) -> GridRow {
     if wide {
         cells.extend(s.blocks.iter().map(|b| plain(b.to_string())));
         cells.extend(s.hit_tokens.iter().map(|h| plain(h.to_string())));
+        cells.push(plain(s.external_tokens.to_string()));
         cells.push(plain(s.outstanding.to_string()));
         cells.push(plain(s.ttft_ns().map_or("-".into(), fmt::dur)));
     } else {

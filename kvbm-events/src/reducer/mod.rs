@@ -99,6 +99,8 @@
 //! - `PrefixLookup`: counted; its `block_size` becomes the block size used
 //!   to turn loaded blocks into hit tokens. Nothing else changes (the
 //!   recorder's capacity analysis reads the hashes it carries).
+//! - `ExternalHit {tokens, ..}` (request set): the slot's `external_tokens`
+//!   grows: tokens another connector provided, counted in its total hits.
 //!
 //! # Per-request hits
 //!
@@ -461,6 +463,11 @@ impl EngineState {
             EventKind::PrefixLookup { block_size, .. } => {
                 if *block_size > 0 {
                     self.block_size = *block_size;
+                }
+            }
+            EventKind::ExternalHit { tokens, .. } => {
+                if let Some(slot) = self.request_slot(req, ts) {
+                    slot.external_tokens += u64::from(*tokens);
                 }
             }
         }

@@ -42,6 +42,9 @@ pub struct SlotView {
     /// the device for the request (completed loads, summed over its life).
     /// See the reducer's *Per-request hits*.
     pub hit_tokens: [u64; 3],
+    /// Tokens another connector beside kvbm provided (`ExternalHit`),
+    /// summed over the request's admissions.
+    pub external_tokens: u64,
     /// Transfers of this request in flight.
     pub outstanding: u32,
     /// When the first generated token was scheduled.
@@ -76,6 +79,7 @@ impl SlotView {
             generated: 0,
             blocks: [0; 3],
             hit_tokens: [0; 3],
+            external_tokens: 0,
             outstanding: 0,
             first_token_ns: None,
             transitions: 0,
@@ -106,9 +110,9 @@ impl SlotView {
         self.state.is_terminal()
     }
 
-    /// Prefix-hit tokens over all tiers.
+    /// Prefix-hit tokens over all tiers and other connectors.
     pub fn total_hit_tokens(&self) -> u64 {
-        self.hit_tokens.iter().sum()
+        self.hit_tokens.iter().sum::<u64>() + self.external_tokens
     }
 
     /// The kept history as `(start, end, state)` intervals, oldest first; the

@@ -2794,6 +2794,133 @@ impl<'a> ResumedRow {
 
 }
 
+// struct ExternalHitRow, aligned to 4
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq)]
+pub struct ExternalHitRow(pub [u8; 8]);
+impl Default for ExternalHitRow { 
+  fn default() -> Self { 
+    Self([0; 8])
+  }
+}
+impl ::core::fmt::Debug for ExternalHitRow {
+  fn fmt(&self, f: &mut ::core::fmt::Formatter) -> ::core::fmt::Result {
+    f.debug_struct("ExternalHitRow")
+      .field("from_token", &self.from_token())
+      .field("tokens", &self.tokens())
+      .finish()
+  }
+}
+
+impl ::flatbuffers::SimpleToVerifyInSlice for ExternalHitRow {}
+impl<'a> ::flatbuffers::Follow<'a> for ExternalHitRow {
+  type Inner = &'a ExternalHitRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { <&'a ExternalHitRow>::follow(buf, loc) }
+  }
+}
+impl<'a> ::flatbuffers::Follow<'a> for &'a ExternalHitRow {
+  type Inner = &'a ExternalHitRow;
+  #[inline]
+  unsafe fn follow(buf: &'a [u8], loc: usize) -> Self::Inner {
+    unsafe { ::flatbuffers::follow_cast_ref::<ExternalHitRow>(buf, loc) }
+  }
+}
+impl<'b> ::flatbuffers::Push for ExternalHitRow {
+    type Output = ExternalHitRow;
+    #[inline]
+    unsafe fn push(&self, dst: &mut [u8], _written_len: usize) {
+        let src = unsafe { ::core::slice::from_raw_parts(self as *const ExternalHitRow as *const u8, <Self as ::flatbuffers::Push>::size()) };
+        dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn alignment() -> ::flatbuffers::PushAlignment {
+        ::flatbuffers::PushAlignment::new(4)
+    }
+}
+
+impl<'a> ::flatbuffers::Verifiable for ExternalHitRow {
+  #[inline]
+  fn run_verifier(
+    v: &mut ::flatbuffers::Verifier, pos: usize
+  ) -> Result<(), ::flatbuffers::InvalidFlatbuffer> {
+    v.in_buffer::<Self>(pos)
+  }
+}
+
+impl<'a> ExternalHitRow {
+  #[allow(clippy::too_many_arguments)]
+  pub fn new(
+    from_token: u32,
+    tokens: u32,
+  ) -> Self {
+    let mut s = Self([0; 8]);
+    s.set_from_token(from_token);
+    s.set_tokens(tokens);
+    s
+  }
+
+  pub fn from_token(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[0..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_from_token(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[0..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+  pub fn tokens(&self) -> u32 {
+    let mut mem = ::core::mem::MaybeUninit::<<u32 as ::flatbuffers::EndianScalar>::Scalar>::uninit();
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    ::flatbuffers::EndianScalar::from_little_endian(unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        self.0[4..].as_ptr(),
+        mem.as_mut_ptr() as *mut u8,
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+      mem.assume_init()
+    })
+  }
+
+  pub fn set_tokens(&mut self, x: u32) {
+    let x_le = ::flatbuffers::EndianScalar::to_little_endian(x);
+    // Safety:
+    // Created from a valid Table for this object
+    // Which contains a valid value in this slot
+    unsafe {
+      ::core::ptr::copy_nonoverlapping(
+        &x_le as *const _ as *const u8,
+        self.0[4..].as_mut_ptr(),
+        ::core::mem::size_of::<<u32 as ::flatbuffers::EndianScalar>::Scalar>(),
+      );
+    }
+  }
+
+}
+
 // struct TokensScheduledRow, aligned to 4
 #[repr(transparent)]
 #[derive(Clone, Copy, PartialEq)]
@@ -3677,6 +3804,7 @@ impl<'a> EventBlock<'a> {
   pub const VT_RESUMED: ::flatbuffers::VOffsetT = 64;
   pub const VT_TOKENS_SCHEDULED: ::flatbuffers::VOffsetT = 66;
   pub const VT_PREFIX_LOOKUP: ::flatbuffers::VOffsetT = 68;
+  pub const VT_EXTERNAL_HIT: ::flatbuffers::VOffsetT = 70;
 
   #[inline]
   pub unsafe fn init_from_table(table: ::flatbuffers::Table<'a>) -> Self {
@@ -3691,6 +3819,7 @@ impl<'a> EventBlock<'a> {
     builder.add_base_iteration(args.base_iteration);
     builder.add_base_ts_ns(args.base_ts_ns);
     builder.add_base_seq(args.base_seq);
+    if let Some(x) = args.external_hit { builder.add_external_hit(x); }
     if let Some(x) = args.prefix_lookup { builder.add_prefix_lookup(x); }
     if let Some(x) = args.tokens_scheduled { builder.add_tokens_scheduled(x); }
     if let Some(x) = args.resumed { builder.add_resumed(x); }
@@ -3956,6 +4085,13 @@ impl<'a> EventBlock<'a> {
     // which contains a valid value in this slot
     unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<PrefixLookup>>>>(EventBlock::VT_PREFIX_LOOKUP, None)}
   }
+  #[inline]
+  pub fn external_hit(&self) -> Option<::flatbuffers::Vector<'a, ExternalHitRow>> {
+    // Safety:
+    // Created from valid Table for this object
+    // which contains a valid value in this slot
+    unsafe { self._tab.get::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'a, ExternalHitRow>>>(EventBlock::VT_EXTERNAL_HIT, None)}
+  }
 }
 
 impl ::flatbuffers::Verifiable for EventBlock<'_> {
@@ -3997,6 +4133,7 @@ impl ::flatbuffers::Verifiable for EventBlock<'_> {
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ResumedRow>>>("resumed", Self::VT_RESUMED, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, TokensScheduledRow>>>("tokens_scheduled", Self::VT_TOKENS_SCHEDULED, false)?
      .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ::flatbuffers::ForwardsUOffset<PrefixLookup>>>>("prefix_lookup", Self::VT_PREFIX_LOOKUP, false)?
+     .visit_field::<::flatbuffers::ForwardsUOffset<::flatbuffers::Vector<'_, ExternalHitRow>>>("external_hit", Self::VT_EXTERNAL_HIT, false)?
      .finish();
     Ok(())
   }
@@ -4035,6 +4172,7 @@ pub struct EventBlockArgs<'a> {
     pub resumed: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ResumedRow>>>,
     pub tokens_scheduled: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, TokensScheduledRow>>>,
     pub prefix_lookup: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ::flatbuffers::ForwardsUOffset<PrefixLookup<'a>>>>>,
+    pub external_hit: Option<::flatbuffers::WIPOffset<::flatbuffers::Vector<'a, ExternalHitRow>>>,
 }
 impl<'a> Default for EventBlockArgs<'a> {
   #[inline]
@@ -4073,6 +4211,7 @@ impl<'a> Default for EventBlockArgs<'a> {
       resumed: None,
       tokens_scheduled: None,
       prefix_lookup: None,
+      external_hit: None,
     }
   }
 }
@@ -4215,6 +4354,10 @@ impl<'a: 'b, 'b, A: ::flatbuffers::Allocator + 'a> EventBlockBuilder<'a, 'b, A> 
     self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_PREFIX_LOOKUP, prefix_lookup);
   }
   #[inline]
+  pub fn add_external_hit(&mut self, external_hit: ::flatbuffers::WIPOffset<::flatbuffers::Vector<'b , ExternalHitRow>>) {
+    self.fbb_.push_slot_always::<::flatbuffers::WIPOffset<_>>(EventBlock::VT_EXTERNAL_HIT, external_hit);
+  }
+  #[inline]
   pub fn new(_fbb: &'b mut ::flatbuffers::FlatBufferBuilder<'a, A>) -> EventBlockBuilder<'a, 'b, A> {
     let start = _fbb.start_table();
     EventBlockBuilder {
@@ -4270,6 +4413,7 @@ impl ::core::fmt::Debug for EventBlock<'_> {
       ds.field("resumed", &self.resumed());
       ds.field("tokens_scheduled", &self.tokens_scheduled());
       ds.field("prefix_lookup", &self.prefix_lookup());
+      ds.field("external_hit", &self.external_hit());
       ds.finish()
   }
 }
