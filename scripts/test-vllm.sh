@@ -71,5 +71,7 @@ echo "== the connector's publish: kvbm inside vLLM onto NATS, into the fleet rec
   --console "$BIN/kvbm-console"
 echo "== the console attached to vLLM, in tmux"
 "$PY" kvbm-py/tests/vllm/console.py --console "$BIN/kvbm-console" --recorder "$BIN/kvbm-recorder"
+echo "== the console attached to vLLM with kvbm as an observer (no tier of its own), in tmux"
+"$PY" kvbm-py/tests/vllm/console.py --console "$BIN/kvbm-console" --recorder "$BIN/kvbm-recorder" --observer
 echo "== the connector's cost guard: kvbm's threads and time per step beside a do-nothing connector"
 "$PY" kvbm-py/tests/vllm/bench.py --guard --recorder "$BIN/kvbm-recorder"

@@ -4,9 +4,11 @@ attach` to it. The header must say what kvbm runs as; the slots view must
 show vLLM's requests moving through their states, and after a prefix-cache
 reset, requests with G2 hits that equal the G2→G1 blocks the recording
 loaded for them; the transfers view G1→G2 and G2→G1 transfers done, with
-their blocks.
+their blocks. With `--observer`, kvbm has no tier of its own: the header
+must say so, and the slots view must show the requests' timelines, G1
+blocks and G1 hits all the same (nothing is moved, so nothing more).
 
-    python console.py --console PATH/TO/kvbm-console --recorder PATH/TO/kvbm-recorder
+    python console.py --console PATH/TO/kvbm-console --recorder PATH/TO/kvbm-recorder [--observer]
 """
 
 import argparse
@@ -72,6 +74,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--console", required=True)
     ap.add_argument("--recorder", required=True)
+    ap.add_argument("--observer", action="store_true", help="kvbm with no tier of its own")
     a = ap.parse_args()
     if shutil.which("tmux") is None:
         raise SystemExit("FAIL: tmux is not installed (apt-get install tmux)")
@@ -83,7 +86,8 @@ def main():
     rec = os.path.join(tmp, "rec")
     # The host tier in the test's own directory: the engine is killed at
     # the end, which would leave its file in /dev/shm until the next start.
-    args = {"port": port, "seconds": 270, "max_tokens": 48, "record": rec, "shm_dir": tmp}
+    args = {"port": port, "seconds": 270, "max_tokens": 48, "record": rec, "shm_dir": tmp,
+            "host_capacity_tokens": 0 if a.observer else 8192}
     eng = engine.spawn(
         [sys.executable, os.path.join(HERE, "scenario.py"), "serve_workload", json.dumps(args)],
         stdout=subprocess.PIPE,
@@ -115,7 +119,8 @@ def main():
                          "requests with slot states on the slots view", err_path=err_path, engine_tail=engine_tail)
         print("ok: the slots view lists vLLM's requests with their states", flush=True)
         header = next((l.strip() for l in first.splitlines() if "runs as" in l), "")
-        if not ("vLLM" in header and "1 worker" in header and "sync scheduling" in header):
+        if not ("vLLM" in header and "1 worker" in header and "sync scheduling" in header
+                and ("observer" in header) == a.observer):
             print(first)
             raise SystemExit(f"FAIL: the header does not say what kvbm runs as (ranks, scheduling): {header!r}")
         print(f"ok: the header says what kvbm runs as: {header[:150]}", flush=True)
@@ -159,6 +164,10 @@ def main():
                              f"(seen {sorted(seen_states)}, at most {g1} G1 blocks, {hit} G1 hit tokens)")
         print(f"ok: requests move through their states (seen {sorted(seen_states)}), "
               f"holding G1 blocks (up to {g1}), some found in vLLM's prefix cache (up to {hit} tokens)", flush=True)
+        if a.observer:
+            tmux("send-keys", "-t", session, "q")
+            print("all console checks passed (observer)", flush=True)
+            return
         tmux("send-keys", "-t", session, "2")
 
         def done_and_blocks(s, direction):

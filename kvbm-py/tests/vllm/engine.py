@@ -261,11 +261,14 @@ def allow_async_scheduling_on_cpu():
 
 
 def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8,
-           connector_class=("KvbmConnector", "kvbm.vllm"), model=None, **more):
+           connector_class=("KvbmConnector", "kvbm.vllm"), model=None, beside=None, **more):
     """The tiny engine; `connector_class` is (class, module) of the
     connector, kvbm's unless a test names a subclass of it. `model`: a
     directory with weights (`make_oracle_model`); without it, vLLM's dummy
-    weights. `more`: other `LLM` arguments."""
+    weights. `beside`: other connectors' configurations (vLLM's
+    `KVTransferConfig` fields); kvbm then runs after them in vLLM's
+    `MultiConnector`, which takes each request's hit from the first that
+    has one. `more`: other `LLM` arguments."""
     from vllm import LLM
 
     kw = dict(
@@ -287,6 +290,15 @@ def engine(extra=None, connector=True, kv_bytes=2 * 1024 * 1024, max_num_seqs=8,
             "kv_connector_module_path": connector_class[1],
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra or {},
+        }
+    if connector and beside:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            # vLLM reads the policy here, not from its connectors' own
+            # configurations (kvbm's class sets it on its own copy only).
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": list(beside) + [kw["kv_transfer_config"]]},
         }
     return LLM(**kw)
 

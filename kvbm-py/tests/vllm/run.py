@@ -23,7 +23,10 @@ Checks:
 3. (the console, in tmux: scripts/test-vllm.sh);
 4. the observer (`host_capacity_tokens: 0`, no disk): vLLM's tokens
    unchanged, no host-tier file, a recording of vLLM's requests, blocks
-   and lookups with no transfer, which `check` passes;
+   and lookups with no transfer, which `check` passes; beside vLLM's
+   DecodeBenchConnector in its MultiConnector, every request's prefix as
+   vLLM counted it is kvbm's G1 hit plus the other connector's tokens
+   (labelled external), and a breakpoint holds a request there too;
 5. bad configuration: vLLM refuses to start, naming the key.
 """
 
@@ -322,7 +325,72 @@ def test_observer(tmp, recorder, baseline):
     check(blocks["TransferCompleted"] == 0, f"observer: nothing was transferred ({blocks})")
     c = subprocess.run([recorder, "check", rec], capture_output=True, text=True)
     check(c.returncode == 0, f"observer: kvbm-recorder check on the recording exits 0 "
+          f"({c.stdout.strip()[-200:]}{c.stderr.strip()[-200:]}; the engine core's exit code "
+          f"{by.get('engine_core_exit')})")
+
+
+# vLLM's DecodeBenchConnector: a real connector of vLLM's own that runs on
+# this platform. It claims every new request's prompt but its last token
+# (filling those blocks with a constant), so each request's external hit
+# is known exactly; its outputs mean nothing.
+DECODE_BENCH = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"fill_mean": 0.015, "fill_std": 0.0}}
+
+
+def test_beside(tmp, recorder):
+    print("== 4b. the observer beside another connector (vLLM's MultiConnector, DecodeBenchConnector first)",
+          flush=True)
+    rec = os.path.join(tmp, "rec-beside")
+    args = {"port": engine.free_port(), "beside": [DECODE_BENCH],
+            "extra": {"host_capacity_tokens": 0, "record": rec}}
+    res, _, _ = scenario("beside", args)
+    by = {r["phase"]: r for r in res}
+    reqs = by.get("hits", {}).get("requests", {})
+    wrong = {k: v for k, v in reqs.items()
+             if v["external"] is None or v["g1_hit"] is None
+             or v["g1_hit"] + v["external"] != v["vllm_cached"]}
+    external = sum(1 for v in reqs.values() if v["external"])
+    check(reqs and not wrong and external == len(reqs),
+          f"beside: every request's prefix as vLLM counted it is its G1 hit plus the other connector's tokens, "
+          f"each labelled external ({external}/{len(reqs)} external; wrong: {wrong})")
+    kinds, _, _ = recorded_kinds(recorder, rec)
+    check(kinds.get("ExternalHit", 0) >= len(reqs) > 0,
+          f"beside: the recording holds an ExternalHit per request ({kinds.get('ExternalHit', 0)} for {len(reqs)})")
+    c = subprocess.run([recorder, "check", rec], capture_output=True, text=True)
+    check(c.returncode == 0, f"beside: kvbm-recorder check on the recording exits 0 "
           f"({c.stdout.strip()[-200:]}{c.stderr.strip()[-200:]})")
+    h = by.get("held", {})
+    check(h.get("held_seen") and h.get("others_done") and h.get("held_computed") == 0 and h.get("still_running"),
+          f"beside: a breakpoint holds its request while the others finish ({h})")
+    check(by.get("resumed", {}).get("finished"), "beside: resumed, the held request finishes")
+
+
+def test_observer_logprobs(tmp, recorder):
+    print("== 4c. the observer changes nothing vLLM computes: logprobs bit for bit against vLLM alone "
+          "(the oracle's model), synchronous and async scheduling", flush=True)
+    model = engine.make_oracle_model(os.path.join(tmp, "oracle-model"))
+    for mode, llm, env in (("sync", {}, {}), ("async", {"async_scheduling": True}, {"KVBM_TEST_ASYNC": "1"})):
+        alone, _, _ = scenario("logprobs", {"model": model, "connector": False, "llm": llm}, env=env, timeout=300)
+        rec = os.path.join(tmp, f"rec-observer-{mode}")
+        watched, _, _ = scenario("logprobs", {"model": model, "llm": llm,
+                                              "extra": {"host_capacity_tokens": 0, "record": rec}},
+                                 env=env, timeout=300)
+        a = alone[0] if alone else {}
+        w = watched[0] if watched else {}
+        pa, pw = a.get("passes", []), w.get("passes", [])
+        same = sum(1 for x, y in zip(sum(pa, []), sum(pw, [])) if x == y)
+        n = sum(len(p) for p in pa)
+        check(a.get("async_scheduling") == w.get("async_scheduling") == (mode == "async"),
+              f"observer, {mode}: vLLM alone and vLLM with kvbm ran with async_scheduling "
+              f"{a.get('async_scheduling')} and {w.get('async_scheduling')}")
+        check(n > 0 and same == n and len(pa) == len(pw) == 2,
+              f"observer, {mode}: {same}/{n} requests' tokens, logprobs (bit for bit) and cached prefixes "
+              f"equal vLLM alone's, computed and from its own prefix cache")
+        kinds, _, _ = recorded_kinds(recorder, rec)
+        c = subprocess.run([recorder, "check", rec], capture_output=True, text=True)
+        check(c.returncode == 0 and kinds.get("SlotCreated", 0) == n,
+              f"observer, {mode}: the recording holds every request ({kinds.get('SlotCreated', 0)}/{n}) "
+              f"and kvbm-recorder check exits 0 ({c.stdout.strip()[-120:]}{c.stderr.strip()[-120:]})")
 
 
 def test_bad_config(tmp):
@@ -372,20 +440,24 @@ def main():
     ap.add_argument("--oracle", nargs="*", default=list(ORACLE),
                     help=f"the oracle's configurations to run (default: all of {', '.join(ORACLE)})")
     a = ap.parse_args()
-    only = set(a.only or ["oracle", "breakpoints", "observer", "badconfig"])
+    only = set(a.only or ["oracle", "breakpoints", "observer", "beside", "observer-logprobs", "badconfig"])
     tmp = tempfile.mkdtemp(prefix="kvbm-vllm-")
     try:
         if "oracle" in only:
             test_oracle(tmp, a.recorder, a.oracle)
-        if not only - {"oracle"}:
-            return finish()
-        print("== baseline: no connector", flush=True)
-        (b,), _, _ = scenario("baseline", {})
-        baseline = b["outputs"]
+        baseline = None
+        if only & {"breakpoints", "observer"}:
+            print("== baseline: no connector", flush=True)
+            (b,), _, _ = scenario("baseline", {})
+            baseline = b["outputs"]
         if "breakpoints" in only:
             test_breakpoints(tmp, baseline)
         if "observer" in only:
             test_observer(tmp, a.recorder, baseline)
+        if "beside" in only:
+            test_beside(tmp, a.recorder)
+        if "observer-logprobs" in only:
+            test_observer_logprobs(tmp, a.recorder)
         if "badconfig" in only:
             test_bad_config(tmp)
     finally:

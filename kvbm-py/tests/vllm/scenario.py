@@ -195,6 +195,69 @@ def breakpoints(args):
                blocked=blocked, outputs=outs3)
 
 
+def logprobs(args):
+    """The oracle's prompts twice (computed, then from vLLM's own prefix
+    cache), each token's logprob as exact bits: with kvbm as configured
+    (`extra`), or with no connector at all (`connector: false`)."""
+    llm = engine.engine(extra=args.get("extra", {}), connector=args.get("connector", True),
+                        model=args["model"], kv_bytes=4 * 1024 * 1024, **args.get("llm", {}))
+    cfg = llm.llm_engine.vllm_config
+    ps = engine.prompts(groups=4, per_group=6)
+    passes = [engine.generate_logprobs(llm, ps, 8), engine.generate_logprobs(llm, ps, 8)]
+    engine.say(passes=passes, async_scheduling=bool(cfg.scheduler_config.async_scheduling))
+    engine.close(llm)
+
+
+def beside(args):
+    """kvbm (`extra`) after another connector (`beside`) in vLLM's
+    MultiConnector. Round one: every request's prefix as vLLM counted it
+    (`num_cached_tokens`) beside what kvbm's console model credits it
+    (its G1 hit, the other connector's tokens). Round two: a breakpoint
+    on one request holds it while the others finish; resumed, it
+    finishes."""
+    import threading
+
+    port = args["port"]
+    base = f"http://127.0.0.1:{port}"
+    extra = dict(args.get("extra", {}), serve=f"127.0.0.1:{port}")
+    llm = engine.engine(extra=extra, beside=args["beside"], **args.get("llm", {}))
+    ps = engine.prompts()
+    outs, cached = engine.generate(llm, ps)
+    ids = [f"{i}-" for i in range(len(ps))]
+    slots = http("GET", base + "/snapshot").get("slots", {})
+    seen = {}
+    for prefix, c in zip(ids, cached):
+        s = next((v for k, v in slots.items() if k.startswith(prefix)), {})
+        seen[prefix] = {"vllm_cached": c, "g1_hit": (s.get("hit_tokens") or [None])[0],
+                        "external": s.get("external_tokens")}
+    engine.say(phase="hits", requests=seen, outputs=outs)
+    held = f"{len(ps) + 2}-"
+    http("POST", base + "/breakpoints", {"request": {"Prefix": held}})
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps)))
+    t0 = time.time()
+    t.start()
+    held_seen = others_done = False
+    h = {}
+    while time.time() - t0 < 60:
+        slots = http("GET", base + "/snapshot").get("slots", {})
+        paused = http("GET", base + "/breakpoints")["paused"]
+        held_seen = held_seen or any(str(p["call"].get("request", "")).startswith(held) for p in paused)
+        h = next((v for k, v in slots.items() if k.startswith(held)), {})
+        others = [v for k, v in slots.items() if int(k.split("-")[0]) >= len(ps) and not k.startswith(held)]
+        if held_seen and len(others) == len(ps) - 1 and all(s["state"] == "Finished" for s in others):
+            others_done = True
+            break
+        time.sleep(0.2)
+    engine.say(phase="held", held_seen=held_seen, others_done=others_done,
+               held_computed=h.get("computed", 0), still_running=t.is_alive())
+    http("POST", base + "/resume", {})
+    t.join(120)
+    outs2, _ = result.get("gen", (None, None))
+    engine.say(phase="resumed", finished=outs2 is not None and all(len(o) == 8 for o in outs2))
+    engine.close(llm)
+
+
 def badconfig(args):
     """Starting vLLM with this extra config must fail."""
     engine.engine(extra=args["extra"])
@@ -205,7 +268,7 @@ def serve_workload(args):
     """A long-running engine for the console test: rounds of requests, the
     device cache reset between them so blocks come back from kvbm."""
     port = args["port"]
-    extra = {"serve": f"127.0.0.1:{port}", "host_capacity_tokens": 8192}
+    extra = {"serve": f"127.0.0.1:{port}", "host_capacity_tokens": args.get("host_capacity_tokens", 8192)}
     for key in ("record", "shm_dir"):
         if args.get(key):
             extra[key] = args[key]
