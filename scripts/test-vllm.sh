@@ -4,11 +4,13 @@
 # scheduling, both, preemption, chunked prefill, disk only: logprobs bit for
 # bit against vLLM's own prefix cache with a model whose outputs depend on
 # the KV, and a corrupted load that must fail it), breakpoints, the
-# recording, bad configuration (kvbm-py/tests/vllm/run.py); the OpenAI
-# server stopped with SIGTERM and with kill -9 (server_stop.py); the fleet
-# through a real nats-server (vLLM's own events bridged: fleet_bridge.py;
-# the connector's `publish`: fleet_publish.py), and the console attached to
-# the running engine in tmux (kvbm-py/tests/vllm/console.py); first,
+# recording, the observer (against vLLM alone, and beside vLLM's
+# DecodeBenchConnector in its MultiConnector), bad configuration
+# (kvbm-py/tests/vllm/run.py); the OpenAI server stopped with SIGTERM and
+# with kill -9 (server_stop.py); the fleet through a real nats-server
+# (vLLM's own events bridged: fleet_bridge.py; the connector's `publish`:
+# fleet_publish.py), and the console attached to the running engine in
+# tmux, with kvbm's tiers and as an observer (kvbm-py/tests/vllm/console.py); first,
 # without an engine, the module against hostile arguments
 # (kvbm-py/tests/vllm/api_inputs.py).
 #
@@ -20,7 +22,7 @@
 # already. Optimised, the Python module alone took 5 to 8 minutes of CI's 2
 # cores from nothing (45 s in the dev profile after `cargo test`), and the two
 # binaries 4.4 minutes. KVBM_TEST_PROFILE=release tests release builds of all
-# three instead. About 20 minutes on 2 cores once the environment exists
+# three instead. About 30 minutes on 2 cores once the environment exists
 # (each vLLM start takes 40-90 s; the oracle's seven take about 12).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1414,11 +1414,14 @@ impl SchedulerSide {
                 .load_pipelines
                 .iter()
                 .all(|(p, r)| nothing_unshipped(p, r.as_deref(), false))
+                // Not stores waiting for their forward pass: only an output
+                // vLLM reports on this thread releases them, never while it
+                // waits here (with async scheduling, the step in flight's).
                 && (!stores
                     || self
                         .store_pipelines
                         .iter()
-                        .all(|(p, r)| nothing_unshipped(p, r.as_deref(), true)))
+                        .all(|(p, r)| nothing_unshipped(p, r.as_deref(), false)))
                 && loads.iter().flat_map(|(_, h)| h).all(|h| {
                     h.status().is_final()
                         || h.status() == kvbm_core::offload::TransferStatus::Transferring

@@ -26,7 +26,10 @@ Checks:
    and lookups with no transfer, which `check` passes; beside vLLM's
    DecodeBenchConnector in its MultiConnector, every request's prefix as
    vLLM counted it is kvbm's G1 hit plus the other connector's tokens
-   (labelled external), and a breakpoint holds a request there too;
+   (labelled external), and request and step breakpoints hold there too;
+   with the KV oracle's model, the observer's tokens and logprobs are bit
+   for bit vLLM's without a connector, synchronous with preemption and
+   async with tensor parallel 2;
 5. bad configuration: vLLM refuses to start, naming the key.
 """
 
@@ -363,30 +366,47 @@ def test_beside(tmp, recorder):
     check(h.get("held_seen") and h.get("others_done") and h.get("held_computed") == 0 and h.get("still_running"),
           f"beside: a breakpoint holds its request while the others finish ({h})")
     check(by.get("resumed", {}).get("finished"), "beside: resumed, the held request finishes")
+    s = by.get("step", {})
+    check(s.get("paused") and s.get("blocked") and s.get("finished"),
+          f"beside: a breakpoint on build_connector_metadata stops the whole engine until cleared ({s})")
+
+
+# The observer's runs against vLLM alone: synchronous scheduling with a KV
+# cache small enough that vLLM preempts (as the oracle's "preemption"), and
+# async scheduling with tensor parallel 2 (as its "tp2-async").
+OBSERVED = {
+    "sync, preemption": ({}, {}, {"kv_bytes": 768 * 1024, "max_tokens": 40}),
+    "async, tp2": ({"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "async_scheduling": True},
+                   {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "KVBM_TEST_ASYNC": "1"}, {}),
+}
 
 
 def test_observer_logprobs(tmp, recorder):
     print("== 4c. the observer changes nothing vLLM computes: logprobs bit for bit against vLLM alone "
-          "(the oracle's model), synchronous and async scheduling", flush=True)
+          "(the oracle's model), synchronous with preemption and async with tensor parallel 2", flush=True)
     model = engine.make_oracle_model(os.path.join(tmp, "oracle-model"))
-    for mode, llm, env in (("sync", {}, {}), ("async", {"async_scheduling": True}, {"KVBM_TEST_ASYNC": "1"})):
-        alone, _, _ = scenario("logprobs", {"model": model, "connector": False, "llm": llm}, env=env, timeout=300)
-        rec = os.path.join(tmp, f"rec-observer-{mode}")
-        watched, _, _ = scenario("logprobs", {"model": model, "llm": llm,
-                                              "extra": {"host_capacity_tokens": 0, "record": rec}},
+    for mode, (llm, env, more) in OBSERVED.items():
+        alone, _, _ = scenario("logprobs", dict(more, model=model, connector=False, llm=llm), env=env, timeout=300)
+        rec = os.path.join(tmp, "rec-observer-" + mode.replace(", ", "-"))
+        watched, _, _ = scenario("logprobs", dict(more, model=model, llm=llm,
+                                                  extra={"host_capacity_tokens": 0, "record": rec}),
                                  env=env, timeout=300)
         a = alone[0] if alone else {}
         w = watched[0] if watched else {}
         pa, pw = a.get("passes", []), w.get("passes", [])
         same = sum(1 for x, y in zip(sum(pa, []), sum(pw, [])) if x == y)
         n = sum(len(p) for p in pa)
-        check(a.get("async_scheduling") == w.get("async_scheduling") == (mode == "async"),
-              f"observer, {mode}: vLLM alone and vLLM with kvbm ran with async_scheduling "
-              f"{a.get('async_scheduling')} and {w.get('async_scheduling')}")
+        want = (bool(llm.get("async_scheduling")), llm.get("tensor_parallel_size", 1))
+        check((a.get("async_scheduling"), a.get("tp")) == (w.get("async_scheduling"), w.get("tp")) == want,
+              f"observer, {mode}: vLLM alone and vLLM with kvbm ran with async_scheduling, tensor_parallel_size "
+              f"{a.get('async_scheduling')}, {a.get('tp')} and {w.get('async_scheduling')}, {w.get('tp')}")
         check(n > 0 and same == n and len(pa) == len(pw) == 2,
               f"observer, {mode}: {same}/{n} requests' tokens, logprobs (bit for bit) and cached prefixes "
               f"equal vLLM alone's, computed and from its own prefix cache")
-        kinds, _, _ = recorded_kinds(recorder, rec)
+        kinds, preempted, _ = recorded_kinds(recorder, rec)
+        if "preemption" in mode:
+            check(preempted > 0, f"observer, {mode}: the recording shows vLLM's preemptions "
+                                 f"({preempted} slot transitions to Preempted)")
         c = subprocess.run([recorder, "check", rec], capture_output=True, text=True)
         check(c.returncode == 0 and kinds.get("SlotCreated", 0) == n,
               f"observer, {mode}: the recording holds every request ({kinds.get('SlotCreated', 0)}/{n}) "

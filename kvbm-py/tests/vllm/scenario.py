@@ -200,11 +200,14 @@ def logprobs(args):
     cache), each token's logprob as exact bits: with kvbm as configured
     (`extra`), or with no connector at all (`connector: false`)."""
     llm = engine.engine(extra=args.get("extra", {}), connector=args.get("connector", True),
-                        model=args["model"], kv_bytes=4 * 1024 * 1024, **args.get("llm", {}))
+                        model=args["model"], kv_bytes=args.get("kv_bytes", 4 * 1024 * 1024),
+                        **args.get("llm", {}))
     cfg = llm.llm_engine.vllm_config
     ps = engine.prompts(groups=4, per_group=6)
-    passes = [engine.generate_logprobs(llm, ps, 8), engine.generate_logprobs(llm, ps, 8)]
-    engine.say(passes=passes, async_scheduling=bool(cfg.scheduler_config.async_scheduling))
+    mt = args.get("max_tokens", 8)
+    passes = [engine.generate_logprobs(llm, ps, mt), engine.generate_logprobs(llm, ps, mt)]
+    engine.say(passes=passes, async_scheduling=bool(cfg.scheduler_config.async_scheduling),
+               tp=cfg.parallel_config.tensor_parallel_size)
     engine.close(llm)
 
 
@@ -255,6 +258,25 @@ def beside(args):
     t.join(120)
     outs2, _ = result.get("gen", (None, None))
     engine.say(phase="resumed", finished=outs2 is not None and all(len(o) == 8 for o in outs2))
+    # A breakpoint on a per-step entry point stops the whole engine until
+    # it is cleared.
+    http("POST", base + "/breakpoints/clear", {})
+    http("POST", base + "/breakpoints", {"entry": "BuildConnectorMetadata"})
+    result.clear()
+    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps[:4])))
+    t.start()
+    t2 = time.time()
+    paused = False
+    while time.time() - t2 < 30 and not paused:
+        paused = any(p["call"]["entry"] == "BuildConnectorMetadata"
+                     for p in http("GET", base + "/breakpoints")["paused"])
+        time.sleep(0.1)
+    time.sleep(1.5)
+    blocked = t.is_alive()
+    http("POST", base + "/breakpoints/clear", {})
+    t.join(60)
+    outs3, _ = result.get("gen", (None, None))
+    engine.say(phase="step", paused=paused, blocked=blocked, finished=outs3 is not None)
     engine.close(llm)
 
 
