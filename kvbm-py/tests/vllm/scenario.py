@@ -115,13 +115,69 @@ def http(method, url, body=None, timeout=10):
         return json.loads(r.read() or b"null")
 
 
+def hold_while_others_finish(llm, base, ps, held, first):
+    """Generates `ps` on a thread while a breakpoint holds the request
+    whose id starts with `held`, until the round's other requests (ids
+    numbered from `first`) have finished or 60 s pass. Returns the thread,
+    where its outputs will be, and what was seen of the held request."""
+    import threading
+
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps)))
+    t0 = time.time()
+    t.start()
+    held_seen = others_done = False
+    h = {}
+    while time.time() - t0 < 60:
+        slots = http("GET", base + "/snapshot").get("slots", {})
+        paused = http("GET", base + "/breakpoints")["paused"]
+        held_seen = held_seen or any(str(p["call"].get("request", "")).startswith(held) for p in paused)
+        h = next((v for k, v in slots.items() if k.startswith(held)), {})
+        others = [v for k, v in slots.items() if int(k.split("-")[0]) >= first and not k.startswith(held)]
+        if held_seen and len(others) == len(ps) - 1 and all(s["state"] == "Finished" for s in others):
+            others_done = True
+            break
+        time.sleep(0.2)
+    return t, result, {"others_done": others_done, "held_seen": held_seen, "held_state": h.get("state"),
+                       "held_computed": h.get("computed", 0), "still_running": t.is_alive()}
+
+
+def stopped_by_step_breakpoint(llm, base, ps):
+    """Arms a breakpoint on build_connector_metadata, generates `ps` on a
+    thread, and says whether a step paused there, whether generation was
+    still blocked 1.5 s later, how many events came meanwhile, and the
+    outputs once the breakpoint was cleared."""
+    import threading
+
+    http("POST", base + "/breakpoints", {"entry": "BuildConnectorMetadata"})
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps)))
+    t.start()
+    paused_at = None
+    t0 = time.time()
+    while time.time() - t0 < 30 and paused_at is None:
+        paused = http("GET", base + "/breakpoints")["paused"]
+        if any(p["call"]["entry"] == "BuildConnectorMetadata" for p in paused):
+            # Events emitted just before the pause reach the server's ring
+            # up to the feeder's poll (5 ms) later: count from after that.
+            time.sleep(0.2)
+            paused_at = http("GET", base + "/snapshot")["stream"]["events"]
+        time.sleep(0.1)
+    time.sleep(1.5)
+    after = http("GET", base + "/snapshot")["stream"]["events"]
+    blocked = t.is_alive()
+    http("POST", base + "/breakpoints/clear", {})
+    t.join(60)
+    outs, _ = result.get("gen", (None, None))
+    return {"paused": paused_at is not None, "events_while_paused": after - (paused_at or 0),
+            "blocked": blocked, "outputs": outs}
+
+
 def breakpoints(args):
     """A breakpoint on one request holds that request only: the others
     finish while it makes no progress; resumed, it finishes with the
     tokens it would have had. Then a request held with nobody resuming it
     goes on by itself at its short deadline."""
-    import threading
-
     port = args["port"]
     base = f"http://127.0.0.1:{port}"
     extra = dict(args.get("extra", {}), serve=f"127.0.0.1:{port}", breakpoint_deadline_s=args["deadline_s"])
@@ -130,33 +186,8 @@ def breakpoints(args):
     held = args["held"]
     # vLLM's request ids are `<n>-<random>`: the breakpoint names a prefix.
     bp = http("POST", base + "/breakpoints", {"request": {"Prefix": held}})
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps)))
-    t0 = time.time()
-    t.start()
-    others_done = False
-    held_seen = False
-    snap = None
-    while time.time() - t0 < 60:
-        snap = http("GET", base + "/snapshot")
-        slots = snap.get("slots", {})
-        paused = http("GET", base + "/breakpoints")["paused"]
-        held_seen = held_seen or any(str(p["call"].get("request", "")).startswith(held) for p in paused)
-        mine = [r for r in slots if r.startswith(held)]
-        others = [s for r, s in slots.items() if not r.startswith(held)]
-        if held_seen and len(others) == len(ps) - 1 and all(s["state"] == "Finished" for s in others):
-            others_done = True
-            break
-        time.sleep(0.2)
-    h = slots.get(mine[0], {}) if mine else {}
-    engine.say(
-        phase="held",
-        others_done=others_done,
-        held_seen=held_seen,
-        held_state=h.get("state"),
-        held_computed=h.get("computed", 0),
-        still_running=t.is_alive(),
-    )
+    t, result, info = hold_while_others_finish(llm, base, ps, held, first=0)
+    engine.say(phase="held", **info)
     http("POST", base + "/resume", {})
     t.join(120)
     outs, cached = result.get("gen", (None, None))
@@ -171,28 +202,7 @@ def breakpoints(args):
     # Part three: a breakpoint on a per-step entry point stops the whole
     # engine until it is cleared.
     http("POST", base + "/breakpoints/clear", {})
-    http("POST", base + "/breakpoints", {"entry": "BuildConnectorMetadata"})
-    result.clear()
-    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps[:4])))
-    t.start()
-    paused_at = None
-    t2 = time.time()
-    while time.time() - t2 < 30 and paused_at is None:
-        paused = http("GET", base + "/breakpoints")["paused"]
-        if any(p["call"]["entry"] == "BuildConnectorMetadata" for p in paused):
-            # Events emitted just before the pause reach the server's ring
-            # up to the feeder's poll (5 ms) later: count from after that.
-            time.sleep(0.2)
-            paused_at = http("GET", base + "/snapshot")["stream"]["events"]
-        time.sleep(0.1)
-    time.sleep(1.5)
-    after = http("GET", base + "/snapshot")["stream"]["events"]
-    blocked = t.is_alive()
-    http("POST", base + "/breakpoints/clear", {})
-    t.join(60)
-    outs3, _ = result.get("gen", (None, None))
-    engine.say(phase="engine", paused=paused_at is not None, events_while_paused=(after - (paused_at or 0)),
-               blocked=blocked, outputs=outs3)
+    engine.say(phase="engine", **stopped_by_step_breakpoint(llm, base, ps[:4]))
 
 
 def logprobs(args):
@@ -217,9 +227,8 @@ def beside(args):
     (`num_cached_tokens`) beside what kvbm's console model credits it
     (its G1 hit, the other connector's tokens). Round two: a breakpoint
     on one request holds it while the others finish; resumed, it
-    finishes."""
-    import threading
-
+    finishes. Then a breakpoint on build_connector_metadata stops the
+    engine until it is cleared."""
     port = args["port"]
     base = f"http://127.0.0.1:{port}"
     extra = dict(args.get("extra", {}), serve=f"127.0.0.1:{port}")
@@ -236,24 +245,8 @@ def beside(args):
     engine.say(phase="hits", requests=seen, outputs=outs)
     held = f"{len(ps) + 2}-"
     http("POST", base + "/breakpoints", {"request": {"Prefix": held}})
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps)))
-    t0 = time.time()
-    t.start()
-    held_seen = others_done = False
-    h = {}
-    while time.time() - t0 < 60:
-        slots = http("GET", base + "/snapshot").get("slots", {})
-        paused = http("GET", base + "/breakpoints")["paused"]
-        held_seen = held_seen or any(str(p["call"].get("request", "")).startswith(held) for p in paused)
-        h = next((v for k, v in slots.items() if k.startswith(held)), {})
-        others = [v for k, v in slots.items() if int(k.split("-")[0]) >= len(ps) and not k.startswith(held)]
-        if held_seen and len(others) == len(ps) - 1 and all(s["state"] == "Finished" for s in others):
-            others_done = True
-            break
-        time.sleep(0.2)
-    engine.say(phase="held", held_seen=held_seen, others_done=others_done,
-               held_computed=h.get("computed", 0), still_running=t.is_alive())
+    t, result, info = hold_while_others_finish(llm, base, ps, held, first=len(ps))
+    engine.say(phase="held", **info)
     http("POST", base + "/resume", {})
     t.join(120)
     outs2, _ = result.get("gen", (None, None))
@@ -261,22 +254,7 @@ def beside(args):
     # A breakpoint on a per-step entry point stops the whole engine until
     # it is cleared.
     http("POST", base + "/breakpoints/clear", {})
-    http("POST", base + "/breakpoints", {"entry": "BuildConnectorMetadata"})
-    result.clear()
-    t = threading.Thread(target=lambda: result.setdefault("gen", engine.generate(llm, ps[:4])))
-    t.start()
-    t2 = time.time()
-    paused = False
-    while time.time() - t2 < 30 and not paused:
-        paused = any(p["call"]["entry"] == "BuildConnectorMetadata"
-                     for p in http("GET", base + "/breakpoints")["paused"])
-        time.sleep(0.1)
-    time.sleep(1.5)
-    blocked = t.is_alive()
-    http("POST", base + "/breakpoints/clear", {})
-    t.join(60)
-    outs3, _ = result.get("gen", (None, None))
-    engine.say(phase="step", paused=paused, blocked=blocked, finished=outs3 is not None)
+    engine.say(phase="step", **stopped_by_step_breakpoint(llm, base, ps[:4]))
     engine.close(llm)
 
 
