@@ -1263,7 +1263,12 @@ impl SchedulerSide {
         // A step that runs nothing may be the last one an idle engine
         // takes: finished requests' stores ship with it rather than wait.
         let drain = out.scheduled.is_empty() && !self.delayed.is_empty();
-        let waited = self.wait_until_shipped(&loads, drain);
+        // Triggers leave the queue as they fire, and this idle step's own
+        // holds no store: when it is the only one left, every store still
+        // counted as awaiting its precondition has had it met and is on
+        // its way to the batcher, so the wait covers it too.
+        let all_fired = self.triggers.iter().rev().skip(1).all(Option::is_none);
+        let waited = self.wait_until_shipped(&loads, drain.then_some(all_fired));
         self.phases.lap(Phase::WaitShipped, &mut t);
         if !waited.is_zero() {
             self.counters.ship_waits += 1;
@@ -1396,7 +1401,9 @@ impl SchedulerSide {
     /// Waits until the loads planned so far are in the worker-bound
     /// queues, at most `ship_timeout`: a load must run before this step's
     /// forward pass reads its blocks. Stores hold the step back only when
-    /// `stores` (an idle step with finished requests waiting): otherwise
+    /// `stores` is given (an idle step with finished requests waiting),
+    /// those still awaiting their precondition only when it is true (every
+    /// trigger has fired): otherwise
     /// one that is not queued yet ships with a later step (its blocks stay
     /// vLLM's until then, see the module docs), and the pipelines' work
     /// for it runs while the engine waits for its worker instead of on
@@ -1404,7 +1411,7 @@ impl SchedulerSide {
     fn wait_until_shipped(
         &self,
         loads: &[(RequestId, Vec<TransferHandle>)],
-        stores: bool,
+        stores: Option<bool>,
     ) -> Duration {
         let start = Instant::now();
         let deadline = start + self.cfg.ship_timeout;
@@ -1414,14 +1421,15 @@ impl SchedulerSide {
                 .load_pipelines
                 .iter()
                 .all(|(p, r)| nothing_unshipped(p, r.as_deref(), false))
-                // Not stores waiting for their forward pass: only an output
-                // vLLM reports on this thread releases them, never while it
-                // waits here (with async scheduling, the step in flight's).
-                && (!stores
-                    || self
-                        .store_pipelines
+                // Not stores waiting for a forward pass not yet reported:
+                // only an output vLLM reports on this thread releases them,
+                // never while it waits here (with async scheduling, the
+                // step in flight's).
+                && stores.is_none_or(|fired| {
+                    self.store_pipelines
                         .iter()
-                        .all(|(p, r)| nothing_unshipped(p, r.as_deref(), false)))
+                        .all(|(p, r)| nothing_unshipped(p, r.as_deref(), fired))
+                })
                 && loads.iter().flat_map(|(_, h)| h).all(|h| {
                     h.status().is_final()
                         || h.status() == kvbm_core::offload::TransferStatus::Transferring
