@@ -12,8 +12,8 @@ use crate::model::{ModelPreset, WorkerModel};
 use crate::scenario;
 use crate::sim::{OffloadMode, Pacing, SimConfig};
 use crate::workload::{
-    LengthDist, MooncakeOptions, RequestSpec, SkippedLine, SyntheticConfig, WorkloadError,
-    generate, parse_mooncake_lenient,
+    LengthDist, MOONCAKE_BLOCK_TOKENS, MooncakeOptions, RequestSpec, SkippedLine, SyntheticConfig,
+    WorkloadError, generate, parse_mooncake_lenient,
 };
 use kvbm_events::breakpoint::{MAX_DEADLINE, MIN_DEADLINE};
 use std::io::BufReader;
@@ -45,6 +45,12 @@ pub struct SimArgs {
     /// hash_ids of 512-token blocks). Without it, a synthetic workload.
     #[arg(long, conflicts_with = "scenario", help_heading = "Workload")]
     pub trace: Option<PathBuf>,
+    /// Tokens each of the trace's hash ids stands for: 512 in the
+    /// published traces; a trace that `kvbm-recorder export --format
+    /// mooncake` wrote says its own in `TRACE.meta.json`.
+    #[arg(long, default_value_t = MOONCAKE_BLOCK_TOKENS as u32,
+          value_parser = clap::value_parser!(u32).range(1..=1_048_576), help_heading = "Workload")]
+    pub trace_block_tokens: u32,
     /// A built-in scenario instead of a workload (it sets its own block
     /// size and capacities).
     #[arg(long, value_enum, help_heading = "Workload")]
@@ -445,6 +451,7 @@ impl SimArgs {
             source,
         })?;
         let opts = MooncakeOptions {
+            block_tokens: self.trace_block_tokens as usize,
             max_requests: self.max_requests,
             time_scale: self.time_scale,
             max_total_tokens: Some(self.max_trace_tokens),

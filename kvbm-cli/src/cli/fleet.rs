@@ -1293,7 +1293,7 @@ pub fn stats(dir: &Path, json: bool) -> Result<i32> {
 /// of [`fleet_events`], a track per engine's request.
 pub fn export(dir: &Path, format: Format, out: Option<&Path>) -> Result<i32> {
     let problems = match format {
-        Format::Chrome => {
+        Format::Chrome | Format::Mooncake => {
             let all = fleet_events(dir)?;
             super::read::write_export(&all.events, format, out)?;
             all.problems

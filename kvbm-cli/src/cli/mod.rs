@@ -39,6 +39,9 @@ enum Fsync {
 enum Format {
     Jsonl,
     Chrome,
+    /// The requests as a Mooncake trace (`kvbm-sim --trace`), with
+    /// `OUT.meta.json` beside it.
+    Mooncake,
 }
 
 /// Where `record` gets its events when not from an in-process simulator.
@@ -225,7 +228,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Export a log as JSON lines or a Chrome trace (Perfetto); exit 2
+    /// Export a log as JSON lines, a Chrome trace (Perfetto) or its
+    /// requests as a Mooncake trace (for `kvbm-sim --trace`); exit 2
     /// (after exporting what was read) when the log is damaged or holds
     /// fewer events than were written.
     Export {

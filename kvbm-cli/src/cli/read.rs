@@ -433,8 +433,40 @@ pub fn write_export(events: &[Event], format: Format, out: Option<&Path>) -> Res
             &mut w,
             analysis::ChromeOptions::default(),
         )?,
+        Format::Mooncake => {
+            write_mooncake(events, &mut w, out)?;
+            0
+        }
     };
     w.flush()?;
+    Ok(())
+}
+
+/// The requests of `events` as a Mooncake trace into `w`; what the trace
+/// leaves out (block size, tiers, the simulator's flags) beside `out` as
+/// `OUT.meta.json`, or on stderr when the trace goes to stdout.
+fn write_mooncake(events: &[Event], w: &mut impl Write, out: Option<&Path>) -> Result<()> {
+    let (requests, meta) = analysis::mooncake::trace_of(events);
+    analysis::mooncake::write_trace(&requests, &mut *w)?;
+    let text = serde_json::to_string_pretty(&meta)?;
+    match out {
+        Some(p) => {
+            let mut side = p.as_os_str().to_owned();
+            side.push(".meta.json");
+            std::fs::write(&side, text + "\n")
+                .with_context(|| format!("writing {}", Path::new(&side).display()))?;
+        }
+        None => eprintln!("{text}"),
+    }
+    if meta.skipped_no_lookup > 0 {
+        eprintln!(
+            "warning: {} requests left out of the trace: no prefix lookup recorded for them",
+            meta.skipped_no_lookup
+        );
+    }
+    if requests.is_empty() {
+        bail!("no request in the recording has a prefix lookup: nothing to write as a trace");
+    }
     Ok(())
 }
 

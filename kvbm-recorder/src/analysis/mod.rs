@@ -21,6 +21,7 @@
 //! | [`stats`](mod@stats) | histograms of state times, TTFT, transfer latency, batch sizes | [`stats::stats`] |
 //! | [`check`](mod@check) | the invariants CI asserts on a replay | [`check::check`] |
 //! | [`export`] | JSON lines, Chrome trace JSON (Perfetto) | [`export::write_jsonl`], [`export::write_chrome_trace`] |
+//! | [`mooncake`] | the requests as a Mooncake trace, for the simulator | [`mooncake::trace_of`] |
 //! | [`diff`](mod@diff) | the first divergence between two streams | [`diff::diff`] |
 //! | [`capacity`] | hit ratio at every cache size, miss reasons | [`capacity::CapacityAnalyzer::from_events`] |
 //!
@@ -32,6 +33,7 @@ pub mod capacity;
 pub mod check;
 pub mod diff;
 pub mod export;
+pub mod mooncake;
 pub mod replay;
 pub mod stats;
 pub mod timeline;
