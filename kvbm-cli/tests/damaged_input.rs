@@ -148,6 +148,20 @@ fn a_segment_removed_from_the_middle_is_said_by_every_reader() {
     log_of(&other, 20_000);
     let o = bin().arg("diff").arg(&other).arg(&dir).output().unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    // `compare` too, its gates passing or not: damage decides.
+    let o = bin()
+        .arg("compare")
+        .arg(&other)
+        .arg(&dir)
+        .args(["--expect", "requests >= 0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("check (new):  damaged log"),
+        "{}",
+        text(&o)
+    );
 }
 
 /// `export --out` (and `capacity --svg`) into the recording being read is

@@ -4,6 +4,7 @@
 //! every cache size would have given.
 
 mod capacity;
+mod compare;
 mod fleet;
 mod read;
 mod record;
@@ -253,6 +254,29 @@ enum Command {
         /// Second log.
         b: PathBuf,
     },
+    /// Two recordings side by side: requests, prompt tokens, hit ratio per
+    /// tier, TTFT, bytes and latency per direction, evictions per tier,
+    /// preemptions and `check`'s verdict, with NEW's deltas. `--expect`
+    /// gates NEW: exit 1 naming each failed gate with its values; exit 2
+    /// when either log is damaged.
+    Compare {
+        /// The base recording.
+        base: PathBuf,
+        /// The recording judged against it.
+        new: PathBuf,
+        /// A gate, `METRIC OP VALUE`, OP one of >= <= > < ==, VALUE a
+        /// number or base, F*base, base+N, F*base-N (BASE's value of the
+        /// metric); e.g. 'hit_ratio >= 0.55', 'ttft_p99_ms <= 1.10*base',
+        /// 'evictions.G2 <= base'. Repeat for more.
+        #[arg(long = "expect", value_name = "GATE")]
+        expect: Vec<String>,
+        /// Also write the gates as JUnit XML here, one test case a gate.
+        #[arg(long, value_name = "FILE")]
+        junit: Option<PathBuf>,
+        /// One JSON object: both summaries, the deltas and the gates.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a completion script for SHELL (e.g. `kvbm-recorder
     /// completions bash > ~/.local/share/bash-completion/completions/kvbm-recorder`).
     Completions {
@@ -387,6 +411,17 @@ pub fn run(cli: Cli) -> Result<i32> {
         } => {
             one_log(&log, "replay")?;
             read::replay(&log, speed, until_seq, verbose)
+        }
+        Command::Compare {
+            base,
+            new,
+            expect,
+            junit,
+            json,
+        } => {
+            one_log(&base, "compare")?;
+            one_log(&new, "compare")?;
+            compare::compare(&base, &new, &expect, junit.as_deref(), json)
         }
         Command::Diff { a, b } => {
             one_log(&a, "diff")?;

@@ -284,19 +284,43 @@ pub fn check(log: &Path) -> Result<i32> {
 /// [`check`] of one log, each line it prints led by `prefix` (a fleet
 /// recording's engine name).
 pub fn check_one(log: &Path, prefix: &str) -> Result<i32> {
+    let judged = judge(log)?;
+    for line in &judged.lines {
+        println!("{prefix}{line}");
+    }
+    Ok(judged.code)
+}
+
+/// What `check` says of a log: its exit status and lines, and the
+/// events read.
+pub struct Judged {
+    /// `check`'s exit status.
+    pub code: i32,
+    /// What it prints.
+    pub lines: Vec<String>,
+    /// The events read (up to any damage).
+    pub events: Vec<Event>,
+}
+
+/// [`check`] of one log, without printing.
+pub fn judge(log: &Path) -> Result<Judged> {
     let Loaded {
         info,
         events,
         damage,
     } = load(log)?;
     let (_, a) = assess(log, &info, &events);
-    if let Some(d) = damage {
-        println!("{prefix}damaged log: {d}");
-        return Ok(2);
-    }
-    if let Verdict::Damaged(why) = &a.verdict {
-        println!("{prefix}damaged log: {why}");
-        return Ok(2);
+    let mut lines = Vec::new();
+    if let Some(d) = damage.or(match &a.verdict {
+        Verdict::Damaged(why) => Some(why.clone()),
+        _ => None,
+    }) {
+        lines.push(format!("damaged log: {d}"));
+        return Ok(Judged {
+            code: 2,
+            lines,
+            events,
+        });
     }
     // A recording that stopped while its engine ran on, or whose engine
     // restarted, or that ended early: what was in flight at its end is
@@ -328,37 +352,41 @@ pub fn check_one(log: &Path, prefix: &str) -> Result<i32> {
     }
     let code = match report.first_violation() {
         Some(v) => {
-            println!(
-                "{prefix}violation ({} in all): {v}",
+            lines.push(format!(
+                "violation ({} in all): {v}",
                 report.violation_count()
-            );
+            ));
             1
         }
         None => match &a.verdict {
             Verdict::Whole => {
-                println!("{prefix}ok: {what}, invariants hold");
+                lines.push(format!("ok: {what}, invariants hold"));
                 0
             }
             Verdict::EndedEarly(why) => {
-                println!("{prefix}ended early: {why}");
-                println!("{prefix}  invariants hold over the {what}");
+                lines.push(format!("ended early: {why}"));
+                lines.push(format!("  invariants hold over the {what}"));
                 EXIT_INCOMPLETE
             }
             Verdict::Unknown(why) => {
-                println!("{prefix}unknown: {why}");
-                println!("{prefix}  invariants hold over the {what}");
+                lines.push(format!("unknown: {why}"));
+                lines.push(format!("  invariants hold over the {what}"));
                 EXIT_INCOMPLETE
             }
             Verdict::Damaged(_) => 2,
         },
     };
     if code == 1 && !matches!(a.verdict, Verdict::Whole) {
-        println!("{prefix}  note: {}", a.verdict);
+        lines.push(format!("  note: {}", a.verdict));
     }
     for n in &a.notes {
-        println!("{prefix}  note: {n}");
+        lines.push(format!("  note: {n}"));
     }
-    Ok(code)
+    Ok(Judged {
+        code,
+        lines,
+        events,
+    })
 }
 
 /// `stats`: time in each state, TTFT, transfer latency, batch sizes.

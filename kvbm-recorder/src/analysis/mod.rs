@@ -22,6 +22,7 @@
 //! | [`check`](mod@check) | the invariants CI asserts on a replay | [`check::check`] |
 //! | [`export`] | JSON lines, Chrome trace JSON (Perfetto) | [`export::write_jsonl`], [`export::write_chrome_trace`] |
 //! | [`mooncake`] | the requests as a Mooncake trace, for the simulator | [`mooncake::trace_of`] |
+//! | [`compare`] | two recordings' figures side by side, and CI gates on them | [`compare::Summary::from_events`], [`compare::evaluate`] |
 //! | [`diff`](mod@diff) | the first divergence between two streams | [`diff::diff`] |
 //! | [`capacity`] | hit ratio at every cache size, miss reasons | [`capacity::CapacityAnalyzer::from_events`] |
 //!
@@ -31,6 +32,7 @@
 
 pub mod capacity;
 pub mod check;
+pub mod compare;
 pub mod diff;
 pub mod export;
 pub mod mooncake;
