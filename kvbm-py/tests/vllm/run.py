@@ -30,7 +30,12 @@ Checks:
    with the KV oracle's model, the observer's tokens and logprobs are bit
    for bit vLLM's without a connector, synchronous with preemption and
    async with tensor parallel 2;
-5. bad configuration: vLLM refuses to start, naming the key.
+5. replay in CI: a recording of vLLM with a host tier, exported as a
+   Mooncake trace and re-driven in the simulator with the same tiers, has
+   the same requests and prompt tokens and each tier's hit ratio within 2
+   points of vLLM's; re-driven with the host tier halved, a `compare` gate
+   fails with exit 1 and the JUnit file names it;
+6. bad configuration: vLLM refuses to start, naming the key.
 """
 
 import argparse
@@ -212,7 +217,7 @@ def check_recording_content(name, recorder, rec, kinds, blocks):
 
 
 def test_oracle(tmp, recorder, names):
-    print("== 6. the KV oracle: logprobs bit for bit against vLLM's own prefix cache, "
+    print("== 1. the KV oracle: logprobs bit for bit against vLLM's own prefix cache, "
           "with a model whose outputs depend on the KV (random weights, spread 0.25)", flush=True)
     model = engine.make_oracle_model(os.path.join(tmp, "oracle-model"))
     for name in names:
@@ -414,8 +419,72 @@ def test_observer_logprobs(tmp, recorder):
               f"and kvbm-recorder check exits 0 ({c.stdout.strip()[-120:]}{c.stderr.strip()[-120:]})")
 
 
+def test_replay(tmp, recorder):
+    print("== 5. replay in CI: a vLLM recording exported as a trace, re-driven in the simulator, compared",
+          flush=True)
+    rec = os.path.join(tmp, "rec-replay")
+    shm = os.path.join(tmp, "shm-replay")
+    os.makedirs(shm)
+    # One request at a time, a device of 17 blocks, other prompts between
+    # the rounds (no reset): round 2 finds its prefixes partly in G1 and
+    # partly only in kvbm's host tier, which holds both rounds' blocks.
+    res, _, _ = scenario("roundtrip", {"reset": False, "between": True, "max_num_seqs": 1, "kv_bytes": 17 * 32768,
+                                       "extra": {"host_capacity_tokens": 1024, "shm_dir": shm, "record": rec}})
+    by = {k: v for r in res for k, v in r.items()}
+    check(by.get("outputs1") and by.get("outputs1") == by.get("outputs2"), "replay: both rounds give the same tokens")
+    trace = os.path.join(tmp, "replay.jsonl")
+    e = subprocess.run([recorder, "export", rec, "--format", "mooncake", "--out", trace],
+                       capture_output=True, text=True)
+    check(e.returncode == 0, f"replay: export --format mooncake exits 0 ({e.stderr.strip()[-200:]})")
+    if e.returncode != 0:
+        return
+    with open(trace + ".meta.json") as f:
+        meta = json.load(f)
+    check(meta["requests"] == 36 and meta["block_size"] == 32 and meta["tiers_tokens"].get("G2") == 1024,
+          f"replay: the trace has the run's 36 requests, its block size and its host tier ({meta})")
+    args = meta["simulator_args"]
+
+    def redrive(out, host):
+        a = list(args)
+        a[a.index("--host-capacity-tokens") + 1] = str(host)
+        r = subprocess.run([recorder, "record", "--out", out, "--trace", trace] + a, capture_output=True, text=True)
+        check(r.returncode == 0, f"replay: the simulator re-drives the trace (host {host}): {r.stderr.strip()[-200:]}")
+
+    sim, half = os.path.join(tmp, "sim-same"), os.path.join(tmp, "sim-half")
+    redrive(sim, 1024)
+    redrive(half, 512)
+    # The same tiers: the same workload, and the hit ratio per tier within
+    # 2 points of vLLM's. Requests run one at a time in both engines, so
+    # which blocks a lookup finds depends on the order of requests and the
+    # tiers' sizes, not on timing; the 2 points allow for a store still in
+    # flight at a lookup in one engine and landed in the other.
+    tol = 0.02
+    gates = ["requests == base", "prompt_tokens == base"]
+    for m in ("hit_ratio", "hit_ratio.G1", "hit_ratio.G2"):
+        gates += [f"{m} >= base-{tol}", f"{m} <= base+{tol}"]
+    c = subprocess.run([recorder, "compare", rec, sim, "--json"] + [x for g in gates for x in ("--expect", g)],
+                       capture_output=True, text=True)
+    v = json.loads(c.stdout) if c.stdout.strip().startswith("{") else {}
+    hits = {k: (v.get("base", {}).get("metrics", {}).get(k), v.get("new", {}).get("metrics", {}).get(k))
+            for k in ("hit_ratio", "hit_ratio.G1", "hit_ratio.G2")}
+    check(c.returncode == 0, f"replay: the simulator's hit ratios lie within {tol} of vLLM's, per tier "
+          f"(vLLM, simulator: {hits}; {c.stderr.strip()[-300:]})")
+    check((hits["hit_ratio.G2"][0] or 0) > 0.05, f"replay: the host tier served part of round 2 ({hits})")
+    # G2 halved: the gate a CI job would hold fails, exit 1, and the JUnit
+    # file names it.
+    junit = os.path.join(tmp, "gates.xml")
+    c = subprocess.run([recorder, "compare", sim, half, "--expect", "hit_ratio >= 0.98*base",
+                        "--expect", "requests == base", "--junit", junit], capture_output=True, text=True)
+    xml = open(junit).read() if os.path.exists(junit) else ""
+    check(c.returncode == 1 and "gate failed: FAILED: hit_ratio = " in c.stderr,
+          f"replay: with the host tier halved, 'hit_ratio >= 0.98*base' fails, exit 1 ({c.returncode}: "
+          f"{c.stderr.strip()[-200:]})")
+    check('failures="1"' in xml and 'name="hit_ratio &gt;= 0.98*base">' in xml and "<failure message=" in xml,
+          "replay: the JUnit file names the failed gate" + ("" if "<failure" in xml else f" ({xml[-400:]})"))
+
+
 def test_bad_config(tmp):
-    print("== 5. bad configuration", flush=True)
+    print("== 6. bad configuration", flush=True)
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -461,7 +530,8 @@ def main():
     ap.add_argument("--oracle", nargs="*", default=list(ORACLE),
                     help=f"the oracle's configurations to run (default: all of {', '.join(ORACLE)})")
     a = ap.parse_args()
-    only = set(a.only or ["oracle", "breakpoints", "observer", "beside", "observer-logprobs", "badconfig"])
+    only = set(a.only or ["oracle", "breakpoints", "observer", "beside", "observer-logprobs", "replay",
+                          "badconfig"])
     tmp = tempfile.mkdtemp(prefix="kvbm-vllm-")
     try:
         if "oracle" in only:
@@ -479,6 +549,8 @@ def main():
             test_beside(tmp, a.recorder)
         if "observer-logprobs" in only:
             test_observer_logprobs(tmp, a.recorder)
+        if "replay" in only:
+            test_replay(tmp, a.recorder)
         if "badconfig" in only:
             test_bad_config(tmp)
     finally:

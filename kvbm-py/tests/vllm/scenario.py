@@ -32,12 +32,18 @@ def roundtrip(args):
     """Round 1 computes and stores; the device cache is reset; round 2
     must hit kvbm's tiers and produce the same tokens."""
     t0 = time.time()
+    more = {k: args[k] for k in ("kv_bytes", "max_num_seqs") if k in args}
     llm = engine.engine(extra=args.get("extra", {}),
-                        connector_class=tuple(args.get("connector", ("KvbmConnector", "kvbm.vllm"))))
+                        connector_class=tuple(args.get("connector", ("KvbmConnector", "kvbm.vllm"))), **more)
     up = engine.elapsed(t0)
     ps = engine.prompts()
     outs1, cached1 = engine.generate(llm, ps)
-    llm.reset_prefix_cache()
+    if args.get("reset", True):
+        llm.reset_prefix_cache()
+    if args.get("between"):
+        # Other prompts between the rounds: they take the device's blocks
+        # as a busy engine's traffic would, with no reset.
+        engine.generate(llm, engine.prompts(salt=1))
     outs2, cached2 = engine.generate(llm, ps)
     engine.say(up_s=up, outputs1=outs1, cached1=cached1, outputs2=outs2, cached2=cached2)
     engine.say(engine_core_exit=engine.close(llm))
