@@ -191,6 +191,25 @@ pub enum SimArgsError {
         /// The cap.
         max: u64,
     },
+    /// A request needs more device blocks than the device has: it could
+    /// never finish (preempted and recomputed for ever).
+    #[error(
+        "request {request} needs {needs} device blocks ({prompt} prompt and {output} output \
+         tokens) but the device holds {blocks} (--device-capacity-tokens / --block-size): it \
+         could never finish; give the device more tokens"
+    )]
+    NeverFits {
+        /// The request's id (`mc-LINE` for a trace's line).
+        request: String,
+        /// Blocks it needs at its longest.
+        needs: usize,
+        /// Its prompt tokens.
+        prompt: usize,
+        /// Its output tokens.
+        output: usize,
+        /// The device's blocks.
+        blocks: usize,
+    },
     /// Every line of the trace was skipped: nothing to run.
     #[error(
         "no usable request in trace {path}: all {skipped} of its lines were skipped (line {first_line}: {first})"
@@ -343,6 +362,21 @@ impl SimArgs {
             (None, Some(path)) => self.read_trace(path)?,
             (None, None) => (self.synthetic_workload()?, Vec::new()),
         };
+        // The engine preempts to make room, but a request longer than the
+        // whole device would preempt itself and start again for ever.
+        let blocks = config.device_capacity_tokens / config.block_size;
+        if let Some(r) = workload
+            .iter()
+            .find(|r| (r.prompt.len() + r.output_len).div_ceil(config.block_size) > blocks)
+        {
+            return Err(SimArgsError::NeverFits {
+                request: r.id.clone(),
+                needs: (r.prompt.len() + r.output_len).div_ceil(config.block_size),
+                prompt: r.prompt.len(),
+                output: r.output_len,
+                blocks,
+            });
+        }
         Ok(Loaded {
             config,
             workload,
@@ -563,6 +597,59 @@ mod tests {
     }
 
     #[test]
+    fn a_request_longer_than_the_device_is_refused_naming_it() {
+        // 64 tokens of prompt and 8 of output need 5 blocks of 16; the
+        // device holds 4. Before this was checked the run never ended.
+        let e = parse(&[
+            "--requests",
+            "3",
+            "--prompt-len",
+            "64",
+            "--length-sigma",
+            "0",
+            "--shared-prefix-ratio",
+            "0",
+            "--output-len",
+            "8",
+            "--device-capacity-tokens",
+            "64",
+        ])
+        .load()
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SimArgsError::NeverFits {
+                    needs: 5,
+                    blocks: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("could never finish"), "{e}");
+        // Within the device: it fits.
+        assert!(
+            parse(&[
+                "--requests",
+                "3",
+                "--prompt-len",
+                "48",
+                "--length-sigma",
+                "0",
+                "--shared-prefix-ratio",
+                "0",
+                "--output-len",
+                "8",
+                "--device-capacity-tokens",
+                "64",
+            ])
+            .load()
+            .is_ok()
+        );
+    }
+
+    #[test]
     fn the_scenario_sets_its_own_engine() {
         let l = parse(&["--scenario", "walkthrough"]).load().unwrap();
         assert_eq!(l.workload.len(), 2);
@@ -721,9 +808,17 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("line 3"), "{err}");
-        let l = parse(&["--trace", t.to_str().unwrap(), "--max-requests", "2"])
-            .load()
-            .unwrap();
+        // (A device that holds a request's million output tokens.)
+        let l = parse(&[
+            "--trace",
+            t.to_str().unwrap(),
+            "--max-requests",
+            "2",
+            "--device-capacity-tokens",
+            "2097152",
+        ])
+        .load()
+        .unwrap();
         assert_eq!(l.workload.len(), 2);
     }
 
