@@ -1647,6 +1647,14 @@ impl SchedulerSide {
         for (_, e) in &self.engines {
             e.fail_all("vLLM shut down");
         }
+        // vLLM lets go of every block at teardown, those it kept for
+        // finished requests' stores too. An engine may take no step after
+        // its last request (vLLM in process steps only inside `generate`),
+        // so they are said released here, before the recording closes.
+        let delayed: Vec<String> = self.delayed.drain().collect();
+        for n in delayed {
+            self.forget(&n);
+        }
         let obs = self.observers.take();
         let r = match obs {
             // The observers are taken once: nothing was published before.
