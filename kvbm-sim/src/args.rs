@@ -598,24 +598,28 @@ mod tests {
 
     #[test]
     fn a_request_longer_than_the_device_is_refused_naming_it() {
-        // 64 tokens of prompt and 8 of output need 5 blocks of 16; the
-        // device holds 4. Before this was checked the run never ended.
-        let e = parse(&[
-            "--requests",
-            "3",
-            "--prompt-len",
-            "64",
-            "--length-sigma",
-            "0",
-            "--shared-prefix-ratio",
-            "0",
-            "--output-len",
-            "8",
-            "--device-capacity-tokens",
-            "64",
-        ])
-        .load()
-        .unwrap_err();
+        // Three requests of exactly `prompt` prompt and 8 output tokens on a
+        // 64-token device (4 blocks of 16).
+        let load = |prompt: &str| {
+            parse(&[
+                "--requests",
+                "3",
+                "--prompt-len",
+                prompt,
+                "--length-sigma",
+                "0",
+                "--shared-prefix-ratio",
+                "0",
+                "--output-len",
+                "8",
+                "--device-capacity-tokens",
+                "64",
+            ])
+            .load()
+        };
+        // 64 + 8 tokens need 5 blocks. Before this was checked the run
+        // never ended.
+        let e = load("64").unwrap_err();
         assert!(
             matches!(
                 e,
@@ -629,24 +633,7 @@ mod tests {
         );
         assert!(e.to_string().contains("could never finish"), "{e}");
         // Within the device: it fits.
-        assert!(
-            parse(&[
-                "--requests",
-                "3",
-                "--prompt-len",
-                "48",
-                "--length-sigma",
-                "0",
-                "--shared-prefix-ratio",
-                "0",
-                "--output-len",
-                "8",
-                "--device-capacity-tokens",
-                "64",
-            ])
-            .load()
-            .is_ok()
-        );
+        assert!(load("48").is_ok());
     }
 
     #[test]

@@ -364,14 +364,13 @@ pub fn evaluate(
         .iter()
         .map(|g| {
             if !base.contains_key(&g.metric) && !new.contains_key(&g.metric) {
-                let known: Vec<&str> = base.keys().chain(new.keys()).map(String::as_str).collect();
-                let mut known = known;
-                known.sort_unstable();
-                known.dedup();
+                // Both maps are sorted: their union, once each, in order.
+                let known: std::collections::BTreeSet<&str> =
+                    base.keys().chain(new.keys()).map(String::as_str).collect();
                 return Err(GateError::UnknownMetric {
                     gate: g.text.clone(),
                     metric: g.metric.clone(),
-                    known: known.join(", "),
+                    known: known.into_iter().collect::<Vec<_>>().join(", "),
                 });
             }
             let value = new.get(&g.metric).copied().unwrap_or(0.0);

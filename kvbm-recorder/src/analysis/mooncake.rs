@@ -1,5 +1,5 @@
-//! A recording's requests as a Mooncake trace: what `kvbm-simulator
-//! --trace` re-drives, so a run captured in a real engine can be replayed
+//! A recording's requests as a Mooncake trace: what `kvbm-sim --trace`
+//! re-drives, so a run captured in a real engine can be replayed
 //! under another configuration.
 //!
 //! One JSON line a request, in arrival order: `timestamp` (ms since the
