@@ -349,6 +349,7 @@ def generate(llm, ps, max_tokens=8):
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(ps, sp, use_tqdm=False)
+    settle(llm)
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
 
 
@@ -359,12 +360,32 @@ def generate_logprobs(llm, ps, max_tokens=8):
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     outs = llm.generate(ps, sp, use_tqdm=False)
+    settle(llm)
     res = []
     for o in outs:
         c = o.outputs[0]
         lps = [float(step[t].logprob).hex() for t, step in zip(c.token_ids, c.logprobs)]
         res.append({"tokens": list(c.token_ids), "logprobs": lps, "cached": o.num_cached_tokens})
     return res
+
+
+def settle(llm, timeout_s=30):
+    """Steps an engine core that runs in this process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) until its scheduler has nothing
+    left, as vLLM's own engine-core process does in its busy loop.
+
+    `LLM.generate` steps only while a request is unfinished. A request
+    whose stores were still in flight at its last step has its blocks
+    freed later (the connector's delayed free), at a step that, in
+    process, never comes: the blocks stay held until the next `generate`,
+    and `reset_prefix_cache` refuses while they are. An engine core in
+    its own process is a no-op here."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None:
+        return
+    end = time.time() + timeout_s
+    while core.scheduler.has_requests() and time.time() < end:
+        llm.llm_engine.step()
 
 
 def say(**kv):
