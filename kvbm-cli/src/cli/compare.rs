@@ -4,7 +4,7 @@
 use super::read::{Judged, judge};
 use anyhow::{Context, Result};
 use kvbm_recorder::analysis::compare::{
-    Gate, GateResult, Summary, evaluate, fmt_value, write_junit,
+    Gate, GateResult, Summary, evaluate, fmt_delta, fmt_value, write_junit,
 };
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -33,20 +33,6 @@ fn side(log: &Path) -> Result<Side> {
     })
 }
 
-fn delta(base: f64, new: f64) -> String {
-    let d = new - base;
-    let pct = if base != 0.0 {
-        format!(" ({:+.1}%)", 100.0 * d / base.abs())
-    } else {
-        String::new()
-    };
-    if d == 0.0 {
-        "=".into()
-    } else {
-        format!("{}{}{pct}", if d > 0.0 { "+" } else { "" }, fmt_value(d))
-    }
-}
-
 fn print_table(b: &Side, n: &Side, results: &[GateResult]) {
     let names: std::collections::BTreeSet<&String> =
         b.metrics.keys().chain(n.metrics.keys()).collect();
@@ -60,7 +46,7 @@ fn print_table(b: &Side, n: &Side, results: &[GateResult]) {
             "{name:<28}{:>16}{:>16}  {}",
             fmt_value(x),
             fmt_value(y),
-            delta(x, y)
+            fmt_delta(x, y)
         );
     }
     println!("check (base): {}", b.verdict);

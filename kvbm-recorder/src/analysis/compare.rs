@@ -352,6 +352,22 @@ pub fn fmt_value(v: f64) -> String {
     }
 }
 
+/// NEW against BASE as the compare table shows it: `=` when equal, else
+/// the signed difference and, from a non-zero base, the change in percent
+/// (`+0.0120 (+1.7%)`).
+pub fn fmt_delta(base: f64, new: f64) -> String {
+    let d = new - base;
+    if d == 0.0 {
+        return "=".into();
+    }
+    let pct = if base != 0.0 {
+        format!(" ({:+.1}%)", 100.0 * d / base.abs())
+    } else {
+        String::new()
+    };
+    format!("{}{}{pct}", if d > 0.0 { "+" } else { "" }, fmt_value(d))
+}
+
 /// Judges every gate: the new recording's metrics against the base's.
 /// A metric one recording lacks (a direction it never moved) counts as 0
 /// there; a metric neither has is an error naming the ones they have.
@@ -452,6 +468,14 @@ mod tests {
 
     fn metrics(pairs: &[(&str, f64)]) -> BTreeMap<String, f64> {
         pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+    }
+
+    #[test]
+    fn deltas_are_signed_with_a_percent_from_a_non_zero_base() {
+        assert_eq!(fmt_delta(0.5, 0.5), "=");
+        assert_eq!(fmt_delta(100.0, 110.0), "+10 (+10.0%)");
+        assert_eq!(fmt_delta(0.7, 0.35), "-0.3500 (-50.0%)");
+        assert_eq!(fmt_delta(0.0, 3.0), "+3");
     }
 
     #[test]
