@@ -638,8 +638,15 @@ impl App {
 
     /// Draws the screen as the last update left it.
     pub fn render(&self, f: &mut Frame) {
+        self.render_in(f, f.area());
+    }
+
+    /// Draws into `area` of the frame (a pane of `compare`); the app's
+    /// size ([`App::resize`]) is the area's, its mouse rows and columns
+    /// relative to the area's corner.
+    pub fn render_in(&self, f: &mut Frame, area: Rect) {
         let engine = self.source.engine_summary();
-        let a = ui::areas_with_header(f.area(), chrome::header_lines(engine.is_some()));
+        let a = ui::areas_with_header(area, chrome::header_lines(engine.is_some()));
         let header = Header {
             badge: self.source.badge(Instant::now()),
             lagged: self.source.lagged(),

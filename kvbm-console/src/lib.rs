@@ -23,13 +23,18 @@
 //!   [`embedded`]: the simulated engine behind `demo`.
 //! - [`bpspec`]: breakpoint specs as typed at the prompt; [`fmt`]: number
 //!   and duration formatting.
+//! - [`open`]: a recorded log read into a replay app (`replay`);
+//!   [`compare`]: two of them side by side under the deltas of
+//!   `kvbm-recorder compare` (`compare A B`).
 //! - [`fleet`]: many engines through NATS (or a fleet recording): the
 //!   Fleet, Prefixes and Where views, and drilling into one engine.
 //!
 //! Module dependencies point one way (`a → b`: `a` uses `b`):
 //!
 //! ```text
-//! main (the binary) → run, app, remote, embedded, source, model
+//! main (the binary) → run, app, remote, embedded, source, model, open, compare
+//! compare  → run, app
+//! open     → app, source, model
 //! run      → app
 //! app      → ui, keys, source, model, bpspec
 //! ui       → keys, source (Badge), model, lints, bpspec, fmt
@@ -46,12 +51,14 @@
 
 pub mod app;
 pub mod bpspec;
+pub mod compare;
 pub mod embedded;
 pub mod fleet;
 pub mod fmt;
 pub mod keys;
 pub mod lints;
 pub mod model;
+pub mod open;
 pub mod remote;
 pub mod run;
 pub mod source;

@@ -4,21 +4,23 @@
 //!   time with recording on.
 //! - `attach URL`: the console on a remote engine's attach server.
 //! - `replay DIR`: the console on a recorded log.
+//! - `compare A B`: two recorded logs side by side.
 //! - `walkthrough`: the CPU-offload walk-through through the real
 //!   pipelines, as text.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use kvbm_attach::client::{ClientConfig, ConnState};
 use kvbm_console::app::{App, Source};
+use kvbm_console::compare::Compare;
 use kvbm_console::embedded::{DemoArgs, Embedded};
 use kvbm_console::model::{Model, ModelConfig};
+use kvbm_console::open::open_replay;
 use kvbm_console::remote::{Remote, ZmqRemote};
 use kvbm_console::run::{Term, run};
-use kvbm_console::source::{LiveSource, ReplaySource};
+use kvbm_console::source::LiveSource;
 use kvbm_console::walkthrough;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -97,6 +99,19 @@ enum Command {
         /// The log directory.
         log: PathBuf,
         /// Start playing at once, at this speed (0.25 to 64).
+        #[arg(long)]
+        play: Option<f64>,
+        #[command(flatten)]
+        view: ViewArgs,
+    },
+    /// Two recorded logs side by side, in the same views, under the deltas
+    /// of `kvbm-recorder compare A B` (B against A). Keys go to both.
+    Compare {
+        /// The base log (left).
+        a: PathBuf,
+        /// The log compared with it (right).
+        b: PathBuf,
+        /// Start both playing at once, at this speed (0.25 to 64).
         #[arg(long)]
         play: Option<f64>,
         #[command(flatten)]
@@ -234,6 +249,7 @@ fn run_command(command: Command) -> Result<()> {
             view,
         } => attach_websocket(&url, replay_endpoint, token, ring, view, &rt),
         Command::Replay { log, play, view } => run_replay(&log, play, view, &rt),
+        Command::Compare { a, b, play, view } => run_compare(&a, &b, play, view, &rt),
     }
 }
 
@@ -370,45 +386,25 @@ fn run_replay(
     view: ViewArgs,
     rt: &tokio::runtime::Runtime,
 ) -> Result<()> {
-    // Before the console takes the terminal: a bar while a long
-    // log loads.
-    let total = kvbm_recorder::recorder::open_log(log)
-        .map(|r| r.info().total_records)
-        .unwrap_or(0);
-    let bar = kvbm_recorder::progress::Progress::new(total, "events read");
-    let read = kvbm_recorder::recorder::read_events(log, |n| bar.set(n))
-        .with_context(|| format!("opening log {}", log.display()))?;
-    bar.done();
-    let side = kvbm_recorder::recorder::read_sidecar(log);
-    let lost = side.as_ref().map_or(0, |r| r.lost);
-    let events: Arc<[kvbm_events::Event]> = read.events.into();
-    let n = events.len();
-    let mut replay = ReplaySource::new(events, lost, view.model())
-        .with_engine_summary(side.and_then(|r| r.engine_summary()));
-    if let Some(speed) = play {
-        anyhow::ensure!(
-            (0.25..=64.0).contains(&speed),
-            "--play {speed}: the speed must be within 0.25 to 64"
-        );
-        while replay.speed() < speed {
-            replay.change_speed(true);
-        }
-        while replay.speed() > speed {
-            replay.change_speed(false);
-        }
-        replay.set_playing(true);
-    }
-    let name = log.file_name().map_or_else(
-        || log.display().to_string(),
-        |n| n.to_string_lossy().into_owned(),
-    );
-    let mut app = App::new(Model::new(view.model()), Source::Replay(replay), name);
-    if let Some(damage) = &read.damage {
-        app.ui.message = Some(kvbm_console::app::Message {
-            text: format!("log damaged, {n} events before the damage are shown: {damage}"),
-            error: true,
-        });
-    }
+    let mut app = open_replay(log, play, view.model())?.app;
     let mut term = Term::enter()?;
     rt.block_on(run(&mut app, &mut term, |_| {}))
+}
+
+/// `compare A B`: both logs read before the screen opens (a bad one is an
+/// error naming it), then side by side.
+fn run_compare(
+    a: &std::path::Path,
+    b: &std::path::Path,
+    play: Option<f64>,
+    view: ViewArgs,
+    rt: &tokio::runtime::Runtime,
+) -> Result<()> {
+    let (a, b) = (
+        open_replay(a, play, view.model())?,
+        open_replay(b, play, view.model())?,
+    );
+    let mut screen = Compare::new(a.app, &a.events, b.app, &b.events);
+    let mut term = Term::enter()?;
+    rt.block_on(run(&mut screen, &mut term, |_| {}))
 }

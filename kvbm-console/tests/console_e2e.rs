@@ -439,3 +439,45 @@ fn progress_shows_on_a_terminal() {
     assert!(s.contains("requests finished   3000"), "{s}");
     assert!(!s.contains("[="), "the bar was left behind:\n{s}");
 }
+
+/// `compare A B` in a real terminal: the deltas' header over both
+/// replays, playing to their ends together; a view key switches both; `q`
+/// exits 0. A log that cannot be read is an error naming it, before the
+/// screen opens.
+#[test]
+fn compare_shows_two_recordings_side_by_side() {
+    let replays = Path::new(env!("CARGO_MANIFEST_DIR")).join("../replays");
+    let (a, b) = (
+        replays.join("preemption-heavy").display().to_string(),
+        replays
+            .join("cpu-offload-walkthrough")
+            .display()
+            .to_string(),
+    );
+    let t = console("compare", &["compare", &a, &b, "--play", "64"], 200, 50);
+    let s = t.wait_for("both replays at their ends", 60, |s| {
+        s.contains("COMPARE") && s.matches("REPLAY ⏸ 64× 100%").count() == 2
+    });
+    assert!(
+        s.contains("A: preemption-heavy") && s.contains("B: cpu-offload-walkthrough"),
+        "{s}"
+    );
+    assert!(s.contains("hit_ratio ") && s.contains('→'), "{s}");
+    t.send("6");
+    t.wait_for("the event log in both panes", 5, |s| {
+        s.matches("Events —").count() == 2
+    });
+    t.send("q");
+    assert_eq!(t.exit_code(10), 0);
+
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope").display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbm-console"))
+        .args(["compare", &a, &missing])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("opening log") && err.contains("nope"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
