@@ -119,6 +119,9 @@ struct Shared {
     host: Option<BlockPool>,
     pending_spills: Mutex<Vec<SequenceHash>>,
     finished: Mutex<Finished>,
+    /// Told when the last candidate in flight finishes (a [`Worker`] that
+    /// drives its own runtime waits on it in `drain`).
+    idle: tokio::sync::Notify,
 }
 
 /// Most finished-transfer notifications kept between two `get_finished`
@@ -254,6 +257,9 @@ impl PipelineObserver for Observer {
             // the slot's last transition. Lock order: candidates, slots.
             self.shared.candidate_done(&request, self.direction);
             cands.remove(&key);
+            if cands.is_empty() {
+                self.shared.idle.notify_waiters();
+            }
         }
         drop(cands);
     }
@@ -343,6 +349,7 @@ impl LeaderWiring {
                 emitter,
                 slots: Mutex::new(HashMap::new()),
                 candidates: Mutex::new(HashMap::new()),
+                idle: tokio::sync::Notify::new(),
                 next_transfer: AtomicU64::new(1),
                 spill: Mutex::new(None),
                 host,
@@ -443,6 +450,15 @@ pub struct LeaderPools {
     pub host: Option<BlockPool>,
     /// G3, if enabled.
     pub disk: Option<BlockPool>,
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        // The host → disk pipeline reports to an observer that holds
+        // `shared`, which holds that pipeline: a cycle that kept the event
+        // bus (and so a recording of the run) open for ever.
+        lock(&self.shared.spill).take();
+    }
 }
 
 impl Leader {
@@ -1024,6 +1040,7 @@ impl Leader {
         runtime: &tokio::runtime::Handle,
     ) -> Vec<(RequestId, Vec<TransferHandle>)> {
         let (d2h, h2d) = self.onboard_paths();
+        let runtime = &Waiter::Handle(runtime.clone());
         std::mem::take(&mut md.loads)
             .into_iter()
             .map(|mut l| {
@@ -1169,7 +1186,7 @@ fn plan_on(
 /// those tokens instead).
 fn disk_then_host(
     shared: &Arc<Shared>,
-    runtime: &tokio::runtime::Handle,
+    runtime: &Waiter,
     (d2h, h2d): (Option<&Arc<OffloadPipeline>>, Option<&Arc<OffloadPipeline>>),
     request: &RequestId,
     sources: Vec<ImmutableBlock>,
@@ -1230,9 +1247,29 @@ fn flush_spills(shared: &Arc<Shared>) {
     }
 }
 
+/// How a [`Worker`] waits for transfers.
+enum Waiter {
+    /// On a runtime other threads drive (its tasks run meanwhile).
+    Handle(tokio::runtime::Handle),
+    /// On a single-threaded runtime that only this worker drives: the
+    /// pipelines' tasks run only inside its waits, on the caller's thread,
+    /// in an order that depends on nothing but what was asked (the
+    /// simulator's virtual time).
+    Owned(Arc<tokio::runtime::Runtime>),
+}
+
+impl Waiter {
+    fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+        match self {
+            Waiter::Handle(h) => h.block_on(f),
+            Waiter::Owned(rt) => rt.block_on(f),
+        }
+    }
+}
+
 /// The worker side: binds metadata, runs loads and stores, reports.
 pub struct Worker {
-    runtime: tokio::runtime::Handle,
+    runtime: Waiter,
     bound: Option<ConnectorMetadata>,
     disk_to_host: Option<Arc<OffloadPipeline>>,
     host_to_device: Option<Arc<OffloadPipeline>>,
@@ -1258,6 +1295,19 @@ impl Worker {
     /// A worker for `leader`, waiting on transfers with `runtime`. It must
     /// not run on one of that runtime's worker threads (it blocks).
     pub fn new(leader: &Leader, runtime: tokio::runtime::Handle) -> Self {
+        Self::waiting_with(leader, Waiter::Handle(runtime))
+    }
+
+    /// A worker that drives `runtime` itself, a current-thread runtime the
+    /// leader's pipelines run on and that nothing else drives: their work
+    /// happens only inside this worker's waits (loads, [`drain`](Self::drain)),
+    /// on the calling thread, so the events it emits never interleave with
+    /// the caller's and come in the same order every run.
+    pub fn driving(leader: &Leader, runtime: Arc<tokio::runtime::Runtime>) -> Self {
+        Self::waiting_with(leader, Waiter::Owned(runtime))
+    }
+
+    fn waiting_with(leader: &Leader, runtime: Waiter) -> Self {
         let (disk_to_host, host_to_device) = leader.onboard_paths();
         Worker {
             runtime,
@@ -1352,8 +1402,26 @@ impl Worker {
     /// Waits until no candidate is in flight (end of a simulation).
     pub fn drain(&self) {
         flush_spills(&self.shared);
-        while !lock(&self.shared.candidates).is_empty() {
-            std::thread::sleep(std::time::Duration::from_micros(200));
+        match &self.runtime {
+            Waiter::Handle(_) => {
+                while !lock(&self.shared.candidates).is_empty() {
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+            }
+            // Nothing runs the pipelines unless this thread does.
+            Waiter::Owned(rt) => rt.block_on(async {
+                loop {
+                    let idle = self.shared.idle.notified();
+                    tokio::pin!(idle);
+                    // Registered before the map is read, so the last
+                    // candidate finishing in between is not missed.
+                    idle.as_mut().enable();
+                    if lock(&self.shared.candidates).is_empty() {
+                        return;
+                    }
+                    idle.await;
+                }
+            }),
         }
     }
 }

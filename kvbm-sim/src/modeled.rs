@@ -15,8 +15,11 @@
 //!   (PCIe or disk bandwidth, divided by the run's speed) would have moved
 //!   it, and batches queue behind each other on that link, so transfers are
 //!   visibly in flight and the transfer latencies mean something. In
-//!   virtual-time runs completion is immediate (the engine's clock already
-//!   charges the modelled time to the iteration that waits for a load).
+//!   virtual-time runs the copy is made on the submitting thread and
+//!   completes at once, reporting the modelled link time (the engine's
+//!   clock already charges it to the iteration that waits for a load): no
+//!   other thread finishes anything, so a run's events do not depend on how
+//!   fast this machine is.
 
 use kvbm_core::transfer::{
     BlockPair, EngineCounters, Hold, Rejected, TransferEngine, TransferStats, TransferTicket,
@@ -39,9 +42,19 @@ pub struct LinkModel {
 impl LinkModel {
     /// How long `blocks` occupy the link, in wall time.
     pub fn wall_time(&self, blocks: usize) -> Duration {
-        let Some(speed) = self.speed else {
-            return Duration::ZERO;
-        };
+        match self.speed {
+            Some(speed) => self.time_at(blocks, speed),
+            None => Duration::ZERO,
+        }
+    }
+
+    /// How long `blocks` occupy the modelled link in the model's own time
+    /// (speed 1).
+    pub fn link_time(&self, blocks: usize) -> Duration {
+        self.time_at(blocks, 1.0)
+    }
+
+    fn time_at(&self, blocks: usize, speed: f64) -> Duration {
         let secs = blocks as f64 * self.bytes_per_block as f64 / self.bytes_per_s / speed;
         if secs.is_finite() && secs > 0.0 {
             // Capped so that a silly setting cannot stall a run for days.
@@ -121,12 +134,24 @@ impl TransferEngine for ModeledEngine {
         hold: Option<Hold>,
     ) -> Result<TransferTicket, Rejected> {
         let blocks = pairs.len();
+        let bytes = (blocks as u64).saturating_mul(self.model.bytes_per_block);
+        if self.model.speed.is_none() {
+            // Virtual time: copied here, done now, timed by the model.
+            // SAFETY: as below; the copy is over when this returns.
+            let result = unsafe { self.inner.transfer_blocking(pairs) }.map(|real| TransferStats {
+                blocks: real.blocks,
+                bytes,
+                elapsed: self.model.link_time(blocks),
+            });
+            let (completer, ticket) = TransferTicket::pending(self.inner.name());
+            completer.complete(result, hold);
+            return Ok(ticket);
+        }
         let submitted = Instant::now();
         // SAFETY: the caller keeps the blocks off-limits until the ticket
         // returned here resolves, which is after the inner one resolves.
         let inner = unsafe { self.inner.submit_holding(pairs, hold) }?;
         let due = self.reserve(blocks);
-        let bytes = (blocks as u64).saturating_mul(self.model.bytes_per_block);
         let (completer, ticket) = TransferTicket::pending(self.inner.name());
         self.runtime.spawn(async move {
             let (result, hold) = inner.finish().await;

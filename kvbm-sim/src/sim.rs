@@ -308,6 +308,9 @@ pub struct Simulator {
     ttft: Vec<f64>,
     hits: [u64; 3],
     requests_total: usize,
+    /// Virtual time: the runtime the pipelines run on (see `new`). Last, so
+    /// it goes after the leader and pipelines whose tasks it holds.
+    _driver: Option<Arc<tokio::runtime::Runtime>>,
 }
 
 /// A tiny owned temporary directory (removed on drop) so the core crate
@@ -363,38 +366,72 @@ fn g3_file(
     })
 }
 
+/// Settings the simulator cannot run with.
+fn validate(cfg: &SimConfig) -> Result<(), SimError> {
+    let bs = cfg.block_size;
+    if bs == 0 {
+        return Err(SimError::Invalid {
+            field: "block_size",
+            reason: "must be at least 1".into(),
+        });
+    }
+    if blocks_for(cfg.device_capacity_tokens, bs) == 0 {
+        return Err(SimError::Invalid {
+            field: "device_capacity_tokens",
+            reason: format!("must hold at least one {bs}-token block"),
+        });
+    }
+    if cfg.max_batch_tokens == 0 || cfg.max_batch_seqs == 0 {
+        return Err(SimError::Invalid {
+            field: "max_batch_tokens/max_batch_seqs",
+            reason: "must be at least 1".into(),
+        });
+    }
+    Ok(())
+}
+
+/// In virtual time the pipelines run on a runtime of the simulator's own,
+/// on one thread, driven only inside the worker's waits (loads, drains):
+/// their events come at fixed points of an iteration, in an order that
+/// depends only on the workload and the options, so two runs give the same
+/// stream (see `Worker::driving`). Returns that runtime (none in real
+/// time) and the pipelines' settings for it.
+fn driver(
+    cfg: &SimConfig,
+) -> Result<(Option<Arc<tokio::runtime::Runtime>>, PipelineConfig), SimError> {
+    let mut pipeline = cfg.pipeline;
+    if cfg.pacing != Pacing::Virtual {
+        return Ok((None, pipeline));
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(setup)?;
+    // The cancel sweeper's wall-clock tick is the one timer that would fire
+    // inside a drive and reorder its tasks; nothing in a simulation cancels
+    // a transfer, so it has nothing to sweep.
+    pipeline.sweep_interval = Duration::from_secs(86_400);
+    Ok((Some(Arc::new(rt)), pipeline))
+}
+
 fn blocks_for(tokens: usize, bs: usize) -> usize {
     tokens / bs
 }
 
 impl Simulator {
-    /// Builds the tiers and the leader. Must be called outside the tokio
-    /// runtime's worker threads, with `runtime` running the pipelines.
+    /// Builds the tiers and the leader. Must be called, and the simulator
+    /// stepped and dropped, outside any tokio runtime's worker threads.
+    /// In real time, `runtime` runs the pipelines; in virtual time they run
+    /// on a single-threaded runtime of the simulator's own, and `runtime`
+    /// is not used.
     pub fn new(
         cfg: SimConfig,
         workload: Vec<RequestSpec>,
         runtime: &tokio::runtime::Handle,
     ) -> Result<Self, SimError> {
+        validate(&cfg)?;
         let bs = cfg.block_size;
-        if bs == 0 {
-            return Err(SimError::Invalid {
-                field: "block_size",
-                reason: "must be at least 1".into(),
-            });
-        }
         let device_blocks = blocks_for(cfg.device_capacity_tokens, bs);
-        if device_blocks == 0 {
-            return Err(SimError::Invalid {
-                field: "device_capacity_tokens",
-                reason: format!("must hold at least one {bs}-token block"),
-            });
-        }
-        if cfg.max_batch_tokens == 0 || cfg.max_batch_seqs == 0 {
-            return Err(SimError::Invalid {
-                field: "max_batch_tokens/max_batch_seqs",
-                reason: "must be at least 1".into(),
-            });
-        }
         let host_blocks = blocks_for(cfg.host_capacity_tokens, bs);
         // Without a host tier, G1 and G3 exchange blocks directly.
         let disk_blocks = blocks_for(cfg.disk_capacity_tokens, bs);
@@ -432,7 +469,11 @@ impl Simulator {
         let local = LocalTiers::create(&pools, layout, disk_file.as_deref()).map_err(setup)?;
         let device = local.device().clone();
         let wiring = LeaderWiring::new(emitter.clone(), pools.host.clone());
-        let _guard = runtime.enter();
+        let (driver, pipeline) = driver(&cfg)?;
+        let handle = driver
+            .as_ref()
+            .map_or_else(|| runtime.clone(), |d| d.handle().clone());
+        let _guard = handle.enter();
         let speed = match cfg.pacing {
             Pacing::Virtual => None,
             Pacing::RealTime { speed } => Some(speed),
@@ -461,9 +502,9 @@ impl Simulator {
                             bytes_per_s,
                             speed,
                         },
-                        runtime.clone(),
+                        handle.clone(),
                     )),
-                    config: cfg.pipeline,
+                    config: pipeline,
                 })
             })
         }?;
@@ -484,7 +525,10 @@ impl Simulator {
             cfg.offload_mode,
             kvbm_core::tokens::salt_hash(&cfg.salt),
         );
-        let worker = Worker::new(&leader, runtime.clone());
+        let worker = match &driver {
+            Some(d) => Worker::driving(&leader, d.clone()),
+            None => Worker::new(&leader, runtime.clone()),
+        };
         let mut arrivals: Vec<RequestSpec> = workload;
         arrivals.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
         let model_name = cfg.model.clone();
@@ -515,6 +559,7 @@ impl Simulator {
             ttft: Vec::new(),
             hits: [0; 3],
             requests_total,
+            _driver: driver,
         })
     }
 
@@ -610,6 +655,11 @@ impl Simulator {
         let compute = self.compute_cost(&out);
         self.advance(compute + load_ns);
         self.finish_requests();
+        if self.virtual_clock.is_some() {
+            // The iteration's stores (their forward pass is done) run now,
+            // after its own events and before the next iteration's.
+            self.worker.drain();
+        }
         self.leader.emit_gauges();
         true
     }
@@ -661,9 +711,10 @@ impl Simulator {
     fn schedule_waiting(&mut self) {
         let bs = self.cfg.block_size;
         if !self.waiting.is_empty() && self.leader.candidates_in_flight() > 0 {
-            // Transfers run in real time while the clock is virtual: let the
-            // ones already issued land before looking anything up, so what a
+            // In real time transfers run beside the scheduler: let the ones
+            // already issued land before looking anything up, so what a
             // request finds does not depend on how fast this machine is.
+            // (In virtual time every iteration ends drained, so none is.)
             self.worker.drain();
         }
         while self.running.len() < self.cfg.max_batch_seqs {

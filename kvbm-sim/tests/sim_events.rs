@@ -145,6 +145,66 @@ fn the_reducer_rebuilds_the_engine_state_at_random_points() {
     }
 }
 
+/// In virtual time the stream is a function of the workload and the
+/// options: two runs give the same events, every field (the clock is
+/// virtual, a batch's time the modelled link's), with tiers small enough
+/// that the host evicts, offloads are skipped and blocks cascade to disk,
+/// eager and lazy.
+#[test]
+fn two_runs_in_virtual_time_give_the_same_events() {
+    use kvbm_sim::sim::OffloadMode;
+    let run = |seed: u64, mode: OffloadMode| -> Vec<Event> {
+        let rt = runtime();
+        let workload = generate(&SyntheticConfig {
+            seed,
+            num_requests: 80,
+            arrival_rate_per_s: 40.0,
+            prompt_len: LengthDist::Uniform { min: 40, max: 600 },
+            output_len: LengthDist::Uniform { min: 1, max: 40 },
+            shared_prefix_ratio: 0.6,
+            num_shared_prefixes: 3,
+            shared_prefix_len: 128,
+            ..SyntheticConfig::default()
+        })
+        .unwrap();
+        let cfg = SimConfig {
+            device_capacity_tokens: 2048,
+            host_capacity_tokens: 1024,
+            disk_capacity_tokens: 4096,
+            offload_mode: mode,
+            ..SimConfig::default()
+        };
+        let sim = Simulator::new(cfg, workload, rt.handle()).unwrap();
+        let mut tap = sim.emitter().bus().take_tap().unwrap();
+        let report = sim.run();
+        let mut events = Vec::new();
+        drain(&mut tap, &mut events);
+        assert_eq!(report.events_emitted, events.len() as u64);
+        events
+    };
+    for (seed, mode) in [(1, OffloadMode::Eager), (2, OffloadMode::Lazy)] {
+        let (a, b) = (run(seed, mode), run(seed, mode));
+        let kinds = |k: fn(&EventKind) -> bool| a.iter().filter(|e| k(&e.kind)).count();
+        assert!(
+            kinds(|k| matches!(
+                k,
+                EventKind::BlockEvicted {
+                    tier: Tier::Host,
+                    ..
+                }
+            )) > 0
+        );
+        assert!(kinds(|k| matches!(k, EventKind::BatchCompleted { .. })) > 0);
+        assert_eq!(a.len(), b.len(), "seed {seed}, {mode:?}");
+        if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+            panic!(
+                "seed {seed}, {mode:?}: event {i} differs:\n{:?}\n{:?}",
+                a[i], b[i]
+            );
+        }
+    }
+}
+
 fn req(id: &str, at_ms: f64, prompt: Vec<u32>, out: usize) -> RequestSpec {
     RequestSpec {
         id: id.into(),

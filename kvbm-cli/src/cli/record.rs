@@ -9,7 +9,7 @@ use kvbm_recorder::log::LogConfig;
 use kvbm_recorder::progress::Progress;
 use kvbm_recorder::recorder::{self, RecorderConfig, RecordingSink};
 use kvbm_sim::args::SimArgs;
-use kvbm_sim::sim::Simulator;
+use kvbm_sim::sim::{Pacing, Simulator};
 use std::path::Path;
 use std::time::Duration;
 
@@ -73,6 +73,7 @@ fn record_simulator(out: &Path, log: LogConfig, sim: &SimArgs) -> Result<i32> {
         .enable_all()
         .build()?;
     let loaded_requests = loaded.workload.len();
+    let virtual_time = loaded.config.pacing == Pacing::Virtual;
     let sim = Simulator::new(loaded.config, loaded.workload, rt.handle())?;
     let tap = sim
         .emitter()
@@ -87,9 +88,18 @@ fn record_simulator(out: &Path, log: LogConfig, sim: &SimArgs) -> Result<i32> {
     rcfg.run = Some(sim.emitter().run());
     let handle = recorder::spawn_recorder(tap, out.to_path_buf(), rcfg, None)?;
     let bar = Progress::new(loaded_requests as u64, "requests finished");
-    let report = sim.run_with_progress(|done, _| bar.set(done as u64));
+    let emitter = sim.emitter().clone();
+    let report = sim.run_with_progress(|done, _| {
+        bar.set(done as u64);
+        if virtual_time {
+            keep_pace_with_the_recorder(&emitter);
+        }
+    });
     bar.done();
-    drop(rt); // closes the bus: the recorder drains and stops
+    // The last holders of the emitter: dropping them closes the bus, and
+    // the recorder drains and stops.
+    drop(emitter);
+    drop(rt);
     let rec = handle
         .join()
         .map_err(|_| anyhow::anyhow!("the recorder thread panicked"))??;
@@ -101,6 +111,20 @@ fn record_simulator(out: &Path, log: LogConfig, sim: &SimArgs) -> Result<i32> {
         out.display()
     );
     Ok(0)
+}
+
+/// In virtual time the engine can outrun the recorder (it runs as fast as
+/// it can, the recorder as fast as the disk): between two iterations it
+/// waits while the tap is more than half full, so that a recording of a
+/// simulated run loses nothing and two runs of one trace give the same
+/// log. Waiting costs the simulation nothing; in real time the engine
+/// never waits, and what the tap drops is counted as lost.
+fn keep_pace_with_the_recorder(emitter: &kvbm_events::Emitter) {
+    let bus = emitter.bus();
+    let half = bus.config().tap_capacity as u64 / 2;
+    while bus.counters().tap_queued > half {
+        std::thread::sleep(Duration::from_micros(200));
+    }
 }
 
 /// A sink for a remote source's events.

@@ -486,6 +486,7 @@ async fn policy_evaluator(inner: Arc<Inner>) {
                 (keep, last_reason)
             };
             let outcome = tokio::select! {
+                biased;
                 _ = cancel.cancelled() => None,
                 r = tokio::time::timeout(inner.config.policy_timeout, eval) => Some(r),
             };
@@ -550,6 +551,7 @@ async fn precondition_awaiter(inner: &Arc<Inner>, mut c: OffloadContainer) {
     }
     c.tracker.set(TransferStatus::AwaitingPrecondition);
     let permit = tokio::select! {
+        biased;
         p = inner.awaiting.clone().acquire_owned() => p,
         _ = c.cancel.cancelled() => {
             c.finish(TransferStatus::Cancelled);
@@ -564,6 +566,7 @@ async fn precondition_awaiter(inner: &Arc<Inner>, mut c: OffloadContainer) {
     tokio::spawn(async move {
         let cancel = c.cancel.clone();
         let res = tokio::select! {
+            biased;
             r = pre.wait() => Some(Some(r)),
             _ = cancel.cancelled() => Some(None),
             _ = inner.shutdown.cancelled() => None,
@@ -610,6 +613,7 @@ async fn batcher(inner: Arc<Inner>) {
         let next = match deadline {
             None => inner.batch_q.pop_held(held).await,
             Some(d) => tokio::select! {
+                biased;
                 c = inner.batch_q.pop_held(held) => c,
                 _ = tokio::time::sleep_until(d) => {
                     flush(&inner, &mut pending, &mut total).await;
@@ -720,6 +724,7 @@ async fn transfer_executor(inner: Arc<Inner>) {
         }
         let room = on_deck.len() < cap && !closed;
         tokio::select! {
+            biased;
             _ = std::future::poll_fn(|cx| poll_any(&mut running, cx)), if !running.is_empty() => {}
             b = inner.in_queue.pop_held(Some(&inner.committing)), if room => match b {
                 Some(b) => {
@@ -957,6 +962,7 @@ async fn cancel_sweeper(inner: Arc<Inner>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
+            biased;
             _ = tick.tick() => {}
             _ = inner.shutdown.cancelled() => return,
         }
