@@ -73,33 +73,6 @@ pub fn bytes_note(cfg: &SimConfig) -> String {
     )
 }
 
-/// What the simulated engine runs as, as an engine embedding kvbm says it
-/// (`kvbm_attach::server::ServedEngine::with_info`, the recorder's
-/// `RecorderConfig::info`): a one-line `summary` for the header, the facts
-/// behind it beside.
-pub fn engine_info(cfg: &SimConfig) -> serde_json::Value {
-    let tier = |name: &str, tokens: usize| match tokens {
-        0 => format!("{name} none"),
-        n => format!("{name} {} tokens", crate::fmt::count(n as u64)),
-    };
-    let summary = format!(
-        "simulator · {} · {} · {} · {}",
-        cfg.model,
-        tier("G1", cfg.device_capacity_tokens),
-        tier("G2", cfg.host_capacity_tokens),
-        tier("G3", cfg.disk_capacity_tokens),
-    );
-    serde_json::json!({
-        "summary": summary,
-        "source": "simulator",
-        "model": cfg.model,
-        "block_size": cfg.block_size,
-        "device_tokens": cfg.device_capacity_tokens,
-        "host_tokens": cfg.host_capacity_tokens,
-        "disk_tokens": cfg.disk_capacity_tokens,
-    })
-}
-
 /// A running embedded engine.
 pub struct Embedded {
     stop: Arc<AtomicBool>,
@@ -117,7 +90,8 @@ pub struct Embedded {
     /// What the engine's byte figures stand for: the model's KV bytes,
     /// while the simulator copies only a few real bytes per token.
     pub bytes_note: String,
-    /// What the engine runs as ([`engine_info`]), also in its recording.
+    /// What the engine runs as ([`kvbm_sim::info::engine_info`]), also in
+    /// its recording.
     pub engine_info: serde_json::Value,
 }
 
@@ -138,7 +112,7 @@ impl Embedded {
         let loaded = args.sim.load().context("the demo's engine")?;
         let (mut cfg, workload) = (loaded.config, loaded.workload);
         let bytes_note = bytes_note(&cfg);
-        let info = engine_info(&cfg);
+        let info = kvbm_sim::info::engine_info(&cfg);
         let info2 = info.clone();
         // The console shows a live engine: it always runs in real time.
         if !matches!(cfg.pacing, Pacing::RealTime { .. }) {
@@ -303,22 +277,5 @@ mod tests {
             bytes_note(&cfg),
             "bytes as modelled for llama-3-8b: 2.0MiB a block (64B a block really copied)"
         );
-    }
-
-    #[test]
-    fn the_engine_info_sums_up_the_tiers() {
-        let cfg = SimConfig {
-            model: "llama-3-8b".into(),
-            device_capacity_tokens: 32_768,
-            host_capacity_tokens: 65_536,
-            disk_capacity_tokens: 0,
-            ..SimConfig::default()
-        };
-        let info = engine_info(&cfg);
-        assert_eq!(
-            info["summary"],
-            "simulator · llama-3-8b · G1 32,768 tokens · G2 65,536 tokens · G3 none"
-        );
-        assert_eq!(info["host_tokens"], 65_536);
     }
 }

@@ -69,6 +69,7 @@ fn build(block_size: usize) -> Result<Tiers> {
         device_blocks: 6,
         host_blocks: 4,
         disk_blocks: 16,
+        eviction: Default::default(),
     };
     let pools = Pools::new(&sizes, None)?;
     let dir = tempfile::tempdir().context("creating a temporary directory for G3")?;

@@ -64,6 +64,7 @@ fn setup(blocks: usize, big: bool) -> Setup {
             tier,
             capacity: blocks,
             block_size: BS,
+            eviction: Default::default(),
         })
         .unwrap()
     };

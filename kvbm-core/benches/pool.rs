@@ -24,6 +24,7 @@ fn pool(capacity: usize) -> BlockPool {
         tier: Tier::Device,
         capacity,
         block_size: BLOCK_SIZE,
+        eviction: Default::default(),
     })
     .unwrap()
 }

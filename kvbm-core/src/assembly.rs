@@ -68,6 +68,8 @@ pub struct TierSizes {
     pub host_blocks: usize,
     /// G3; 0 for none.
     pub disk_blocks: usize,
+    /// Each tier's eviction policy.
+    pub eviction: crate::eviction::TierEviction,
 }
 
 /// The pools of the tiers there are.
@@ -93,6 +95,7 @@ impl Pools {
                 tier,
                 capacity,
                 block_size: sizes.block_size,
+                eviction: sizes.eviction.of(tier),
             };
             match &observer {
                 Some(o) => BlockPool::with_observer(config, o.clone()),
@@ -345,6 +348,7 @@ mod tests {
             device_blocks: 8,
             host_blocks: host,
             disk_blocks: disk,
+            eviction: Default::default(),
         }
     }
 

@@ -2,7 +2,7 @@
 //!
 //! What lives here: token blocks and their chained hashes ([`tokens`]), the
 //! typestate block lifecycle ([`block`]), tiered pools with prefix matching
-//! and eviction ([`pool`]), block layouts ([`layout`]), the memory behind each
+//! and eviction ([`pool`], by the policies in [`eviction`]), block layouts ([`layout`]), the memory behind each
 //! tier ([`storage`]), the engines that move bytes between tiers
 //! ([`transfer`]), the safe bridge between pools and engines ([`link`]), and
 //! the offload/onboard pipeline with its cancellation rules ([`offload`]).
@@ -14,6 +14,7 @@
 
 pub mod assembly;
 pub mod block;
+pub mod eviction;
 pub mod hooks;
 pub mod layout;
 pub mod leader;
@@ -25,6 +26,7 @@ pub mod tokens;
 pub mod transfer;
 
 pub use block::{BlockError, ImmutableBlock, MutableBlock, WeakBlock};
+pub use eviction::EvictionPolicy;
 pub use kvbm_events::{BlockId, Tier};
 pub use link::{HostTier, LinkError, TierLink};
 pub use pool::{BlockPool, PoolConfig, PoolError, PoolStatus};

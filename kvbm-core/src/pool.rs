@@ -27,6 +27,7 @@
 //! the pool.
 
 use crate::block::{Complete, Empty, ImmutableBlock, MutableBlock, RegisteredBlock};
+use crate::eviction::{EvictionPolicy, Inactive};
 use crate::tokens::{BlockHash, BlockMeta, SaltHash, SequenceHash};
 use kvbm_events::tier::{BlockId, Tier};
 use std::collections::{BTreeMap, HashMap};
@@ -93,6 +94,8 @@ pub struct PoolConfig {
     pub capacity: usize,
     /// Tokens per block.
     pub block_size: usize,
+    /// Which inactive block goes first when room is needed.
+    pub eviction: EvictionPolicy,
 }
 
 /// Something the pool did, told to a [`PoolObserver`].
@@ -250,6 +253,10 @@ impl BlockPool {
         registry
             .try_reserve(config.capacity)
             .map_err(out_of_memory)?;
+        let other = match config.eviction {
+            EvictionPolicy::Lru => None,
+            p => Some(Inactive::new(p, config.capacity).map_err(out_of_memory)?),
+        };
         Ok(BlockPool {
             shared: Arc::new(PoolShared {
                 id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
@@ -262,6 +269,7 @@ impl BlockPool {
                     free,
                     registry,
                     lru: BTreeMap::new(),
+                    other,
                     next_epoch: 1,
                     mutable: 0,
                     active_registered: 0,
@@ -290,7 +298,8 @@ impl BlockPool {
     }
 
     /// Allocates `n` blocks: empty ones first, then by evicting inactive
-    /// registered blocks in (priority, least recently returned) order. All
+    /// registered blocks in the pool's eviction order (under LRU: priority,
+    /// then least recently returned; see [`crate::eviction`]). All
     /// or nothing: on [`PoolError::Exhausted`] nothing changed.
     pub fn allocate(&self, n: usize) -> Result<Vec<MutableBlock<Empty>>, PoolError> {
         let mut evicted = Vec::new();
@@ -354,6 +363,7 @@ impl BlockPool {
             st.counters.match_lookups += 1;
             let Some(&id) = st.registry.get(h) else { break };
             st.counters.match_hits += 1;
+            st.hit(id);
             out.push(st.activate(&self.shared, id));
         }
         out
@@ -382,7 +392,8 @@ impl BlockPool {
     }
 
     /// Refreshes the recency of registered blocks so they are evicted later
-    /// (an inactive block moves to the back of its priority's order). Returns
+    /// (under LRU an inactive block moves to the back of its priority's
+    /// order; under the other policies it counts as a hit). Returns
     /// how many of the hashes are registered.
     pub fn touch(&self, hashes: &[SequenceHash]) -> usize {
         let mut st = self.shared.lock();
@@ -390,7 +401,9 @@ impl BlockPool {
         for h in hashes {
             if let Some(&id) = st.registry.get(h) {
                 found += 1;
-                if st.slots[id as usize].status == Status::Inactive {
+                if st.other.is_some() {
+                    st.hit(id);
+                } else if st.slots[id as usize].status == Status::Inactive {
                     st.lru_unlink(id);
                     st.lru_push_back(id);
                 }
@@ -423,6 +436,13 @@ impl BlockPool {
     /// first). For tests and diagnostics; O(inactive).
     pub fn eviction_order(&self) -> Vec<SequenceHash> {
         let st = self.shared.lock();
+        if let Some(o) = &st.other {
+            return o
+                .order()
+                .into_iter()
+                .map(|id| st.slots[id as usize].meta.sequence_hash)
+                .collect();
+        }
         let mut out = Vec::with_capacity(st.inactive);
         for list in st.lru.values() {
             let mut cur = list.head;
@@ -455,9 +475,13 @@ impl MutableBlock<Complete> {
                 st.slots[id as usize].status = Status::Empty;
                 st.free.push(id);
                 st.counters.duplicate_registrations += 1;
+                st.hit(primary);
                 (st.activate(&pool, primary), Some(primary))
             } else {
                 st.registry.insert(hash, id);
+                if let Some(o) = st.other.as_mut() {
+                    o.registered(id, hash);
+                }
                 let slot = &mut st.slots[id as usize];
                 slot.meta = meta;
                 slot.priority = priority;
@@ -556,8 +580,11 @@ struct PoolState {
     slots: Vec<BlockEntry>,
     free: Vec<BlockId>,
     registry: Registry,
-    /// Inactive blocks: one intrusive list per priority, oldest first.
+    /// Inactive blocks under LRU: one intrusive list per priority, oldest
+    /// first.
     lru: BTreeMap<u32, LruList>,
+    /// Inactive blocks under any other policy (then `lru` stays empty).
+    other: Option<Inactive>,
     next_epoch: u64,
     mutable: usize,
     active_registered: usize,
@@ -566,6 +593,14 @@ struct PoolState {
 }
 
 impl PoolState {
+    /// A hit on registered block `id`, for the policies that count them
+    /// (LRU orders by release only).
+    fn hit(&mut self, id: BlockId) {
+        if let Some(o) = self.other.as_mut() {
+            o.hit(id);
+        }
+    }
+
     fn lru_push_back(&mut self, id: BlockId) {
         let prio = self.slots[id as usize].priority;
         let list = self.lru.entry(prio).or_insert(LruList {
@@ -617,11 +652,16 @@ impl PoolState {
     /// Evicts the next victim and hands its slot out as mutable. The caller
     /// has checked that an inactive block exists.
     fn evict_one(&mut self) -> (BlockId, SequenceHash, u32) {
-        let id = match self.lru.values().next() {
-            Some(list) => list.head,
-            None => unreachable!("evict_one called with no inactive block"),
+        let id = match &mut self.other {
+            Some(o) => o.evict(),
+            None => self.lru.values().next().map(|list| list.head),
         };
-        self.lru_unlink(id);
+        let Some(id) = id else {
+            unreachable!("evict_one called with no inactive block")
+        };
+        if self.other.is_none() {
+            self.lru_unlink(id);
+        }
         let slot = &mut self.slots[id as usize];
         let hash = slot.meta.sequence_hash;
         let prio = slot.priority;
@@ -646,7 +686,10 @@ impl PoolState {
                 // not reached the lock yet: supersede it with a new epoch.
             }
             Status::Inactive => {
-                self.lru_unlink(id);
+                match self.other.as_mut() {
+                    Some(o) => o.revived(id),
+                    None => self.lru_unlink(id),
+                }
                 self.inactive -= 1;
                 self.active_registered += 1;
                 self.counters.revivals += 1;
@@ -739,7 +782,10 @@ impl PoolShared {
         slot.weak = None;
         st.active_registered -= 1;
         st.inactive += 1;
-        st.lru_push_back(id);
+        match st.other.as_mut() {
+            Some(o) => o.released(id),
+            None => st.lru_push_back(id),
+        }
     }
 
     pub(crate) fn revive(pool: &Arc<PoolShared>, id: BlockId, generation: u32) -> RevivedOrGone {
@@ -764,6 +810,7 @@ mod tests {
             tier: Tier::Device,
             capacity: cap,
             block_size: 4,
+            eviction: Default::default(),
         })
         .unwrap()
     }
@@ -818,6 +865,7 @@ mod tests {
             tier: Tier::Host,
             capacity,
             block_size: 16,
+            eviction: Default::default(),
         })
         .unwrap_err();
         assert!(
@@ -833,6 +881,7 @@ mod tests {
             tier: Tier::Host,
             capacity: 0,
             block_size: 4,
+            eviction: Default::default(),
         })
         .unwrap_err();
         assert_eq!(e, PoolError::ZeroCapacity { tier: Tier::Host });
@@ -840,6 +889,7 @@ mod tests {
             tier: Tier::Host,
             capacity: 3,
             block_size: 0,
+            eviction: Default::default(),
         })
         .unwrap_err();
         assert_eq!(e, PoolError::ZeroBlockSize { tier: Tier::Host });
@@ -986,6 +1036,7 @@ mod tests {
                 tier: Tier::Host,
                 capacity: 1,
                 block_size: 4,
+                eviction: Default::default(),
             },
             log.clone(),
         )

@@ -42,6 +42,7 @@ fn pool(tier: Tier, capacity: usize) -> BlockPool {
         tier,
         capacity,
         block_size: BS,
+        eviction: Default::default(),
     })
     .unwrap()
 }

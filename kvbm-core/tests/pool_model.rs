@@ -1,15 +1,20 @@
-//! State-machine test of `BlockPool` against a simple reference model.
+//! State-machine test of `BlockPool` against a simple reference model,
+//! under every eviction policy.
 //!
 //! Random sequences of allocate / fill+register / match / drop / touch /
 //! weak-upgrade run against the real pool and a model made of plain
-//! counters and a sorted list. After every step: the counts agree with the
-//! model and add up to capacity, the eviction order agrees, no block id is
-//! held by two owners, and no block leaks (dropping everything at the end
-//! leaves every block empty or inactive).
+//! counters, sorted lists and, per policy, a naive reference of the
+//! policy's rules (scans over the registered hashes, no index). After every
+//! step: the counts agree with the model and add up to capacity, the same
+//! hashes are registered (so every eviction chose the model's victim), the
+//! eviction order agrees where the policy has a fixed one (LRU, LFU), no
+//! block id is held by two owners, and no block leaks (dropping everything
+//! at the end leaves every block empty or inactive).
 
 use kvbm_core::block::{Empty, MutableBlock};
 use kvbm_core::{
-    BlockPool, ImmutableBlock, PoolConfig, PoolError, SequenceHash, Tier, TokenSequence, WeakBlock,
+    BlockPool, EvictionPolicy, ImmutableBlock, PoolConfig, PoolError, SequenceHash, Tier,
+    TokenSequence, WeakBlock,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashSet};
@@ -55,6 +60,11 @@ struct Reg {
     instance: u64,
     /// Place in the eviction order while inactive.
     inactive_since: Option<u64>,
+    /// The policies' own record: hits counted, S3-FIFO's queue or ARC's
+    /// list (1 or 2), and the tick that orders it.
+    freq: u32,
+    queue: u8,
+    ptick: u64,
 }
 
 #[derive(Debug, Default)]
@@ -64,6 +74,153 @@ struct Model {
     regs: BTreeMap<u64, Reg>,
     clock: u64,
     instances: u64,
+    policy: EvictionPolicy,
+    capacity: usize,
+    /// S3-FIFO's ghost FIFO, or ARC's B1; oldest first.
+    ghosts: Vec<u64>,
+    /// ARC's B2.
+    ghosts2: Vec<u64>,
+    /// ARC's target size of T1.
+    target: usize,
+}
+
+/// The reference policies, written from their rules (see
+/// `kvbm_core::eviction`) as plainly as possible.
+impl Model {
+    fn inactive_in(&self, queue: u8) -> Vec<u64> {
+        let mut v: Vec<(u64, u64)> = self
+            .regs
+            .iter()
+            .filter(|(_, r)| r.inactive_since.is_some() && r.queue == queue)
+            .map(|(h, r)| (r.ptick, *h))
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, h)| h).collect()
+    }
+    fn members(&self, queue: u8) -> usize {
+        self.regs.values().filter(|r| r.queue == queue).count()
+    }
+    fn push_ghost(ghosts: &mut Vec<u64>, h: u64, cap: usize) {
+        if cap == 0 || ghosts.contains(&h) {
+            return;
+        }
+        ghosts.push(h);
+        while ghosts.len() > cap {
+            ghosts.remove(0);
+        }
+    }
+    fn take_ghost(ghosts: &mut Vec<u64>, h: u64) -> bool {
+        let before = ghosts.len();
+        ghosts.retain(|g| *g != h);
+        ghosts.len() < before
+    }
+    fn arc_trim(&mut self) {
+        let c = self.capacity;
+        while self.members(1) + self.ghosts.len() > c && !self.ghosts.is_empty() {
+            self.ghosts.remove(0);
+        }
+        while self.regs.len() + self.ghosts.len() + self.ghosts2.len() > 2 * c
+            && !self.ghosts2.is_empty()
+        {
+            self.ghosts2.remove(0);
+        }
+    }
+    /// A new registration of `h` (already in `regs`).
+    fn policy_registered(&mut self, h: u64) {
+        let now = self.tick();
+        let queue = match self.policy {
+            EvictionPolicy::S3Fifo if Self::take_ghost(&mut self.ghosts, h) => 2,
+            EvictionPolicy::Arc => {
+                let (b1, b2) = (self.ghosts.len().max(1), self.ghosts2.len().max(1));
+                if Self::take_ghost(&mut self.ghosts, h) {
+                    self.target = (self.target + (b2 / b1).max(1)).min(self.capacity);
+                    2
+                } else if Self::take_ghost(&mut self.ghosts2, h) {
+                    self.target = self.target.saturating_sub((b1 / b2).max(1));
+                    2
+                } else {
+                    1
+                }
+            }
+            _ => 1,
+        };
+        let r = self.regs.get_mut(&h).expect("registered");
+        (r.freq, r.queue, r.ptick) = (0, queue, now);
+        if self.policy == EvictionPolicy::Arc {
+            self.arc_trim();
+        }
+    }
+    /// A hit on registered `h`.
+    fn policy_hit(&mut self, h: u64) {
+        let now = self.tick();
+        let policy = self.policy;
+        let r = self.regs.get_mut(&h).expect("registered");
+        match policy {
+            EvictionPolicy::Lfu => (r.freq, r.ptick) = (r.freq + 1, now),
+            EvictionPolicy::S3Fifo => r.freq = (r.freq + 1).min(3),
+            EvictionPolicy::Arc => (r.queue, r.ptick) = (2, now),
+            EvictionPolicy::Lru => {}
+        }
+    }
+    /// Chooses the victim, plays out the policy's moves and forgets it.
+    fn evict(&mut self) -> u64 {
+        let victim = match self.policy {
+            EvictionPolicy::Lru => self.inactive_order()[0],
+            EvictionPolicy::Lfu => {
+                let mut v: Vec<(u32, u64, u64)> = self
+                    .regs
+                    .iter()
+                    .filter(|(_, r)| r.inactive_since.is_some())
+                    .map(|(h, r)| (r.freq, r.ptick, *h))
+                    .collect();
+                v.sort();
+                v[0].2
+            }
+            EvictionPolicy::S3Fifo => self.s3fifo_victim(),
+            EvictionPolicy::Arc => {
+                let (t1, t2) = (self.inactive_in(1), self.inactive_in(2));
+                if !t1.is_empty() && (self.members(1) > self.target || t2.is_empty()) {
+                    t1[0]
+                } else {
+                    t2[0]
+                }
+            }
+        };
+        let r = self.regs.remove(&victim).expect("victim registered");
+        let cap = self.capacity;
+        match (self.policy, r.queue) {
+            (EvictionPolicy::S3Fifo, 1) => {
+                Self::push_ghost(&mut self.ghosts, victim, cap - cap / 10)
+            }
+            (EvictionPolicy::Arc, 1) => Self::push_ghost(&mut self.ghosts, victim, cap),
+            (EvictionPolicy::Arc, _) => Self::push_ghost(&mut self.ghosts2, victim, cap),
+            _ => {}
+        }
+        if self.policy == EvictionPolicy::Arc {
+            self.arc_trim();
+        }
+        victim
+    }
+    fn s3fifo_victim(&mut self) -> u64 {
+        let small = (self.capacity / 10).max(1);
+        loop {
+            let (s, m) = (self.inactive_in(1), self.inactive_in(2));
+            let now = self.tick();
+            if !s.is_empty() && (self.members(1) >= small || m.is_empty()) {
+                let r = self.regs.get_mut(&s[0]).unwrap();
+                if r.freq == 0 {
+                    return s[0];
+                }
+                (r.queue, r.freq, r.ptick) = (2, 0, now);
+            } else {
+                let r = self.regs.get_mut(&m[0]).unwrap();
+                if r.freq == 0 {
+                    return m[0];
+                }
+                (r.freq, r.ptick) = (r.freq - 1, now);
+            }
+        }
+    }
 }
 
 impl Model {
@@ -75,6 +232,47 @@ impl Model {
             .collect();
         v.sort();
         v.into_iter().map(|(_, _, h)| h).collect()
+    }
+    /// A mutable block registered under `h`: a new registration, or a
+    /// duplicate whose slot goes back (a hit on the primary).
+    fn register(&mut self, h: u64, prio: u32) {
+        self.mutable -= 1;
+        if self.regs.contains_key(&h) {
+            self.empty += 1;
+            self.policy_hit(h);
+            self.take_ref(h);
+            return;
+        }
+        self.instances += 1;
+        self.regs.insert(
+            h,
+            Reg {
+                refs: 1,
+                prio,
+                instance: self.instances,
+                inactive_since: None,
+                freq: 0,
+                queue: 1,
+                ptick: 0,
+            },
+        );
+        self.policy_registered(h);
+    }
+    /// `touch` of `h`: LRU moves an inactive block to the back; the
+    /// other policies count a hit.
+    fn touch(&mut self, h: u64) {
+        if self.policy != EvictionPolicy::Lru {
+            if self.regs.contains_key(&h) {
+                self.policy_hit(h);
+            }
+            return;
+        }
+        let t = self.tick();
+        if let Some(r) = self.regs.get_mut(&h)
+            && r.inactive_since.is_some()
+        {
+            r.inactive_since = Some(t);
+        }
     }
     fn tick(&mut self) -> u64 {
         self.clock += 1;
@@ -100,17 +298,20 @@ fn chain() -> TokenSequence {
     TokenSequence::from_tokens(&toks, 4, kvbm_core::tokens::salt_hash(b"model")).unwrap()
 }
 
-fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
+fn run(capacity: usize, ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
     let pool = BlockPool::new(PoolConfig {
         tier: Tier::Host,
         capacity,
         block_size: 4,
+        eviction: policy,
     })
     .unwrap();
     let seq = chain();
     let hashes: Vec<SequenceHash> = seq.sequence_hashes();
     let mut m = Model {
         empty: capacity,
+        policy,
+        capacity,
         ..Model::default()
     };
     let mut mutables: Vec<MutableBlock<Empty>> = Vec::new();
@@ -128,8 +329,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                             if m.empty > 0 {
                                 m.empty -= 1;
                             } else {
-                                let victim = m.inactive_order()[0];
-                                m.regs.remove(&victim);
+                                m.evict();
                             }
                             m.mutable += 1;
                         }
@@ -155,22 +355,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let imm = b.fill_from(tb).unwrap().register_with_priority(prio);
                 let h = tb.sequence_hash().0;
                 prop_assert_eq!(imm.sequence_hash().0, h);
-                m.mutable -= 1;
-                if m.regs.contains_key(&h) {
-                    m.empty += 1; // the duplicate's slot goes back
-                    m.take_ref(h);
-                } else {
-                    m.instances += 1;
-                    m.regs.insert(
-                        h,
-                        Reg {
-                            refs: 1,
-                            prio,
-                            instance: m.instances,
-                            inactive_since: None,
-                        },
-                    );
-                }
+                m.register(h, prio);
                 imms.push(imm);
             }
             Op::Match(len) => {
@@ -182,6 +367,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 prop_assert_eq!(got.len(), want);
                 for (b, h) in got.iter().zip(&hashes) {
                     prop_assert_eq!(b.sequence_hash(), *h);
+                    m.policy_hit(h.0);
                     m.take_ref(h.0);
                 }
                 imms.extend(got);
@@ -207,12 +393,7 @@ fn run(capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let h = hashes[key].0;
                 let found = pool.touch(&[hashes[key]]);
                 prop_assert_eq!(found, usize::from(m.regs.contains_key(&h)));
-                let t = m.tick();
-                if let Some(r) = m.regs.get_mut(&h)
-                    && r.inactive_since.is_some()
-                {
-                    r.inactive_since = Some(t);
-                }
+                m.touch(h);
             }
             Op::Downgrade(i) => {
                 if imms.is_empty() {
@@ -265,8 +446,31 @@ fn check(
     prop_assert_eq!(s.active, m.mutable + held_regs);
     prop_assert_eq!(s.inactive, inactive.len());
     prop_assert_eq!(s.empty, m.empty);
+    let registered: HashSet<u64> = pool.registered_hashes().iter().map(|h| h.0).collect();
+    prop_assert_eq!(registered, m.regs.keys().copied().collect::<HashSet<u64>>());
     let order: Vec<u64> = pool.eviction_order().iter().map(|h| h.0).collect();
-    prop_assert_eq!(order, inactive);
+    match m.policy {
+        EvictionPolicy::Lru => prop_assert_eq!(order, inactive),
+        EvictionPolicy::Lfu => {
+            let mut want: Vec<(u32, u64, u64)> = m
+                .regs
+                .iter()
+                .filter(|(_, r)| r.inactive_since.is_some())
+                .map(|(h, r)| (r.freq, r.ptick, *h))
+                .collect();
+            want.sort();
+            prop_assert_eq!(order, want.into_iter().map(|w| w.2).collect::<Vec<_>>());
+        }
+        // Their order depends on moves an eviction makes: compared
+        // through the victims (the registered hashes) instead.
+        _ => {
+            let mut a = order;
+            a.sort();
+            let mut b = inactive;
+            b.sort();
+            prop_assert_eq!(a, b);
+        }
+    }
 
     // One owner per block: mutable ids are distinct and never shared with a
     // registered block; one id per registered hash and vice versa.
@@ -293,6 +497,21 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
     #[test]
     fn pool_matches_reference_model(capacity in 1usize..8, ops in proptest::collection::vec(op(), 1..120)) {
-        run(capacity, ops)?;
+        run(capacity, ops, EvictionPolicy::Lru)?;
+    }
+
+    #[test]
+    fn lfu_pool_matches_reference_model(capacity in 1usize..8, ops in proptest::collection::vec(op(), 1..120)) {
+        run(capacity, ops, EvictionPolicy::Lfu)?;
+    }
+
+    #[test]
+    fn s3fifo_pool_matches_reference_model(capacity in 1usize..24, ops in proptest::collection::vec(op(), 1..160)) {
+        run(capacity, ops, EvictionPolicy::S3Fifo)?;
+    }
+
+    #[test]
+    fn arc_pool_matches_reference_model(capacity in 1usize..8, ops in proptest::collection::vec(op(), 1..160)) {
+        run(capacity, ops, EvictionPolicy::Arc)?;
     }
 }

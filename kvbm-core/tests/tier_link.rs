@@ -34,6 +34,7 @@ fn pool(tier: Tier, capacity: usize) -> BlockPool {
         tier,
         capacity,
         block_size: BS,
+        eviction: Default::default(),
     })
     .unwrap()
 }

@@ -31,6 +31,9 @@ pub struct Config {
     pub disk_capacity_tokens: Option<u64>,
     /// Eager (default) or lazy offload.
     pub offload: Offload,
+    /// G2's and G3's eviction policies (G1 is vLLM's own cache, evicted by
+    /// vLLM).
+    pub eviction: kvbm_core::eviction::TierEviction,
     /// Serve the attach protocol here (as `kvbm-sim --serve` does).
     pub serve: Option<SocketAddr>,
     /// The attach server's bearer token (needed off loopback).
@@ -73,12 +76,34 @@ pub enum ConfigError {
     },
 }
 
+/// `eviction`: a policy for G2 and G3 (`"s3fifo"`) or per tier
+/// (`"G2=s3fifo,G3=lfu"`); G1 is vLLM's own and stays LRU here.
+fn eviction(v: &Value) -> Result<kvbm_core::eviction::TierEviction, ConfigError> {
+    use kvbm_core::EvictionPolicy;
+    let s = text("eviction", v)?;
+    let mut e: kvbm_core::eviction::TierEviction = s
+        .parse()
+        .map_err(|e: kvbm_core::eviction::TierEvictionError| bad("eviction", e.to_string()))?;
+    if s.contains('=') {
+        if e.device != EvictionPolicy::Lru {
+            return Err(bad(
+                "eviction",
+                "G1 is vLLM's own cache, evicted by vLLM: name G2 and G3 only".to_string(),
+            ));
+        }
+    } else {
+        e.device = EvictionPolicy::Lru;
+    }
+    Ok(e)
+}
+
 /// The keys kvbm reads.
-pub const KNOWN: [&str; 12] = [
+pub const KNOWN: [&str; 13] = [
     "host_capacity_tokens",
     "disk_path",
     "disk_capacity_tokens",
     "offload",
+    "eviction",
     "serve",
     "token",
     "record",
@@ -177,6 +202,7 @@ impl Default for Config {
             disk_path: None,
             disk_capacity_tokens: None,
             offload: Offload::Eager,
+            eviction: Default::default(),
             serve: None,
             token: None,
             record: None,
@@ -221,6 +247,7 @@ impl Config {
                         }
                     }
                 }
+                "eviction" => c.eviction = eviction(v)?,
                 "serve" => {
                     let s = text("serve", v)?;
                     c.serve = Some(s.parse().map_err(|_| {
@@ -345,9 +372,14 @@ mod tests {
             "breakpoint_deadline_s": 2.5,
             "ship_timeout_s": 0.5,
             "shm_dir": "/tmp",
+            "eviction": "G2=s3fifo,G3=lfu",
         }))
         .unwrap();
         assert_eq!(c.host_capacity_tokens, Some(4096));
+        assert_eq!(c.eviction.to_string(), "G1=lru,G2=s3fifo,G3=lfu");
+        // One policy: G2 and G3; G1 stays vLLM's.
+        let one = Config::from_json(&json!({"eviction": "arc"})).unwrap();
+        assert_eq!(one.eviction.to_string(), "G1=lru,G2=arc,G3=arc");
         assert_eq!(c.offload, Offload::Lazy);
         assert_eq!(c.serve, Some("127.0.0.1:7071".parse().unwrap()));
         assert_eq!(c.breakpoint_deadline, Duration::from_millis(2500));
@@ -371,6 +403,9 @@ mod tests {
                 "host_capacity_tokens",
             ),
             (json!({"offload": "sometimes"}), "offload"),
+            (json!({"eviction": "mru"}), "eviction"),
+            (json!({"eviction": "G1=lfu"}), "eviction"),
+            (json!({"eviction": 3}), "eviction"),
             (json!({"serve": "localhost"}), "serve"),
             (json!({"disk_path": "/x"}), "disk_capacity_tokens"),
             (

@@ -57,13 +57,18 @@ impl Parallel {
     /// and the facts it is made of.
     pub fn info(&self, cfg: &Config, g: &Geometry, sizes: TierSizes) -> serde_json::Value {
         let bytes = |blocks: usize| (blocks as u64).saturating_mul(g.block_bytes() as u64);
-        let tier = |name: &str, blocks: usize| {
+        let tier = |name: &str, blocks: usize, policy: kvbm_core::EvictionPolicy| {
             if blocks == 0 {
                 format!("{name} none")
             } else {
                 let each = if self.ranks > 1 { " a rank" } else { "" };
+                // The policy is said where it is not the default.
+                let policy = match policy {
+                    kvbm_core::EvictionPolicy::Lru => String::new(),
+                    p => format!(" {p}"),
+                };
                 format!(
-                    "{name} {} tokens ({}{each})",
+                    "{name} {} tokens ({}{each}){policy}",
                     blocks * g.block_size,
                     human(bytes(blocks))
                 )
@@ -74,8 +79,8 @@ impl Parallel {
         } else {
             format!(
                 "{} · {}",
-                tier("G2", sizes.host_blocks),
-                tier("G3", sizes.disk_blocks)
+                tier("G2", sizes.host_blocks, cfg.eviction.host),
+                tier("G3", sizes.disk_blocks, cfg.eviction.disk)
             )
         };
         let summary = format!(
@@ -106,6 +111,7 @@ impl Parallel {
             "disk_tokens": sizes.disk_blocks * g.block_size,
             "disk_bytes_per_rank": bytes(sizes.disk_blocks),
             "offload": format!("{:?}", cfg.offload).to_lowercase(),
+            "eviction": format!("G2={},G3={}", cfg.eviction.host, cfg.eviction.disk),
         })
     }
 }

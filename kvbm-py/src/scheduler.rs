@@ -401,6 +401,7 @@ fn tier_pools(
     emitter: &Arc<Emitter>,
     geometry: &Geometry,
     sizes: TierSizes,
+    eviction: kvbm_core::eviction::TierEviction,
 ) -> Result<Pools, SchedulerError> {
     let observer = Arc::new(PoolEvents(emitter.clone()));
     let pool = |tier, capacity| -> Result<BlockPool, SchedulerError> {
@@ -409,6 +410,7 @@ fn tier_pools(
                 tier,
                 capacity,
                 block_size: geometry.block_size,
+                eviction: eviction.of(tier),
             },
             observer.clone(),
         )
@@ -665,7 +667,7 @@ impl SchedulerSide {
             Some(emitter.clone()),
             cfg.breakpoint_deadline,
         ));
-        let pools = tier_pools(&emitter, &geometry, sizes)?;
+        let pools = tier_pools(&emitter, &geometry, sizes, cfg.eviction)?;
         let (mirror, g2, g3) = (pools.device.clone(), pools.host.clone(), pools.disk.clone());
         let wiring = LeaderWiring::new(emitter.clone(), g2.clone());
         // What the start did that the user should hear of (vLLM's

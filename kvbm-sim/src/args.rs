@@ -10,7 +10,7 @@
 
 use crate::model::{ModelPreset, WorkerModel};
 use crate::scenario;
-use crate::sim::{OffloadMode, Pacing, SimConfig};
+use crate::sim::{OffloadMode, Pacing, SimConfig, TierEviction};
 use crate::workload::{
     LengthDist, MOONCAKE_BLOCK_TOKENS, MooncakeOptions, RequestSpec, SkippedLine, SyntheticConfig,
     WorkloadError, generate, parse_mooncake_lenient,
@@ -113,6 +113,10 @@ pub struct SimArgs {
     /// Offload mode.
     #[arg(long, value_enum, default_value_t = Offload::Eager, help_heading = "Engine")]
     pub offload: Offload,
+    /// Eviction policy: `lru`, `lfu`, `s3fifo` or `arc` for every tier, or
+    /// per tier, `G2=s3fifo,G3=lfu` (tiers not named keep LRU).
+    #[arg(long, default_value = "lru", help_heading = "Engine")]
+    pub eviction: TierEviction,
     /// Token budget per iteration.
     #[arg(long, default_value_t = 8192, help_heading = "Engine")]
     pub max_batch_tokens: usize,
@@ -345,6 +349,7 @@ impl SimArgs {
                 Offload::Eager => OffloadMode::Eager,
                 Offload::Lazy => OffloadMode::Lazy,
             },
+            eviction: self.eviction,
             real_bytes_per_token: self.real_bytes_per_token,
             worker: self.worker(),
             model: self.model_name(),

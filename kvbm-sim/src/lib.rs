@@ -10,10 +10,12 @@
 //!   time takes, what the modelled model's copies would.
 //! - [`scenario`]: built-in scenarios (the CPU-offload walk-through's two
 //!   requests).
+//! - [`info`]: what the engine runs as, for headers and recordings.
 //! - [`args`]: the command-line options, declared once for every command
 //!   that runs the simulator.
 
 pub mod args;
+pub mod info;
 pub mod model;
 pub mod modeled;
 pub mod scenario;

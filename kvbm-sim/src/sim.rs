@@ -29,6 +29,8 @@ use crate::modeled::{LinkModel, ModeledEngine};
 use crate::workload::RequestSpec;
 use kvbm_core::assembly::{AssemblyError, LocalTiers, Pools, Route, TierSizes};
 use kvbm_core::block::{ComputeDone, Empty, ImmutableBlock, MutableBlock};
+/// Each tier's eviction policy, as [`SimConfig::eviction`] takes it.
+pub use kvbm_core::eviction::TierEviction;
 use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};
 /// Eager or lazy offload, as [`SimConfig::offload_mode`] takes it.
 pub use kvbm_core::leader::OffloadMode;
@@ -78,6 +80,8 @@ pub struct SimConfig {
     pub max_batch_seqs: usize,
     /// Eager or lazy offload.
     pub offload_mode: OffloadMode,
+    /// Each tier's eviction policy.
+    pub eviction: TierEviction,
     /// Real bytes per token in the simulated storages (small by default so
     /// runs stay fast).
     pub real_bytes_per_token: usize,
@@ -118,6 +122,7 @@ impl Default for SimConfig {
             max_batch_tokens: 8192,
             max_batch_seqs: 256,
             offload_mode: OffloadMode::Eager,
+            eviction: TierEviction::default(),
             real_bytes_per_token: 4,
             worker: WorkerModel::default(),
             model: crate::model::ModelPreset::Llama3_8b.spec().name.to_string(),
@@ -450,6 +455,7 @@ impl Simulator {
             device_blocks,
             host_blocks,
             disk_blocks,
+            eviction: cfg.eviction,
         };
         let pools = Pools::new(&sizes, Some(observer)).map_err(setup)?;
         let layout = |n: usize| {

@@ -74,6 +74,7 @@ fn record_simulator(out: &Path, log: LogConfig, sim: &SimArgs) -> Result<i32> {
         .build()?;
     let loaded_requests = loaded.workload.len();
     let virtual_time = loaded.config.pacing == Pacing::Virtual;
+    let info = kvbm_sim::info::engine_info(&loaded.config);
     let sim = Simulator::new(loaded.config, loaded.workload, rt.handle())?;
     let tap = sim
         .emitter()
@@ -86,6 +87,9 @@ fn record_simulator(out: &Path, log: LogConfig, sim: &SimArgs) -> Result<i32> {
     };
     rcfg.log.engine_id = u64::from(sim.emitter().engine());
     rcfg.run = Some(sim.emitter().run());
+    // What it ran as (tiers, policies) goes in the sidecar: `inspect` and
+    // the console's header say it.
+    rcfg.info = Some(info);
     let handle = recorder::spawn_recorder(tap, out.to_path_buf(), rcfg, None)?;
     let bar = Progress::new(loaded_requests as u64, "requests finished");
     let emitter = sim.emitter().clone();

@@ -236,6 +236,7 @@ mod tests {
             tier: Tier::Host,
             capacity: 2,
             block_size: 2,
+            eviction: Default::default(),
         })
         .unwrap();
         let seq = crate::TokenSequence::from_tokens(&[1, 2], 2, crate::SaltHash(0)).unwrap();

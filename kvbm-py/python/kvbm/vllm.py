@@ -13,7 +13,8 @@ vLLM's objects and hands plain data to the Rust core (``kvbm._kvbm``):
 
 Settings (``kv_connector_extra_config``, all optional): ``host_capacity_tokens``
 (default: 10% of RAM; 0 disables the host tier), ``disk_path`` and
-``disk_capacity_tokens``, ``offload`` (``eager`` or ``lazy``), ``serve``
+``disk_capacity_tokens``, ``offload`` (``eager`` or ``lazy``), ``eviction``
+(``lru``, ``lfu``, ``s3fifo`` or ``arc``, or ``G2=...,G3=...``), ``serve``
 (``host:port`` of an attach server), ``token``, ``record`` (a new directory),
 ``breakpoint_deadline_s``, ``ship_timeout_s``, ``shm_dir``, or ``publish``
 (``nats://HOST:PORT``, the fleet's event plane) with ``engine_id``. An

@@ -1,0 +1,78 @@
+//! What the simulated engine runs as, as an engine embedding kvbm says it
+//! (the attach server's hello, a recording's sidecar): a one-line
+//! `summary` for the console's header, the facts behind it beside.
+
+use crate::sim::SimConfig;
+use kvbm_core::EvictionPolicy;
+
+/// `1,234,567`.
+fn grouped(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The summary and facts of `cfg`. A tier's eviction policy is named
+/// after its size when it is not LRU (`G2 65,536 tokens s3fifo`).
+pub fn engine_info(cfg: &SimConfig) -> serde_json::Value {
+    let tier = |name: &str, tokens: usize, policy: EvictionPolicy| match tokens {
+        0 => format!("{name} none"),
+        n if policy == EvictionPolicy::Lru => format!("{name} {} tokens", grouped(n as u64)),
+        n => format!("{name} {} tokens {policy}", grouped(n as u64)),
+    };
+    let e = cfg.eviction;
+    let summary = format!(
+        "simulator · {} · {} · {} · {}",
+        cfg.model,
+        tier("G1", cfg.device_capacity_tokens, e.device),
+        tier("G2", cfg.host_capacity_tokens, e.host),
+        tier("G3", cfg.disk_capacity_tokens, e.disk),
+    );
+    serde_json::json!({
+        "summary": summary,
+        "source": "simulator",
+        "model": cfg.model,
+        "block_size": cfg.block_size,
+        "device_tokens": cfg.device_capacity_tokens,
+        "host_tokens": cfg.host_capacity_tokens,
+        "disk_tokens": cfg.disk_capacity_tokens,
+        "eviction": e.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvbm_core::eviction::TierEviction;
+
+    #[test]
+    fn the_engine_info_sums_up_the_tiers_and_names_a_policy_other_than_lru() {
+        let mut cfg = SimConfig {
+            model: "llama-3-8b".into(),
+            device_capacity_tokens: 32_768,
+            host_capacity_tokens: 65_536,
+            disk_capacity_tokens: 0,
+            ..SimConfig::default()
+        };
+        let info = engine_info(&cfg);
+        assert_eq!(
+            info["summary"],
+            "simulator · llama-3-8b · G1 32,768 tokens · G2 65,536 tokens · G3 none"
+        );
+        assert_eq!(info["host_tokens"], 65_536);
+        assert_eq!(info["eviction"], "G1=lru,G2=lru,G3=lru");
+        cfg.eviction = "G2=s3fifo".parse::<TierEviction>().unwrap();
+        let info = engine_info(&cfg);
+        assert_eq!(
+            info["summary"],
+            "simulator · llama-3-8b · G1 32,768 tokens · G2 65,536 tokens s3fifo · G3 none"
+        );
+        assert_eq!(info["eviction"], "G1=lru,G2=s3fifo,G3=lru");
+    }
+}
