@@ -47,15 +47,7 @@ pub fn clock(ns: u64) -> String {
 
 /// A count with thousands separators: `1,234,567`.
 pub fn count(n: u64) -> String {
-    let s = n.to_string();
-    let mut out = String::with_capacity(s.len() + s.len() / 3);
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
+    kvbm_events::text::thousands(n)
 }
 
 /// Bytes with a binary unit: `512B`, `4.0KiB`, `1.5MiB`, `2.0GiB`.

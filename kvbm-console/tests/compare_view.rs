@@ -12,12 +12,10 @@ use kvbm_console::open::open_replay;
 use kvbm_console::run::Screen;
 use kvbm_events::Event;
 use kvbm_recorder::analysis::compare::Summary;
-use ratatui::Terminal;
-use ratatui::backend::TestBackend;
 use ratatui::crossterm::event::{
     KeyCode, KeyEvent, KeyModifiers, MouseButton, MouseEvent, MouseEventKind,
 };
-use support::replays;
+use support::{draw, replays};
 
 const A: &str = "preemption-heavy";
 const B: &str = "mooncake-slice";
@@ -34,23 +32,6 @@ fn compare(a: &str, b: &str) -> Compare {
     let mut c = Compare::new(a.app, &a.events, b.app, &b.events);
     c.key(KeyEvent::new(KeyCode::End, KeyModifiers::NONE));
     c
-}
-
-fn draw(c: &mut Compare, w: u16, h: u16) -> Vec<String> {
-    c.resize(w, h);
-    c.tick();
-    let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
-    t.draw(|f| c.render(f)).unwrap();
-    let buf = t.backend().buffer();
-    (0..h)
-        .map(|y| {
-            (0..w)
-                .map(|x| buf[(x, y)].symbol().to_string())
-                .collect::<String>()
-                .trim_end()
-                .to_string()
-        })
-        .collect()
 }
 
 /// The header's values are the summaries `kvbm-recorder compare` gates

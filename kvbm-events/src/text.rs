@@ -1,3 +1,6 @@
+//! Text for people: [`thousands`] writes a count as people read it, and
+//! the rest is for echoing untrusted text back.
+//!
 //! Echoing untrusted text back: a refusal should quote what it refused,
 //! but a value that came from the network can be megabytes long, and
 //! quoting all of it helps no one. [`clip`] keeps the start.
@@ -11,6 +14,19 @@
 //!   client, or a parser's own error text (which may quote the input and
 //!   list what it expected). Longer, because a useful message can be a
 //!   few lines.
+
+/// A count with thousands separators: `1,234,567`.
+pub fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
 
 /// Most characters of a value quoted inside an error message.
 pub const MAX_QUOTED_CHARS: usize = 64;
@@ -47,6 +63,15 @@ pub fn said(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_are_grouped_in_threes() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1000), "1,000");
+        assert_eq!(thousands(65_536), "65,536");
+        assert_eq!(thousands(u64::MAX), "18,446,744,073,709,551,615");
+    }
 
     #[derive(Debug, thiserror::Error)]
     #[error("{what}")]

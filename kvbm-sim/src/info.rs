@@ -4,27 +4,15 @@
 
 use crate::sim::SimConfig;
 use kvbm_core::EvictionPolicy;
-
-/// `1,234,567`.
-fn grouped(n: u64) -> String {
-    let s = n.to_string();
-    let mut out = String::with_capacity(s.len() + s.len() / 3);
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
+use kvbm_events::text::thousands;
 
 /// The summary and facts of `cfg`. A tier's eviction policy is named
 /// after its size when it is not LRU (`G2 65,536 tokens s3fifo`).
 pub fn engine_info(cfg: &SimConfig) -> serde_json::Value {
     let tier = |name: &str, tokens: usize, policy: EvictionPolicy| match tokens {
         0 => format!("{name} none"),
-        n if policy == EvictionPolicy::Lru => format!("{name} {} tokens", grouped(n as u64)),
-        n => format!("{name} {} tokens {policy}", grouped(n as u64)),
+        n if policy == EvictionPolicy::Lru => format!("{name} {} tokens", thousands(n as u64)),
+        n => format!("{name} {} tokens {policy}", thousands(n as u64)),
     };
     let e = cfg.eviction;
     let summary = format!(

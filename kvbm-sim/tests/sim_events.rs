@@ -77,22 +77,28 @@ fn compare(sim: &Simulator, st: &EngineState, when: &str) {
     );
 }
 
+/// `n` requests at 40 a second, 60% of them sharing one of 3 prefixes of
+/// 128 tokens: enough reuse for hits, enough new blocks for evictions.
+fn sharing_workload(seed: u64, n: usize) -> Vec<RequestSpec> {
+    generate(&SyntheticConfig {
+        seed,
+        num_requests: n,
+        arrival_rate_per_s: 40.0,
+        prompt_len: LengthDist::Uniform { min: 40, max: 600 },
+        output_len: LengthDist::Uniform { min: 1, max: 40 },
+        shared_prefix_ratio: 0.6,
+        num_shared_prefixes: 3,
+        shared_prefix_len: 128,
+        ..SyntheticConfig::default()
+    })
+    .unwrap()
+}
+
 #[test]
 fn the_reducer_rebuilds_the_engine_state_at_random_points() {
     for (seed, disk) in [(1u64, 0usize), (2, 4096), (3, 4096)] {
         let rt = runtime();
-        let workload = generate(&SyntheticConfig {
-            seed,
-            num_requests: 60,
-            arrival_rate_per_s: 40.0,
-            prompt_len: LengthDist::Uniform { min: 40, max: 600 },
-            output_len: LengthDist::Uniform { min: 1, max: 40 },
-            shared_prefix_ratio: 0.6,
-            num_shared_prefixes: 3,
-            shared_prefix_len: 128,
-            ..SyntheticConfig::default()
-        })
-        .unwrap();
+        let workload = sharing_workload(seed, 60);
         let cfg = SimConfig {
             block_size: 16,
             // Small tiers: evictions, preemptions, skipped offloads.
@@ -155,18 +161,7 @@ fn two_runs_in_virtual_time_give_the_same_events() {
     use kvbm_sim::sim::OffloadMode;
     let run = |seed: u64, mode: OffloadMode| -> Vec<Event> {
         let rt = runtime();
-        let workload = generate(&SyntheticConfig {
-            seed,
-            num_requests: 80,
-            arrival_rate_per_s: 40.0,
-            prompt_len: LengthDist::Uniform { min: 40, max: 600 },
-            output_len: LengthDist::Uniform { min: 1, max: 40 },
-            shared_prefix_ratio: 0.6,
-            num_shared_prefixes: 3,
-            shared_prefix_len: 128,
-            ..SyntheticConfig::default()
-        })
-        .unwrap();
+        let workload = sharing_workload(seed, 80);
         let cfg = SimConfig {
             device_capacity_tokens: 2048,
             host_capacity_tokens: 1024,

@@ -26,8 +26,9 @@ pub fn special(app: &mut App, code: KeyCode) {
     app.key(KeyEvent::new(code, KeyModifiers::NONE));
 }
 
-/// Draws `app` at `w`×`h` and returns the screen's lines.
-pub fn draw(app: &mut App, w: u16, h: u16) -> Vec<String> {
+/// Draws `app` (the console, or `compare`'s two panes) at `w`×`h` and
+/// returns the screen's lines.
+pub fn draw<S: kvbm_console::run::Screen>(app: &mut S, w: u16, h: u16) -> Vec<String> {
     app.resize(w, h);
     app.tick();
     let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
