@@ -51,7 +51,7 @@ const RING: usize = 1 << 18;
 /// throughput against the engine's rate × 50, on two cores shared by the
 /// engine, the server and the 50 clients: the engine in virtual time
 /// emits 250k events/s in a debug build (`cargo test`), which gave each
-/// client 23–24%, and 345–372k in a release build, 19–22% (50 × that is
+/// client 23–29% (two runs), and 345–372k in a release build, 19–22% (50 × that is
 /// far more than the server's 3–4M/s). The floor leaves room for a
 /// loaded machine and still fails a server that turns most events into
 /// gaps. The README states it.

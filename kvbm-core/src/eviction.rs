@@ -287,7 +287,9 @@ pub(crate) struct Inactive {
 }
 
 impl Inactive {
-    /// For a pool of `capacity` blocks under `policy` (not LRU).
+    /// For a pool of `capacity` blocks under `policy`. The pool keeps LRU
+    /// in its own lists and never builds one of these for it; the `Lru`
+    /// arms below exist only because the match must name it.
     pub(crate) fn new(
         policy: EvictionPolicy,
         capacity: usize,
