@@ -65,7 +65,7 @@ fn a_policy_per_tier_runs_shows_in_the_recording_and_changes_the_evictions() {
 
     for (bad, why) in [
         ("G4=lru", "unknown tier"),
-        ("G2=mru", "unknown eviction policy `mru`"),
+        ("G2=mru", "unknown cache policy `mru`"),
         ("G2=lfu,host=arc", "given twice"),
     ] {
         let o = recorder(&["record", "--out", "/nonexistent/x", "--eviction", bad]);

@@ -65,6 +65,7 @@ fn setup(blocks: usize, big: bool) -> Setup {
             capacity: blocks,
             block_size: BS,
             eviction: Default::default(),
+            admission: Default::default(),
         })
         .unwrap()
     };

@@ -25,6 +25,7 @@ fn pool(capacity: usize) -> BlockPool {
         capacity,
         block_size: BLOCK_SIZE,
         eviction: Default::default(),
+        admission: Default::default(),
     })
     .unwrap()
 }

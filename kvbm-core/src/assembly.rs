@@ -22,7 +22,9 @@
 use crate::layout::{Layout, LayoutError};
 use crate::leader::{LeaderWiring, Pipelines};
 use crate::link::{HostTier, LinkError, TierLink};
-use crate::offload::{ConfigError, OffloadPipeline, OffloadPolicy, PipelineConfig, PresencePolicy};
+use crate::offload::{
+    AdmissionPolicy, ConfigError, OffloadPipeline, OffloadPolicy, PipelineConfig, PresencePolicy,
+};
 use crate::pool::{BlockPool, PoolConfig, PoolError, PoolObserver};
 use crate::storage::{DiskStorage, HostStorage, StorageError};
 use crate::transfer::{DiskDirection, DiskEngine, MemcpyEngine, TransferEngine, TransferError};
@@ -95,7 +97,8 @@ impl Pools {
                 tier,
                 capacity,
                 block_size: sizes.block_size,
-                eviction: sizes.eviction.of(tier),
+                eviction: sizes.eviction.of(tier).eviction,
+                admission: sizes.eviction.of(tier).admission,
             };
             match &observer {
                 Some(o) => BlockPool::with_observer(config, o.clone()),
@@ -192,10 +195,13 @@ pub unsafe fn connect<E: From<AssemblyError>>(
             _ => continue,
         };
         let Route { engine, config } = route(d)?;
+        let admission = dst.has_admission();
         // SAFETY: the caller's promise, passed on.
         let link = unsafe { TierLink::new(engine, src, dst) }.map_err(AssemblyError::from)?;
         let policies: Vec<Arc<dyn OffloadPolicy>> = if d.dst == Tier::Device {
             Vec::new()
+        } else if admission {
+            vec![Arc::new(PresencePolicy), Arc::new(AdmissionPolicy)]
         } else {
             vec![Arc::new(PresencePolicy)]
         };

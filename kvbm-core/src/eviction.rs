@@ -32,6 +32,7 @@
 //! list (and count towards its size) but are skipped until released. The
 //! non-LRU policies ignore block priorities.
 
+pub use crate::admission::Admission;
 use crate::tokens::SequenceHash;
 use kvbm_events::BlockId;
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -79,7 +80,7 @@ impl std::fmt::Display for EvictionPolicy {
 
 /// A policy name that is not one of [`EvictionPolicy::ALL`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown eviction policy `{0}` (known: lru, lfu, s3fifo, arc)")]
+#[error("unknown cache policy `{0}` (known: lru, lfu, s3fifo, arc, each also as tinylfu+POLICY)")]
 pub struct UnknownPolicy(pub String);
 
 impl std::str::FromStr for EvictionPolicy {
@@ -92,17 +93,76 @@ impl std::str::FromStr for EvictionPolicy {
     }
 }
 
+/// A tier's cache policy: admission and eviction, written `lru`,
+/// `s3fifo`, or `tinylfu+lru` (`tinylfu` alone is `tinylfu+lru`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub struct CachePolicy {
+    /// Who gets in.
+    pub admission: Admission,
+    /// Who leaves.
+    pub eviction: EvictionPolicy,
+}
+
+impl CachePolicy {
+    /// Eviction `e`, admitting everything.
+    pub const fn evict(e: EvictionPolicy) -> Self {
+        CachePolicy {
+            admission: Admission::All,
+            eviction: e,
+        }
+    }
+}
+
+impl From<EvictionPolicy> for CachePolicy {
+    fn from(e: EvictionPolicy) -> Self {
+        CachePolicy::evict(e)
+    }
+}
+
+impl std::fmt::Display for CachePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.admission {
+            Admission::All => write!(f, "{}", self.eviction),
+            Admission::TinyLfu => write!(f, "tinylfu+{}", self.eviction),
+        }
+    }
+}
+
+impl std::str::FromStr for CachePolicy {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim().to_ascii_lowercase();
+        let (admission, rest) = match t.split_once('+') {
+            Some(("tinylfu", e)) => (Admission::TinyLfu, e),
+            Some(_) => return Err(UnknownPolicy(s.to_string())),
+            None if t == "tinylfu" => (Admission::TinyLfu, "lru"),
+            None => (Admission::All, t.as_str()),
+        };
+        let eviction = rest
+            .parse::<EvictionPolicy>()
+            .map_err(|_| UnknownPolicy(s.to_string()))?;
+        Ok(CachePolicy {
+            admission,
+            eviction,
+        })
+    }
+}
+
 /// The policy of each tier: `POLICY` for every tier, or a comma list of
 /// `TIER=POLICY` (`G1`, `G2`, `G3`, or `device`, `host`, `disk`), the
-/// tiers not named keeping LRU: `s3fifo`, `G2=arc,G3=lfu`.
+/// tiers not named keeping LRU: `s3fifo`, `G2=arc,G3=lfu`,
+/// `G2=tinylfu+lru`. A policy is a [`CachePolicy`]: TinyLFU admission
+/// applies to G2 and G3 only (G1 takes every block the engine computes),
+/// so `tinylfu+lru` for every tier leaves G1 at plain `lru`, and
+/// `G1=tinylfu+…` is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TierEviction {
     /// G1.
-    pub device: EvictionPolicy,
+    pub device: CachePolicy,
     /// G2.
-    pub host: EvictionPolicy,
+    pub host: CachePolicy,
     /// G3.
-    pub disk: EvictionPolicy,
+    pub disk: CachePolicy,
 }
 
 /// A `--eviction` (or `eviction`) setting that does not read.
@@ -117,20 +177,26 @@ pub enum TierEvictionError {
     /// A tier named twice.
     #[error("tier {0} is given twice")]
     Twice(kvbm_events::Tier),
+    /// Admission asked of G1.
+    #[error(
+        "admission (`{0}`) applies to G2 and G3 only: G1 takes every block the engine computes"
+    )]
+    DeviceAdmission(CachePolicy),
 }
 
 impl TierEviction {
-    /// The same policy on every tier.
-    pub fn all(p: EvictionPolicy) -> Self {
+    /// The same policy on every tier (G1 without its admission).
+    pub fn all(p: impl Into<CachePolicy>) -> Self {
+        let p = p.into();
         TierEviction {
-            device: p,
+            device: CachePolicy::evict(p.eviction),
             host: p,
             disk: p,
         }
     }
 
     /// The policy of `tier`.
-    pub fn of(&self, tier: kvbm_events::Tier) -> EvictionPolicy {
+    pub fn of(&self, tier: kvbm_events::Tier) -> CachePolicy {
         match tier {
             kvbm_events::Tier::Device => self.device,
             kvbm_events::Tier::Host => self.host,
@@ -151,7 +217,7 @@ impl std::str::FromStr for TierEviction {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         use kvbm_events::Tier;
         if !s.contains('=') {
-            return Ok(TierEviction::all(s.parse()?));
+            return Ok(TierEviction::all(s.parse::<CachePolicy>()?));
         }
         let mut out = TierEviction::default();
         let mut seen = Vec::new();
@@ -169,8 +235,11 @@ impl std::str::FromStr for TierEviction {
                 return Err(TierEvictionError::Twice(tier));
             }
             seen.push(tier);
-            let p: EvictionPolicy = policy.parse()?;
+            let p: CachePolicy = policy.parse()?;
             match tier {
+                Tier::Device if p.admission != Admission::All => {
+                    return Err(TierEvictionError::DeviceAdmission(p));
+                }
                 Tier::Device => out.device = p,
                 Tier::Host => out.host = p,
                 Tier::Disk => out.disk = p,
@@ -287,9 +356,10 @@ pub(crate) struct Inactive {
 }
 
 impl Inactive {
-    /// For a pool of `capacity` blocks under `policy`. The pool keeps LRU
-    /// in its own lists and never builds one of these for it; the `Lru`
-    /// arms below exist only because the match must name it.
+    /// For a pool of `capacity` blocks under `policy`. A pool keeps LRU in
+    /// its own lists and never builds one of these for it; the reference
+    /// model of [`crate::cache_model`] does, and gets least recently
+    /// released first.
     pub(crate) fn new(
         policy: EvictionPolicy,
         capacity: usize,
@@ -436,10 +506,17 @@ impl Inactive {
 
     /// The last holder of `id` let go: it may be evicted now.
     pub(crate) fn released(&mut self, id: BlockId) {
-        let e = &mut self.entries[id as usize];
+        let e = self.entries[id as usize];
         if !e.member || e.inactive {
             return;
         }
+        if self.policy == EvictionPolicy::Lru {
+            // Least recently released first (the model of `cache_model`;
+            // a pool keeps LRU in its own lists).
+            let now = self.tick();
+            self.entries[id as usize].tick = now;
+        }
+        let e = &mut self.entries[id as usize];
         e.inactive = true;
         let (k, q) = (self.key(id), self.entries[id as usize].queue);
         self.set_of(q).insert(k);
@@ -457,9 +534,33 @@ impl Inactive {
         self.entries[id as usize].inactive = false;
     }
 
-    /// Inactive blocks.
-    pub(crate) fn len(&self) -> usize {
-        self.first.len() + self.second.len()
+    /// Up to `n` inactive blocks in the order [`evict`](Self::evict)
+    /// would look at them if nothing else happened: LRU's and LFU's
+    /// exactly; ARC's as its target stands now; S3-FIFO's the FIFO it
+    /// would take from first, then the other (it may move a block that
+    /// was hit on instead of evicting it: those moves are not played out).
+    pub(crate) fn victims(&self, n: usize) -> Vec<BlockId> {
+        let first_first = match self.policy {
+            EvictionPolicy::Lru | EvictionPolicy::Lfu => true,
+            EvictionPolicy::S3Fifo => {
+                let small = (self.capacity / 10).max(1);
+                !self.first.is_empty() && (self.first_len >= small || self.second.is_empty())
+            }
+            EvictionPolicy::Arc => {
+                !self.first.is_empty() && (self.first_len > self.target || self.second.is_empty())
+            }
+        };
+        let (a, b) = if first_first {
+            (&self.first, &self.second)
+        } else {
+            (&self.second, &self.first)
+        };
+        a.iter().chain(b.iter()).map(|k| k.2).take(n).collect()
+    }
+
+    /// The first of [`victims`](Self::victims).
+    pub(crate) fn peek(&self) -> Option<BlockId> {
+        self.victims(1).first().copied()
     }
 
     /// Chooses an inactive block, forgets it and returns it; `None` when
@@ -534,34 +635,32 @@ impl Inactive {
         set.pop_first().map(|(_, _, id)| id)
     }
 
-    /// The inactive blocks in the order they would be evicted if nothing
-    /// else happened (S3-FIFO's and ARC's as they stand: the moves an
-    /// eviction makes on the way are not played out). For tests and
-    /// diagnostics; O(inactive).
+    /// Every inactive block, in [`victims`](Self::victims)' order. For
+    /// tests and diagnostics; O(inactive).
     pub(crate) fn order(&self) -> Vec<BlockId> {
-        let mut out: Vec<BlockId> = Vec::with_capacity(self.len());
-        let (a, b): (Vec<_>, Vec<_>) = (
-            self.first.iter().map(|k| k.2).collect(),
-            self.second.iter().map(|k| k.2).collect(),
-        );
-        let first_first = match self.policy {
-            EvictionPolicy::Arc => self.first_len > self.target || b.is_empty(),
-            _ => true,
-        };
-        if first_first {
-            out.extend(a);
-            out.extend(b);
-        } else {
-            out.extend(b);
-            out.extend(a);
-        }
-        out
+        self.victims(usize::MAX)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn policies_read_and_print_back() {
+        for s in ["lru", "lfu", "s3fifo", "arc", "tinylfu+lru", "tinylfu+arc"] {
+            let p: CachePolicy = s.parse().unwrap();
+            assert_eq!(p.to_string(), s);
+        }
+        assert_eq!(
+            "TinyLFU".parse::<CachePolicy>().unwrap().to_string(),
+            "tinylfu+lru"
+        );
+        for bad in ["tinylfu+", "lfu+lru", "tinylfu+fifo", ""] {
+            let e = bad.parse::<CachePolicy>().unwrap_err();
+            assert!(e.to_string().contains("unknown"), "{bad}: {e}");
+        }
+    }
 
     fn h(n: u64) -> SequenceHash {
         SequenceHash(n)
@@ -594,10 +693,19 @@ mod tests {
         let all: TierEviction = "arc".parse().unwrap();
         assert_eq!(all, TierEviction::all(EvictionPolicy::Arc));
         let some: TierEviction = "G2=s3fifo, disk=lfu".parse().unwrap();
-        assert_eq!(some.of(Tier::Device), EvictionPolicy::Lru);
-        assert_eq!(some.of(Tier::Host), EvictionPolicy::S3Fifo);
-        assert_eq!(some.of(Tier::Disk), EvictionPolicy::Lfu);
+        assert_eq!(some.of(Tier::Device), EvictionPolicy::Lru.into());
+        assert_eq!(some.of(Tier::Host), EvictionPolicy::S3Fifo.into());
+        assert_eq!(some.of(Tier::Disk), EvictionPolicy::Lfu.into());
         assert_eq!(some.to_string().parse::<TierEviction>(), Ok(some));
+        // Admission is for the tiers blocks are offered to.
+        let t: TierEviction = "tinylfu+s3fifo".parse().unwrap();
+        assert_eq!(
+            t.to_string(),
+            "G1=s3fifo,G2=tinylfu+s3fifo,G3=tinylfu+s3fifo"
+        );
+        assert_eq!(t.to_string().parse::<TierEviction>(), Ok(t));
+        let e = "G1=tinylfu+lru".parse::<TierEviction>().unwrap_err();
+        assert!(e.to_string().contains("G2 and G3 only"), "{e}");
         for bad in ["G4=lru", "G2=lfu,host=arc", "G2=fifo", "nope", "G2"] {
             let e = bad.parse::<TierEviction>().unwrap_err().to_string();
             assert!(e.contains("unknown") || e.contains("twice"), "{bad}: {e}");

@@ -24,6 +24,7 @@
 //! forward pass, fires the stores' precondition after it, and reports which
 //! requests have finished sending and receiving.
 
+use crate::admission::FrequencySketch;
 use crate::block::{Empty, ImmutableBlock, MutableBlock};
 use crate::hooks::{HookSet, Verdict};
 use crate::offload::{
@@ -49,6 +50,47 @@ pub enum OffloadMode {
     Eager,
     /// Store a request's blocks when it finishes.
     Lazy,
+    /// Store a block at its N-th hit in G1 (the engine's own prefix
+    /// cache), N from 1 to 15: blocks no later request reuses never reach
+    /// G2, so a burst of them cannot evict what is shared. Hits are counted
+    /// in a [`FrequencySketch`] the size of the tier stored to, which
+    /// halves its counts every ten hits per block of that tier (so old
+    /// hits fade), and which may count a block early where its hash
+    /// collides with hotter ones in every row (never late).
+    AfterHits(u32),
+}
+
+impl std::fmt::Display for OffloadMode {
+    /// `eager`, `lazy`, `after-hits:N`: reads back as the same mode.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OffloadMode::Eager => f.write_str("eager"),
+            OffloadMode::Lazy => f.write_str("lazy"),
+            OffloadMode::AfterHits(n) => write!(f, "after-hits:{n}"),
+        }
+    }
+}
+
+/// An offload mode that does not read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown offload mode `{0}` (known: eager, lazy, after-hits:N with N from 1 to 15)")]
+pub struct UnknownOffloadMode(pub String);
+
+impl std::str::FromStr for OffloadMode {
+    type Err = UnknownOffloadMode;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "eager" => Ok(OffloadMode::Eager),
+            "lazy" => Ok(OffloadMode::Lazy),
+            _ => t
+                .strip_prefix("after-hits:")
+                .and_then(|n| n.parse::<u32>().ok())
+                .filter(|n| (1..=15).contains(n))
+                .map(OffloadMode::AfterHits)
+                .ok_or_else(|| UnknownOffloadMode(s.to_string())),
+        }
+    }
 }
 
 /// Turns pool registrations and evictions into events.
@@ -402,6 +444,10 @@ pub struct ScheduledRequest {
     /// Device blocks that became full and registered this iteration
     /// (stored at once in eager mode).
     pub new_full_blocks: Vec<ImmutableBlock>,
+    /// Device blocks the engine's own prefix cache served the request, told
+    /// in the iteration it is first scheduled after being admitted
+    /// (counted towards [`OffloadMode::AfterHits`]).
+    pub device_hits: Vec<ImmutableBlock>,
     /// Tokens appended to the request (generated) this iteration.
     pub new_tokens: Vec<Token>,
 }
@@ -435,6 +481,8 @@ pub struct Leader {
     disk: Option<BlockPool>,
     pipelines: Pipelines,
     mode: OffloadMode,
+    /// G1 hits per block, under [`OffloadMode::AfterHits`].
+    hits: Option<Mutex<FrequencySketch>>,
     salt: SaltHash,
     block_size: usize,
     hooks: HookSet,
@@ -473,7 +521,19 @@ impl Leader {
     ) -> Self {
         *lock(&wiring.shared.spill) = pipelines.offload_host_to_disk.clone();
         let block_size = pools.device.block_size();
+        let hits = match mode {
+            OffloadMode::AfterHits(_) => {
+                let to = pools
+                    .host
+                    .as_ref()
+                    .or(pools.disk.as_ref())
+                    .unwrap_or(&pools.device);
+                Some(Mutex::new(FrequencySketch::new(to.capacity())))
+            }
+            _ => None,
+        };
         Leader {
+            hits,
             hooks: HookSet::none(),
             shared: wiring.shared,
             device: pools.device,
@@ -717,8 +777,13 @@ impl Leader {
         // Leave at least the last token to compute.
         let limit = (prompt_len.saturating_sub(1)) / self.block_size;
         let wanted = hashes.get(first..limit.max(first)).unwrap_or(&[]);
-        if !slot.lookup_emitted {
+        let first_lookup = !slot.lookup_emitted;
+        if first_lookup {
             slot.lookup_emitted = true;
+            // TinyLFU counts each request's references once, here.
+            for pool in [&self.host, &self.disk].into_iter().flatten() {
+                pool.record_references(&hashes);
+            }
             self.shared.emitter.emit(
                 Some(request),
                 EventKind::PrefixLookup {
@@ -733,13 +798,20 @@ impl Leader {
         // the tiers' contents now.
         slot.staged.clear();
         let mut staged = Vec::new();
-        for (tier, pool) in [(Tier::Host, &self.host), (Tier::Disk, &self.disk)] {
+        // Where each tier's hits are among `hashes`.
+        let mut served = [(0, 0); 2];
+        for (i, (tier, pool)) in [(Tier::Host, &self.host), (Tier::Disk, &self.disk)]
+            .into_iter()
+            .enumerate()
+        {
             let Some(pool) = pool else { continue };
             let rest = &wanted[staged.len()..];
             if rest.is_empty() {
                 break;
             }
             let hits = pool.match_prefix(rest);
+            let at = first + staged.len();
+            served[i] = (at, at + hits.len());
             self.shared.emitter.emit(
                 Some(request),
                 EventKind::MatchResult {
@@ -753,6 +825,19 @@ impl Leader {
             staged.extend(hits);
             if stop {
                 break;
+            }
+        }
+        if first_lookup {
+            // Every block the request needs is a use of it in each tier
+            // that holds it, served from there or not (from G1, or
+            // recomputed after an earlier block missed), as the capacity
+            // curve counts references: a prefix G1 keeps hot stays recent
+            // in G2 too. The blocks a tier served were hit just now.
+            for (pool, (a, b)) in [&self.host, &self.disk].into_iter().zip(served) {
+                if let Some(pool) = pool {
+                    pool.touch(&hashes[..a.min(hashes.len())]);
+                    pool.touch(&hashes[b.min(hashes.len()).max(a.min(hashes.len()))..]);
+                }
             }
         }
         let tokens = staged.len() * self.block_size;
@@ -905,6 +990,11 @@ impl Leader {
                     },
                 );
             }
+            if let OffloadMode::AfterHits(n) = self.mode
+                && !s.device_hits.is_empty()
+            {
+                self.store_hot(&s.request, &s.device_hits, n);
+            }
             if self.mode == OffloadMode::Eager && !s.new_full_blocks.is_empty() {
                 let blocks = s
                     .new_full_blocks
@@ -940,6 +1030,29 @@ impl Leader {
         self.flush_spills();
         self.done(call);
         md
+    }
+
+    /// Counts `hits` towards [`OffloadMode::AfterHits`] and stores those
+    /// that reach `n` and are not stored yet. They were computed in an
+    /// earlier pass: nothing to wait for.
+    fn store_hot(&self, request: &RequestId, hits: &[ImmutableBlock], n: u32) {
+        let Some(counts) = &self.hits else { return };
+        let to = self.store_direction();
+        let Some(dst) = self.pool(to.dst) else { return };
+        let hot: Vec<SourceBlock> = {
+            let mut c = lock(counts);
+            hits.iter()
+                .filter(|b| {
+                    c.record(b.sequence_hash());
+                    u32::from(c.estimate(b.sequence_hash())) >= n
+                        && !dst.contains(b.sequence_hash())
+                })
+                .map(|b| SourceBlock::Weak(b.downgrade()))
+                .collect()
+        };
+        if !hot.is_empty() {
+            self.plan(to, Some(request), hot, None, None);
+        }
     }
 
     /// Writes through to disk what reached the host since the last call.

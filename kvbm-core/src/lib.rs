@@ -2,7 +2,8 @@
 //!
 //! What lives here: token blocks and their chained hashes ([`tokens`]), the
 //! typestate block lifecycle ([`block`]), tiered pools with prefix matching
-//! and eviction ([`pool`], by the policies in [`eviction`]), block layouts ([`layout`]), the memory behind each
+//! and eviction ([`pool`], by the policies in [`eviction`] and
+//! [`admission`]), block layouts ([`layout`]), the memory behind each
 //! tier ([`storage`]), the engines that move bytes between tiers
 //! ([`transfer`]), the safe bridge between pools and engines ([`link`]), and
 //! the offload/onboard pipeline with its cancellation rules ([`offload`]).
@@ -12,8 +13,10 @@
 //! crate and never the other way round. (The disk *tier* is a block store,
 //! not a log, and so it is here.)
 
+pub mod admission;
 pub mod assembly;
 pub mod block;
+pub mod cache_model;
 pub mod eviction;
 pub mod hooks;
 pub mod layout;
@@ -26,7 +29,7 @@ pub mod tokens;
 pub mod transfer;
 
 pub use block::{BlockError, ImmutableBlock, MutableBlock, WeakBlock};
-pub use eviction::EvictionPolicy;
+pub use eviction::{CachePolicy, EvictionPolicy};
 pub use kvbm_events::{BlockId, Tier};
 pub use link::{HostTier, LinkError, TierLink};
 pub use pool::{BlockPool, PoolConfig, PoolError, PoolStatus};

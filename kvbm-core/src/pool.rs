@@ -26,6 +26,7 @@
 //! evictions after the lock is released, so an observer may call back into
 //! the pool.
 
+use crate::admission::{Admission, FrequencySketch, tinylfu_admits};
 use crate::block::{Complete, Empty, ImmutableBlock, MutableBlock, RegisteredBlock};
 use crate::eviction::{EvictionPolicy, Inactive};
 use crate::tokens::{BlockHash, BlockMeta, SaltHash, SequenceHash};
@@ -96,6 +97,9 @@ pub struct PoolConfig {
     pub block_size: usize,
     /// Which inactive block goes first when room is needed.
     pub eviction: EvictionPolicy,
+    /// Whether a block offered to the full pool is taken (see
+    /// [`BlockPool::admits`]).
+    pub admission: Admission,
 }
 
 /// Something the pool did, told to a [`PoolObserver`].
@@ -155,6 +159,9 @@ pub struct PoolCounters {
     /// Inactive blocks brought back to active (by a match, a duplicate
     /// registration or a weak upgrade).
     pub revivals: u64,
+    /// Blocks offered to the full pool that its admission policy turned
+    /// away (see [`BlockPool::admits`]).
+    pub not_admitted: u64,
 }
 
 /// A snapshot of a pool's occupancy.
@@ -257,6 +264,10 @@ impl BlockPool {
             EvictionPolicy::Lru => None,
             p => Some(Inactive::new(p, config.capacity).map_err(out_of_memory)?),
         };
+        let sketch = match config.admission {
+            Admission::All => None,
+            Admission::TinyLfu => Some(FrequencySketch::new(config.capacity)),
+        };
         Ok(BlockPool {
             shared: Arc::new(PoolShared {
                 id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
@@ -270,6 +281,7 @@ impl BlockPool {
                     registry,
                     lru: BTreeMap::new(),
                     other,
+                    sketch,
                     next_epoch: 1,
                     mutable: 0,
                     active_registered: 0,
@@ -410,6 +422,69 @@ impl BlockPool {
             }
         }
         found
+    }
+
+    /// Counts a request's reference to each of `hashes` towards
+    /// [`Admission::TinyLfu`] (nothing without it). The leader calls it
+    /// once per request, with every full block of its prompt, at its first
+    /// lookup: what the sketch counts is how often requests needed a block,
+    /// whichever tier served it (see [`crate::admission`]).
+    pub fn record_references(&self, hashes: &[SequenceHash]) {
+        let mut st = self.shared.lock();
+        if let Some(sketch) = st.sketch.as_mut() {
+            for &h in hashes {
+                sketch.record(h);
+            }
+        }
+    }
+
+    /// Which of `hashes`, offered to this pool together (an offload's
+    /// blocks), are to be stored. Under [`Admission::All`] all of them.
+    /// Under [`Admission::TinyLfu`] they are taken in order: one already
+    /// registered, or for which an empty block remains, is admitted; the
+    /// others are each compared with the next block an allocation would
+    /// evict, and admitted only if requests referenced them more often
+    /// (see [`crate::admission`]), an admitted one using that victim up.
+    /// Refusals are counted in [`PoolCounters::not_admitted`].
+    pub fn admits(&self, hashes: &[SequenceHash]) -> Vec<bool> {
+        let mut st = self.shared.lock();
+        let Some(sketch) = st.sketch.as_ref() else {
+            return vec![true; hashes.len()];
+        };
+        let mut free = st.free.len();
+        let victims = st.victims(hashes.len());
+        let mut victims = victims.iter().peekable();
+        let mut refused = 0;
+        let out = hashes
+            .iter()
+            .map(|&h| {
+                if st.registry.contains_key(&h) {
+                    return true;
+                }
+                if free > 0 {
+                    free -= 1;
+                    return true;
+                }
+                let Some(&&v) = victims.peek() else {
+                    return true; // nothing to evict: allocation decides
+                };
+                if tinylfu_admits(sketch, h, st.slots[v as usize].meta.sequence_hash) {
+                    victims.next();
+                    true
+                } else {
+                    refused += 1;
+                    false
+                }
+            })
+            .collect();
+        st.counters.not_admitted += refused;
+        out
+    }
+
+    /// True when the pool asks before it takes a block
+    /// ([`Admission::TinyLfu`]).
+    pub fn has_admission(&self) -> bool {
+        self.shared.lock().sketch.is_some()
     }
 
     /// Occupancy and counters.
@@ -585,6 +660,8 @@ struct PoolState {
     lru: BTreeMap<u32, LruList>,
     /// Inactive blocks under any other policy (then `lru` stays empty).
     other: Option<Inactive>,
+    /// Access frequencies, under TinyLFU admission.
+    sketch: Option<FrequencySketch>,
     next_epoch: u64,
     mutable: usize,
     active_registered: usize,
@@ -599,6 +676,22 @@ impl PoolState {
         if let Some(o) = self.other.as_mut() {
             o.hit(id);
         }
+    }
+
+    /// Up to `n` blocks allocations would evict next, in order.
+    fn victims(&self, n: usize) -> Vec<BlockId> {
+        if let Some(o) = &self.other {
+            return o.victims(n);
+        }
+        let mut out = Vec::with_capacity(n.min(self.inactive));
+        for list in self.lru.values() {
+            let mut cur = list.head;
+            while cur != NIL && out.len() < n {
+                out.push(cur);
+                cur = self.slots[cur as usize].next;
+            }
+        }
+        out
     }
 
     fn lru_push_back(&mut self, id: BlockId) {
@@ -811,6 +904,7 @@ mod tests {
             capacity: cap,
             block_size: 4,
             eviction: Default::default(),
+            admission: Default::default(),
         })
         .unwrap()
     }
@@ -866,6 +960,7 @@ mod tests {
             capacity,
             block_size: 16,
             eviction: Default::default(),
+            admission: Default::default(),
         })
         .unwrap_err();
         assert!(
@@ -882,6 +977,7 @@ mod tests {
             capacity: 0,
             block_size: 4,
             eviction: Default::default(),
+            admission: Default::default(),
         })
         .unwrap_err();
         assert_eq!(e, PoolError::ZeroCapacity { tier: Tier::Host });
@@ -890,6 +986,7 @@ mod tests {
             capacity: 3,
             block_size: 0,
             eviction: Default::default(),
+            admission: Default::default(),
         })
         .unwrap_err();
         assert_eq!(e, PoolError::ZeroBlockSize { tier: Tier::Host });
@@ -1037,6 +1134,7 @@ mod tests {
                 capacity: 1,
                 block_size: 4,
                 eviction: Default::default(),
+                admission: Default::default(),
             },
             log.clone(),
         )

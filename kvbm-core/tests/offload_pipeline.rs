@@ -43,6 +43,7 @@ fn pool(tier: Tier, capacity: usize) -> BlockPool {
         capacity,
         block_size: BS,
         eviction: Default::default(),
+        admission: Default::default(),
     })
     .unwrap()
 }

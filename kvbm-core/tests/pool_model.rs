@@ -1,5 +1,5 @@
 //! State-machine test of `BlockPool` against a simple reference model,
-//! under every eviction policy.
+//! under every eviction policy, with and without TinyLFU admission.
 //!
 //! Random sequences of allocate / fill+register / match / drop / touch /
 //! weak-upgrade run against the real pool and a model made of plain
@@ -9,12 +9,17 @@
 //! hashes are registered (so every eviction chose the model's victim), the
 //! eviction order agrees where the policy has a fixed one (LRU, LFU), no
 //! block id is held by two owners, and no block leaks (dropping everything
-//! at the end leaves every block empty or inactive).
+//! at the end leaves every block empty or inactive). An offer (`admits`)
+//! is answered as the model answers it: the references recorded counted in
+//! a frequency sketch of the model's own, and an offer to a full pool
+//! admitted only when the sketch saw it more often than the model's next
+//! victim. (The sketch itself is tested in `kvbm_core::admission`.)
 
+use kvbm_core::admission::{Admission, FrequencySketch};
 use kvbm_core::block::{Empty, MutableBlock};
 use kvbm_core::{
-    BlockPool, EvictionPolicy, ImmutableBlock, PoolConfig, PoolError, SequenceHash, Tier,
-    TokenSequence, WeakBlock,
+    BlockPool, CachePolicy, EvictionPolicy, ImmutableBlock, PoolConfig, PoolError, SequenceHash,
+    Tier, TokenSequence, WeakBlock,
 };
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashSet};
@@ -35,6 +40,8 @@ enum Op {
     Touch(usize),
     Downgrade(usize),
     Upgrade(usize),
+    Offer(Vec<usize>),
+    Reference(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -48,6 +55,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..CHAIN).prop_map(Op::Touch),
         1 => any::<usize>().prop_map(Op::Downgrade),
         2 => any::<usize>().prop_map(Op::Upgrade),
+        2 => proptest::collection::vec(0..CHAIN, 1..4).prop_map(Op::Offer),
+        2 => (1..=CHAIN).prop_map(Op::Reference),
     ]
 }
 
@@ -82,6 +91,8 @@ struct Model {
     ghosts2: Vec<u64>,
     /// ARC's target size of T1.
     target: usize,
+    /// Under TinyLFU admission, every access counted.
+    sketch: Option<FrequencySketch>,
 }
 
 /// The reference policies, written from their rules (see
@@ -274,6 +285,70 @@ impl Model {
             r.inactive_since = Some(t);
         }
     }
+    /// The inactive blocks in the order evictions would look at them,
+    /// moving nothing (S3-FIFO: the FIFO it takes from first, then the
+    /// other; ARC: by its target as it stands).
+    fn victim_order(&self) -> Vec<u64> {
+        let chain = |a: Vec<u64>, b: Vec<u64>| a.into_iter().chain(b).collect();
+        match self.policy {
+            EvictionPolicy::Lru => self.inactive_order(),
+            EvictionPolicy::Lfu => {
+                let mut v: Vec<(u32, u64, u64)> = self
+                    .regs
+                    .iter()
+                    .filter(|(_, r)| r.inactive_since.is_some())
+                    .map(|(h, r)| (r.freq, r.ptick, *h))
+                    .collect();
+                v.sort();
+                v.into_iter().map(|x| x.2).collect()
+            }
+            EvictionPolicy::S3Fifo => {
+                let (s, m) = (self.inactive_in(1), self.inactive_in(2));
+                let small = (self.capacity / 10).max(1);
+                if !s.is_empty() && (self.members(1) >= small || m.is_empty()) {
+                    chain(s, m)
+                } else {
+                    chain(m, s)
+                }
+            }
+            EvictionPolicy::Arc => {
+                let (t1, t2) = (self.inactive_in(1), self.inactive_in(2));
+                if !t1.is_empty() && (self.members(1) > self.target || t2.is_empty()) {
+                    chain(t1, t2)
+                } else {
+                    chain(t2, t1)
+                }
+            }
+        }
+    }
+    /// Which of `keys`, offered together, are admitted: in order, each
+    /// not registered and with no empty block left against the next
+    /// victim, which an admitted one uses up.
+    fn offer(&self, keys: &[u64]) -> Vec<bool> {
+        let Some(s) = self.sketch.as_ref() else {
+            return vec![true; keys.len()];
+        };
+        let mut empty = self.empty;
+        let mut victims = self.victim_order().into_iter();
+        let mut next = victims.next();
+        keys.iter()
+            .map(|&h| {
+                if self.regs.contains_key(&h) {
+                    return true;
+                }
+                if empty > 0 {
+                    empty -= 1;
+                    return true;
+                }
+                let Some(v) = next else { return true };
+                let yes = s.estimate(SequenceHash(h)) > s.estimate(SequenceHash(v));
+                if yes {
+                    next = victims.next();
+                }
+                yes
+            })
+            .collect()
+    }
     fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
@@ -298,12 +373,14 @@ fn chain() -> TokenSequence {
     TokenSequence::from_tokens(&toks, 4, kvbm_core::tokens::salt_hash(b"model")).unwrap()
 }
 
-fn run(capacity: usize, ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
+fn run(capacity: usize, ops: Vec<Op>, cache: CachePolicy) -> Result<(), TestCaseError> {
+    let policy = cache.eviction;
     let pool = BlockPool::new(PoolConfig {
         tier: Tier::Host,
         capacity,
         block_size: 4,
         eviction: policy,
+        admission: cache.admission,
     })
     .unwrap();
     let seq = chain();
@@ -312,6 +389,7 @@ fn run(capacity: usize, ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), Test
         empty: capacity,
         policy,
         capacity,
+        sketch: (cache.admission == Admission::TinyLfu).then(|| FrequencySketch::new(capacity)),
         ..Model::default()
     };
     let mut mutables: Vec<MutableBlock<Empty>> = Vec::new();
@@ -319,7 +397,7 @@ fn run(capacity: usize, ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), Test
     let mut weaks: Vec<(WeakBlock, u64, u64)> = Vec::new();
 
     for op in ops {
-        match op {
+        match op.clone() {
             Op::Allocate(n) => {
                 let available = m.empty + m.inactive_order().len();
                 match pool.allocate(n) {
@@ -395,6 +473,7 @@ fn run(capacity: usize, ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), Test
                 prop_assert_eq!(found, usize::from(m.regs.contains_key(&h)));
                 m.touch(h);
             }
+            Op::Reference(_) | Op::Offer(_) => admission(&pool, &mut m, &hashes, &op)?,
             Op::Downgrade(i) => {
                 if imms.is_empty() {
                     continue;
@@ -429,6 +508,36 @@ fn run(capacity: usize, ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), Test
     let s = pool.status();
     prop_assert_eq!(s.active, 0);
     prop_assert_eq!(s.inactive + s.empty, capacity);
+    Ok(())
+}
+
+/// TinyLFU's two operations: a request's references counted, and blocks
+/// offered (the pool's answer must be the model's).
+fn admission(
+    pool: &BlockPool,
+    m: &mut Model,
+    hashes: &[SequenceHash],
+    op: &Op,
+) -> Result<(), TestCaseError> {
+    match op {
+        Op::Reference(len) => {
+            pool.record_references(&hashes[..*len]);
+            if let Some(s) = m.sketch.as_mut() {
+                hashes[..*len].iter().for_each(|h| s.record(*h));
+            }
+        }
+        Op::Offer(keys) => {
+            let hs: Vec<SequenceHash> = keys.iter().map(|&k| hashes[k]).collect();
+            let raw: Vec<u64> = hs.iter().map(|h| h.0).collect();
+            prop_assert_eq!(
+                pool.admits(&hs),
+                m.offer(&raw),
+                "offer of blocks {:?}",
+                keys
+            );
+        }
+        _ => {}
+    }
     Ok(())
 }
 
@@ -497,21 +606,34 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
     #[test]
     fn pool_matches_reference_model(capacity in 1usize..8, ops in proptest::collection::vec(op(), 1..120)) {
-        run(capacity, ops, EvictionPolicy::Lru)?;
+        run(capacity, ops, EvictionPolicy::Lru.into())?;
     }
 
     #[test]
     fn lfu_pool_matches_reference_model(capacity in 1usize..8, ops in proptest::collection::vec(op(), 1..120)) {
-        run(capacity, ops, EvictionPolicy::Lfu)?;
+        run(capacity, ops, EvictionPolicy::Lfu.into())?;
     }
 
     #[test]
     fn s3fifo_pool_matches_reference_model(capacity in 1usize..24, ops in proptest::collection::vec(op(), 1..160)) {
-        run(capacity, ops, EvictionPolicy::S3Fifo)?;
+        run(capacity, ops, EvictionPolicy::S3Fifo.into())?;
     }
 
     #[test]
     fn arc_pool_matches_reference_model(capacity in 1usize..8, ops in proptest::collection::vec(op(), 1..160)) {
-        run(capacity, ops, EvictionPolicy::Arc)?;
+        run(capacity, ops, EvictionPolicy::Arc.into())?;
+    }
+
+    /// TinyLFU admission in front of each eviction policy (the sketch of a
+    /// pool this small holds 64 counters a row: the model's and the pool's
+    /// count alike, collisions included).
+    #[test]
+    fn tinylfu_pool_matches_reference_model(
+        capacity in 1usize..12,
+        ops in proptest::collection::vec(op(), 1..160),
+        eviction in proptest::sample::select(EvictionPolicy::ALL.to_vec()),
+    ) {
+        let cache = CachePolicy { admission: Admission::TinyLfu, eviction };
+        run(capacity, ops, cache)?;
     }
 }

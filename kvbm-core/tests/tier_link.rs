@@ -35,6 +35,7 @@ fn pool(tier: Tier, capacity: usize) -> BlockPool {
         capacity,
         block_size: BS,
         eviction: Default::default(),
+        admission: Default::default(),
     })
     .unwrap()
 }

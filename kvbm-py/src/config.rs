@@ -9,14 +9,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Eager or lazy offload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Offload {
-    /// Store each block after the forward pass that computed it.
-    Eager,
-    /// Store a request's blocks when it finishes.
-    Lazy,
-}
+/// When a G1 block is stored: eager (write-through), lazy (when its
+/// request finishes) or at its N-th hit in vLLM's prefix cache.
+pub use kvbm_core::leader::OffloadMode as Offload;
 
 /// The connector's settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,7 +24,7 @@ pub struct Config {
     pub disk_path: Option<PathBuf>,
     /// Disk capacity in tokens (required with `disk_path`).
     pub disk_capacity_tokens: Option<u64>,
-    /// Eager (default) or lazy offload.
+    /// `eager` (default), `lazy` or `after-hits:N`.
     pub offload: Offload,
     /// G2's and G3's eviction policies (G1 is vLLM's own cache, evicted by
     /// vLLM).
@@ -76,23 +71,24 @@ pub enum ConfigError {
     },
 }
 
-/// `eviction`: a policy for G2 and G3 (`"s3fifo"`) or per tier
-/// (`"G2=s3fifo,G3=lfu"`); G1 is vLLM's own and stays LRU here.
+/// `eviction`: a policy for G2 and G3 (`"s3fifo"`, `"tinylfu+lru"`) or
+/// per tier (`"G2=s3fifo,G3=tinylfu+lfu"`); G1 is vLLM's own and stays LRU
+/// here.
 fn eviction(v: &Value) -> Result<kvbm_core::eviction::TierEviction, ConfigError> {
-    use kvbm_core::EvictionPolicy;
+    use kvbm_core::CachePolicy;
     let s = text("eviction", v)?;
     let mut e: kvbm_core::eviction::TierEviction = s
         .parse()
         .map_err(|e: kvbm_core::eviction::TierEvictionError| bad("eviction", e.to_string()))?;
     if s.contains('=') {
-        if e.device != EvictionPolicy::Lru {
+        if e.device != CachePolicy::default() {
             return Err(bad(
                 "eviction",
                 "G1 is vLLM's own cache, evicted by vLLM: name G2 and G3 only".to_string(),
             ));
         }
     } else {
-        e.device = EvictionPolicy::Lru;
+        e.device = CachePolicy::default();
     }
     Ok(e)
 }
@@ -236,16 +232,9 @@ impl Config {
                     c.disk_capacity_tokens = Some(tokens("disk_capacity_tokens", v)?)
                 }
                 "offload" => {
-                    c.offload = match v.as_str() {
-                        Some("eager") => Offload::Eager,
-                        Some("lazy") => Offload::Lazy,
-                        _ => {
-                            return Err(bad(
-                                "offload",
-                                format!("expected \"eager\" or \"lazy\", got {v}"),
-                            ));
-                        }
-                    }
+                    c.offload = text("offload", v)?.parse().map_err(
+                        |e: kvbm_core::leader::UnknownOffloadMode| bad("offload", e.to_string()),
+                    )?
                 }
                 "eviction" => c.eviction = eviction(v)?,
                 "serve" => {
@@ -381,6 +370,16 @@ mod tests {
         let one = Config::from_json(&json!({"eviction": "arc"})).unwrap();
         assert_eq!(one.eviction.to_string(), "G1=lru,G2=arc,G3=arc");
         assert_eq!(c.offload, Offload::Lazy);
+        let gated = Config::from_json(&json!({
+            "offload": "after-hits:2",
+            "eviction": "tinylfu+s3fifo",
+        }))
+        .unwrap();
+        assert_eq!(gated.offload, Offload::AfterHits(2));
+        assert_eq!(
+            gated.eviction.to_string(),
+            "G1=lru,G2=tinylfu+s3fifo,G3=tinylfu+s3fifo"
+        );
         assert_eq!(c.serve, Some("127.0.0.1:7071".parse().unwrap()));
         assert_eq!(c.breakpoint_deadline, Duration::from_millis(2500));
         assert_eq!(Config::from_json(&Value::Null).unwrap(), Config::default());
@@ -403,6 +402,9 @@ mod tests {
                 "host_capacity_tokens",
             ),
             (json!({"offload": "sometimes"}), "offload"),
+            (json!({"offload": "after-hits:0"}), "offload"),
+            (json!({"offload": 2}), "offload"),
+            (json!({"eviction": "G1=tinylfu+lru"}), "eviction"),
             (json!({"eviction": "mru"}), "eviction"),
             (json!({"eviction": "G1=lfu"}), "eviction"),
             (json!({"eviction": 3}), "eviction"),

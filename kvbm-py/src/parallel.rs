@@ -57,15 +57,16 @@ impl Parallel {
     /// and the facts it is made of.
     pub fn info(&self, cfg: &Config, g: &Geometry, sizes: TierSizes) -> serde_json::Value {
         let bytes = |blocks: usize| (blocks as u64).saturating_mul(g.block_bytes() as u64);
-        let tier = |name: &str, blocks: usize, policy: kvbm_core::EvictionPolicy| {
+        let tier = |name: &str, blocks: usize, policy: kvbm_core::CachePolicy| {
             if blocks == 0 {
                 format!("{name} none")
             } else {
                 let each = if self.ranks > 1 { " a rank" } else { "" };
                 // The policy is said where it is not the default.
-                let policy = match policy {
-                    kvbm_core::EvictionPolicy::Lru => String::new(),
-                    p => format!(" {p}"),
+                let policy = if policy == kvbm_core::CachePolicy::default() {
+                    String::new()
+                } else {
+                    format!(" {policy}")
                 };
                 format!(
                     "{name} {} tokens ({}{each}){policy}",

@@ -55,7 +55,7 @@ use kvbm_core::block::{Empty, ImmutableBlock, MutableBlock};
 use kvbm_core::hooks::{Breakpoints, HookSet};
 use kvbm_core::layout::LayoutKind;
 use kvbm_core::leader::{
-    Leader, LeaderPools, LeaderWiring, OffloadMode, PoolEvents, ScheduledRequest, SchedulerOutput,
+    Leader, LeaderPools, LeaderWiring, PoolEvents, ScheduledRequest, SchedulerOutput,
 };
 use kvbm_core::offload::{
     BatchConfig, OffloadPipeline, PipelineConfig, PreconditionTrigger, TransferHandle,
@@ -397,6 +397,15 @@ fn route_of(d: Direction) -> Option<Route> {
 /// The pools: G1's mirror of vLLM's blocks, and G2 and G3 as configured,
 /// each reporting to `emitter`; a size that cannot work is named by the
 /// setting (or vLLM's count) it came from.
+/// What mirroring one step's blocks of a request found.
+#[derive(Default)]
+struct Mirrored {
+    /// Blocks this request computed: newly registered in the mirror.
+    fresh: Vec<ImmutableBlock>,
+    /// Blocks vLLM's prefix cache served it (registered already).
+    hits: Vec<ImmutableBlock>,
+}
+
 fn tier_pools(
     emitter: &Arc<Emitter>,
     geometry: &Geometry,
@@ -410,7 +419,8 @@ fn tier_pools(
                 tier,
                 capacity,
                 block_size: geometry.block_size,
-                eviction: eviction.of(tier),
+                eviction: eviction.of(tier).eviction,
+                admission: eviction.of(tier).admission,
             },
             observer.clone(),
         )
@@ -741,10 +751,7 @@ impl SchedulerSide {
                 disk: g3,
             },
             p,
-            match cfg.offload {
-                Offload::Eager => OffloadMode::Eager,
-                Offload::Lazy => OffloadMode::Lazy,
-            },
+            cfg.offload,
             kvbm_core::tokens::salt_hash(b"kvbm-vllm"),
         );
         leader.set_hooks(
@@ -1078,8 +1085,9 @@ impl SchedulerSide {
     }
 
     /// Mirrors the blocks of `s.request` that this step completes; returns
-    /// the newly registered ones (for eager stores).
-    fn mirror_full_blocks(&mut self, s: &Scheduled) -> Result<Vec<ImmutableBlock>, SchedulerError> {
+    /// the newly registered ones (for eager stores) and those vLLM's prefix
+    /// cache served (for `after-hits:N`).
+    fn mirror_full_blocks(&mut self, s: &Scheduled) -> Result<Mirrored, SchedulerError> {
         let bs = self.geometry.block_size;
         // Checked before anything changes.
         let computed = s.computed_before.checked_add(s.scheduled).ok_or_else(|| {
@@ -1105,7 +1113,7 @@ impl SchedulerSide {
         let full_after = (computed.min(known) / bs).min(r.block_ids.len());
         let from = r.mirrored;
         if full_after <= from {
-            return Ok(Vec::new());
+            return Ok(Mirrored::default());
         }
         let loaded = r.loaded.clone();
         let ids: Vec<u32> = r.block_ids[from..full_after].to_vec();
@@ -1114,6 +1122,7 @@ impl SchedulerSide {
             .token_blocks(&s.request, from..full_after)
             .map_err(|e| request_err(&s.request, slot_reason(&e)))?;
         let mut fresh = Vec::new();
+        let mut hits = Vec::new();
         let mut held = Vec::new();
         for (k, (tb, vllm)) in blocks.iter().zip(ids).enumerate() {
             let j = from + k;
@@ -1130,6 +1139,7 @@ impl SchedulerSide {
             if reg.id() != mid {
                 // vLLM's prefix cache shares a block kvbm mirrors already:
                 // it was stored (or planned) by the request that made it.
+                hits.push(reg.clone());
                 self.req(&s.request).shared.push(reg);
                 continue;
             }
@@ -1139,7 +1149,7 @@ impl SchedulerSide {
         }
         self.req(&s.request).mirrored = full_after;
         self.announce_g1(&s.request, held);
-        Ok(fresh)
+        Ok(Mirrored { fresh, hits })
     }
 
     /// At a request's first schedule after its lookup: what vLLM had
@@ -1220,8 +1230,8 @@ impl SchedulerSide {
             // One request's unusable input leaves it out of this step
             // (mirror_full_blocks checks before it changes anything); the
             // others' stores and loads go on.
-            let fresh = match self.mirror_full_blocks(s) {
-                Ok(fresh) => fresh,
+            let Mirrored { fresh, hits } = match self.mirror_full_blocks(s) {
+                Ok(m) => m,
                 Err(e) => {
                     tracing::warn!("{e}; left out of step {}", self.step);
                     self.counters.refused_scheduled += 1;
@@ -1241,6 +1251,11 @@ impl SchedulerSide {
                 computed_tokens: s.computed_before.saturating_add(s.scheduled),
                 new_full_blocks: if self.cfg.offload == Offload::Eager {
                     fresh
+                } else {
+                    Vec::new()
+                },
+                device_hits: if matches!(self.cfg.offload, Offload::AfterHits(_)) {
+                    hits
                 } else {
                     Vec::new()
                 },

@@ -1,7 +1,9 @@
 //! The capacity curve's speed: references per second for the exact curve
 //! (every capacity at once) and for SHARDS-sampled curves, beside a
 //! brute-force LRU simulation of one capacity in the same run, and the
-//! sampled curves' mean absolute error against exact.
+//! sampled curves' mean absolute error against exact; and the cache model
+//! `capacity --policies` runs (`kvbm_core::cache_model`), one capacity per
+//! policy, with its hit ratio.
 //!
 //! Two streams: the sample Mooncake trace (3,993 requests, its hash ids
 //! chained into prefix keys; small enough to stay in cache), and a large
@@ -15,6 +17,8 @@
 //! cargo bench -p kvbm-recorder --bench capacity
 //! ```
 
+use kvbm_core::CachePolicy;
+use kvbm_core::cache_model::CacheModel;
 use kvbm_recorder::analysis::capacity::stack::KeyMap;
 use kvbm_recorder::analysis::capacity::{CurveBuilder, Sampling};
 use kvbm_testkit::bench::{median_ns_per_unit, quick};
@@ -196,6 +200,19 @@ fn brute_lru(s: &Stream, cap: usize) -> f64 {
     hit as f64 / prompt as f64
 }
 
+/// `capacity --policies`' model of one policy at `cap` blocks: hit tokens
+/// over prompt tokens.
+fn policy_model(s: &Stream, policy: CachePolicy, cap: usize) -> f64 {
+    let mut m = CacheModel::new(policy, cap).expect("a model that fits");
+    let mut prompt = 0u64;
+    for &(tokens, a, z) in &s.requests {
+        prompt += tokens;
+        let matchable = (tokens.saturating_sub(1) / u64::from(BLOCK)) as usize;
+        m.request(&s.keys[a..z], matchable);
+    }
+    (m.hits() * u64::from(BLOCK)) as f64 / prompt.max(1) as f64
+}
+
 fn distinct(s: &Stream) -> usize {
     let mut m: KeyMap<()> = KeyMap::default();
     for &k in &s.keys {
@@ -238,6 +255,18 @@ fn measure(name: &str, s: &Stream, rates: &[f64], samples: usize, time: Duration
         "| brute-force LRU, one capacity ({cap} blocks) | {:.1} | hit ratio {lru:.4}; the exact curve there {at:.4} |",
         per_s(lru_ns)
     );
+    for name in ["lru", "lfu", "s3fifo", "arc", "tinylfu+lru"] {
+        let policy: CachePolicy = name.parse().expect("a policy");
+        let ns = median_ns_per_unit(samples, time, refs, || {
+            black_box(policy_model(s, policy, cap));
+        });
+        println!(
+            "| `capacity --policies` model, {name}, one capacity | {:.1} | hit ratio {:.4}; {:.2}× the exact curve's rate |",
+            per_s(ns),
+            policy_model(s, policy, cap),
+            exact_ns / ns
+        );
+    }
     // Capacities for the error: log-spaced from 1/64 to 2× the distinct
     // blocks.
     let caps: Vec<u64> = (0..=24)

@@ -29,15 +29,6 @@ pub enum Scenario {
     CpuOffload,
 }
 
-/// Eager or lazy offload, on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Offload {
-    /// Store each block after the forward pass that computed it.
-    Eager,
-    /// Store a request's blocks when it finishes.
-    Lazy,
-}
-
 /// The simulated engine's options.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimArgs {
@@ -110,13 +101,21 @@ pub struct SimArgs {
     /// G3 capacity in tokens (0 disables the disk tier).
     #[arg(long, default_value_t = 0, help_heading = "Engine")]
     pub disk_capacity_tokens: usize,
-    /// Offload mode.
-    #[arg(long, value_enum, default_value_t = Offload::Eager, help_heading = "Engine")]
-    pub offload: Offload,
-    /// Eviction policy: `lru`, `lfu`, `s3fifo` or `arc` for every tier, or
-    /// per tier, `G2=s3fifo,G3=lfu` (tiers not named keep LRU).
+    /// When a G1 block is stored to G2: `eager` (write-through, after the
+    /// forward pass that computed it), `lazy` (when its request finishes)
+    /// or `after-hits:N` (at its N-th hit in G1's prefix cache, N 1–15).
+    #[arg(long, default_value = "eager", help_heading = "Engine")]
+    pub offload: OffloadMode,
+    /// Cache policy: `lru`, `lfu`, `s3fifo` or `arc` for every tier, each
+    /// also with TinyLFU admission in front on G2 and G3 (`tinylfu+lru`),
+    /// or per tier, `G2=tinylfu+s3fifo,G3=lfu` (tiers not named keep LRU).
     #[arg(long, default_value = "lru", help_heading = "Engine")]
     pub eviction: TierEviction,
+    /// G1 serves no prefix hits: every hit comes from G2 or G3. With it,
+    /// G2 is the one cache `kvbm-recorder capacity --policies` models (G1
+    /// in front is otherwise a small recency window of its own).
+    #[arg(long, help_heading = "Engine")]
+    pub no_device_prefix_cache: bool,
     /// Token budget per iteration.
     #[arg(long, default_value_t = 8192, help_heading = "Engine")]
     pub max_batch_tokens: usize,
@@ -345,11 +344,9 @@ impl SimArgs {
             host_capacity_tokens: self.host_capacity_tokens,
             disk_capacity_tokens: self.disk_capacity_tokens,
             max_batch_tokens: self.max_batch_tokens,
-            offload_mode: match self.offload {
-                Offload::Eager => OffloadMode::Eager,
-                Offload::Lazy => OffloadMode::Lazy,
-            },
+            offload_mode: self.offload,
             eviction: self.eviction,
+            device_prefix_cache: !self.no_device_prefix_cache,
             real_bytes_per_token: self.real_bytes_per_token,
             worker: self.worker(),
             model: self.model_name(),

@@ -272,6 +272,9 @@ struct Request {
     pending: VecDeque<MutableBlock<Empty>>,
     /// Registered in the last forward pass; stored eagerly next iteration.
     fresh: Vec<ImmutableBlock>,
+    /// Served by G1's prefix cache at admission; told once, with the first
+    /// iteration that runs it.
+    device_hits: Vec<ImmutableBlock>,
     first_token_ns: Option<u64>,
     admitted_once: bool,
     /// Blocks being loaded (counted in `computed` already).
@@ -707,6 +710,7 @@ impl Simulator {
                 full: Vec::new(),
                 pending: VecDeque::new(),
                 fresh: Vec::new(),
+                device_hits: Vec::new(),
                 first_token_ns: None,
                 admitted_once: false,
                 loading: 0,
@@ -780,6 +784,7 @@ impl Simulator {
                     let _ = self
                         .leader
                         .update_state_after_alloc(&r.id, dests, n_ext * bs);
+                    r.device_hits = g1.clone();
                     r.full = g1;
                     r.pending = blocks;
                     r.computed = computed + n_ext * bs;
@@ -845,6 +850,7 @@ impl Simulator {
         r.full.clear();
         r.pending.clear();
         r.fresh.clear();
+        r.device_hits.clear();
         r.computed = 0;
         r.loading = 0;
         self.emitter.emit(
@@ -899,6 +905,7 @@ impl Simulator {
                 decode_tokens: decode,
                 computed_tokens: r.computed + prefill + decode,
                 new_full_blocks: std::mem::take(&mut r.fresh),
+                device_hits: std::mem::take(&mut r.device_hits),
                 new_tokens: Vec::new(),
             });
         }
@@ -1028,6 +1035,7 @@ impl Simulator {
             let to_store = match self.cfg.offload_mode {
                 OffloadMode::Eager => std::mem::take(&mut r.fresh),
                 OffloadMode::Lazy => r.full.clone(),
+                OffloadMode::AfterHits(_) => Vec::new(),
             };
             let released = r.held_blocks() as u32;
             let _ = self.leader.request_finished(&r.id, &to_store);

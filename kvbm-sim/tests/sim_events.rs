@@ -159,7 +159,7 @@ fn the_reducer_rebuilds_the_engine_state_at_random_points() {
 #[test]
 fn two_runs_in_virtual_time_give_the_same_events() {
     use kvbm_sim::sim::OffloadMode;
-    let run = |seed: u64, mode: OffloadMode| -> Vec<Event> {
+    let run = |seed: u64, mode: OffloadMode, eviction: &str| -> Vec<Event> {
         let rt = runtime();
         let workload = sharing_workload(seed, 80);
         let cfg = SimConfig {
@@ -167,6 +167,7 @@ fn two_runs_in_virtual_time_give_the_same_events() {
             host_capacity_tokens: 1024,
             disk_capacity_tokens: 4096,
             offload_mode: mode,
+            eviction: eviction.parse().unwrap(),
             ..SimConfig::default()
         };
         let sim = Simulator::new(cfg, workload, rt.handle()).unwrap();
@@ -177,8 +178,16 @@ fn two_runs_in_virtual_time_give_the_same_events() {
         assert_eq!(report.events_emitted, events.len() as u64);
         events
     };
-    for (seed, mode) in [(1, OffloadMode::Eager), (2, OffloadMode::Lazy)] {
-        let (a, b) = (run(seed, mode), run(seed, mode));
+    for (seed, mode, eviction) in [
+        (1, OffloadMode::Eager, "lru"),
+        (2, OffloadMode::Lazy, "lru"),
+        (
+            3,
+            OffloadMode::AfterHits(1),
+            "G2=tinylfu+s3fifo,G3=tinylfu+arc",
+        ),
+    ] {
+        let (a, b) = (run(seed, mode, eviction), run(seed, mode, eviction));
         let kinds = |k: fn(&EventKind) -> bool| a.iter().filter(|e| k(&e.kind)).count();
         assert!(
             kinds(|k| matches!(
@@ -454,4 +463,79 @@ fn a_run_stopped_early_says_so_and_counts_only_what_arrived() {
         .run();
     assert!(!report.interrupted);
     assert_eq!((report.requests_arrived, report.prompt_tokens), (2, 164));
+}
+
+/// `after-hits:N`: a block reaches G2 only once G1's prefix cache has
+/// served it N times (hits told by `MatchResult` on the device, of the
+/// request's hashes in its `PrefixLookup`), and fewer blocks are stored
+/// the larger N is.
+#[test]
+fn frequency_gated_offload_stores_a_block_at_its_nth_hit() {
+    use kvbm_sim::sim::OffloadMode;
+    let stored = |mode: OffloadMode| -> (usize, Vec<u32>) {
+        let rt = runtime();
+        let cfg = SimConfig {
+            device_capacity_tokens: 4096,
+            host_capacity_tokens: 8192,
+            offload_mode: mode,
+            ..SimConfig::default()
+        };
+        let sim = Simulator::new(cfg, sharing_workload(7, 120), rt.handle()).unwrap();
+        let mut tap = sim.emitter().bus().take_tap().unwrap();
+        sim.run();
+        let mut events = Vec::new();
+        drain(&mut tap, &mut events);
+        // Per request, its hashes and the device hits not yet matched to
+        // them (the device's result comes before the lookup's event).
+        let mut hashes: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        let mut pending: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        let mut hits: BTreeMap<u64, u32> = BTreeMap::new();
+        let mut at_store = Vec::new();
+        let count = |hs: &[u64], n: u32, hits: &mut BTreeMap<u64, u32>| {
+            for h in &hs[..(n as usize).min(hs.len())] {
+                *hits.entry(*h).or_default() += 1;
+            }
+        };
+        for e in &events {
+            let r = e
+                .request
+                .as_ref()
+                .map(|r| r.to_string())
+                .unwrap_or_default();
+            match &e.kind {
+                EventKind::MatchResult {
+                    tier: Tier::Device,
+                    hit_blocks,
+                    ..
+                } => match hashes.get(&r) {
+                    Some(hs) => count(hs, *hit_blocks, &mut hits),
+                    None => pending.entry(r).or_default().push(*hit_blocks),
+                },
+                EventKind::PrefixLookup { hashes: hs, .. } => {
+                    let hs: Vec<u64> = hs.iter().map(|h| h.0).collect();
+                    for n in pending.remove(&r).unwrap_or_default() {
+                        count(&hs, n, &mut hits);
+                    }
+                    hashes.insert(r, hs);
+                }
+                EventKind::BlockRegistered {
+                    tier: Tier::Host,
+                    sequence_hash,
+                    duplicate_of: None,
+                    ..
+                } => at_store.push(hits.get(&sequence_hash.0).copied().unwrap_or(0)),
+                _ => {}
+            }
+        }
+        (at_store.len(), at_store)
+    };
+    let (eager, _) = stored(OffloadMode::Eager);
+    let (one, at_one) = stored(OffloadMode::AfterHits(1));
+    let (three, at_three) = stored(OffloadMode::AfterHits(3));
+    assert!(
+        eager > one && one > three && three > 0,
+        "{eager} {one} {three}"
+    );
+    assert!(at_one.iter().all(|&n| n >= 1), "{at_one:?}");
+    assert!(at_three.iter().all(|&n| n >= 3), "{at_three:?}");
 }

@@ -1,12 +1,14 @@
 //! `capacity`: the hit ratio every cache size would have had, from a log
 //! or straight from a Mooncake trace; as text, JSON or an SVG chart.
 
-use crate::trace::capacity_of_trace;
+use crate::policies::{PolicyCurves, PolicyPoint};
+use crate::trace::capacity_and_policies_of_trace;
 use anyhow::{Context, Result, bail};
 use kvbm_recorder::analysis::capacity::{
     CapacityAnalyzer, CapacityConfig, CapacityReport, Sampling,
 };
 use kvbm_recorder::fleet::{RecordingKind, recording_kind};
+use std::collections::BTreeMap;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
@@ -25,6 +27,29 @@ pub struct CapacityArgs {
     pub sample: Option<f64>,
     pub max_exact_blocks: Option<usize>,
     pub block_size: Option<u32>,
+    /// `--policies`: also simulate these.
+    pub policies: Option<Vec<kvbm_core::CachePolicy>>,
+}
+
+/// Feeds every first lookup of `events` to `curves` (prepared for the
+/// first lookup's block size).
+fn feed_lookups(curves: &mut PolicyCurves, events: &[kvbm_events::Event]) -> Result<()> {
+    let mut keys = Vec::new();
+    for e in events {
+        if let kvbm_events::EventKind::PrefixLookup {
+            tokens,
+            block_size,
+            hashes,
+            ..
+        } = &e.kind
+        {
+            curves.prepare(*block_size)?;
+            keys.clear();
+            keys.extend(hashes.iter().map(|h| h.0));
+            curves.request(u64::from(*tokens), *block_size, &keys);
+        }
+    }
+    Ok(())
 }
 
 pub fn capacity(a: &CapacityArgs) -> Result<i32> {
@@ -49,6 +74,10 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
         super::read::refuse_output_inside(svg, log)?;
     }
     let mut problems: Vec<String> = Vec::new();
+    let mut curves = a
+        .policies
+        .clone()
+        .map(|p| PolicyCurves::new(p, &a.capacities));
     let mut report = match (&a.log, &a.trace) {
         (Some(_), Some(_)) => bail!("give a LOG or --trace, not both"),
         (None, None) => bail!("give a LOG directory, or --trace FILE"),
@@ -56,10 +85,19 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
             let f =
                 std::fs::File::open(t).with_context(|| format!("opening trace {}", t.display()))?;
             let mut skipped = 0u64;
-            let rep = capacity_of_trace(BufReader::new(f), sampling, &a.capacities, |line, why| {
-                skipped += 1;
-                eprintln!("skipping line {line} of {}: {why}", t.display());
-            })
+            if let Some(c) = curves.as_mut() {
+                c.prepare(kvbm_sim::workload::MooncakeOptions::default().block_tokens as u32)?;
+            }
+            let rep = capacity_and_policies_of_trace(
+                BufReader::new(f),
+                sampling,
+                &a.capacities,
+                curves.as_mut(),
+                |line, why| {
+                    skipped += 1;
+                    eprintln!("skipping line {line} of {}: {why}", t.display());
+                },
+            )
             .with_context(|| format!("reading trace {}", t.display()))?;
             if rep.requests == 0 && skipped > 0 {
                 bail!(
@@ -83,6 +121,9 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
             for (i, e) in events.iter_mut().enumerate() {
                 e.seq = i as u64;
             }
+            if let Some(c) = curves.as_mut() {
+                feed_lookups(c, &events)?;
+            }
             let cfg = CapacityConfig {
                 sampling,
                 max_tracked_blocks: None,
@@ -98,6 +139,9 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
         }
         (Some(log), None) => {
             let (events, problem) = super::read::load_for_analysis(log)?;
+            if let Some(c) = curves.as_mut() {
+                feed_lookups(c, &events)?;
+            }
             let cfg = CapacityConfig {
                 sampling,
                 max_tracked_blocks: None,
@@ -113,18 +157,34 @@ pub fn capacity(a: &CapacityArgs) -> Result<i32> {
             .notes
             .push(format!("only what could be read is counted: {p}"));
     }
+    let policies = curves.as_ref().map(|c| {
+        if c.mixed_block_sizes() > 0 {
+            report.notes.push(format!(
+                "the policies skipped {} lookups whose block size differed from the first's",
+                c.mixed_block_sizes()
+            ));
+        }
+        (c.policies().to_vec(), c.report())
+    });
     if let Some(svg) = &a.svg {
-        draw_svg(&report, svg).with_context(|| format!("writing {}", svg.display()))?;
+        draw_svg(&report, policies.as_ref().map(|p| &p.1), svg)
+            .with_context(|| format!("writing {}", svg.display()))?;
     }
     if a.json {
         let mut v = serde_json::to_value(&report)?;
         // The drawing grid is for --svg; JSON readers get the points asked for.
         if let Some(o) = v.as_object_mut() {
             o.remove("grid");
+            if let Some((_, p)) = &policies {
+                o.insert("policies".into(), serde_json::to_value(p)?);
+            }
         }
         println!("{v}");
     } else {
         print_text(&report);
+        if let Some((order, p)) = &policies {
+            print_policies(&report, order, p);
+        }
     }
     for p in &problems {
         eprintln!("warning: {p}");
@@ -242,9 +302,51 @@ fn print_text(r: &CapacityReport) {
     }
 }
 
+/// `--policies` as a table: a row per capacity, a column per policy, the
+/// exact LRU curve first and the ceiling last; the best policy at each
+/// capacity starred.
+fn print_policies(
+    r: &CapacityReport,
+    order: &[kvbm_core::CachePolicy],
+    p: &BTreeMap<String, Vec<PolicyPoint>>,
+) {
+    let names: Vec<String> = order.iter().map(|c| c.to_string()).collect();
+    let mut head = format!("policies      {:>10}  {:>11}", "capacity", "lru (exact)");
+    for n in &names {
+        head.push_str(&format!("  {n:>13}"));
+    }
+    println!("{head}  {:>8}", "ceiling");
+    for (i, lru) in r.points.iter().enumerate() {
+        let ratios: Vec<f64> = names.iter().map(|n| p[n][i].hit_ratio).collect();
+        let best = ratios.iter().copied().fold(lru.hit_ratio, f64::max);
+        let cell = |v: f64| {
+            let star = if (v - best).abs() < 5e-5 { "*" } else { " " };
+            format!("{v:.4}{star}")
+        };
+        let mut row = format!(
+            "              {:>10}  {:>11}",
+            tokens(lru.capacity_tokens),
+            cell(lru.hit_ratio)
+        );
+        for v in ratios {
+            row.push_str(&format!("  {:>13}", cell(v)));
+        }
+        println!("{row}  {:>8.4}", r.ceiling);
+    }
+    println!(
+        "              (simulated over the same lookups; * the best at that capacity, \
+         within 0.0001)"
+    );
+}
+
 /// The curve as an SVG: hit ratio against capacity on a log axis, the
-/// ceiling, the run's capacity per tier, the points asked for.
-fn draw_svg(r: &CapacityReport, path: &Path) -> Result<()> {
+/// ceiling, the run's capacity per tier, the points asked for, and a line
+/// per `--policies` policy through its points.
+fn draw_svg(
+    r: &CapacityReport,
+    policies: Option<&BTreeMap<String, Vec<PolicyPoint>>>,
+    path: &Path,
+) -> Result<()> {
     use plotters::prelude::*;
     if r.grid.is_empty() || r.block_size == 0 {
         bail!("no curve to draw: the input has no lookups");
@@ -321,6 +423,7 @@ fn draw_svg(r: &CapacityReport, path: &Path) -> Result<()> {
             )
         }))
         .map_err(|e| err(&e))?;
+    draw_policies(&mut chart, policies)?;
     if let Some(run) = &r.run {
         let colors = [GREEN, MAGENTA, CYAN];
         for t in &run.tiers {
@@ -357,5 +460,53 @@ fn draw_svg(r: &CapacityReport, path: &Path) -> Result<()> {
         .draw()
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+type Chart<'a, 'b> = plotters::chart::ChartContext<
+    'a,
+    plotters::backend::SVGBackend<'b>,
+    plotters::coord::cartesian::Cartesian2d<
+        plotters::coord::combinators::LogCoord<f64>,
+        plotters::coord::types::RangedCoordf64,
+    >,
+>;
+
+/// A line with triangle markers per policy, through its points.
+fn draw_policies(
+    chart: &mut Chart<'_, '_>,
+    policies: Option<&BTreeMap<String, Vec<PolicyPoint>>>,
+) -> Result<()> {
+    use plotters::prelude::*;
+    let Some(policies) = policies else {
+        return Ok(());
+    };
+    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("drawing: {e}");
+    let palette = [
+        RGBColor(230, 120, 0),
+        RGBColor(0, 150, 60),
+        RGBColor(150, 0, 180),
+        RGBColor(0, 140, 170),
+        RGBColor(120, 80, 0),
+        RGBColor(200, 0, 90),
+    ];
+    for (i, (name, points)) in policies.iter().enumerate() {
+        let c = palette[i % palette.len()];
+        let xy: Vec<(f64, f64)> = points
+            .iter()
+            .map(|p| (p.capacity_tokens.max(1) as f64, p.hit_ratio))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(xy.clone(), c.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(format!("{name} (simulated)"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        chart
+            .draw_series(
+                xy.into_iter()
+                    .map(|p| TriangleMarker::new(p, 5, c.filled())),
+            )
+            .map_err(|e| err(&e))?;
+    }
     Ok(())
 }

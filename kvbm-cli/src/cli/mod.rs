@@ -318,7 +318,20 @@ enum Command {
         /// the re-store bound's capacities are then in tokens.
         #[arg(long)]
         block_size: Option<u32>,
+        /// Also simulate these cache policies at each capacity, beside the
+        /// exact LRU curve: a comma list of `lru`, `lfu`, `s3fifo`, `arc`,
+        /// each also as `tinylfu+POLICY` (TinyLFU admission in front).
+        #[arg(long, value_parser = parse_policies)]
+        policies: Option<Policies>,
     },
+}
+
+/// Cache policies (a type of its own so clap takes the list whole).
+#[derive(Debug, Clone)]
+struct Policies(Vec<kvbm_core::CachePolicy>);
+
+fn parse_policies(s: &str) -> Result<Policies, String> {
+    crate::policies::parse_policies(s).map(Policies)
 }
 
 /// Capacities in tokens (a type of its own so clap takes the list whole).
@@ -449,6 +462,7 @@ pub fn run(cli: Cli) -> Result<i32> {
             sample,
             max_exact_blocks,
             block_size,
+            policies,
         } => capacity::capacity(&capacity::CapacityArgs {
             log,
             trace,
@@ -458,6 +472,7 @@ pub fn run(cli: Cli) -> Result<i32> {
             sample,
             max_exact_blocks,
             block_size,
+            policies: policies.map(|p| p.0),
         }),
     }
 }

@@ -58,7 +58,9 @@ mod status;
 pub use config::{BatchConfig, ConfigError, PipelineConfig};
 pub use container::{PipelineObserver, SourceBlock};
 pub use pipeline::{EnqueueError, EnqueueRequest, OffloadPipeline, PipelineStats, Refused};
-pub use policy::{BlockInfo, BoxFuture, FrequencyPolicy, OffloadPolicy, PresencePolicy, Verdict};
+pub use policy::{
+    AdmissionPolicy, BlockInfo, BoxFuture, FrequencyPolicy, OffloadPolicy, PresencePolicy, Verdict,
+};
 pub use precondition::{Precondition, PreconditionAbandoned, PreconditionTrigger, precondition};
 pub use queue::{CancellableQueue, Prioritized};
 pub use status::{SkipReason, TransferHandle, TransferStatus};

@@ -84,6 +84,39 @@ impl OffloadPolicy for PresencePolicy {
     }
 }
 
+/// Asks the destination pool whether it takes each block
+/// ([`BlockPool::admits`]: TinyLFU, where the pool has it; every block
+/// otherwise). Runs after [`PresencePolicy`], so a block already there is
+/// not counted as an offer.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct AdmissionPolicy;
+
+impl OffloadPolicy for AdmissionPolicy {
+    fn name(&self) -> &'static str {
+        "admission"
+    }
+    fn evaluate<'a>(
+        &'a self,
+        blocks: &'a [BlockInfo],
+        destination: &'a BlockPool,
+    ) -> BoxFuture<'a, Vec<Verdict>> {
+        Box::pin(async move {
+            let hashes: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
+            destination
+                .admits(&hashes)
+                .into_iter()
+                .map(|yes| {
+                    if yes {
+                        Verdict::Admit
+                    } else {
+                        Verdict::Reject(SkipReason::NotAdmitted)
+                    }
+                })
+                .collect()
+        })
+    }
+}
+
 /// Admits a block once it has been seen at least `min_count` times, where
 /// the count halves for every whole `half_life` since it was last updated
 /// (so a burst long ago does not count forever). Every evaluation is a sighting; engines may
@@ -237,6 +270,7 @@ mod tests {
             capacity: 2,
             block_size: 2,
             eviction: Default::default(),
+            admission: Default::default(),
         })
         .unwrap();
         let seq = crate::TokenSequence::from_tokens(&[1, 2], 2, crate::SaltHash(0)).unwrap();

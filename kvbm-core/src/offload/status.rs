@@ -29,6 +29,9 @@ pub enum SkipReason {
     PreconditionAbandoned,
     /// The container held no blocks.
     Empty,
+    /// The destination's admission policy (TinyLFU) turned every block
+    /// away: each was seen less often than what it would have evicted.
+    NotAdmitted,
 }
 
 impl SkipReason {
@@ -43,10 +46,11 @@ impl SkipReason {
             SkipReason::DestinationFull { .. } => "destination_full",
             SkipReason::PreconditionAbandoned => "precondition_abandoned",
             SkipReason::Empty => "empty",
+            SkipReason::NotAdmitted => "not_admitted",
         }
     }
 
-    pub(crate) const COUNT: usize = 8;
+    pub(crate) const COUNT: usize = 9;
 
     pub(crate) fn index(&self) -> usize {
         match self {
@@ -58,6 +62,7 @@ impl SkipReason {
             SkipReason::DestinationFull { .. } => 5,
             SkipReason::PreconditionAbandoned => 6,
             SkipReason::Empty => 7,
+            SkipReason::NotAdmitted => 8,
         }
     }
 
@@ -70,6 +75,7 @@ impl SkipReason {
         "destination_full",
         "precondition_abandoned",
         "empty",
+        "not_admitted",
     ];
 }
 

@@ -535,6 +535,12 @@ impl TraceCurve {
         );
     }
 
+    /// The keys of the request last added, in prefix order: a block's id
+    /// chained with its prefix's (what the curve references).
+    pub fn last_keys(&self) -> &[u64] {
+        &self.keys
+    }
+
     /// A line of the trace that could not be read (counted in the report).
     pub fn skipped_line(&mut self) {
         self.skipped += 1;
