@@ -84,7 +84,7 @@ impl Parallel {
                 tier("G3", sizes.disk_blocks, cfg.eviction.disk)
             )
         };
-        let summary = format!(
+        let mut summary = format!(
             "vLLM · {} · {} scheduling · block {} tokens · {}",
             if self.ranks > 1 {
                 format!("tensor parallel {}", self.ranks)
@@ -99,6 +99,9 @@ impl Parallel {
             g.block_size,
             tiers,
         );
+        if cfg.offload != crate::config::Offload::Eager && !tiers.starts_with("observer") {
+            summary.push_str(&format!(" · offload {}", cfg.offload));
+        }
         serde_json::json!({
             "summary": summary,
             "source": "vllm",
@@ -111,7 +114,7 @@ impl Parallel {
             "host_bytes_per_rank": bytes(sizes.host_blocks),
             "disk_tokens": sizes.disk_blocks * g.block_size,
             "disk_bytes_per_rank": bytes(sizes.disk_blocks),
-            "offload": format!("{:?}", cfg.offload).to_lowercase(),
+            "offload": cfg.offload.to_string(),
             "eviction": format!("G2={},G3={}", cfg.eviction.host, cfg.eviction.disk),
         })
     }
@@ -165,6 +168,19 @@ mod tests {
         assert_eq!(info["tensor_parallel"], 2);
         assert_eq!(info["async_scheduling"], true);
         assert_eq!(info["host_bytes_per_rank"], 8 << 20);
+        assert_eq!(info["offload"], "eager");
+        let cfg = Config::from_json(&serde_json::json!({
+            "offload": "after-hits:2",
+            "eviction": "tinylfu+s3fifo",
+        }))
+        .unwrap();
+        let info = p.info(&cfg, &g, sizes);
+        assert_eq!(
+            info["summary"],
+            "vLLM · tensor parallel 2 · async scheduling · block 32 tokens · \
+             G2 8192 tokens (8.0 MiB a rank) tinylfu+s3fifo · G3 none · offload after-hits:2"
+        );
+        assert_eq!(info["offload"], "after-hits:2");
         let none = TierSizes {
             host_blocks: 0,
             disk_blocks: 0,

@@ -1139,7 +1139,12 @@ impl SchedulerSide {
             if reg.id() != mid {
                 // vLLM's prefix cache shares a block kvbm mirrors already:
                 // it was stored (or planned) by the request that made it.
-                hits.push(reg.clone());
+                if matches!(self.cfg.offload, Offload::AfterHits(_)) {
+                    // It may be stored from here (its N-th hit): the copy
+                    // reads it where this request holds it.
+                    self.map_g1(&s.request, reg.id(), vllm);
+                    hits.push(reg.clone());
+                }
                 self.req(&s.request).shared.push(reg);
                 continue;
             }

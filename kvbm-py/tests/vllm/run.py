@@ -126,6 +126,10 @@ ORACLE = {
     # core, and the recording must be finished before that.
     "disk-only": ({}, {}, {"host_capacity_tokens": 0, "disk_capacity_tokens": 16384},
                   {"connector": ["SlowExitConnector", "slow_exit"]}),
+    # Blocks stored at their first hit in vLLM's prefix cache (the second
+    # pass's), behind TinyLFU admission: what kvbm loads in the third pass
+    # came by that path alone.
+    "after-hits": ({}, {}, {"offload": "after-hits:1", "eviction": "tinylfu+lru"}, {}),
 }
 
 
@@ -570,7 +574,9 @@ def main():
         if "badconfig" in only:
             test_bad_config(tmp)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # KVBM_TEST_KEEP=1 keeps the recordings and dumps, for a post-mortem.
+        if not os.environ.get("KVBM_TEST_KEEP"):
+            shutil.rmtree(tmp, ignore_errors=True)
     finish()
 
 
