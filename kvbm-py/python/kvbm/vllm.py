@@ -224,6 +224,10 @@ def _finish_before_engine_teardown() -> None:
 _ENGINE_CORE_GRACE_S = 5.0
 
 
+# Passed where there are no new tokens or no reports (made once, not per call).
+_EMPTY: Tuple[Any, ...] = ()
+
+
 class KvbmConnector(KVConnectorBase_V1):
     """vLLM's KV connector backed by kvbm. See the module docs."""
 
@@ -334,7 +338,7 @@ class KvbmConnector(KVConnectorBase_V1):
         if len(toks) <= sent:
             return []
         self._sent[rid] = len(toks)
-        return list(toks[sent:])
+        return toks[sent:]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -359,29 +363,43 @@ class KvbmConnector(KVConnectorBase_V1):
             )
         cached = scheduler_output.scheduled_cached_reqs
         resumed_ids = getattr(cached, "resumed_req_ids", set()) or set()
+        # The per-request loop below runs for every running request, every
+        # step, on vLLM's critical path: names are looked up once, and a
+        # decode step that adds no block builds no table and copies only
+        # the new token.
+        reqs_get = self._reqs.get
+        sent = self._sent
+        blocks = self._blocks
+        new_block_ids = cached.new_block_ids
+        computed = cached.num_computed_tokens
+        n_get = n_sched.get
+        append = scheduled.append
         for i, rid in enumerate(cached.req_ids):
-            req = self._reqs.get(rid)
+            req = reqs_get(rid)
             if req is None:
                 continue
-            added = cached.new_block_ids[i]
-            resumed = rid in resumed_ids
+            added = new_block_ids[i]
             table: Optional[List[int]] = None  # unchanged (the Rust side keeps it)
-            if resumed or (added is not None and any(added)):
+            if rid in resumed_ids or (added is not None and any(added)):
                 # A block table only grows, except when a preempted request
                 # resumes; most decode steps add no block, and then nothing
                 # is rebuilt or passed on.
-                table = self._block_table(state, rid, added, resumed)
-                self._blocks[rid] = table
-            scheduled.append(
-                (
-                    rid,
-                    self._new_tokens(rid),
-                    int(req.num_prompt_tokens),
-                    int(cached.num_computed_tokens[i]),
-                    int(n_sched.get(rid, 0)),
-                    table,
-                )
-            )
+                table = self._block_table(state, rid, added, rid in resumed_ids)
+                blocks[rid] = table
+            # vLLM's `all_token_ids` is a read-only view whose `len` and
+            # slicing are Python methods; the list under it (when this vLLM
+            # has one) costs a fraction of that.
+            toks = getattr(req, "_all_token_ids", None)
+            if toks.__class__ is not list:
+                toks = req.all_token_ids
+            n = len(toks)
+            had = sent.get(rid, 0)
+            if n > had:
+                sent[rid] = n
+                new = toks[had:]
+            else:
+                new = _EMPTY
+            append((rid, new, req.num_prompt_tokens, computed[i], n_get(rid, 0), table))
         preempted = [r for r in (getattr(scheduler_output, "preempted_req_ids", None) or ()) if r in self._reqs]
         g1_free = None
         pool = getattr(self._kv_cache_manager, "block_pool", None) if self._kv_cache_manager else None
@@ -413,8 +431,7 @@ class KvbmConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        reports = list(meta.reports) if isinstance(meta, KvbmWorkerMetadata) else []
-        self._sched.update_connector_output(reports)
+        self._sched.update_connector_output(meta.reports if isinstance(meta, KvbmWorkerMetadata) else _EMPTY)
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         assert self._sched is not None
