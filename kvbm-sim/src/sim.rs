@@ -784,7 +784,9 @@ impl Simulator {
                     let _ = self
                         .leader
                         .update_state_after_alloc(&r.id, dests, n_ext * bs);
-                    r.device_hits = g1.clone();
+                    if matches!(self.cfg.offload_mode, OffloadMode::AfterHits(_)) {
+                        r.device_hits = g1.clone();
+                    }
                     r.full = g1;
                     r.pending = blocks;
                     r.computed = computed + n_ext * bs;
