@@ -15,6 +15,11 @@
 //!   engines usually allocate, one KV tensor per layer). Region `l` holds layer
 //!   `l` of every block; block `b` sits at `b * layer_block_bytes`, ordered
 //!   `[outer][chunk]`. A block is `num_layers` ranges.
+//! * [`LayoutKind::LayerSeparateOuterFirst`]: one region per layer, ordered
+//!   `[outer][block][chunk]`: all blocks' K pages, then all their V pages.
+//!   This is vLLM's per-layer tensor on its CUDA attention backends,
+//!   `[2, num_blocks, block_size, heads, head_dim]`. A block is
+//!   `num_layers * outer_dim` ranges, one page each.
 //!
 //! All size arithmetic is checked once, in [`Layout::new`]; afterwards every
 //! offset of a valid (block, layer, outer) triple is below the total size,
@@ -53,6 +58,18 @@ pub enum LayoutKind {
     FullyContiguous,
     /// One region per layer; each block is one range per layer.
     LayerSeparate,
+    /// One region per layer, outer dimension first; each block is one
+    /// range per (layer, outer) page.
+    LayerSeparateOuterFirst,
+}
+
+impl LayoutKind {
+    /// Every kind, for tests and tools that cover them all.
+    pub const ALL: [LayoutKind; 3] = [
+        LayoutKind::FullyContiguous,
+        LayoutKind::LayerSeparate,
+        LayoutKind::LayerSeparateOuterFirst,
+    ];
 }
 
 /// Why a layout could not be built or an index could not be resolved.
@@ -117,7 +134,7 @@ pub enum LayoutError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MemRange {
     /// Region index (always 0 for [`LayoutKind::FullyContiguous`], the layer
-    /// for [`LayoutKind::LayerSeparate`]).
+    /// for the layer-separate kinds).
     pub region: usize,
     /// Byte offset from the start of the region.
     pub offset: usize,
@@ -186,7 +203,7 @@ impl Layout {
             LayoutKind::FullyContiguous => {
                 (1, mul(config.num_blocks, block_bytes, "region bytes")?)
             }
-            LayoutKind::LayerSeparate => (
+            LayoutKind::LayerSeparate | LayoutKind::LayerSeparateOuterFirst => (
                 config.num_layers,
                 mul(config.num_blocks, layer_block_bytes, "region bytes")?,
             ),
@@ -233,8 +250,8 @@ impl Layout {
         self.config.num_blocks
     }
 
-    /// Number of memory regions: 1, or `num_layers` for
-    /// [`LayoutKind::LayerSeparate`].
+    /// Number of memory regions: 1, or `num_layers` for the layer-separate
+    /// kinds.
     pub fn num_regions(&self) -> usize {
         self.num_regions
     }
@@ -343,6 +360,11 @@ impl Layout {
                 offset: b * self.layer_block_bytes + outer * self.chunk_bytes,
                 len: self.chunk_bytes,
             },
+            LayoutKind::LayerSeparateOuterFirst => MemRange {
+                region: layer,
+                offset: (outer * self.config.num_blocks + b) * self.chunk_bytes,
+                len: self.chunk_bytes,
+            },
         })
     }
 
@@ -350,24 +372,29 @@ impl Layout {
     /// [`block_bytes`](Self::block_bytes) for
     /// [`LayoutKind::FullyContiguous`], one range of
     /// [`layer_block_bytes`](Self::layer_block_bytes) per layer (in layer
-    /// order) for [`LayoutKind::LayerSeparate`]. Concatenated, they hold the
-    /// block in `[layer][outer][chunk]` order in both kinds.
+    /// order) for [`LayoutKind::LayerSeparate`], one page per (layer, outer)
+    /// for [`LayoutKind::LayerSeparateOuterFirst`]. Concatenated, they hold
+    /// the block in `[layer][outer][chunk]` order in every kind.
     pub fn block_ranges(&self, block: BlockId) -> Result<BlockRanges, LayoutError> {
         self.check_block(block)?;
         let b = block as usize;
         // In range: see `chunk` for why this cannot overflow.
-        let (count, len, offset) = match self.kind {
-            LayoutKind::FullyContiguous => (1, self.block_bytes, b * self.block_bytes),
-            LayoutKind::LayerSeparate => (
-                self.config.num_layers,
-                self.layer_block_bytes,
-                b * self.layer_block_bytes,
+        let (per_region, len, offset, stride) = match self.kind {
+            LayoutKind::FullyContiguous => (1, self.block_bytes, b * self.block_bytes, 0),
+            LayoutKind::LayerSeparate => (1, self.layer_block_bytes, b * self.layer_block_bytes, 0),
+            LayoutKind::LayerSeparateOuterFirst => (
+                self.config.outer_dim,
+                self.chunk_bytes,
+                b * self.chunk_bytes,
+                self.config.num_blocks * self.chunk_bytes,
             ),
         };
         Ok(BlockRanges {
             next: 0,
-            count,
+            count: self.num_regions * per_region,
+            per_region,
             offset,
+            stride,
             len,
         })
     }
@@ -375,9 +402,13 @@ impl Layout {
 
 impl Layout {
     /// The range of layer `layer` of `block` (its `outer_dim` pages, in
-    /// order), contiguous in both kinds. The caller has checked both
-    /// indices (see `chunk` for why the arithmetic cannot overflow then).
+    /// order), contiguous in every kind but
+    /// [`LayoutKind::LayerSeparateOuterFirst`] (whose layer is
+    /// `outer_dim` ranges: see [`Self::contiguous_layers`]). The caller has
+    /// checked both indices (see `chunk` for why the arithmetic cannot
+    /// overflow then).
     fn layer_range(&self, block: BlockId, layer: usize) -> MemRange {
+        debug_assert!(self.contiguous_layers());
         debug_assert!((block as usize) < self.config.num_blocks);
         debug_assert!(layer < self.config.num_layers);
         let b = block as usize;
@@ -392,7 +423,19 @@ impl Layout {
                 offset: b * self.layer_block_bytes,
                 len: self.layer_block_bytes,
             },
+            // One page per layer only when outer_dim is 1 (callers check
+            // `contiguous_layers`); then the layer is that page.
+            LayoutKind::LayerSeparateOuterFirst => MemRange {
+                region: layer,
+                offset: b * self.chunk_bytes,
+                len: self.layer_block_bytes,
+            },
         }
+    }
+
+    /// True when each layer of a block is one contiguous range.
+    fn contiguous_layers(&self) -> bool {
+        self.kind != LayoutKind::LayerSeparateOuterFirst || self.config.outer_dim == 1
     }
 }
 
@@ -401,7 +444,11 @@ impl Layout {
 pub struct BlockRanges {
     next: usize,
     count: usize,
+    /// Ranges in each region (consecutive `next` values share a region).
+    per_region: usize,
     offset: usize,
+    /// Distance between consecutive ranges of one region.
+    stride: usize,
     len: usize,
 }
 
@@ -412,11 +459,12 @@ impl Iterator for BlockRanges {
         if self.next >= self.count {
             return None;
         }
-        // The region index is the layer for LayerSeparate and always 0 for
-        // FullyContiguous (count == 1), so `next` serves as both.
+        // The region index is the layer for the layer-separate kinds and
+        // always 0 for FullyContiguous (count == 1). Below count, so within
+        // the layout (see `block_ranges`).
         let r = MemRange {
-            region: self.next,
-            offset: self.offset,
+            region: self.next / self.per_region,
+            offset: self.offset + (self.next % self.per_region) * self.stride,
             len: self.len,
         };
         self.next += 1;
@@ -439,7 +487,8 @@ impl ExactSizeIterator for BlockRanges {}
 /// ranges (one large copy per range); otherwise they are the block's layers
 /// (all `outer_dim` pages of a layer together), the largest unit contiguous
 /// in both: one copy per layer rather than one per page, half as many for
-/// separate K and V.
+/// separate K and V. Where a layer is not contiguous on one side (vLLM's
+/// outer-first tensors), the pieces are pages.
 ///
 /// Errors when the shapes differ or a block is out of range; nothing is
 /// passed to `f` in that case.
@@ -463,12 +512,21 @@ pub(crate) fn for_each_copy_piece<E: From<LayoutError>>(
         {
             f(s, d)?;
         }
-    } else {
+    } else if src.contiguous_layers() && dst.contiguous_layers() {
         for layer in 0..src.config.num_layers {
             f(
                 src.layer_range(src_block, layer),
                 dst.layer_range(dst_block, layer),
             )?;
+        }
+    } else {
+        for layer in 0..src.config.num_layers {
+            for outer in 0..src.config.outer_dim {
+                f(
+                    src.chunk(src_block, layer, outer)?,
+                    dst.chunk(dst_block, layer, outer)?,
+                )?;
+            }
         }
     }
     Ok(())
@@ -548,6 +606,34 @@ mod tests {
     }
 
     #[test]
+    fn sizes_layer_separate_outer_first() {
+        // vLLM's [2, num_blocks, block_size, heads, head_dim] per layer.
+        let l = Layout::new(cfg(10, 3), LayoutKind::LayerSeparateOuterFirst).unwrap();
+        assert_eq!(l.block_bytes(), 384);
+        assert_eq!(l.num_regions(), 3);
+        assert_eq!(l.region_bytes(), 1280);
+        let r: Vec<_> = l.block_ranges(2).unwrap().collect();
+        let at = |region, offset| MemRange {
+            region,
+            offset,
+            len: 64,
+        };
+        // K of block 2 at 2 pages in, V after all ten blocks' K pages.
+        assert_eq!(
+            r,
+            vec![
+                at(0, 128),
+                at(0, 640 + 128),
+                at(1, 128),
+                at(1, 768),
+                at(2, 128),
+                at(2, 768)
+            ]
+        );
+        assert_eq!(l.chunk(2, 1, 1).unwrap(), at(1, 768));
+    }
+
+    #[test]
     fn two_mib_bench_shape() {
         let l = Layout::new(
             LayoutConfig {
@@ -579,7 +665,7 @@ mod tests {
         for (name, set) in cases {
             let mut c = base;
             set(&mut c);
-            for kind in [LayoutKind::FullyContiguous, LayoutKind::LayerSeparate] {
+            for kind in LayoutKind::ALL {
                 assert_eq!(
                     Layout::new(c, kind),
                     Err(LayoutError::ZeroDimension { field: name })
@@ -679,10 +765,20 @@ mod tests {
     fn copy_pieces_cover_the_block_in_order() {
         let fc = Layout::new(cfg(5, 3), LayoutKind::FullyContiguous).unwrap();
         let ls = Layout::new(cfg(7, 3), LayoutKind::LayerSeparate).unwrap();
+        let of = Layout::new(cfg(6, 3), LayoutKind::LayerSeparateOuterFirst).unwrap();
         // cfg has outer_dim 2: across kinds, one piece per layer (both
-        // pages together), not one per page.
+        // pages together), not one per page, unless one side is
+        // outer-first, where a layer's pages lie apart.
         assert_eq!(fc.config().outer_dim, 2);
-        for (a, b, pieces) in [(&fc, &fc, 1), (&ls, &ls, 3), (&fc, &ls, 3), (&ls, &fc, 3)] {
+        for (a, b, pieces) in [
+            (&fc, &fc, 1),
+            (&ls, &ls, 3),
+            (&fc, &ls, 3),
+            (&ls, &fc, 3),
+            (&of, &of, 6),
+            (&of, &fc, 6),
+            (&ls, &of, 6),
+        ] {
             let mut total = 0;
             let mut n = 0;
             for_each_copy_piece::<LayoutError>(a, 1, b, 4, |s, d| {
@@ -734,10 +830,7 @@ mod tests {
     }
 
     fn arb_kind() -> impl Strategy<Value = LayoutKind> {
-        prop_oneof![
-            Just(LayoutKind::FullyContiguous),
-            Just(LayoutKind::LayerSeparate)
-        ]
+        prop::sample::select(LayoutKind::ALL.to_vec())
     }
 
     fn overlaps(a: &MemRange, b: &MemRange) -> bool {

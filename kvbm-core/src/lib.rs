@@ -34,3 +34,9 @@ pub use kvbm_events::{BlockId, Tier};
 pub use link::{HostTier, LinkError, TierLink};
 pub use pool::{BlockPool, PoolConfig, PoolError, PoolStatus};
 pub use tokens::{BlockHash, BlockMeta, SaltHash, SequenceHash, Token, TokenBlock, TokenSequence};
+
+/// The CUDA driver API's raw types and calls (feature `cuda`), through
+/// the same cudarc kvbm-core is built with, for crates that hand kvbm an
+/// engine's CUDA stream.
+#[cfg(feature = "cuda")]
+pub use cudarc::driver::sys as cuda_sys;

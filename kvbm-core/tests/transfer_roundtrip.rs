@@ -233,6 +233,14 @@ fn roundtrip_layer_separate_g1() {
 }
 
 #[test]
+fn roundtrip_vllm_kv_first_g1() {
+    // vLLM's CUDA attention backends: per layer [2, num_blocks, ...], K of
+    // every block then V; a block of a layer is two pieces far apart.
+    use LayoutKind::{FullyContiguous as FC, LayerSeparateOuterFirst as KV};
+    roundtrip(KV, FC, FC);
+}
+
+#[test]
 fn roundtrip_mixed_kinds_on_every_hop() {
     // G1 FC -> G2 LS (chunked memcpy), G2 LS -> G3 FC (staged disk I/O).
     use LayoutKind::{FullyContiguous as FC, LayerSeparate as LS};

@@ -58,6 +58,9 @@ pub struct DeviceStorage {
     layout: Layout,
     ctx: Arc<CudaContext>,
     regions: Vec<sys::CUdeviceptr>,
+    /// False for memory someone else allocated ([`Self::external`]): not
+    /// freed here.
+    owned: bool,
 }
 
 impl DeviceStorage {
@@ -86,6 +89,7 @@ impl DeviceStorage {
             layout,
             ctx,
             regions: Vec::with_capacity(layout.num_regions()),
+            owned: true,
         };
         for _ in 0..layout.num_regions() {
             // SAFETY: the context is bound to this thread; size is non-zero.
@@ -98,6 +102,51 @@ impl DeviceStorage {
                 .map_err(|e| cuda_err("cuMemsetD8", e))?;
         }
         Ok(storage)
+    }
+
+    /// Wraps device memory someone else allocated (vLLM's KV tensors), one
+    /// region per entry of `regions`, without copying or freeing it.
+    ///
+    /// Errors: [`StorageError::Cuda`] when CUDA is unavailable or the
+    /// context cannot be had; [`StorageError::Layout`] when `regions` is
+    /// not one address per region of `layout` or an address is null.
+    ///
+    /// # Safety
+    ///
+    /// Each address must be device memory of device `ordinal` (its primary
+    /// context, the one PyTorch uses), valid for
+    /// [`Layout::region_bytes`] bytes for as long as the storage lives.
+    pub unsafe fn external(
+        ordinal: usize,
+        layout: Layout,
+        regions: Vec<sys::CUdeviceptr>,
+    ) -> Result<DeviceStorage, StorageError> {
+        cuda_available().map_err(StorageError::Cuda)?;
+        if regions.len() != layout.num_regions() || regions.contains(&0) {
+            return Err(StorageError::Cuda(format!(
+                "{} device regions (null ones: {}) for a layout of {}",
+                regions.len(),
+                regions.iter().filter(|&&r| r == 0).count(),
+                layout.num_regions()
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("create context", e))?;
+        Ok(DeviceStorage {
+            layout,
+            ctx,
+            regions,
+            owned: false,
+        })
+    }
+
+    /// The device address of each region.
+    pub fn regions(&self) -> &[sys::CUdeviceptr] {
+        &self.regions
+    }
+
+    /// The device ordinal of the memory.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
     }
 
     /// The layout this storage was built for.
@@ -176,6 +225,9 @@ impl DeviceStorage {
 
 impl Drop for DeviceStorage {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         if let Err(e) = self.ctx.bind_to_thread() {
             tracing::warn!("DeviceStorage drop: cannot bind CUDA context: {e}");
         }

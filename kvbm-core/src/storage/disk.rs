@@ -222,7 +222,7 @@ mod tests {
     #[test]
     fn roundtrip() {
         let dir = tempfile::tempdir().unwrap();
-        for kind in [LayoutKind::FullyContiguous, LayoutKind::LayerSeparate] {
+        for kind in LayoutKind::ALL {
             let path = dir.path().join(format!("{kind:?}.kv"));
             let d = DiskStorage::create(&path, layout(kind)).unwrap();
             assert_eq!(d.path(), path);

@@ -475,7 +475,7 @@ mod tests {
 
     #[test]
     fn roundtrip_and_zeroed() {
-        for kind in [LayoutKind::FullyContiguous, LayoutKind::LayerSeparate] {
+        for kind in LayoutKind::ALL {
             let s = HostStorage::new(layout(kind)).unwrap();
             let n = s.layout().block_bytes();
             let mut out = vec![1u8; n];

@@ -1,18 +1,22 @@
 //! Device ↔ host block copies on a dedicated CUDA stream (feature `cuda`).
 //!
-//! The worker thread enqueues one `cuMemcpy*Async` per range on the engine's
-//! own non-blocking stream, records an event, and polls `cuEventQuery`
+//! The worker thread enqueues a batch's pieces (merged where blocks follow
+//! each other; one `cuMemcpyBatchAsync` where the driver has it: see
+//! `cuda_copy`) on the engine's own stream, records an event, and polls
+//! `cuEventQuery`
 //! (spinning briefly, then sleeping in short steps) until the copies are
 //! done. Nothing ever blocks a caller's thread, and the worker never calls a
 //! blocking CUDA synchronisation in the normal path.
 
+use super::copy_pieces;
+use super::cuda_copy::{CopyCalls, Side, enqueue_pieces};
 use super::{
     BlockPair, EngineConfig, EngineCounters, Hold, Rejected, TransferEngine, TransferError,
     TransferTicket, Worker, check_shapes, validate_pairs,
 };
-use crate::layout::for_each_copy_piece;
+use crate::layout::MemRange;
 use crate::storage::{DeviceStorage, HostStorage};
-use cudarc::driver::{CudaEvent, CudaStream, DriverError, sys};
+use cudarc::driver::{CudaEvent, CudaStream, DriverError};
 use kvbm_events::tier::Tier;
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,10 +86,11 @@ impl CudaEngine {
             CudaDirection::HostToDevice => "cuda-h2d",
             CudaDirection::DeviceToHost => "cuda-d2h",
         };
+        let calls = CopyCalls::from_env()?;
         let worker = {
             let (device, host) = (device.clone(), host.clone());
             Worker::spawn(name, &config, move |pairs| {
-                copy_batch(&device, &host, direction, &stream, &event, pairs)
+                copy_batch(&device, &host, direction, calls, &stream, &event, pairs)
             })?
         };
         Ok(CudaEngine {
@@ -107,11 +112,13 @@ impl CudaEngine {
     }
 }
 
-/// Runs on the worker thread.
+/// Runs on the worker thread: the batch's pieces, merged where blocks
+/// follow each other, handed to the driver as `calls` says.
 fn copy_batch(
     device: &DeviceStorage,
     host: &HostStorage,
     direction: CudaDirection,
+    calls: CopyCalls,
     stream: &Arc<CudaStream>,
     event: &CudaEvent,
     pairs: &[BlockPair],
@@ -121,57 +128,43 @@ fn copy_batch(
         .bind_to_thread()
         .map_err(|e| cuda("bind context", e))?;
     let cu_stream = stream.cu_stream();
-    let mut bytes = 0u64;
-    let mut enqueue = || -> Result<(), TransferError> {
-        for p in pairs {
-            match direction {
-                CudaDirection::HostToDevice => {
-                    for_each_copy_piece(host.layout(), p.src, device.layout(), p.dst, |h, d| {
-                        let src = host.range_ptr(&h)?;
-                        let dst = device.range_dptr(&d)?;
-                        // SAFETY: `src` is valid (and pinned) for h.len bytes
-                        // and stays allocated until the storage drops, which
-                        // is after this worker is joined; `dst` is valid for
-                        // d.len == h.len device bytes. submit's contract keeps
-                        // writers off the source until we have waited for
-                        // the stream below.
-                        unsafe {
-                            sys::cuMemcpyHtoDAsync_v2(
-                                dst,
-                                src.cast_const().cast(),
-                                h.len,
-                                cu_stream,
-                            )
-                        }
-                        .result()
-                        .map_err(|e| cuda("cuMemcpyHtoDAsync", e))?;
-                        bytes += h.len as u64;
-                        Ok::<(), TransferError>(())
-                    })?;
-                }
-                CudaDirection::DeviceToHost => {
-                    for_each_copy_piece(device.layout(), p.src, host.layout(), p.dst, |d, h| {
-                        let src = device.range_dptr(&d)?;
-                        let dst = host.range_ptr(&h)?;
-                        // SAFETY: as above, with the destination in host
-                        // memory that submit's contract keeps everyone else
-                        // away from until the ticket resolves.
-                        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, h.len, cu_stream) }
-                            .result()
-                            .map_err(|e| cuda("cuMemcpyDtoHAsync", e))?;
-                        bytes += h.len as u64;
-                        Ok::<(), TransferError>(())
-                    })?;
-                }
-            }
-        }
-        Ok(())
+    let device_side = Side::Device(device.ordinal() as i32);
+    let host_addr = |r: &MemRange| Ok(host.range_ptr(r)? as u64);
+    let dev_addr = |r: &MemRange| device.range_dptr(r);
+    // SAFETY (both arms): every address is inside its storage (range
+    // checks) and stays allocated until the storages drop, which is after
+    // this worker is joined; the host side is pinned. submit's contract
+    // keeps everyone else off the blocks until we have waited below.
+    let enqueued = match direction {
+        CudaDirection::HostToDevice => copy_pieces(host.layout(), device.layout(), pairs)
+            .map_err(TransferError::from)
+            .and_then(|pieces| unsafe {
+                enqueue_pieces(
+                    &pieces,
+                    host_addr,
+                    dev_addr,
+                    (Side::Host, device_side),
+                    calls,
+                    cu_stream,
+                )
+            }),
+        CudaDirection::DeviceToHost => copy_pieces(device.layout(), host.layout(), pairs)
+            .map_err(TransferError::from)
+            .and_then(|pieces| unsafe {
+                enqueue_pieces(
+                    &pieces,
+                    dev_addr,
+                    host_addr,
+                    (device_side, Side::Host),
+                    calls,
+                    cu_stream,
+                )
+            }),
     };
-    let enqueued = enqueue();
     // Wait even if enqueueing failed halfway: the ticket must not resolve
     // while DMA already queued may still touch the blocks.
     let waited = wait_for_stream(stream, event);
-    enqueued?;
+    let bytes = enqueued?;
     waited?;
     Ok(bytes)
 }

@@ -312,13 +312,11 @@ mod tests {
 
     #[test]
     fn copies_between_all_kind_combinations() {
-        use LayoutKind::*;
-        for (sk, dk) in [
-            (FullyContiguous, FullyContiguous),
-            (LayerSeparate, LayerSeparate),
-            (FullyContiguous, LayerSeparate),
-            (LayerSeparate, FullyContiguous),
-        ] {
+        let kinds = LayoutKind::ALL;
+        for (sk, dk) in kinds
+            .iter()
+            .flat_map(|&s| kinds.iter().map(move |&d| (s, d)))
+        {
             let src = storage(sk, 4);
             let dst = storage(dk, 6);
             let n = src.layout().block_bytes();

@@ -19,6 +19,9 @@
 //! * [`DiskEngine`]: host memory to/from a [`DiskStorage`](crate::storage::DiskStorage) file (G2 ↔ G3).
 //! * `CudaEngine` (feature `cuda`): device ↔ pinned host memory on a
 //!   dedicated CUDA stream (G1 ↔ G2).
+//! * `StreamCopier` (feature `cuda`): the same copies ordered against an
+//!   inference engine's own CUDA stream with events, for a connector that
+//!   runs on the engine's thread.
 //! * [`RemoteEngine`]: copies another process performs (the worker of an
 //!   engine that is not ours); batches are handed out and reported back.
 //! * [`ShardedEngine`]: the same move in every shard of a tensor-parallel
@@ -31,19 +34,29 @@
 
 mod disk;
 mod memcpy;
+mod pieces;
 mod remote;
 mod sharded;
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_copy;
+#[cfg(feature = "cuda")]
+mod cuda_stream;
 
 pub use disk::{DiskDirection, DiskEngine};
 pub use memcpy::{MemcpyEngine, Stores, plain_copy};
+pub use pieces::{Piece, copy_pieces, total_bytes};
 pub use remote::{RemoteBatch, RemoteEngine};
 pub use sharded::ShardedEngine;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDirection, CudaEngine};
+#[cfg(feature = "cuda")]
+pub use cuda_copy::{CopyCalls, batch_call_available};
+#[cfg(feature = "cuda")]
+pub use cuda_stream::{Fence, StreamCopier, StreamDirection};
 
 use crate::layout::{Layout, LayoutConfig, LayoutError};
 use crate::storage::StorageError;
