@@ -9,6 +9,8 @@
 //! - [`worker`]: the worker process. vLLM's KV tensors are wrapped as G1
 //!   (no copy), and each step's plan of stores and loads runs on kvbm's
 //!   transfer engines.
+//! - [`g1`]: vLLM's KV tensors read as a kvbm layout; `device` (feature
+//!   `cuda`): the worker's copies when they are on a GPU.
 //! - [`meta`]: what travels between the two, once per step.
 //! - [`config`]: the `kv_connector_extra_config` keys; [`tiers`]: the
 //!   shapes and files both sides derive alike.
@@ -19,6 +21,9 @@
 
 pub mod background;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod device;
+pub mod g1;
 pub mod meta;
 pub mod observe;
 pub mod parallel;

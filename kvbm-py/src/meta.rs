@@ -6,6 +6,12 @@
 
 use serde::{Deserialize, Serialize};
 
+/// An error as a report carries it (clipped, as every message in an
+/// event is).
+pub(crate) fn describe(e: &impl std::fmt::Display) -> String {
+    kvbm_events::text::clip(&e.to_string(), kvbm_events::text::MAX_MESSAGE_CHARS)
+}
+
 /// Which copy a batch is; fixes which side is vLLM's G1 block id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Route {

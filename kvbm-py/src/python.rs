@@ -315,7 +315,7 @@ impl PyWorker {
 #[pymethods]
 impl PyWorker {
     /// `tensors_json`: a list of `{name, data_ptr, nbytes, num_blocks,
-    /// block_stride_bytes, contiguous, device}`, one per layer. The caller
+    /// block_stride_bytes, contiguous, device, shape}`, one per layer. The caller
     /// (the Python class) keeps the tensors alive as long as this object.
     /// `data_ptr` is trusted to be the address of vLLM's own tensor: this
     /// private module's contract with its one caller.
@@ -357,11 +357,19 @@ impl PyWorker {
     /// requests whose stores are all done, and the G1 blocks whose load
     /// failed. One call a step: each call into Rust costs the step a
     /// little, and the copies are synchronous, so all three are known here.
+    ///
+    /// `stream`: vLLM's current CUDA stream when its KV cache is on a GPU
+    /// (`torch.cuda.current_stream().cuda_stream`), 0 otherwise. There the
+    /// copies are only enqueued, ordered against it, and the report holds
+    /// the batches that have run so far (the rest come with later calls
+    /// or [`Self::poll`]).
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (plan, stream=0))]
     fn run<'py>(
         &self,
         py: Python<'py>,
         plan: &[u8],
+        stream: u64,
     ) -> PyResult<(Option<Bound<'py, PyBytes>>, Vec<String>, Vec<u32>)> {
         let plan = StepPlan::from_bytes(plan).map_err(|e| worker_err(WorkerError::Meta(e)))?;
         let copies = plan.copies();
@@ -369,7 +377,9 @@ impl PyWorker {
             let mut g = self.lock();
             let w = g.as_mut().ok_or_else(gone)?;
             w.bind_plan(plan);
-            w.run();
+            // SAFETY: the Python class passes torch's current stream of
+            // vLLM's device (or 0): this private module's contract.
+            unsafe { w.run_on(stream) };
             Ok::<_, PyErr>((
                 w.take_report(),
                 w.take_finished_sending(),
@@ -382,6 +392,13 @@ impl PyWorker {
         // mutex is taken and let go inside (see the module docs).
         let (report, sending, errors) = if copies { py.detach(run) } else { run() }?;
         Ok((report.map(|b| PyBytes::new(py, &b)), sending, errors))
+    }
+
+    /// The report of GPU copies that have run since the last one, or
+    /// `None`. Never blocks.
+    fn poll<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let report = self.lock().as_mut().ok_or_else(gone)?.poll();
+        Ok(report.map(|b| PyBytes::new(py, &b)))
     }
 
     fn shutdown(&self, py: Python<'_>) {

@@ -87,17 +87,37 @@ impl Geometry {
     /// chunk of the whole page when that does not divide); copies move whole
     /// pages, so how vLLM orders bytes inside a page does not matter.
     pub fn layout(&self, blocks: usize, kind: LayoutKind) -> Result<Layout, GeometryError> {
+        self.layout_split(blocks, kind, 1)
+    }
+
+    /// As [`Self::layout`], with each layer's page split in `outer` equal
+    /// parts (2 for vLLM's `[2, num_blocks, ...]` tensors, K then V). A
+    /// block's bytes are the same in every fully contiguous layout of one
+    /// geometry, whatever the split.
+    pub fn layout_split(
+        &self,
+        blocks: usize,
+        kind: LayoutKind,
+        outer: usize,
+    ) -> Result<Layout, GeometryError> {
         self.check()?;
-        let (page_size, inner_dim) = if self.page_bytes.is_multiple_of(self.block_size) {
-            (self.block_size, self.page_bytes / self.block_size)
+        if outer == 0 || !self.page_bytes.is_multiple_of(outer) {
+            return Err(GeometryError::Invalid(format!(
+                "a page of {} bytes does not split in {outer} parts",
+                self.page_bytes
+            )));
+        }
+        let part = self.page_bytes / outer;
+        let (page_size, inner_dim) = if part.is_multiple_of(self.block_size) {
+            (self.block_size, part / self.block_size)
         } else {
-            (1, self.page_bytes)
+            (1, part)
         };
         Ok(Layout::new(
             LayoutConfig {
                 num_blocks: blocks,
                 num_layers: self.num_layers,
-                outer_dim: 1,
+                outer_dim: outer,
                 page_size,
                 inner_dim,
                 dtype_bytes: 1,

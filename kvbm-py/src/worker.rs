@@ -11,7 +11,8 @@
 //! not wrapped, so they may be on any device.
 
 use crate::config::Config;
-use crate::meta::{Batch, Done, Pair, Route, StepPlan, StepReport};
+use crate::g1::{Device, G1Shape, g1_shape};
+use crate::meta::{Batch, Done, Pair, Route, StepPlan, StepReport, describe};
 use crate::tiers::{Geometry, Shard, TierSizes, disk_path, open_locked, same_file, shm_path};
 use kvbm_core::layout::LayoutKind;
 use kvbm_core::storage::{DiskStorage, HostStorage, prefault_in_background};
@@ -28,24 +29,7 @@ use std::sync::Arc;
 /// (small enough that it stops soon after the tier is dropped).
 const PREFAULT_CHUNK: usize = 64 << 20;
 
-/// One of vLLM's per-layer KV tensors, as the Python side reads it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
-pub struct KvTensor {
-    /// The layer's name.
-    pub name: String,
-    /// Address of its first byte.
-    pub data_ptr: u64,
-    /// Its size in bytes.
-    pub nbytes: u64,
-    /// Its first dimension (vLLM's blocks on the CPU backend).
-    pub num_blocks: usize,
-    /// Bytes between consecutive blocks.
-    pub block_stride_bytes: usize,
-    /// Whether its bytes are contiguous.
-    pub contiguous: bool,
-    /// `cpu`, `cuda:0`, ...
-    pub device: String,
-}
+pub use crate::g1::KvTensor;
 
 /// Why the worker side could not start or run.
 #[derive(Debug, thiserror::Error)]
@@ -57,13 +41,8 @@ pub enum WorkerError {
     #[error(transparent)]
     Geometry(#[from] crate::tiers::GeometryError),
     /// The KV tensors are not what kvbm can copy.
-    #[error("kvbm: vLLM's KV cache tensor {name}: {reason}")]
-    Tensor {
-        /// The layer.
-        name: String,
-        /// What is wrong.
-        reason: String,
-    },
+    #[error(transparent)]
+    Tensor(#[from] crate::g1::TensorError),
     /// A tier's storage or engine.
     #[error("kvbm: {what}: {reason}")]
     Tier {
@@ -209,9 +188,12 @@ impl Baseline {
 
 /// The worker side. See the module docs.
 pub struct WorkerSide {
-    /// vLLM's tensors, when kvbm copies to and from them (an observer
-    /// keeps none).
+    /// vLLM's tensors in host memory, when kvbm copies to and from them
+    /// (an observer keeps none).
     g1: Option<Arc<HostStorage>>,
+    /// vLLM's tensors on a GPU, with kvbm's stream-ordered copies.
+    #[cfg(feature = "cuda")]
+    device: Option<crate::device::DeviceTier>,
     /// The host tier, when there is one.
     g2: Option<Arc<HostStorage>>,
     engines: HashMap<Route, Arc<dyn TransferEngine>>,
@@ -267,75 +249,22 @@ impl std::fmt::Debug for WorkerSide {
     }
 }
 
+/// A build without the `cuda` feature, given tensors on `device`.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda(device: &str) -> WorkerError {
+    tier_err(
+        format!("vLLM's KV cache on {device}"),
+        "this build of kvbm has no CUDA support: build it with the `cuda` feature \
+         (pip install with MATURIN_PEP517_ARGS=\"--features cuda\"), or run kvbm as an \
+         observer (host_capacity_tokens 0, no disk_path)",
+    )
+}
+
 fn tier_err(what: impl Into<String>, e: impl std::fmt::Display) -> WorkerError {
     WorkerError::Tier {
         what: what.into(),
         reason: e.to_string(),
     }
-}
-
-/// Checks that vLLM's tensors are what the geometry says: one per layer,
-/// and, when kvbm copies blocks in and out of them (`copies`), on the CPU,
-/// contiguous, with a block's bytes per block first and room for every
-/// block. An observer reads none of their bytes, so they may be on any
-/// device and in any layout. (`geometry` is checked already.)
-fn check_tensors(
-    geometry: &Geometry,
-    tensors: &[KvTensor],
-    copies: bool,
-) -> Result<(), WorkerError> {
-    if tensors.len() != geometry.num_layers {
-        return Err(WorkerError::Tensor {
-            name: "(all)".into(),
-            reason: format!(
-                "{} tensors for {} layers",
-                tensors.len(),
-                geometry.num_layers
-            ),
-        });
-    }
-    if !copies {
-        return Ok(());
-    }
-    for t in tensors {
-        let bad = |reason: String| WorkerError::Tensor {
-            name: t.name.clone(),
-            reason,
-        };
-        if t.device != "cpu" {
-            return Err(bad(format!(
-                "on {}; this build of kvbm copies CPU tensors only (the cuda engine has not been run on a GPU yet)",
-                t.device
-            )));
-        }
-        if !t.contiguous {
-            return Err(bad("not contiguous".into()));
-        }
-        if t.num_blocks < geometry.num_gpu_blocks {
-            return Err(bad(format!(
-                "{} blocks, vLLM configured {}",
-                t.num_blocks, geometry.num_gpu_blocks
-            )));
-        }
-        if t.block_stride_bytes != geometry.page_bytes {
-            return Err(bad(format!(
-                "{} bytes per block, the cache config says {} (the block dimension must come first)",
-                t.block_stride_bytes, geometry.page_bytes
-            )));
-        }
-        if t.data_ptr == 0 {
-            return Err(bad("its data_ptr is null (0)".into()));
-        }
-        // Cannot overflow: Geometry::check.
-        let need = (geometry.num_gpu_blocks * geometry.page_bytes) as u64;
-        if t.nbytes < need {
-            return Err(bad(format!(
-                "{} bytes at {:#x}, need {need}",
-                t.nbytes, t.data_ptr
-            )));
-        }
-    }
-    Ok(())
 }
 
 impl WorkerSide {
@@ -348,7 +277,8 @@ impl WorkerSide {
     /// The tensors' memory must stay valid and in place for as long as the
     /// returned value lives (vLLM keeps its KV cache for the engine's
     /// life), and vLLM must not touch a block while a plan that names it
-    /// runs (it does not: plans run between its steps' forward passes).
+    /// runs (it does not: plans run between its steps' forward passes; on
+    /// a GPU, its later work is ordered after kvbm's copies).
     pub unsafe fn start(
         cfg: &Config,
         geometry: Geometry,
@@ -359,58 +289,142 @@ impl WorkerSide {
         geometry.check()?;
         let sizes = TierSizes::of(cfg, &geometry)?;
         // With no tier kvbm only observes: it moves no bytes and keeps no
-        // pointer into vLLM's tensors, so they may be on a GPU.
+        // pointer into vLLM's tensors, so they may be on any device and in
+        // any arrangement.
         let copies = sizes.host_blocks > 0 || sizes.disk_blocks > 0;
-        check_tensors(&geometry, &tensors, copies)?;
-        let mut engines: HashMap<Route, Arc<dyn TransferEngine>> = HashMap::new();
-        let mut host = None;
-        let mut shm = None;
-        let g1 = if copies {
-            let g1_layout = geometry.layout(geometry.num_gpu_blocks, LayoutKind::LayerSeparate)?;
-            let regions = tensors
-                .iter()
-                .map(|t| t.data_ptr as usize as *mut u8)
-                .collect();
-            // SAFETY: checked above that each region holds the layout's
-            // bytes; the caller keeps them alive and in place.
-            Some(Arc::new(
-                unsafe { HostStorage::external(g1_layout, regions) }
-                    .map_err(|e| tier_err("wrapping vLLM's KV tensors", e))?,
-            ))
-        } else {
-            None
+        let mut side = WorkerSide {
+            g1: None,
+            g2: None,
+            #[cfg(feature = "cuda")]
+            device: None,
+            engines: HashMap::new(),
+            plan: None,
+            report: StepReport::default(),
+            load_errors: Vec::new(),
+            finished_sending: Vec::new(),
+            hooks: TestHooks::from_env(shard),
+            _tensors: Vec::new(),
+            _shm: None,
         };
-        if let (Some(g1), true) = (&g1, sizes.host_blocks > 0) {
-            let path = shm_path(cfg, engine_id, shard);
-            let what = || {
-                format!(
-                    "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
-                    path.display()
-                )
-            };
-            // vLLM starts its workers before its scheduler: the worker may
-            // be the one that makes the file.
-            let (file, made) = open_locked(&path).map_err(|e| tier_err(what(), e))?;
-            shm = Some(ShmHeld {
-                path: path.clone(),
-                file,
-                made,
-            });
-            let l = geometry.layout(sizes.host_blocks, LayoutKind::FullyContiguous)?;
-            let g2 = Arc::new(HostStorage::shared(&path, l).map_err(|e| tier_err(what(), e))?);
-            // The worker writes the host tier: fault its pages in now, in
-            // the background, rather than one by one inside each offload
-            // (see HostStorage::prefault). Not starting it is no error:
-            // the copies then fault the pages themselves.
-            if let Err(e) = prefault_in_background(&g2, PREFAULT_CHUNK) {
-                tracing::info!(error = %e, "host tier: no prefault thread");
+        if !copies {
+            if tensors.len() != geometry.num_layers {
+                return Err(crate::g1::TensorError::Tensor {
+                    name: "(all)".into(),
+                    reason: format!(
+                        "{} tensors for {} layers",
+                        tensors.len(),
+                        geometry.num_layers
+                    ),
+                }
+                .into());
             }
+            side._tensors = tensors;
+            return Ok(side);
+        }
+        // A build without CUDA says so before anything about the tensors'
+        // arrangement, which it could not use anyway.
+        #[cfg(not(feature = "cuda"))]
+        if let Some(t) = tensors.iter().find(|t| t.device.starts_with("cuda")) {
+            return Err(no_cuda(&t.device));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(t) = tensors.iter().find(|t| t.device.starts_with("cuda"))
+            && let Err(why) = kvbm_core::storage::cuda_available()
+        {
+            return Err(tier_err(format!("vLLM's KV cache on {}", t.device), why));
+        }
+        let shape = g1_shape(&geometry, &tensors)?;
+        side._tensors = tensors;
+        match shape.device {
+            Device::Cpu => {
+                // SAFETY: the caller's contract.
+                unsafe { side.open_host_g1(cfg, &geometry, engine_id, shard, sizes, &shape)? }
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                // SAFETY: the caller's contract.
+                unsafe {
+                    side.open_device_g1(cfg, &geometry, engine_id, shard, sizes, &shape, ordinal)?
+                }
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(ordinal) => return Err(no_cuda(&format!("cuda:{ordinal}"))),
+        }
+        Ok(side)
+    }
+
+    /// This rank's host-tier file, opened (or made) and held, and its
+    /// storage in `l`'s layout.
+    fn open_host_tier(
+        &mut self,
+        cfg: &Config,
+        engine_id: &str,
+        shard: Shard,
+        l: kvbm_core::layout::Layout,
+    ) -> Result<Arc<HostStorage>, WorkerError> {
+        let path = shm_path(cfg, engine_id, shard);
+        let what = || {
+            format!(
+                "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
+                path.display()
+            )
+        };
+        // vLLM starts its workers before its scheduler: the worker may
+        // be the one that makes the file.
+        let (file, made) = open_locked(&path).map_err(|e| tier_err(what(), e))?;
+        self._shm = Some(ShmHeld {
+            path: path.clone(),
+            file,
+            made,
+        });
+        let g2 = Arc::new(HostStorage::shared(&path, l).map_err(|e| tier_err(what(), e))?);
+        // The worker writes the host tier: fault its pages in now, in
+        // the background, rather than one by one inside each offload
+        // (see HostStorage::prefault). Not starting it is no error:
+        // the copies then fault the pages themselves.
+        if let Err(e) = prefault_in_background(&g2, PREFAULT_CHUNK) {
+            tracing::info!(error = %e, "host tier: no prefault thread");
+        }
+        self.g2 = Some(g2.clone());
+        Ok(g2)
+    }
+
+    /// G1 in host memory: kvbm's memcpy and disk engines.
+    ///
+    /// # Safety
+    ///
+    /// As [`Self::start`].
+    unsafe fn open_host_g1(
+        &mut self,
+        cfg: &Config,
+        geometry: &Geometry,
+        engine_id: &str,
+        shard: Shard,
+        sizes: TierSizes,
+        shape: &G1Shape,
+    ) -> Result<(), WorkerError> {
+        let regions = shape
+            .regions
+            .iter()
+            .map(|&p| p as usize as *mut u8)
+            .collect();
+        // SAFETY: g1_shape checked that each region holds the layout's
+        // bytes; the caller keeps them alive and in place.
+        let g1 = Arc::new(
+            unsafe { HostStorage::external(shape.layout, regions) }
+                .map_err(|e| tier_err("wrapping vLLM's KV tensors", e))?,
+        );
+        self.g1 = Some(g1.clone());
+        let outer = shape.outer();
+        if sizes.host_blocks > 0 {
+            let l = geometry.layout_split(sizes.host_blocks, LayoutKind::FullyContiguous, outer)?;
+            let g2 = self.open_host_tier(cfg, engine_id, shard, l)?;
             // Stores write host-tier blocks no one reads until a later
             // load: streaming stores skip reading each destination line
             // into the cache first (see Stores::Streaming). Loads into
             // vLLM's tensors, which the next forward pass reads, keep
             // ordinary stores.
-            engines.insert(
+            self.engines.insert(
                 Route::DeviceToHost,
                 Arc::new(
                     MemcpyEngine::with_stores(
@@ -424,17 +438,16 @@ impl WorkerSide {
                     .map_err(|e| tier_err("the G1→G2 engine", e))?,
                 ),
             );
-            engines.insert(
+            self.engines.insert(
                 Route::HostToDevice,
                 Arc::new(
-                    MemcpyEngine::new(g2.clone(), Tier::Host, g1.clone(), Tier::Device)
+                    MemcpyEngine::new(g2, Tier::Host, g1, Tier::Device)
                         .map_err(|e| tier_err("the G2→G1 engine", e))?,
                 ),
             );
-            host = Some(g2);
-        } else if let (Some(g1), true, Some(path)) = (&g1, sizes.disk_blocks > 0, &cfg.disk_path) {
+        } else if let (true, Some(path)) = (sizes.disk_blocks > 0, &cfg.disk_path) {
             let path = &disk_path(path, shard);
-            let l = geometry.layout(sizes.disk_blocks, LayoutKind::FullyContiguous)?;
+            let l = geometry.layout_split(sizes.disk_blocks, LayoutKind::FullyContiguous, outer)?;
             let g3 = Arc::new(DiskStorage::open_or_create(path, l).map_err(|e| {
                 tier_err(
                     format!(
@@ -444,7 +457,7 @@ impl WorkerSide {
                     e,
                 )
             })?);
-            engines.insert(
+            self.engines.insert(
                 Route::DeviceToDisk,
                 Arc::new(
                     DiskEngine::new(
@@ -456,26 +469,64 @@ impl WorkerSide {
                     .map_err(|e| tier_err("the G1→G3 engine", e))?,
                 ),
             );
-            engines.insert(
+            self.engines.insert(
                 Route::DiskToDevice,
                 Arc::new(
-                    DiskEngine::new(g1.clone(), g3, DiskDirection::DiskToHost, Tier::Device)
+                    DiskEngine::new(g1, g3, DiskDirection::DiskToHost, Tier::Device)
                         .map_err(|e| tier_err("the G3→G1 engine", e))?,
                 ),
             );
         }
-        Ok(WorkerSide {
-            g1,
-            g2: host,
-            engines,
-            plan: None,
-            report: StepReport::default(),
-            load_errors: Vec::new(),
-            finished_sending: Vec::new(),
-            hooks: TestHooks::from_env(shard),
-            _tensors: tensors,
-            _shm: shm,
-        })
+        Ok(())
+    }
+
+    /// G1 on a GPU: vLLM's tensors wrapped as device storage, the host
+    /// tier pinned, and the copies ordered on CUDA streams (see
+    /// [`crate::device`]). The disk tier is written from the host tier by
+    /// the scheduler side, so on a GPU it needs one: a disk tier alone is
+    /// refused, naming the setting.
+    ///
+    /// # Safety
+    ///
+    /// As [`Self::start`]: the regions are vLLM's CUDA tensors on device
+    /// `ordinal`.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn open_device_g1(
+        &mut self,
+        cfg: &Config,
+        geometry: &Geometry,
+        engine_id: &str,
+        shard: Shard,
+        sizes: TierSizes,
+        shape: &G1Shape,
+        ordinal: usize,
+    ) -> Result<(), WorkerError> {
+        use kvbm_core::storage::DeviceStorage;
+        use kvbm_core::transfer::{CopyCalls, StreamCopier};
+        if sizes.host_blocks == 0 {
+            return Err(tier_err(
+                "a disk tier with vLLM's KV cache on a GPU",
+                "kvbm moves GPU blocks through its host tier: set host_capacity_tokens above 0 \
+                 (the disk tier then holds what the host tier evicts)",
+            ));
+        }
+        let what = format!("vLLM's KV tensors on cuda:{ordinal}");
+        // SAFETY: the caller's contract: device memory of `ordinal`, each
+        // region the layout's size (g1_shape), alive while we are.
+        let g1 = unsafe { DeviceStorage::external(ordinal, shape.layout, shape.regions.clone()) }
+            .map_err(|e| tier_err(&what, e))?;
+        let l = geometry.layout_split(
+            sizes.host_blocks,
+            LayoutKind::FullyContiguous,
+            shape.outer(),
+        )?;
+        let g2 = self.open_host_tier(cfg, engine_id, shard, l)?;
+        let calls = CopyCalls::from_env().map_err(|e| tier_err(&what, e))?;
+        let copier = StreamCopier::new(Arc::new(g1), g2, calls)
+            .map_err(|e| tier_err("the GPU ↔ host-tier copies", e))?;
+        self.device = Some(crate::device::DeviceTier::new(copier));
+        Ok(())
     }
 
     /// Takes this step's plan (vLLM's `bind_connector_metadata`).
@@ -491,15 +542,35 @@ impl WorkerSide {
 
     /// Runs the bound plan: stores, then loads. Called once per step before
     /// the forward pass (vLLM's `handle_preemptions`); a second call in the
-    /// same step does nothing.
+    /// same step does nothing. On a GPU, with vLLM's legacy default stream:
+    /// see [`Self::run_on`].
     pub fn run(&mut self) {
+        // SAFETY: the null stream is always a valid stream.
+        unsafe { self.run_on(0) }
+    }
+
+    /// [`Self::run`], with vLLM's current CUDA stream when its KV cache is
+    /// on a GPU (ignored otherwise): the copies are ordered against it and
+    /// reported once they have run ([`Self::poll`]).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is 0 or a live CUDA stream of vLLM's device, the one its
+    /// next forward pass runs on.
+    pub unsafe fn run_on(&mut self, stream: u64) {
         let Some(plan) = self.plan.take() else {
             return;
         };
-        self.report = StepReport {
-            step: plan.step,
-            done: Vec::with_capacity(plan.stores.len() + plan.loads.len()),
-        };
+        self.report.step = plan.step;
+        #[cfg(feature = "cuda")]
+        if self.device.is_some() {
+            // SAFETY: the caller's contract.
+            unsafe { self.run_on_device(&plan, stream) };
+            self.load_errors.extend(&plan.failed_loads);
+            self.finished_sending.extend(plan.finished_sending);
+            return;
+        }
+        let _ = stream;
         for b in &plan.stores {
             let d = self.copy(b);
             self.report.done.push(d);
@@ -513,6 +584,99 @@ impl WorkerSide {
         }
         self.load_errors.extend(&plan.failed_loads);
         self.finished_sending.extend(plan.finished_sending);
+    }
+
+    /// The GPU path of [`Self::run_on`]: enqueue, then report what has
+    /// run. With a test hook that reads or writes G1, wait for the copies
+    /// first (tests only: the hooks read vLLM's blocks as they are after
+    /// the copies).
+    ///
+    /// # Safety
+    ///
+    /// As [`Self::run_on`].
+    #[cfg(feature = "cuda")]
+    unsafe fn run_on_device(&mut self, plan: &StepPlan, stream: u64) {
+        let Some(dev) = self.device.as_mut() else {
+            return;
+        };
+        // SAFETY: the caller's contract.
+        let out = unsafe { dev.run(stream, &plan.stores, &plan.loads) };
+        self.report.done.extend(out.failed);
+        self.load_errors.extend(out.load_errors);
+        if self.hooks.dump.is_some() || self.hooks.corrupt_loads.now() {
+            let done = dev.wait_all();
+            let ok = |route: Route, id: u64| {
+                done.iter()
+                    .any(|d| d.route == route && d.id == id && d.error.is_none())
+            };
+            for b in &plan.stores {
+                if ok(b.route, b.id) {
+                    self.dump("stored", b.pairs.iter().map(|p| (p.src, p.hash)));
+                }
+            }
+            for b in &plan.loads {
+                if ok(b.route, b.id) {
+                    if self.hooks.corrupt_loads.now()
+                        && let Some(p) = b.pairs.first()
+                    {
+                        self.corrupt(p);
+                    }
+                    self.dump("loaded", b.pairs.iter().map(|p| (p.dst, p.hash)));
+                }
+            }
+            self.report.done.extend(done);
+        }
+        self.poll_device();
+    }
+
+    /// Moves the GPU copies that have run into the next report.
+    fn poll_device(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = self.device.as_mut() {
+            self.report.done.extend(dev.poll());
+        }
+    }
+
+    /// The report of the copies that have run since the last report (GPU
+    /// copies complete after the step that enqueued them); `None` when
+    /// there are none. Never blocks.
+    pub fn poll(&mut self) -> Option<Vec<u8>> {
+        self.poll_device();
+        self.take_report()
+    }
+
+    /// Reads G1's `block` (test hooks), wherever G1 is.
+    fn read_g1(&self, block: u32, buf: &mut [u8]) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &self.device {
+            return dev.copier().device().read_block(block, buf).is_ok();
+        }
+        // SAFETY: as for the copies: vLLM is not writing this block now.
+        self.g1
+            .as_ref()
+            .is_some_and(|g1| unsafe { g1.read_block(block, buf) }.is_ok())
+    }
+
+    /// Writes G1's `block` (test hooks).
+    fn write_g1(&self, block: u32, buf: &[u8]) {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &self.device {
+            let _ = dev.copier().device().write_block(block, buf);
+            return;
+        }
+        if let Some(g1) = &self.g1 {
+            // SAFETY: as for the copies.
+            let _ = unsafe { g1.write_block(block, buf) };
+        }
+    }
+
+    /// Bytes of one block of G1, when kvbm copies in and out of it.
+    fn g1_block_bytes(&self) -> Option<usize> {
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &self.device {
+            return Some(dev.copier().device().layout().block_bytes());
+        }
+        self.g1.as_ref().map(|g1| g1.layout().block_bytes())
     }
 
     fn copy(&mut self, b: &Batch) -> Done {
@@ -568,32 +732,30 @@ impl WorkerSide {
     }
 
     fn dump(&self, kind: &str, blocks: impl Iterator<Item = (u32, u64)>) {
-        let (Some(dir), Some(g1)) = (&self.hooks.dump, &self.g1) else {
+        let (Some(dir), Some(n)) = (&self.hooks.dump, self.g1_block_bytes()) else {
             return;
         };
         let dir = dir.join(kind);
         if std::fs::create_dir_all(&dir).is_err() {
             return;
         }
-        let mut buf = vec![0u8; g1.layout().block_bytes()];
+        let mut buf = vec![0u8; n];
         for (block, hash) in blocks {
-            // SAFETY: as for the copies: vLLM is not writing this block now.
-            if unsafe { g1.read_block(block, &mut buf) }.is_ok() {
+            if self.read_g1(block, &mut buf) {
                 let _ = std::fs::write(dir.join(format!("{hash:016x}")), &buf);
             }
         }
     }
 
     fn corrupt(&self, p: &Pair) {
-        let Some(g1) = &self.g1 else { return };
-        let mut buf = vec![0u8; g1.layout().block_bytes()];
-        // SAFETY: as for the copies.
-        unsafe {
-            if g1.read_block(p.dst, &mut buf).is_ok() {
-                let mid = buf.len() / 2;
-                buf[mid] ^= 0x40;
-                let _ = g1.write_block(p.dst, &buf);
-            }
+        let Some(n) = self.g1_block_bytes() else {
+            return;
+        };
+        let mut buf = vec![0u8; n];
+        if self.read_g1(p.dst, &mut buf) {
+            let mid = buf.len() / 2;
+            buf[mid] ^= 0x40;
+            self.write_g1(p.dst, &buf);
         }
     }
 
@@ -614,10 +776,6 @@ impl WorkerSide {
     pub fn take_finished_sending(&mut self) -> Vec<String> {
         std::mem::take(&mut self.finished_sending)
     }
-}
-
-fn describe(e: &TransferError) -> String {
-    kvbm_events::text::clip(&e.to_string(), kvbm_events::text::MAX_MESSAGE_CHARS)
 }
 
 #[cfg(test)]

@@ -44,6 +44,7 @@ impl Cache {
                 block_stride_bytes: PAGE,
                 contiguous: true,
                 device: "cpu".into(),
+                shape: vec![BLOCKS, PAGE],
             })
             .collect()
     }
@@ -846,7 +847,8 @@ fn an_observer_takes_tensors_on_any_device_and_never_touches_them() {
         .to_string();
     assert!(e.contains("tensors for"), "{e}");
 
-    // kvbm with a tier copies bytes, and copies CPU tensors only.
+    // kvbm with a tier copies bytes: CUDA tensors need the `cuda`
+    // feature (and, to start, a GPU: none here or in CI).
     let tiered = host_cfg(dir.path(), json!({}));
     let e = unsafe {
         WorkerSide::start(
@@ -859,10 +861,15 @@ fn an_observer_takes_tensors_on_any_device_and_never_touches_them() {
     }
     .unwrap_err()
     .to_string();
+    #[cfg(not(feature = "cuda"))]
     assert!(
-        e.contains("cuda:0") && e.contains("CPU tensors only"),
+        e.contains("cuda:0") && e.contains("no CUDA support") && e.contains("--features cuda"),
         "{e}"
     );
+    #[cfg(feature = "cuda")]
+    if kvbm_core::storage::cuda_available().is_err() {
+        assert!(e.contains("cuda:0") && e.contains("CUDA"), "{e}");
+    }
 }
 
 /// One request run in a step.

@@ -38,6 +38,7 @@ impl Shard1 {
             block_stride_bytes: PAGE,
             contiguous: true,
             device: "cpu".into(),
+            shape: vec![BLOCKS, PAGE],
         }]
     }
 

@@ -62,6 +62,12 @@ class Worker:
         rank: int = 0,
         ranks: int = 1,
     ) -> None: ...
-    def run(self, plan: bytes) -> Tuple[Optional[bytes], List[str], List[int]]:
-        """Runs a step's plan; returns (report, finished sending, failed load blocks)."""
+    def run(self, plan: bytes, stream: int = 0) -> Tuple[Optional[bytes], List[str], List[int]]:
+        """Runs a step's plan; returns (report, finished sending, failed load blocks).
+
+        `stream`: vLLM's current CUDA stream when its KV cache is on a GPU;
+        the copies are then enqueued on it and reported once they have run.
+        """
+    def poll(self) -> Optional[bytes]:
+        """The report of GPU copies that have run since the last one, if any."""
     def shutdown(self) -> None: ...

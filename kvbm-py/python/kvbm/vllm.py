@@ -249,6 +249,8 @@ class KvbmConnector(KVConnectorBase_V1):
         self._sched: Optional[_kvbm.Scheduler] = None
         self._worker: Optional[_kvbm.Worker] = None
         self._tensors: List["torch.Tensor"] = []
+        self._on_gpu = False
+        self._current_stream: Any = None
         self._layer_names: List[str] = list(kv_cache_config.kv_cache_groups[0].layer_names)
         # Per request on the scheduler side: the vLLM Request, the tokens
         # kvbm has, and the block table.
@@ -459,8 +461,16 @@ class KvbmConnector(KVConnectorBase_V1):
                     "block_stride_bytes": int(t.stride(0) * t.element_size()),
                     "contiguous": bool(t.is_contiguous()),
                     "device": str(t.device),
+                    "shape": [int(d) for d in t.shape],
                 }
             )
+        # On a GPU, kvbm's copies are ordered against the stream vLLM's
+        # forward pass runs on (read at each step: vLLM may switch it).
+        self._on_gpu = bool(self._tensors) and self._tensors[0].device.type == "cuda"
+        if self._on_gpu:
+            import torch
+
+            self._current_stream = torch.cuda.current_stream
         ranks = self._parallel[0]
         rank = _tensor_parallel_rank() if ranks > 1 else 0
         self._worker = _kvbm.Worker(
@@ -472,7 +482,11 @@ class KvbmConnector(KVConnectorBase_V1):
             return
         if getattr(metadata, "_kvbm_ran", False):
             return
-        report, sending, errors = self._worker.run(metadata.plan)
+        if self._on_gpu:
+            stream = int(self._current_stream().cuda_stream)
+            report, sending, errors = self._worker.run(metadata.plan, stream)
+        else:
+            report, sending, errors = self._worker.run(metadata.plan)
         if report:
             self._reports.append(report)
         self._finished_sending.update(sending)
@@ -514,6 +528,11 @@ class KvbmConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> Optional[KVConnectorWorkerMetadata]:
         if self._worker is None:
             return None
+        if self._on_gpu:
+            # GPU copies are reported once they have run: those done since.
+            late = self._worker.poll()
+            if late:
+                self._reports.append(late)
         reports, self._reports = self._reports, []
         return KvbmWorkerMetadata(reports=reports) if reports else None
 
