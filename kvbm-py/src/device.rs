@@ -15,9 +15,10 @@
 //! vLLM's thread never waits on a copy. A batch is reported to the
 //! scheduler side only when its fence has passed, so a host block a store
 //! wrote is not read, and a host block a load read is not reused, before
-//! the copy ran. A batch that cannot be enqueued fails at once: a load's
-//! blocks are then reported as load errors (vLLM computes them), as on the
-//! CPU.
+//! the copy ran. A batch that cannot be enqueued fails: a load's blocks
+//! are reported as load errors at once (vLLM computes them, on its stream,
+//! after the fence), as on the CPU; the batch's report waits for the fence
+//! like the others, since part of it may have been enqueued.
 
 use crate::meta::{Batch, Done, Route};
 use kvbm_core::cuda_sys;
@@ -50,9 +51,11 @@ impl std::fmt::Debug for DeviceTier {
 /// What a step's copies gave at once.
 #[derive(Debug, Default)]
 pub struct Enqueued {
-    /// Batches that failed to enqueue (reported now).
+    /// Batches reported now: every batch when kvbm's stream could not be
+    /// ordered after vLLM's (nothing was enqueued), or when no fence could
+    /// be made (after waiting for the stream).
     pub failed: Vec<Done>,
-    /// G1 blocks of loads that failed to enqueue.
+    /// G1 blocks of loads that failed (vLLM computes them).
     pub load_errors: Vec<u32>,
 }
 
@@ -89,8 +92,12 @@ impl DeviceTier {
     /// default stream), and the blocks named are vLLM's own, not written
     /// by vLLM except through work it enqueues on `stream` after this call.
     pub unsafe fn run(&mut self, stream: u64, stores: &[Batch], loads: &[Batch]) -> Enqueued {
-        let engine = stream as usize as cuda_sys::CUstream;
         let mut out = Enqueued::default();
+        if stores.is_empty() && loads.is_empty() {
+            // Most steps: nothing to order, no event to make.
+            return out;
+        }
+        let engine = stream as usize as cuda_sys::CUstream;
         let mut done = Vec::with_capacity(stores.len() + loads.len());
         // SAFETY: the caller's contract.
         if let Err(e) = unsafe { self.copier.wait_for(engine) } {
@@ -113,6 +120,9 @@ impl DeviceTier {
                     "a {:?} batch: on a GPU this worker copies to and from the host tier only",
                     b.route
                 ));
+                if b.route.is_load() {
+                    out.load_errors.extend(b.pairs.iter().map(|p| p.dst));
+                }
                 out.failed.push(failed(b, &e));
                 continue;
             }
@@ -132,15 +142,16 @@ impl DeviceTier {
                     error: None,
                 }),
                 Err(e) => {
+                    // Part of the batch may be enqueued already: its report
+                    // waits for the fence like the others, and vLLM, which
+                    // computes a failed load's blocks instead, writes them
+                    // only after it.
                     if b.route.is_load() {
                         out.load_errors.extend(b.pairs.iter().map(|p| p.dst));
                     }
-                    out.failed.push(failed(b, &e));
+                    done.push(failed(b, &e));
                 }
             }
-        }
-        if done.is_empty() {
-            return out;
         }
         // SAFETY: the caller's contract.
         match unsafe { self.copier.fence(Some(engine)) } {

@@ -255,7 +255,7 @@ fn no_cuda(device: &str) -> WorkerError {
     tier_err(
         format!("vLLM's KV cache on {device}"),
         "this build of kvbm has no CUDA support: build it with the `cuda` feature \
-         (pip install with MATURIN_PEP517_ARGS=\"--features cuda\"), or run kvbm as an \
+         (pip install with MATURIN_PEP517_ARGS=\"--features python,pyo3/extension-module,cuda\"), or run kvbm as an \
          observer (host_capacity_tokens 0, no disk_path)",
     )
 }

@@ -863,7 +863,9 @@ fn an_observer_takes_tensors_on_any_device_and_never_touches_them() {
     .to_string();
     #[cfg(not(feature = "cuda"))]
     assert!(
-        e.contains("cuda:0") && e.contains("no CUDA support") && e.contains("--features cuda"),
+        e.contains("cuda:0")
+            && e.contains("no CUDA support")
+            && e.contains("--features python,pyo3/extension-module,cuda"),
         "{e}"
     );
     #[cfg(feature = "cuda")]
