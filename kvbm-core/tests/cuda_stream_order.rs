@@ -29,13 +29,13 @@ fn gpu_copies_need_the_cuda_feature() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use cudarc::driver::{CudaContext, CudaStream, sys};
+    use kvbm_core::Tier;
     use kvbm_core::layout::{Layout, LayoutConfig, LayoutKind};
     use kvbm_core::storage::{DeviceStorage, DiskStorage, HostStorage, cuda_available};
     use kvbm_core::transfer::{
         BlockPair, CopyCalls, DiskDirection, DiskEngine, StreamCopier, StreamDirection,
         TransferEngine, batch_call_available,
     };
-    use kvbm_core::{BlockId, Tier};
     use std::sync::Arc;
 
     /// A context and a stream standing in for vLLM's, or `None` (skipped).
@@ -49,14 +49,7 @@ mod gpu {
         Some((ctx, stream))
     }
 
-    fn pattern(origin: BlockId, n: usize) -> Vec<u8> {
-        (0..n)
-            .map(|i| {
-                let x = (u64::from(origin) << 32) | i as u64;
-                (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
-            })
-            .collect()
-    }
+    use kvbm_testkit::bytes::pattern;
 
     /// A small model's shape: 4 layers, K and V, 16 tokens of 8 heads × 64
     /// in bf16: 16 KiB pages, 128 KiB blocks.

@@ -22,16 +22,7 @@ use kvbm_core::storage::{DeviceStorage, cuda_available};
 #[cfg(feature = "cuda")]
 use kvbm_core::transfer::{CudaDirection, CudaEngine};
 
-/// A byte that depends on the block the data was *born* in and its offset,
-/// so a block landing in the wrong place, or shifted, is caught.
-fn pattern(origin: BlockId, n: usize) -> Vec<u8> {
-    (0..n)
-        .map(|i| {
-            let x = (u64::from(origin) << 32) | i as u64;
-            (x.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
-        })
-        .collect()
-}
+use kvbm_testkit::bytes::pattern;
 
 fn layout(kind: LayoutKind, num_blocks: usize) -> Layout {
     Layout::new(

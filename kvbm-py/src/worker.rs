@@ -186,6 +186,17 @@ impl Baseline {
     }
 }
 
+/// Where a worker's tiers go: its settings, vLLM's geometry, engine and
+/// rank, and the tiers' sizes.
+#[derive(Clone, Copy)]
+struct Site<'a> {
+    cfg: &'a Config,
+    geometry: &'a Geometry,
+    engine_id: &'a str,
+    shard: Shard,
+    sizes: TierSizes,
+}
+
 /// The worker side. See the module docs.
 pub struct WorkerSide {
     /// vLLM's tensors in host memory, when kvbm copies to and from them
@@ -335,17 +346,22 @@ impl WorkerSide {
         }
         let shape = g1_shape(&geometry, &tensors)?;
         side._tensors = tensors;
+        let site = Site {
+            cfg,
+            geometry: &geometry,
+            engine_id,
+            shard,
+            sizes,
+        };
         match shape.device {
             Device::Cpu => {
                 // SAFETY: the caller's contract.
-                unsafe { side.open_host_g1(cfg, &geometry, engine_id, shard, sizes, &shape)? }
+                unsafe { side.open_host_g1(&site, &shape)? }
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
                 // SAFETY: the caller's contract.
-                unsafe {
-                    side.open_device_g1(cfg, &geometry, engine_id, shard, sizes, &shape, ordinal)?
-                }
+                unsafe { side.open_device_g1(&site, &shape, ordinal)? }
             }
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(ordinal) => return Err(no_cuda(&format!("cuda:{ordinal}"))),
@@ -357,12 +373,10 @@ impl WorkerSide {
     /// storage in `l`'s layout.
     fn open_host_tier(
         &mut self,
-        cfg: &Config,
-        engine_id: &str,
-        shard: Shard,
+        site: &Site<'_>,
         l: kvbm_core::layout::Layout,
     ) -> Result<Arc<HostStorage>, WorkerError> {
-        let path = shm_path(cfg, engine_id, shard);
+        let path = shm_path(site.cfg, site.engine_id, site.shard);
         let what = || {
             format!(
                 "the host tier's shared file {} (kv_connector_extra_config `shm_dir`)",
@@ -394,15 +408,14 @@ impl WorkerSide {
     /// # Safety
     ///
     /// As [`Self::start`].
-    unsafe fn open_host_g1(
-        &mut self,
-        cfg: &Config,
-        geometry: &Geometry,
-        engine_id: &str,
-        shard: Shard,
-        sizes: TierSizes,
-        shape: &G1Shape,
-    ) -> Result<(), WorkerError> {
+    unsafe fn open_host_g1(&mut self, site: &Site<'_>, shape: &G1Shape) -> Result<(), WorkerError> {
+        let Site {
+            cfg,
+            geometry,
+            shard,
+            sizes,
+            ..
+        } = *site;
         let regions = shape
             .regions
             .iter()
@@ -418,7 +431,7 @@ impl WorkerSide {
         let outer = shape.outer();
         if sizes.host_blocks > 0 {
             let l = geometry.layout_split(sizes.host_blocks, LayoutKind::FullyContiguous, outer)?;
-            let g2 = self.open_host_tier(cfg, engine_id, shard, l)?;
+            let g2 = self.open_host_tier(site, l)?;
             // Stores write host-tier blocks no one reads until a later
             // load: streaming stores skip reading each destination line
             // into the cache first (see Stores::Streaming). Loads into
@@ -491,17 +504,15 @@ impl WorkerSide {
     /// As [`Self::start`]: the regions are vLLM's CUDA tensors on device
     /// `ordinal`.
     #[cfg(feature = "cuda")]
-    #[allow(clippy::too_many_arguments)]
     unsafe fn open_device_g1(
         &mut self,
-        cfg: &Config,
-        geometry: &Geometry,
-        engine_id: &str,
-        shard: Shard,
-        sizes: TierSizes,
+        site: &Site<'_>,
         shape: &G1Shape,
         ordinal: usize,
     ) -> Result<(), WorkerError> {
+        let Site {
+            geometry, sizes, ..
+        } = *site;
         use kvbm_core::storage::DeviceStorage;
         use kvbm_core::transfer::{CopyCalls, StreamCopier};
         if sizes.host_blocks == 0 {
@@ -521,7 +532,7 @@ impl WorkerSide {
             LayoutKind::FullyContiguous,
             shape.outer(),
         )?;
-        let g2 = self.open_host_tier(cfg, engine_id, shard, l)?;
+        let g2 = self.open_host_tier(site, l)?;
         let calls = CopyCalls::from_env().map_err(|e| tier_err(&what, e))?;
         let copier = StreamCopier::new(Arc::new(g1), g2, calls)
             .map_err(|e| tier_err("the GPU ↔ host-tier copies", e))?;

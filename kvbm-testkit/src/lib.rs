@@ -1,5 +1,5 @@
 //! Helpers shared by the tests and benchmarks of every kvbm crate: timing
-//! (a median over samples), the workspace's own binaries, built on demand
+//! (a median over samples), block contents for round trips, the workspace's own binaries, built on demand
 //! so one crate's test can run another crate's program, the data files the
 //! repository keeps for them, the GPU tests' skip-or-fail rule, the real vLLM that tests of kvbm against vLLM
 //! use, a real `nats-server` for the fleet's tests, and a served program's
@@ -9,6 +9,7 @@
 
 pub mod bench;
 pub mod bin;
+pub mod bytes;
 pub mod data;
 pub mod gpu;
 pub mod nats;

@@ -8,8 +8,7 @@
 //! done. Nothing ever blocks a caller's thread, and the worker never calls a
 //! blocking CUDA synchronisation in the normal path.
 
-use super::copy_pieces;
-use super::cuda_copy::{CopyCalls, Side, enqueue_pieces};
+use super::cuda_copy::{CopyCalls, End, Side, enqueue_blocks};
 use super::{
     BlockPair, EngineConfig, EngineCounters, Hold, Rejected, TransferEngine, TransferError,
     TransferTicket, Worker, check_shapes, validate_pairs,
@@ -128,38 +127,27 @@ fn copy_batch(
         .bind_to_thread()
         .map_err(|e| cuda("bind context", e))?;
     let cu_stream = stream.cu_stream();
-    let device_side = Side::Device(device.ordinal() as i32);
-    let host_addr = |r: &MemRange| Ok(host.range_ptr(r)? as u64);
-    let dev_addr = |r: &MemRange| device.range_dptr(r);
+    let dev = End {
+        layout: device.layout(),
+        addr: |r: &MemRange| device.range_dptr(r),
+        side: Side::Device(device.ordinal() as i32),
+    };
+    let host = End {
+        layout: host.layout(),
+        addr: |r: &MemRange| Ok(host.range_ptr(r)? as u64),
+        side: Side::Host,
+    };
     // SAFETY (both arms): every address is inside its storage (range
     // checks) and stays allocated until the storages drop, which is after
     // this worker is joined; the host side is pinned. submit's contract
     // keeps everyone else off the blocks until we have waited below.
     let enqueued = match direction {
-        CudaDirection::HostToDevice => copy_pieces(host.layout(), device.layout(), pairs)
-            .map_err(TransferError::from)
-            .and_then(|pieces| unsafe {
-                enqueue_pieces(
-                    &pieces,
-                    host_addr,
-                    dev_addr,
-                    (Side::Host, device_side),
-                    calls,
-                    cu_stream,
-                )
-            }),
-        CudaDirection::DeviceToHost => copy_pieces(device.layout(), host.layout(), pairs)
-            .map_err(TransferError::from)
-            .and_then(|pieces| unsafe {
-                enqueue_pieces(
-                    &pieces,
-                    dev_addr,
-                    host_addr,
-                    (device_side, Side::Host),
-                    calls,
-                    cu_stream,
-                )
-            }),
+        CudaDirection::HostToDevice => unsafe {
+            enqueue_blocks(host, dev, pairs, calls, cu_stream)
+        },
+        CudaDirection::DeviceToHost => unsafe {
+            enqueue_blocks(dev, host, pairs, calls, cu_stream)
+        },
     };
     // Wait even if enqueueing failed halfway: the ticket must not resolve
     // while DMA already queued may still touch the blocks.

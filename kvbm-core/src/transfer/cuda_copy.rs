@@ -13,8 +13,8 @@
 //! registered with `cuMemHostRegister` is a valid copy address as it is, so
 //! both directions use the same calls.
 
-use super::{Piece, TransferError};
-use crate::layout::MemRange;
+use super::{BlockPair, Piece, TransferError, copy_pieces};
+use crate::layout::{Layout, MemRange};
 use crate::storage::StorageError;
 use cudarc::driver::sys;
 use std::str::FromStr;
@@ -159,6 +159,45 @@ pub(crate) unsafe fn enqueue_pieces(
         }
     }
     Ok(sizes.iter().map(|&n| n as u64).sum())
+}
+
+/// One side of a block copy: its layout, each range's address, where it
+/// lives.
+pub(crate) struct End<'a, F> {
+    pub layout: &'a Layout,
+    pub addr: F,
+    pub side: Side,
+}
+
+/// The pieces of copying `pairs` from `src` into `dst` ([`copy_pieces`]),
+/// enqueued with [`enqueue_pieces`]; the bytes enqueued.
+///
+/// # Safety
+///
+/// As [`enqueue_pieces`].
+pub(crate) unsafe fn enqueue_blocks<S, D>(
+    src: End<'_, S>,
+    dst: End<'_, D>,
+    pairs: &[BlockPair],
+    calls: CopyCalls,
+    stream: sys::CUstream,
+) -> Result<u64, TransferError>
+where
+    S: Fn(&MemRange) -> Result<sys::CUdeviceptr, StorageError>,
+    D: Fn(&MemRange) -> Result<sys::CUdeviceptr, StorageError>,
+{
+    let pieces = copy_pieces(src.layout, dst.layout, pairs)?;
+    // SAFETY: the caller's contract.
+    unsafe {
+        enqueue_pieces(
+            &pieces,
+            src.addr,
+            dst.addr,
+            (src.side, dst.side),
+            calls,
+            stream,
+        )
+    }
 }
 
 fn location(side: Side) -> sys::CUmemLocation {

@@ -21,8 +21,9 @@
 //! work, which is what keeps a block's bytes safe from the engine's own
 //! reuse; on a GPU, a step's copies are tens to hundreds of microseconds.
 
-use super::cuda_copy::{CopyCalls, Side, enqueue_pieces};
-use super::{BlockPair, TransferError, check_shapes, copy_pieces, validate_pairs};
+use super::cuda_copy::{CopyCalls, End, Side, enqueue_blocks};
+use super::{BlockPair, TransferError, check_shapes, validate_pairs};
+use crate::layout::MemRange;
 use crate::storage::{DeviceStorage, HostStorage};
 use cudarc::driver::sys;
 use std::sync::Arc;
@@ -228,43 +229,29 @@ impl StreamCopier {
     ) -> Result<u64, TransferError> {
         bind(&self.device)?;
         let (d, h) = (self.device.layout(), self.host.layout());
-        let device_side = Side::Device(self.device.ordinal() as i32);
+        let device = End {
+            layout: d,
+            addr: |r: &MemRange| self.device.range_dptr(r),
+            side: Side::Device(self.device.ordinal() as i32),
+        };
+        let host = End {
+            layout: h,
+            addr: |r: &MemRange| Ok(self.host.range_ptr(r)? as u64),
+            side: Side::Host,
+        };
         let stream = self.cu_stream();
-        let host_addr = |r: &crate::layout::MemRange| Ok(self.host.range_ptr(r)? as u64);
-        let dev_addr = |r: &crate::layout::MemRange| self.device.range_dptr(r);
+        // SAFETY (both arms): the addresses are inside the storages (range
+        // checks), which outlive the copies (fences hold the device; the
+        // host is pinned for its life); the caller keeps other writers
+        // away.
         match direction {
             StreamDirection::Store => {
                 validate_pairs(pairs, d, h, false)?;
-                let pieces = copy_pieces(d, h, pairs)?;
-                // SAFETY: the addresses are inside the storages (range
-                // checks), which outlive the copies (fences hold the
-                // device; the host is pinned for its life); the caller
-                // keeps other writers away.
-                unsafe {
-                    enqueue_pieces(
-                        &pieces,
-                        dev_addr,
-                        host_addr,
-                        (device_side, Side::Host),
-                        self.calls,
-                        stream,
-                    )
-                }
+                unsafe { enqueue_blocks(device, host, pairs, self.calls, stream) }
             }
             StreamDirection::Load => {
                 validate_pairs(pairs, h, d, false)?;
-                let pieces = copy_pieces(h, d, pairs)?;
-                // SAFETY: as above.
-                unsafe {
-                    enqueue_pieces(
-                        &pieces,
-                        host_addr,
-                        dev_addr,
-                        (Side::Host, device_side),
-                        self.calls,
-                        stream,
-                    )
-                }
+                unsafe { enqueue_blocks(host, device, pairs, self.calls, stream) }
             }
         }
     }
