@@ -3,15 +3,10 @@
 //! smaller: the table, the JSON, gates that pass and fail (exit 1, each
 //! named with its values), the JUnit file, and gates that do not read.
 
+mod common;
+use common::recorder;
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn recorder(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvbm-recorder"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+use std::process::Output;
 
 fn ok(args: &[&str]) -> Output {
     let out = recorder(args);

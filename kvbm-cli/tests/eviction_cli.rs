@@ -3,14 +3,8 @@
 //! says which policy ran, and a setting that does not read is refused
 //! naming what was wrong.
 
-use std::process::Command;
-
-fn recorder(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kvbm-recorder"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+mod common;
+use common::recorder;
 
 #[test]
 fn a_policy_per_tier_runs_shows_in_the_recording_and_changes_the_evictions() {

@@ -4,14 +4,14 @@
 //! workload: the same requests and prompt tokens, and the same capacity
 //! curve, which depends only on which blocks each request shares.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+use std::process::Output;
+
+/// `kvbm-recorder` with `args`, which must succeed.
 fn recorder(args: &[&str]) -> Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvbm-recorder"))
-        .args(args)
-        .output()
-        .unwrap();
+    let out = common::recorder(args);
     assert!(
         out.status.success(),
         "kvbm-recorder {args:?}: exit {:?}: {}",

@@ -42,6 +42,17 @@ pub enum Verdict {
     Reject(SkipReason),
 }
 
+impl Verdict {
+    /// `Admit` when `ok`, else a rejection for `reason`.
+    pub fn admit_if(ok: bool, reason: SkipReason) -> Verdict {
+        if ok {
+            Verdict::Admit
+        } else {
+            Verdict::Reject(reason)
+        }
+    }
+}
+
 /// Decides which blocks to move. See the module docs.
 pub trait OffloadPolicy: Send + Sync {
     /// A short name, for logs.
@@ -73,11 +84,10 @@ impl OffloadPolicy for PresencePolicy {
             blocks
                 .iter()
                 .map(|b| {
-                    if destination.contains(b.sequence_hash) {
-                        Verdict::Reject(SkipReason::AlreadyPresent)
-                    } else {
-                        Verdict::Admit
-                    }
+                    Verdict::admit_if(
+                        !destination.contains(b.sequence_hash),
+                        SkipReason::AlreadyPresent,
+                    )
                 })
                 .collect()
         })
@@ -105,13 +115,7 @@ impl OffloadPolicy for AdmissionPolicy {
             destination
                 .admits(&hashes)
                 .into_iter()
-                .map(|yes| {
-                    if yes {
-                        Verdict::Admit
-                    } else {
-                        Verdict::Reject(SkipReason::NotAdmitted)
-                    }
-                })
+                .map(|yes| Verdict::admit_if(yes, SkipReason::NotAdmitted))
                 .collect()
         })
     }
@@ -216,11 +220,10 @@ impl OffloadPolicy for FrequencyPolicy {
             blocks
                 .iter()
                 .map(|b| {
-                    if self.record_at(b.sequence_hash, now) >= self.min_count {
-                        Verdict::Admit
-                    } else {
-                        Verdict::Reject(SkipReason::BelowFrequency)
-                    }
+                    Verdict::admit_if(
+                        self.record_at(b.sequence_hash, now) >= self.min_count,
+                        SkipReason::BelowFrequency,
+                    )
                 })
                 .collect()
         })
