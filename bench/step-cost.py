@@ -1,40 +1,51 @@
 #!/usr/bin/env python3
 """What the connector's calls cost a step with the CPU's caches warm, and
-with them cold as a forward pass leaves them, without vLLM.
+with them cold as a forward pass leaves them, without running a model.
 
     python bench/step-cost.py [--steps 2000] [--requests 24] [--thrash-mib 64]
 
 Needs kvbm's module (`pip install ./kvbm-py`, optimised: a debug build
-times nothing useful) and nothing else: no vLLM, no model. It drives the
-scheduler side (`kvbm._kvbm.Scheduler`) and the worker side
-(`kvbm._kvbm.Worker`, on host memory) with the calls kvbm's connector class
-makes, in the shape a decode-heavy vLLM step has them: `--requests`
-running requests, each with a 3-block prompt and 32 decoded tokens, one
-new token a step, a new request when one finishes.
+times nothing useful) and vLLM's Python package (for the connector base
+class and its block-state object); no model runs. It drives the scheduler
+side of kvbm's connector class (`kvbm.vllm.KvbmConnector`, its Python
+included) and the worker side's plan runner (`kvbm._kvbm.Worker`, on host
+memory) with vLLM-shaped objects, as a decode-heavy vLLM step has them:
+`--requests` running requests, each with a 3-block prompt and 32 decoded
+tokens, one new token a step, a new request when one finishes. Beside it,
+the benchmark's do-nothing connector class gets the same objects.
 
-Each configuration runs twice, each run with its own scheduler and worker:
+Each configuration runs twice, each run with its own connector and worker:
 - **warm**: the calls back to back, as a loop over them would run;
 - **cold**: between two steps, a copy over `--thrash-mib` of memory (a
   forward pass reads its weights and writes its activations) evicts what
   the calls touched from the caches and the TLB.
 
 It prints, per call and for the step, the median and the 90th percentile
-in µs, warm and cold, the ratio of cold to warm, and beside them a
-do-nothing Python method taking the same arguments, timed in the cold
-run's steps (the floor any connector pays); then kvbm's own clock of its
-Rust side, phase by phase, in each run. A large cold/warm ratio says the per-step cost is memory
-the calls touch, not instructions they run: a leaner per-step path is one
-that touches less.
+in µs, warm and cold, the ratio of cold to warm, and the do-nothing
+connector's, timed in the cold run's steps (the floor any connector pays);
+then kvbm's own clock of its Rust side, phase by phase, in each run. A
+large cold/warm ratio says the per-step cost is memory the calls touch,
+not instructions they run: a leaner per-step path is one that touches
+less.
 """
 
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
-from kvbm import _kvbm
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kvbm-py", "tests", "vllm"))
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.sched.output import KVConnectorBlockState  # noqa: E402
+
+from kvbm import _kvbm  # noqa: E402
+from kvbm.vllm import KvbmConnector, KvbmWorkerMetadata  # noqa: E402
+from noop import NoopConnector  # noqa: E402
 
 BLOCK = 16
 LAYERS = 2
@@ -44,66 +55,101 @@ PROMPT_BLOCKS = 3
 DECODE = 32
 
 
-class Noop:
-    """The do-nothing connector's calls, with the same arguments."""
+def vllm_config(extra):
+    """The parts of vLLM's config a connector reads."""
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            engine_id="step-cost", kv_connector_extra_config=extra, kv_load_failure_policy="recompute"
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                        data_parallel_size=1, data_parallel_rank=0),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+    )
 
-    def build_meta(self, scheduled, preempted, g1_free):
-        return b""
 
-    def run(self, plan):
-        return None, [], []
+def kv_cache_config():
+    spec = SimpleNamespace(block_size=BLOCK, page_size_bytes=PAGE)
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=[f"layer.{i}" for i in range(LAYERS)])
+    return SimpleNamespace(num_blocks=G1_BLOCKS, kv_cache_groups=[group])
 
-    def update_connector_output(self, reports):
-        return None
+
+class Blocks:
+    """vLLM's `KVCacheBlocks`, as `update_state_after_alloc` reads it."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
 
 
 class Engine:
-    """A decode-heavy engine's requests, block tables and token lists."""
+    """A decode-heavy engine's requests, block tables and token lists, and
+    the scheduler outputs vLLM would make of them."""
 
     def __init__(self, requests):
         self.free = list(range(1, G1_BLOCKS))
         self.next_id = 0
-        self.running = {}
+        self.running = {}  # id -> [request, computed, blocks, fresh]
         self.n = requests
 
-    def admit(self, sched):
+    def admit(self, conn):
         while len(self.running) < self.n:
             rid = f"req-{self.next_id}"
             base = (self.next_id % 7) * 1000 + self.next_id * 100_000
             self.next_id += 1
             prompt = list(range(base, base + PROMPT_BLOCKS * BLOCK))
-            if sched is not None:
-                sched.get_num_new_matched_tokens(rid, prompt, 0)
+            toks = list(prompt)
+            req = SimpleNamespace(request_id=rid, prompt_token_ids=prompt, _all_token_ids=toks,
+                                  all_token_ids=toks, num_prompt_tokens=len(prompt))
+            conn.get_num_new_matched_tokens(req, 0)
             blocks = [self.free.pop() for _ in range(PROMPT_BLOCKS + 1)]
-            if sched is not None:
-                sched.update_state_after_alloc(rid, blocks, 0)
-            # [tokens, computed, blocks, new (never sent), fresh]
-            self.running[rid] = [prompt, 0, blocks, True]
+            conn.update_state_after_alloc(req, Blocks(blocks), 0)
+            self.running[rid] = [req, 0, blocks, True]
 
-    def scheduled(self):
-        out = []
+    def step(self):
+        """This step's `SchedulerOutput`: new requests prefill their prompt,
+        the others decode one token (a block added as one fills)."""
+        new, ids, added, computed, n_sched = [], [], [], [], {}
         for rid, r in self.running.items():
-            toks, computed, blocks, fresh = r
+            req, done, blocks, fresh = r
+            toks = req._all_token_ids
             if fresh:
-                out.append((rid, list(toks), len(toks), 0, len(toks), list(blocks)))
+                new.append(SimpleNamespace(req_id=rid, prompt_token_ids=req.prompt_token_ids,
+                                           num_computed_tokens=0, block_ids=(list(blocks),)))
+                n_sched[rid] = len(toks)
                 r[1] = len(toks)
                 r[3] = False
-            else:
-                toks.append(toks[-1] + 1)
-                table = None
-                if len(toks) > len(blocks) * BLOCK:
-                    blocks.append(self.free.pop())
-                    table = list(blocks)
-                out.append((rid, [toks[-1]], PROMPT_BLOCKS * BLOCK, computed, 1, table))
-                r[1] = len(toks) - 1
-        return out
+                continue
+            # The token the last step sampled, appended as vLLM's engine does.
+            toks.append(toks[-1] + 1)
+            more = None
+            if len(toks) > len(blocks) * BLOCK:
+                blocks.append(self.free.pop())
+                more = ([blocks[-1]],)
+            ids.append(rid)
+            added.append(more)
+            computed.append(len(toks) - 1)
+            n_sched[rid] = 1
+            r[1] = len(toks) - 1
+        tables = {rid: r[2] for rid, r in self.running.items()}
+        return SimpleNamespace(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=SimpleNamespace(req_ids=ids, resumed_req_ids=set(),
+                                                  new_block_ids=added, num_computed_tokens=computed),
+            num_scheduled_tokens=n_sched,
+            preempted_req_ids=set(),
+            kv_connector_block_state=KVConnectorBlockState(
+                req_ids=set(n_sched), resolve_block_ids=lambda rid: (tables[rid],),
+                boundary_state_offloads={}),
+        )
 
-    def finish(self, sched):
-        done = [rid for rid, r in self.running.items() if len(r[0]) >= PROMPT_BLOCKS * BLOCK + DECODE]
+    def finish(self, conn):
+        done = [rid for rid, r in self.running.items()
+                if len(r[0]._all_token_ids) >= PROMPT_BLOCKS * BLOCK + DECODE]
         for rid in done:
-            blocks = self.running.pop(rid)[2]
-            if sched is not None:
-                sched.request_finished(rid, blocks)
+            req, _, blocks, _ = self.running.pop(rid)
+            conn.request_finished(req, blocks)
             self.free.extend(blocks)
 
 
@@ -130,39 +176,39 @@ def run(args, config, mode):
             for i, b in enumerate(layers)
         ]
     )
-    cfg = json.dumps(config)
-    sched = _kvbm.Scheduler(cfg, geometry, "step-cost")
-    worker = _kvbm.Worker(cfg, geometry, "step-cost", tensors, 0, 1)
-    noop = Noop()
+    conn = KvbmConnector(vllm_config(config), KVConnectorRole.SCHEDULER, kv_cache_config())
+    worker = _kvbm.Worker(conn._config_json, conn._geometry, conn._engine_id, tensors, 0, 1)  # noqa: SLF001
+    noop = NoopConnector(vllm_config({}), KVConnectorRole.SCHEDULER, kv_cache_config())
     buf = bytearray(args.thrash_mib << 20)
     # Not zeros: pages never written would all be the kernel's one zero page.
     src = b"\x01" * len(buf)
     times = {(who, call): [] for who in ("kvbm", "noop")
-             for call in ("build_meta", "run", "update_connector_output", "step")}
+             for call in ("build_connector_meta", "worker run", "update_connector_output", "step")}
     engines = {"kvbm": Engine(args.requests), "noop": Engine(args.requests)}
     clock = time.perf_counter_ns
     for i in range(args.steps):
-        for who in ("kvbm", "noop"):
-            s, w = (sched, worker) if who == "kvbm" else (noop, noop)
+        for who, c in (("kvbm", conn), ("noop", noop)):
             eng = engines[who]
-            eng.admit(s if who == "kvbm" else None)
-            scheduled = eng.scheduled()
+            eng.admit(c)
+            out = eng.step()
             if mode == "cold":
                 thrash(buf, src)
             t0 = clock()
-            plan = s.build_meta(scheduled, [], len(eng.free))
+            md = c.build_connector_meta(out)
             t1 = clock()
-            report, _sending, _errors = w.run(plan)
+            if who == "kvbm":
+                report, _sending, _errors = worker.run(md.plan)
             t2 = clock()
-            s.update_connector_output([report] if report else [])
+            meta = KvbmWorkerMetadata(reports=[report]) if who == "kvbm" and report else None
+            c.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
             t3 = clock()
-            eng.finish(s if who == "kvbm" else None)
+            eng.finish(c)
             if i >= args.warmup:
-                for call, dt in (("build_meta", t1 - t0), ("run", t2 - t1),
+                for call, dt in (("build_connector_meta", t1 - t0), ("worker run", t2 - t1),
                                  ("update_connector_output", t3 - t2), ("step", t3 - t0)):
                     times[(who, call)].append(dt / 1000)
-    counters = json.loads(sched.counters() or "{}")
-    sched.shutdown()
+    counters = json.loads(conn._sched.counters() or "{}")  # noqa: SLF001
+    conn._sched.shutdown()  # noqa: SLF001
     worker.shutdown()
     return times, counters
 
@@ -187,7 +233,7 @@ def main():
                "tiers": {"host_capacity_tokens": 16384}}
     print(f"{args.requests} requests decoding, {args.steps} steps ({args.warmup} not timed), "
           f"cold = {args.thrash_mib} MiB walked between steps; µs: median / p90")
-    calls = ("build_meta", "run", "update_connector_output", "step")
+    calls = ("build_connector_meta", "worker run", "update_connector_output", "step")
     for name in args.configs.split(","):
         runs = {mode: run(args, configs[name], mode) for mode in ("warm", "cold")}
         print(f"\n{name}: events emitted {runs['cold'][1].get('events_emitted', '?')}")

@@ -33,4 +33,6 @@ pub mod tiers;
 pub mod worker;
 
 #[cfg(feature = "python")]
+mod followed;
+#[cfg(feature = "python")]
 mod python;

@@ -6,11 +6,14 @@
 //! that a regression names the phase that grew. A lap is two clock reads
 //! (tens of ns), always on.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A phase of the scheduler side's calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
+    /// `build_connector_meta`: reading vLLM's scheduler output (each
+    /// running request's new tokens and blocks) into the step's input.
+    Read,
     /// `build_connector_meta`: following what vLLM scheduled (slots,
     /// tokens, mirror blocks).
     Follow,
@@ -34,11 +37,14 @@ pub enum Phase {
     /// `get_num_new_matched_tokens`, `update_state_after_alloc` and
     /// `request_finished`.
     Requests,
+    /// `build_connector_meta`: the plan encoded for the worker.
+    Encode,
 }
 
 impl Phase {
     /// Every phase, in the order they are reported.
-    pub const ALL: [Phase; 10] = [
+    pub const ALL: [Phase; 12] = [
+        Phase::Read,
         Phase::Follow,
         Phase::Plan,
         Phase::StartLoads,
@@ -49,11 +55,13 @@ impl Phase {
         Phase::Trigger,
         Phase::Resolve,
         Phase::Requests,
+        Phase::Encode,
     ];
 
     /// The name reports use.
     pub fn name(self) -> &'static str {
         match self {
+            Phase::Read => "read",
             Phase::Follow => "follow",
             Phase::Plan => "plan",
             Phase::StartLoads => "start_loads",
@@ -64,6 +72,7 @@ impl Phase {
             Phase::Trigger => "trigger",
             Phase::Resolve => "resolve",
             Phase::Requests => "requests",
+            Phase::Encode => "encode",
         }
     }
 }
@@ -84,6 +93,12 @@ impl Phases {
         *since = now;
     }
 
+    /// Adds `d` to `phase` (for work timed outside a lap).
+    pub fn add(&mut self, phase: Phase, d: Duration) {
+        let d = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.ns[phase as usize] = self.ns[phase as usize].saturating_add(d);
+    }
+
     /// Each phase's mean µs a step over `steps` steps, by name.
     pub fn per_step_us(&self, steps: u64) -> serde_json::Map<String, serde_json::Value> {
         Phase::ALL
@@ -102,7 +117,6 @@ impl Phases {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn laps_add_up_to_the_call_and_land_in_their_phase() {

@@ -16,15 +16,18 @@
 //! own KV tensors, kept alive by the caller.
 
 use crate::config::{Config, ConfigError};
+use crate::followed::{Followed, StepArgs};
 use crate::meta::StepPlan;
-use crate::scheduler::{Parallel, Scheduled, SchedulerError, SchedulerSide, StepInput};
+use crate::phases::Phase;
+use crate::scheduler::{Parallel, SchedulerError, SchedulerSide};
 use crate::tiers::{Geometry, Shard};
 use crate::worker::{KvTensor, WorkerError, WorkerSide};
 use kvbm_core::hooks::Breakpoints;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 fn config(json: &str) -> PyResult<Config> {
     let v: serde_json::Value = serde_json::from_str(json)
@@ -88,11 +91,18 @@ fn check_config(config_json: &str) -> PyResult<()> {
 struct PyScheduler {
     inner: Mutex<Option<SchedulerSide>>,
     breakpoints: Arc<Breakpoints>,
+    /// vLLM's requests between steps. Locked only with the GIL held, and
+    /// never across a call that may let the GIL go.
+    followed: Mutex<Followed>,
 }
 
 impl PyScheduler {
     fn lock(&self) -> MutexGuard<'_, Option<SchedulerSide>> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn followed(&self) -> MutexGuard<'_, Followed> {
+        self.followed.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Runs one of vLLM's per-step calls on the scheduler side, holding the
@@ -124,10 +134,6 @@ impl PyScheduler {
     }
 }
 
-/// One scheduled request: (id, new tokens, prompt length, computed before,
-/// scheduled now, block table or `None` when it is unchanged).
-type ScheduledArg = (String, Vec<u32>, usize, usize, usize, Option<Vec<u32>>);
-
 #[pymethods]
 impl PyScheduler {
     /// `ranks`: vLLM's tensor-parallel workers; `stages`: its pipeline
@@ -157,22 +163,45 @@ impl PyScheduler {
         Ok(PyScheduler {
             breakpoints: side.breakpoints().clone(),
             inner: Mutex::new(Some(side)),
+            followed: Mutex::default(),
         })
     }
 
     /// External tokens beyond `num_computed_tokens`, or `None` while a
     /// breakpoint holds the request.
+    ///
+    /// At a request's first lookup kvbm starts following it: `tokens` is
+    /// vLLM's list of its tokens (`Request._all_token_ids`, which vLLM
+    /// appends each sampled token to; any sequence of ints will do), read
+    /// at each step from where the last read stopped; `prompt_len` its
+    /// prompt's length. Without `tokens`, `prompt` stands for it (and no
+    /// token past the prompt is ever read).
+    #[pyo3(signature = (request, prompt, num_computed_tokens, tokens=None, prompt_len=None))]
     fn get_num_new_matched_tokens(
         &self,
         py: Python<'_>,
         request: &str,
         prompt: Vec<u32>,
         num_computed_tokens: usize,
+        tokens: Option<Bound<'_, PyAny>>,
+        prompt_len: Option<usize>,
     ) -> PyResult<Option<usize>> {
-        self.with_side(py, |s| {
+        let sent = prompt.len();
+        let r = self.with_side(py, |s| {
             s.get_num_new_matched_tokens(request, &prompt, num_computed_tokens)
                 .map_err(sched_err)
-        })
+        })?;
+        // Followed once the side has a slot for it (a refused lookup
+        // leaves nothing behind).
+        let mut f = self.followed();
+        if !f.contains(request) {
+            let tokens = match tokens {
+                Some(t) => t.unbind(),
+                None => PyList::new(py, &prompt)?.into_any().unbind(),
+            };
+            f.follow(request, tokens, sent, prompt_len.unwrap_or(sent));
+        }
+        Ok(r)
     }
 
     fn update_state_after_alloc(
@@ -185,40 +214,64 @@ impl PyScheduler {
         self.with_side(py, |s| {
             s.update_state_after_alloc(request, &block_ids, num_external_tokens)
                 .map_err(sched_err)
-        })
+        })?;
+        self.followed().allocated(request, &block_ids);
+        Ok(())
     }
 
-    /// The step's plan, as bytes for the worker.
+    /// The step's plan, as bytes for the worker. The arguments are vLLM's
+    /// scheduler output, read in place (see `followed`): `new`, a
+    /// `(req_id, num_computed_tokens, block_ids)` per request scheduled
+    /// for the first time; then `scheduled_cached_reqs`' `req_ids`,
+    /// `new_block_ids`, `num_computed_tokens` and `resumed_req_ids`;
+    /// `num_scheduled_tokens`; `kv_connector_block_state` (or `None`); the
+    /// preempted requests' ids; vLLM's free device blocks, if known.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (new, req_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens, resumed=None, block_state=None, preempted=None, g1_free=None))]
     fn build_meta<'py>(
         &self,
         py: Python<'py>,
-        scheduled: Vec<ScheduledArg>,
-        preempted: Vec<String>,
+        new: &Bound<'py, PyList>,
+        req_ids: &Bound<'py, PyList>,
+        new_block_ids: &Bound<'py, PyList>,
+        num_computed_tokens: &Bound<'py, PyList>,
+        num_scheduled_tokens: &Bound<'py, PyDict>,
+        resumed: Option<&Bound<'py, PyAny>>,
+        block_state: Option<&Bound<'py, PyAny>>,
+        preempted: Option<&Bound<'py, PyAny>>,
         g1_free: Option<usize>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let input = StepInput {
-            scheduled: scheduled
-                .into_iter()
-                .map(
-                    |(request, new_tokens, prompt_len, computed_before, scheduled, block_ids)| {
-                        Scheduled {
-                            request,
-                            new_tokens,
-                            prompt_len,
-                            computed_before,
-                            scheduled,
-                            block_ids,
-                        }
-                    },
-                )
-                .collect(),
-            preempted,
-            g1_free,
+        let read = Instant::now();
+        let mut input = {
+            let mut f = self.followed();
+            let mut input = f.step(&StepArgs {
+                new,
+                ids: req_ids,
+                added: new_block_ids,
+                computed: num_computed_tokens,
+                num_scheduled: num_scheduled_tokens,
+                resumed,
+                block_state,
+            })?;
+            if let Some(p) = preempted.filter(|p| !p.is_none()) {
+                for id in p.try_iter()? {
+                    let id: String = id?.extract()?;
+                    if f.contains(&id) {
+                        input.preempted.push(id);
+                    }
+                }
+            }
+            input
         };
+        input.g1_free = g1_free;
+        let read = read.elapsed();
         let bytes = self.with_side(py, |s| {
-            s.build_meta(&input)
-                .map(|p| p.to_bytes())
-                .map_err(sched_err)
+            s.account(Phase::Read, read);
+            let plan = s.build_meta(&input).map_err(sched_err)?;
+            let t = Instant::now();
+            let bytes = plan.to_bytes();
+            s.account(Phase::Encode, t.elapsed());
+            Ok(bytes)
         })?;
         Ok(PyBytes::new(py, &bytes))
     }
@@ -245,6 +298,7 @@ impl PyScheduler {
         request: &str,
         block_ids: Vec<u32>,
     ) -> PyResult<bool> {
+        self.followed().forget(request);
         self.with_side(py, |s| {
             s.request_finished(request, &block_ids).map_err(sched_err)
         })

@@ -171,6 +171,10 @@ pub struct StepInput {
     pub preempted: Vec<String>,
     /// vLLM's free device blocks now, if known (for the G1 gauge).
     pub g1_free: Option<usize>,
+    /// Requests left out of the step before it got here, each with why
+    /// (their input could not be read): counted and said, as those
+    /// refused here are.
+    pub refused: Vec<String>,
 }
 
 /// What the connector counted.
@@ -874,6 +878,14 @@ impl SchedulerSide {
         self.phases.per_step_us(self.counters.steps)
     }
 
+    /// Counts `d` of the connector's own work done outside this side's
+    /// calls (reading vLLM's objects, encoding the plan) as `phase` of its
+    /// time a step.
+    pub fn account(&mut self, phase: Phase, d: std::time::Duration) {
+        self.phases.add(phase, d);
+        self.spent_ns += u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+    }
+
     fn spent(&mut self, since: Instant) {
         self.spent_ns += u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
     }
@@ -1227,6 +1239,10 @@ impl SchedulerSide {
         self.step += 1;
         self.breakpoints.sweep_held();
         let mut out = SchedulerOutput::default();
+        for why in &input.refused {
+            tracing::warn!("{why}; left out of step {}", self.step);
+            self.counters.refused_scheduled += 1;
+        }
         let mut scheduled = HashSet::new();
         for s in &input.scheduled {
             let Some(id) = self.requests.get(&s.request).map(|r| r.id.clone()) else {

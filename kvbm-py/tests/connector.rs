@@ -207,6 +207,7 @@ fn one_run(
         scheduled: vec![run(req, p, before, n, blocks, new)],
         preempted: Vec::new(),
         g1_free: Some(BLOCKS - blocks.len()),
+        refused: Vec::new(),
     }
 }
 
@@ -484,6 +485,7 @@ fn a_step_without_a_block_table_keeps_the_last_one() {
         }],
         preempted: Vec::new(),
         g1_free: None,
+        refused: Vec::new(),
     };
     // A chunked prefill: 5 tokens (block 0 full), then 4 more (block 1
     // full) in a step that passes no table.
@@ -949,6 +951,7 @@ fn each_reloaded_request_is_credited_the_g2_hits_it_loaded() {
         scheduled: runs,
         preempted: Vec::new(),
         g1_free: Some(BLOCKS - used),
+        refused: Vec::new(),
     };
     r.step(
         input(
@@ -1115,6 +1118,7 @@ fn another_connectors_tokens_are_said_as_external_hits() {
             ],
             preempted: Vec::new(),
             g1_free: Some(BLOCKS - 8),
+            refused: Vec::new(),
         };
         r.step(both(3 * BS, BS + 1, 0, 2 * BS + 1), &[]);
         r.step(both(4 * BS + 1, 1, 2 * BS + 1, 1), &[]);

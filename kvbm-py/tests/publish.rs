@@ -51,6 +51,7 @@ fn one_request(s: &mut SchedulerSide) {
         }],
         preempted: Vec::new(),
         g1_free: Some(BLOCKS - 3),
+        refused: Vec::new(),
     })
     .unwrap();
     s.request_finished("A", &[1, 2, 3]).unwrap();

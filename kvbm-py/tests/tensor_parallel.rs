@@ -59,6 +59,7 @@ fn step(req: &str, prompt: &[u32], before: usize, n: usize, blocks: &[u32]) -> S
         }],
         preempted: Vec::new(),
         g1_free: None,
+        refused: Vec::new(),
     }
 }
 

@@ -1,6 +1,6 @@
 """Type stubs for the Rust core of kvbm's vLLM connector."""
 
-from typing import List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 __version__: str
 DEBUG_BUILD: bool
@@ -13,9 +13,9 @@ def check_config(config_json: str) -> None:
 Geometry = Tuple[int, int, int, int]
 """(num_gpu_blocks, block_size, num_layers, page_bytes)."""
 
-ScheduledArg = Tuple[str, List[int], int, int, int, Optional[List[int]]]
-"""(request id, new tokens, prompt length, computed before, scheduled now, block
-table, or None when it is the one last given)."""
+NewRequest = Tuple[str, int, Sequence[List[int]]]
+"""(request id, computed tokens, block ids per KV-cache group) of a request
+scheduled for the first time."""
 
 class Scheduler:
     def __init__(
@@ -33,14 +33,33 @@ class Scheduler:
         """What the start did that the user should hear of (host-tier files of
         killed engines it removed), one line each."""
     def get_num_new_matched_tokens(
-        self, request: str, prompt: List[int], num_computed_tokens: int
-    ) -> Optional[int]: ...
+        self,
+        request: str,
+        prompt: List[int],
+        num_computed_tokens: int,
+        tokens: Optional[Sequence[int]] = None,
+        prompt_len: Optional[int] = None,
+    ) -> Optional[int]:
+        """At a request's first lookup kvbm follows it through `tokens`,
+        vLLM's list of its tokens (appended to as they are sampled)."""
     def update_state_after_alloc(
         self, request: str, block_ids: List[int], num_external_tokens: int
     ) -> None: ...
     def build_meta(
-        self, scheduled: List[ScheduledArg], preempted: List[str], g1_free: Optional[int]
-    ) -> bytes: ...
+        self,
+        new: List[NewRequest],
+        req_ids: List[str],
+        new_block_ids: List[Optional[Sequence[List[int]]]],
+        num_computed_tokens: List[int],
+        num_scheduled_tokens: Dict[str, int],
+        resumed: Optional[Iterable[str]] = None,
+        block_state: Optional[Any] = None,
+        preempted: Optional[Iterable[str]] = None,
+        g1_free: Optional[int] = None,
+    ) -> bytes:
+        """The step's plan, from vLLM's scheduler output read in place:
+        `scheduled_cached_reqs`' lists, `num_scheduled_tokens`,
+        `kv_connector_block_state` (its `get_block_ids`)."""
     def update_connector_output(self, reports: List[bytes]) -> None: ...
     def request_finished(self, request: str, block_ids: List[int]) -> bool: ...
     def serving(self) -> Optional[str]: ...

@@ -224,7 +224,7 @@ def _finish_before_engine_teardown() -> None:
 _ENGINE_CORE_GRACE_S = 5.0
 
 
-# Passed where there are no new tokens or no reports (made once, not per call).
+# Passed where there are no reports (made once, not per call).
 _EMPTY: Tuple[Any, ...] = ()
 
 
@@ -252,11 +252,6 @@ class KvbmConnector(KVConnectorBase_V1):
         self._on_gpu = False
         self._current_stream: Any = None
         self._layer_names: List[str] = list(kv_cache_config.kv_cache_groups[0].layer_names)
-        # Per request on the scheduler side: the vLLM Request, the tokens
-        # kvbm has, and the block table.
-        self._reqs: Dict[str, Any] = {}
-        self._sent: Dict[str, int] = {}
-        self._blocks: Dict[str, List[int]] = {}
         self._stats_at = 0.0
         self._stats_path = os.environ.get("KVBM_STATS_FILE")
         # The worker's results of its last plan, until vLLM asks for them.
@@ -298,12 +293,19 @@ class KvbmConnector(KVConnectorBase_V1):
         self, request: Any, num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:
         assert self._sched is not None
-        rid = request.request_id
-        if rid not in self._reqs:
-            self._reqs[rid] = request
-            self._sent[rid] = len(request.prompt_token_ids or [])
+        prompt = request.prompt_token_ids or []
+        # kvbm follows the request from here on through vLLM's own list of
+        # its tokens, which vLLM appends each sampled token to (the
+        # read-only view over it where this vLLM has no such list).
+        tokens = getattr(request, "_all_token_ids", None)
+        if not isinstance(tokens, list):
+            tokens = request.all_token_ids
         n = self._sched.get_num_new_matched_tokens(
-            rid, list(request.prompt_token_ids or []), int(num_computed_tokens)
+            request.request_id,
+            list(prompt),
+            int(num_computed_tokens),
+            tokens,
+            int(getattr(request, "num_prompt_tokens", len(prompt))),
         )
         if n is None:
             return None, False  # held by a breakpoint: vLLM asks again
@@ -311,98 +313,16 @@ class KvbmConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._sched is not None
-        rid = request.request_id
         ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        self._blocks[rid] = ids
-        self._sched.update_state_after_alloc(rid, ids, int(num_external_tokens))
-
-    def _block_table(self, state: Any, rid: str, added: Optional[Any], resumed: bool) -> List[int]:
-        if state is not None:
-            full = state.get_block_ids(rid)
-            if full is not None:
-                return list(full[0])
-        table = [] if resumed else self._blocks.get(rid, [])
-        if added is not None:
-            table = table + list(added[0])
-        return table
-
-    def _new_tokens(self, rid: str) -> List[int]:
-        req = self._reqs.get(rid)
-        if req is None:
-            return []
-        # vLLM's `all_token_ids` is a read-only view whose `len` and slicing
-        # are Python methods; the list under it (when this vLLM has one)
-        # costs a fraction of that, every request, every step.
-        toks = getattr(req, "_all_token_ids", None)
-        if not isinstance(toks, list):
-            toks = req.all_token_ids
-        sent = self._sent.get(rid, 0)
-        if len(toks) <= sent:
-            return []
-        self._sent[rid] = len(toks)
-        return toks[sent:]
+        self._sched.update_state_after_alloc(request.request_id, ids, int(num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
-        n_sched = scheduler_output.num_scheduled_tokens
-        state = getattr(scheduler_output, "kv_connector_block_state", None)
-        scheduled = []
-        for new in scheduler_output.scheduled_new_reqs:
-            rid = new.req_id
-            if rid not in self._reqs:
-                continue
-            table = self._block_table(state, rid, None, False) or list(new.block_ids[0])
-            self._blocks[rid] = table
-            scheduled.append(
-                (
-                    rid,
-                    self._new_tokens(rid),
-                    len(new.prompt_token_ids or []),
-                    int(new.num_computed_tokens),
-                    int(n_sched.get(rid, 0)),
-                    table,
-                )
-            )
         cached = scheduler_output.scheduled_cached_reqs
-        resumed_ids = getattr(cached, "resumed_req_ids", set()) or set()
-        # The per-request loop below runs for every running request, every
-        # step, on vLLM's critical path: names are looked up once, and a
-        # decode step that adds no block builds no table and copies only
-        # the new token.
-        reqs_get = self._reqs.get
-        sent = self._sent
-        blocks = self._blocks
-        new_block_ids = cached.new_block_ids
-        computed = cached.num_computed_tokens
-        n_get = n_sched.get
-        append = scheduled.append
-        for i, rid in enumerate(cached.req_ids):
-            req = reqs_get(rid)
-            if req is None:
-                continue
-            added = new_block_ids[i]
-            table: Optional[List[int]] = None  # unchanged (the Rust side keeps it)
-            if rid in resumed_ids or (added is not None and any(added)):
-                # A block table only grows, except when a preempted request
-                # resumes; most decode steps add no block, and then nothing
-                # is rebuilt or passed on.
-                table = self._block_table(state, rid, added, rid in resumed_ids)
-                blocks[rid] = table
-            # vLLM's `all_token_ids` is a read-only view whose `len` and
-            # slicing are Python methods; the list under it (when this vLLM
-            # has one) costs a fraction of that.
-            toks = getattr(req, "_all_token_ids", None)
-            if toks.__class__ is not list:
-                toks = req.all_token_ids
-            n = len(toks)
-            had = sent.get(rid, 0)
-            if n > had:
-                sent[rid] = n
-                new = toks[had:]
-            else:
-                new = _EMPTY
-            append((rid, new, req.num_prompt_tokens, computed[i], n_get(rid, 0), table))
-        preempted = [r for r in (getattr(scheduler_output, "preempted_req_ids", None) or ()) if r in self._reqs]
+        # vLLM's per-step lists go to kvbm as they are: it reads each
+        # running request's new tokens and added blocks there, with no
+        # loop here over the requests, every step, on vLLM's critical path.
+        new = [(n.req_id, n.num_computed_tokens, n.block_ids) for n in scheduler_output.scheduled_new_reqs]
         g1_free = None
         pool = getattr(self._kv_cache_manager, "block_pool", None) if self._kv_cache_manager else None
         if pool is not None:
@@ -410,7 +330,17 @@ class KvbmConnector(KVConnectorBase_V1):
                 g1_free = int(pool.get_num_free_blocks())
             except Exception:  # noqa: BLE001 - a gauge is not worth failing a step
                 g1_free = None
-        plan = self._sched.build_meta(scheduled, preempted, g1_free)
+        plan = self._sched.build_meta(
+            new,
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            scheduler_output.num_scheduled_tokens,
+            getattr(cached, "resumed_req_ids", None),
+            getattr(scheduler_output, "kv_connector_block_state", None),
+            getattr(scheduler_output, "preempted_req_ids", None),
+            g1_free,
+        )
         self._write_stats()
         return KvbmMetadata(plan=plan)
 
@@ -438,11 +368,7 @@ class KvbmConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         assert self._sched is not None
         rid = request.request_id
-        delay = self._sched.request_finished(rid, [int(b) for b in block_ids])
-        self._reqs.pop(rid, None)
-        self._sent.pop(rid, None)
-        self._blocks.pop(rid, None)
-        return delay, None
+        return self._sched.request_finished(rid, [int(b) for b in block_ids]), None
 
     # ------------------------------------------------------------ worker side
 

@@ -176,7 +176,7 @@ def check_concurrent_worker_calls():
     ok("Worker.shutdown while another thread runs a plan finishes")
     # The scheduler's calls from two threads, and its counters meanwhile.
     ts = [
-        threading.Thread(target=lambda: [s.build_meta([], [], None) for _ in range(200)]),
+        threading.Thread(target=lambda: [s.build_meta([], [], [], [], {}) for _ in range(200)]),
         threading.Thread(target=lambda: [s.counters() for _ in range(200)]),
     ]
     for t in ts:
@@ -276,7 +276,7 @@ def check_scheduler_inputs():
         raises(RuntimeError, s.update_state_after_alloc, f"ghost-{i}", [1, 2, 3], 0)
     # A refused request is not kept: kvbm knows nothing of it.
     assert s.request_finished("ghost-0", []) is False
-    s.build_meta([("ghost-1", [1, 2, 3, 4], 4, 0, 4, [0])], [], None)
+    s.build_meta([("ghost-1", 0, ([0],))], [], [], [], {"ghost-1": 4})
     ok("refused update_state_after_alloc calls leave no entry behind")
 
     e = raises(RuntimeError, s.update_state_after_alloc, "req-42", [1], 0)
@@ -287,19 +287,79 @@ def check_scheduler_inputs():
 
     # One request's impossible numbers leave it out of the step, not the
     # others.
-    s.build_meta(
-        [("A", [], 9, 2**64 - 1, 2, None), ("A", [], 9, 0, 9, [1, 2, 99999])], [], None
-    )
+    s.build_meta([], ["A", "A"], [None, ([99999],)], [2**64 - 1, 0], {"A": 2})
     refused = json.loads(s.counters())["counters"]["refused_scheduled"]
     assert refused == 2, refused
     ok("build_meta leaves out a request whose computed tokens overflow")
     s.shutdown()
+    check_step_lists()
 
     cache = Cache()
     d = fresh_dir("null")
     e = raises(RuntimeError, K.Worker, cfg(d), G, "null", cache.json(null_layer=1))
     assert "layer.1" in e and "null" in e, e
     ok("a tensor at address 0 is said to be null")
+
+
+def check_step_lists():
+    """build_meta reads vLLM's scheduler output in place: lists that are
+    not what vLLM passes are a TypeError naming what was wrong; a
+    request's own unreadable tokens or blocks leave it out of the step,
+    counted, and the others go on. Then a seeded fuzz: no input of the
+    wrong shape or type makes anything but an exception."""
+    d = fresh_dir("step-lists")
+    s = K.Scheduler(cfg(d), G, "lists")
+    good, bad = [0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]
+    assert s.get_num_new_matched_tokens("good", good[:5], 0, good, 5) == 0
+    assert s.get_num_new_matched_tokens("bad", bad[:5], 0, bad, 5) == 0
+    s.update_state_after_alloc("good", [1, 2], 0)
+    s.update_state_after_alloc("bad", [3, 4], 0)
+    s.build_meta([("good", 0, ([1, 2],)), ("bad", 0, ([3, 4],))], [], [], [], {"good": 5, "bad": 5})
+    for args, what in [
+        ((["good"], [], [5], {}), "1 ids, 0 block lists, 1 computed"),
+        (([7], [None], [5], {}), "request 0's id is not a string"),
+        ((["good"], [None], ["5"], {}), "request 0's computed tokens"),
+        (([("x",)], [], [], [], {}), None),
+    ]:
+        full = args if len(args) == 5 else ([],) + args
+        e = raises(TypeError, s.build_meta, *full)
+        assert what is None or what in e, (what, e)
+    ok("build_meta refuses lists that are not vLLM's, saying which")
+
+    def refused():
+        return json.loads(s.counters())["counters"]["refused_scheduled"]
+
+    before = refused()
+    good.append(16)
+    bad.append(-1)
+    s.build_meta([], ["good", "bad"], [None, None], [5, 5], {"good": 1, "bad": 1})
+    assert refused() == before + 1, (before, refused())
+    bad[-1] = 2**40
+    s.build_meta([], ["bad"], [None], [5], {"bad": 1})
+    bad[-1] = 17
+    s.build_meta([], ["good", "bad"], [(["x"],), None], [6, 5], {"good": 1, "bad": 1})
+    assert refused() == before + 3, (before, refused())
+    ok("a request's token that is no token id, or blocks that are no ids, leave it out, counted")
+
+    import random
+
+    rng = random.Random(20261130)
+    junk = [None, -1, 2**64, "x", b"y", 1.5, [], (), {}, [None], [[-1]], ([2**33],), object(), {"a": 1}]
+
+    def anything():
+        return rng.choice(junk + [rng.randrange(0, 20), ["good"], ["bad"], [([1],)]])
+
+    for _ in range(2000):
+        args = [[], ["good"], [None], [7], {"good": 1}, None, None, None, None]
+        for _ in range(rng.randrange(1, 4)):
+            args[rng.randrange(len(args))] = anything()
+        try:
+            s.build_meta(*args)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            pass
+    s.build_meta([], [], [], [], {})
+    ok("2000 fuzzed build_meta calls: each an exception or a step, none a panic")
+    s.shutdown()
 
 
 def check_parallel():

@@ -91,8 +91,9 @@ def oracle(args):
     corrupt = engine.generate_logprobs(llm, ps, mt)
     serve = args.get("extra", {}).get("serve")
     if serve:
-        # What the console's model (the reducer) credits each request.
-        snap = http("GET", f"http://{serve}/snapshot")
+        # What the console's model (the reducer) credits each request, once
+        # it has applied every event the server has.
+        snap = settled_snapshot(serve)
         engine.say(
             hits={rid: s.get("hit_tokens") for rid, s in snap.get("slots", {}).items()},
             pruned_slots=snap.get("pruned_slots"),
@@ -119,6 +120,27 @@ def http(method, url, body=None, timeout=10):
     req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"null")
+
+
+def settled_snapshot(serve, timeout_s=10.0):
+    """The attach server's model once it has caught up: its last applied
+    event is the newest the server holds, and a poll later nothing more
+    came. The events of a pass's last steps reach the model a little after
+    `generate` returns; a snapshot taken at once may miss them. After
+    `timeout_s`, the latest snapshot as it is (the check then says what it
+    lacks)."""
+    deadline = time.time() + timeout_s
+    prev = None
+    while True:
+        newest = (http("GET", f"http://{serve}/health") or {}).get("last_seq")
+        snap = http("GET", f"http://{serve}/snapshot")
+        got = (snap.get("stream") or {}).get("last_seq")
+        if got is not None and newest is not None and got >= newest and got == prev:
+            return snap
+        if time.time() > deadline:
+            return snap
+        prev = got
+        time.sleep(0.2)
 
 
 def hold_while_others_finish(llm, base, ps, held, first):
