@@ -980,7 +980,11 @@ impl Leader {
                 } else {
                     SlotState::Prefilling
                 };
-                let _ = self.shared.transition(&mut slots, &s.request, to);
+                // Most iterations leave a running slot where it was (staying
+                // put is no transition): the slot is not looked up again.
+                if slot.state != to {
+                    let _ = self.shared.transition(&mut slots, &s.request, to);
+                }
                 self.shared.emitter.emit(
                     Some(&s.request),
                     EventKind::TokensScheduled {

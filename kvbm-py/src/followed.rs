@@ -14,6 +14,7 @@
 //! the reason, in [`StepInput::refused`]; the others go on.
 
 use crate::scheduler::{Scheduled, StepInput};
+use kvbm_events::RequestId;
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -22,6 +23,8 @@ use std::collections::HashMap;
 
 /// What is kept of one request between steps.
 struct Request {
+    /// Its id (the map's key: the same allocation).
+    id: RequestId,
     /// vLLM's list of the request's tokens (prompt, then each sampled
     /// token appended as it is made), or a sequence standing for it.
     tokens: Py<PyAny>,
@@ -33,10 +36,11 @@ struct Request {
     blocks: Vec<u32>,
 }
 
-/// The requests the connector follows, by vLLM's request id.
+/// The requests the connector follows, by vLLM's request id (the
+/// scheduler side's own `Arc` of it, which `Scheduled` shares).
 #[derive(Default)]
 pub(crate) struct Followed {
-    requests: HashMap<String, Request>,
+    requests: HashMap<RequestId, Request, foldhash::fast::RandomState>,
 }
 
 /// One step's scheduler output, as vLLM's objects (see
@@ -64,15 +68,20 @@ pub(crate) struct StepArgs<'a, 'py> {
 impl Followed {
     /// Follows `id` from its first lookup: `tokens` is vLLM's token list
     /// (`prompt_sent` of them given to kvbm with the lookup).
-    pub fn follow(&mut self, id: &str, tokens: Py<PyAny>, prompt_sent: usize, prompt_len: usize) {
-        self.requests
-            .entry(id.to_string())
-            .or_insert_with(|| Request {
-                tokens,
-                sent: prompt_sent,
-                prompt_len,
-                blocks: Vec::new(),
-            });
+    pub fn follow(
+        &mut self,
+        id: RequestId,
+        tokens: Py<PyAny>,
+        prompt_sent: usize,
+        prompt_len: usize,
+    ) {
+        self.requests.entry(id.clone()).or_insert_with(|| Request {
+            id,
+            tokens,
+            sent: prompt_sent,
+            prompt_len,
+            blocks: Vec::new(),
+        });
     }
 
     pub fn contains(&self, id: &str) -> bool {
@@ -194,7 +203,7 @@ impl Followed {
             r.blocks.clone_from(t);
         }
         Ok(Scheduled {
-            request: key.to_string(),
+            request: r.id.clone(),
             new_tokens,
             prompt_len: r.prompt_len,
             computed_before: computed,

@@ -187,19 +187,23 @@ impl PyScheduler {
         prompt_len: Option<usize>,
     ) -> PyResult<Option<usize>> {
         let sent = prompt.len();
-        let r = self.with_side(py, |s| {
-            s.get_num_new_matched_tokens(request, &prompt, num_computed_tokens)
-                .map_err(sched_err)
+        let (r, id) = self.with_side(py, |s| {
+            let r = s
+                .get_num_new_matched_tokens(request, &prompt, num_computed_tokens)
+                .map_err(sched_err)?;
+            Ok((r, s.request_id(request)))
         })?;
         // Followed once the side has a slot for it (a refused lookup
-        // leaves nothing behind).
+        // leaves nothing behind), by the side's own id for it.
         let mut f = self.followed();
-        if !f.contains(request) {
+        if let Some(id) = id
+            && !f.contains(request)
+        {
             let tokens = match tokens {
                 Some(t) => t.unbind(),
                 None => PyList::new(py, &prompt)?.into_any().unbind(),
             };
-            f.follow(request, tokens, sent, prompt_len.unwrap_or(sent));
+            f.follow(id, tokens, sent, prompt_len.unwrap_or(sent));
         }
         Ok(r)
     }

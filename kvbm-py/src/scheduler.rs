@@ -69,6 +69,10 @@ use kvbm_core::transfer::{
 use kvbm_events::bus::BusConfig;
 use kvbm_events::{BlockId, Direction, Emitter, EventKind, MonotonicClock, RequestId, Tier};
 use std::collections::{HashMap, HashSet};
+
+/// The hasher of the maps looked up per request per step: the ids are
+/// vLLM's own, so SipHash's resistance to chosen keys buys nothing here.
+type FastHash = foldhash::fast::RandomState;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -145,7 +149,7 @@ fn slot_reason(e: &kvbm_events::slot::SlotError) -> String {
 #[derive(Debug, Clone, Default)]
 pub struct Scheduled {
     /// The request.
-    pub request: String,
+    pub request: RequestId,
     /// Tokens of the request (prompt and generated) kvbm has not been given
     /// yet.
     pub new_tokens: Vec<u32>,
@@ -297,7 +301,9 @@ pub struct SchedulerSide {
     /// The shared host tier's file, locked while this side lives; removed
     /// at shutdown.
     shm: Option<ShmClaim>,
-    requests: HashMap<String, Req>,
+    /// Keyed by the request's id itself (the `Arc` the leader's slot and
+    /// the events name it by): one allocation, read once per lookup.
+    requests: HashMap<RequestId, Req, FastHash>,
     /// Mirror block id → vLLM block id, with how many requests map it.
     g1: HashMap<BlockId, (u32, u32)>,
     /// Each shipped step's store trigger (or none), oldest first: a step's
@@ -783,7 +789,7 @@ impl SchedulerSide {
             store_pipelines,
             _host: host_storage,
             _disk: disk_storage,
-            requests: HashMap::new(),
+            requests: HashMap::default(),
             g1: HashMap::new(),
             triggers: std::collections::VecDeque::new(),
             parallel,
@@ -896,9 +902,21 @@ impl SchedulerSide {
     }
 
     fn req(&mut self, request: &str) -> &mut Req {
+        // Looked up before an entry is made: the key's copy is made once,
+        // not at every call (this runs per request per step).
+        if !self.requests.contains_key(request) {
+            let id = RequestId::from(request);
+            self.requests.insert(id.clone(), Req::new(id));
+        }
         self.requests
-            .entry(request.to_string())
-            .or_insert_with(|| Req::new(RequestId::from(request)))
+            .get_mut(request)
+            .expect("inserted above when missing")
+    }
+
+    /// The id `request` is followed by (the one its events name), once it
+    /// was looked up.
+    pub fn request_id(&self, request: &str) -> Option<RequestId> {
+        self.requests.get(request).map(|r| r.id.clone())
     }
 
     /// vLLM's `get_num_new_matched_tokens`: external tokens beyond
@@ -1243,7 +1261,8 @@ impl SchedulerSide {
             tracing::warn!("{why}; left out of step {}", self.step);
             self.counters.refused_scheduled += 1;
         }
-        let mut scheduled = HashSet::new();
+        let mut scheduled: HashSet<&str, FastHash> =
+            HashSet::with_capacity_and_hasher(input.scheduled.len(), FastHash::default());
         for s in &input.scheduled {
             let Some(id) = self.requests.get(&s.request).map(|r| r.id.clone()) else {
                 continue; // a request kvbm never saw (added before the connector)
@@ -1259,7 +1278,7 @@ impl SchedulerSide {
                     continue;
                 }
             };
-            scheduled.insert(s.request.clone());
+            scheduled.insert(&s.request);
             self.external_hit(s);
             let prefill = s
                 .scheduled
@@ -1283,8 +1302,9 @@ impl SchedulerSide {
                 new_tokens: Vec::new(),
             });
         }
-        let preempted: HashSet<&String> = input.preempted.iter().collect();
+        let preempted: HashSet<&str> = input.preempted.iter().map(String::as_str).collect();
         for (name, r) in &self.requests {
+            let name: &str = name;
             if scheduled.contains(name) || preempted.contains(name) || self.delayed.contains(name) {
                 continue;
             }
@@ -1328,7 +1348,7 @@ impl SchedulerSide {
         self.fail_late_loads(&shipped_loads, &mut plan);
         drop(loads);
         for name in &input.preempted {
-            if let Some(id) = self.requests.get(name).map(|r| r.id.clone()) {
+            if let Some(id) = self.requests.get(name.as_str()).map(|r| r.id.clone()) {
                 let _ = self.leader.request_preempted(&id);
             }
             self.release_g1(name);
@@ -1415,11 +1435,11 @@ impl SchedulerSide {
     /// Loads promised for this step that did not ship: vLLM computes
     /// those blocks, and their copies must never land later.
     fn fail_late_loads(&mut self, shipped_loads: &HashSet<BlockId>, plan: &mut StepPlan) {
-        let late: Vec<(String, Vec<(BlockId, u32)>)> = self
+        let late: Vec<(RequestId, Vec<(BlockId, u32)>)> = self
             .requests
             .iter_mut()
+            .filter(|(_, r)| !r.load_dests.is_empty())
             .map(|(n, r)| (n.clone(), std::mem::take(&mut r.load_dests)))
-            .filter(|(_, d)| !d.is_empty())
             .collect();
         for (_, dests) in late {
             let missing: Vec<(BlockId, u32)> = dests
@@ -1612,7 +1632,7 @@ impl SchedulerSide {
             // every block the request made.
             let computed = block_ids.len().saturating_mul(self.geometry.block_size);
             let s = Scheduled {
-                request: request.to_string(),
+                request: RequestId::from(request),
                 new_tokens: Vec::new(),
                 prompt_len: 0,
                 computed_before: computed,
