@@ -169,9 +169,7 @@ impl Followed {
         computed: usize,
         table: PyResult<Table>,
     ) -> Result<Scheduled, Option<String>> {
-        let key = id
-            .to_str()
-            .map_err(|e| Some(format!("a request id: {e}")))?;
+        let key = id.to_str().map_err(|e| Some(named(id, e)))?;
         let Some(r) = self.requests.get_mut(key) else {
             return Err(None); // a request kvbm never saw (added before the connector)
         };
@@ -272,7 +270,9 @@ fn clip(id: &str) -> String {
     }
 }
 
-/// The tokens of `tokens` from `from` on, and its length now.
+/// The tokens of `tokens` from `from` on, and how many have been read now
+/// (never fewer than `from`: vLLM's list only grows, and were it to
+/// shrink, tokens kvbm already has would not be given again).
 fn read_from(tokens: &Bound<'_, PyAny>, from: usize) -> PyResult<(Vec<u32>, usize)> {
     // vLLM's list itself: its length and items without a method call.
     if let Ok(list) = tokens.cast::<PyList>() {
@@ -281,14 +281,14 @@ fn read_from(tokens: &Bound<'_, PyAny>, from: usize) -> PyResult<(Vec<u32>, usiz
         for i in from..n {
             out.push(token(&list.get_item(i)?, i)?);
         }
-        return Ok((out, n));
+        return Ok((out, n.max(from)));
     }
     let n = tokens.len()?;
     let mut out = Vec::with_capacity(n.saturating_sub(from));
     for i in from..n {
         out.push(token(&tokens.get_item(i)?, i)?);
     }
-    Ok((out, n))
+    Ok((out, n.max(from)))
 }
 
 fn token(v: &Bound<'_, PyAny>, at: usize) -> PyResult<u32> {
