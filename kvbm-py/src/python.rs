@@ -259,7 +259,11 @@ impl PyScheduler {
             })?;
             if let Some(p) = preempted.filter(|p| !p.is_none()) {
                 for id in p.try_iter()? {
-                    let id: String = id?.extract()?;
+                    let id: String = id?.extract().map_err(|e| {
+                        pyo3::exceptions::PyTypeError::new_err(format!(
+                            "kvbm: a preempted request's id is not a string: {e}"
+                        ))
+                    })?;
                     if f.contains(&id) {
                         input.preempted.push(id);
                     }

@@ -69,12 +69,12 @@ use kvbm_core::transfer::{
 use kvbm_events::bus::BusConfig;
 use kvbm_events::{BlockId, Direction, Emitter, EventKind, MonotonicClock, RequestId, Tier};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// The hasher of the maps looked up per request per step: the ids are
 /// vLLM's own, so SipHash's resistance to chosen keys buys nothing here.
 type FastHash = foldhash::fast::RandomState;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 /// Why the scheduler side could not start or go on.
 #[derive(Debug, thiserror::Error)]
@@ -887,7 +887,7 @@ impl SchedulerSide {
     /// Counts `d` of the connector's own work done outside this side's
     /// calls (reading vLLM's objects, encoding the plan) as `phase` of its
     /// time a step.
-    pub fn account(&mut self, phase: Phase, d: std::time::Duration) {
+    pub fn account(&mut self, phase: Phase, d: Duration) {
         self.phases.add(phase, d);
         self.spent_ns += u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
     }

@@ -320,8 +320,9 @@ def check_step_lists():
         (([7], [None], [5], {}), "request 0's id is not a string"),
         ((["good"], [None], ["5"], {}), "request 0's computed tokens"),
         (([("x",)], [], [], [], {}), None),
+        (([], [], [], [], {}, None, None, [7]), "a preempted request's id is not a string"),
     ]:
-        full = args if len(args) == 5 else ([],) + args
+        full = args if len(args) >= 5 else ([],) + args
         e = raises(TypeError, s.build_meta, *full)
         assert what is None or what in e, (what, e)
     ok("build_meta refuses lists that are not vLLM's, saying which")
