@@ -88,8 +88,7 @@ impl Phases {
     /// so consecutive laps cover a call without gaps.
     pub fn lap(&mut self, phase: Phase, since: &mut Instant) {
         let now = Instant::now();
-        let d = u64::try_from(now.duration_since(*since).as_nanos()).unwrap_or(u64::MAX);
-        self.ns[phase as usize] = self.ns[phase as usize].saturating_add(d);
+        self.add(phase, now.duration_since(*since));
         *since = now;
     }
 

@@ -1435,13 +1435,13 @@ impl SchedulerSide {
     /// Loads promised for this step that did not ship: vLLM computes
     /// those blocks, and their copies must never land later.
     fn fail_late_loads(&mut self, shipped_loads: &HashSet<BlockId>, plan: &mut StepPlan) {
-        let late: Vec<(RequestId, Vec<(BlockId, u32)>)> = self
+        let late: Vec<Vec<(BlockId, u32)>> = self
             .requests
-            .iter_mut()
-            .filter(|(_, r)| !r.load_dests.is_empty())
-            .map(|(n, r)| (n.clone(), std::mem::take(&mut r.load_dests)))
+            .values_mut()
+            .filter(|r| !r.load_dests.is_empty())
+            .map(|r| std::mem::take(&mut r.load_dests))
             .collect();
-        for (_, dests) in late {
+        for dests in late {
             let missing: Vec<(BlockId, u32)> = dests
                 .into_iter()
                 .filter(|(m, _)| !shipped_loads.contains(m))
