@@ -35,8 +35,10 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -231,17 +233,22 @@ def main():
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--thrash-mib", type=int, default=64)
     ap.add_argument("--configs", default="observer,tiers",
-                    help="observer (no tier), tiers (a host tier)")
+                    help="observer (no tier), tiers (a host tier), recording (a host tier and the recording)")
     args = ap.parse_args()
     if _kvbm.DEBUG_BUILD:
         sys.exit("kvbm's module is a debug build: `pip install ./kvbm-py` (optimised) first")
+    rec_dir = tempfile.mkdtemp(prefix="kvbm-step-cost-")
     configs = {"observer": {"host_capacity_tokens": 0},
-               "tiers": {"host_capacity_tokens": 16384}}
+               "tiers": {"host_capacity_tokens": 16384},
+               "recording": {"host_capacity_tokens": 16384, "record": None}}
     print(f"{args.requests} requests decoding, {args.steps} steps ({args.warmup} not timed), "
           f"cold = {args.thrash_mib} MiB walked between steps; µs: median / p90")
     calls = ("build_connector_meta", "worker run", "update_connector_output", "step")
     for name in args.configs.split(","):
-        runs = {mode: run(args, configs[name], mode) for mode in ("warm", "cold")}
+        # A recording per run: a recording directory is never reused.
+        runs = {mode: run(args, {**configs[name], **({"record": os.path.join(rec_dir, f"{name}-{mode}")}
+                                                        if "record" in configs[name] else {})}, mode)
+                for mode in ("warm", "cold")}
         print(f"\n{name}: events emitted {runs['cold'][1].get('events_emitted', '?')}")
         print(f"{'call':<26}{'kvbm warm':>16}{'kvbm cold':>16}{'cold/warm':>11}{'noop cold':>16}")
         for call in calls:
@@ -259,6 +266,7 @@ def main():
                 top = sorted(ph.items(), key=lambda kv: -float(kv[1]) if isinstance(kv[1], (int, float)) else 0)
                 text = ", ".join(f"{k} {v:.1f}" for k, v in top if isinstance(v, (int, float)))
                 print(f"  kvbm's Rust side, {mode}, µs a step: {text}")
+    shutil.rmtree(rec_dir, ignore_errors=True)
 
 if __name__ == "__main__":
     main()

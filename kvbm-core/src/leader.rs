@@ -42,6 +42,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+/// The live slots by request. Looked up several times per running request
+/// per step, so hashed fast (the ids are the engine's, not an attacker's).
+type Slots = HashMap<RequestId, Slot, foldhash::fast::RandomState>;
+
 /// When device blocks are copied to the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum OffloadMode {
@@ -151,7 +155,7 @@ struct Candidate {
 /// State shared with the pipelines' observers.
 struct Shared {
     emitter: Arc<Emitter>,
-    slots: Mutex<HashMap<RequestId, Slot>>,
+    slots: Mutex<Slots>,
     /// (direction, container id) → candidate; the lock is held across
     /// enqueue + insert so an observer never sees an unknown container.
     candidates: Mutex<HashMap<(Direction, u64), (u64, Candidate)>>,
@@ -196,7 +200,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Shared {
     fn transition(
         &self,
-        slots: &mut HashMap<RequestId, Slot>,
+        slots: &mut Slots,
         id: &RequestId,
         to: SlotState,
     ) -> Result<(), SlotError> {
@@ -389,7 +393,7 @@ impl LeaderWiring {
         LeaderWiring {
             shared: Arc::new(Shared {
                 emitter,
-                slots: Mutex::new(HashMap::new()),
+                slots: Mutex::new(Slots::default()),
                 candidates: Mutex::new(HashMap::new()),
                 idle: tokio::sync::Notify::new(),
                 next_transfer: AtomicU64::new(1),

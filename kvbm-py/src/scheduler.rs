@@ -247,6 +247,9 @@ struct Req {
     admitting: bool,
     /// The external tokens vLLM took from kvbm at its latest admission.
     accepted: usize,
+    /// The last step that scheduled it (0: none yet): which followed
+    /// requests a step skipped, with no set of the step's names to build.
+    scheduled_at: u64,
 }
 
 impl Req {
@@ -265,6 +268,7 @@ impl Req {
             g1_announced: 0,
             admitting: false,
             accepted: 0,
+            scheduled_at: 0,
         }
     }
 }
@@ -292,7 +296,7 @@ pub struct SchedulerSide {
     parallel: Parallel,
     /// Batches some ranks have reported and others not yet: (route, id)
     /// → (reports, the first error, bytes, longest time).
-    partial: HashMap<(Route, u64), Partial>,
+    partial: HashMap<(Route, u64), Partial, FastHash>,
     /// What the engine runs as, for people: the line logged at start.
     summary: String,
     /// What the start did that the user should hear of (host-tier files
@@ -793,7 +797,7 @@ impl SchedulerSide {
             g1: HashMap::new(),
             triggers: std::collections::VecDeque::new(),
             parallel,
-            partial: HashMap::new(),
+            partial: HashMap::default(),
             summary,
             notes,
             delayed: HashSet::new(),
@@ -1187,15 +1191,17 @@ impl SchedulerSide {
         Ok(Mirrored { fresh, hits })
     }
 
-    /// At a request's first schedule after its lookup: what vLLM had
-    /// computed beyond its own prefix hit and kvbm's loads came from
-    /// another connector (kvbm beside it in vLLM's `MultiConnector`, which
-    /// tells kvbm only that its own answer was not taken). Said as an
-    /// `ExternalHit`; nothing when there is none.
-    fn external_hit(&mut self, s: &Scheduled) {
+    /// Marks the request scheduled this step and, at its first schedule
+    /// after its lookup, says what vLLM had computed beyond its own prefix
+    /// hit and kvbm's loads: that came from another connector (kvbm beside
+    /// it in vLLM's `MultiConnector`, which tells kvbm only that its own
+    /// answer was not taken). Said as an `ExternalHit`; nothing when there
+    /// is none.
+    fn scheduled_now(&mut self, s: &Scheduled) {
         let Some(r) = self.requests.get_mut(&s.request) else {
             return;
         };
+        r.scheduled_at = self.step;
         if !std::mem::take(&mut r.admitting) {
             return;
         }
@@ -1261,8 +1267,6 @@ impl SchedulerSide {
             tracing::warn!("{why}; left out of step {}", self.step);
             self.counters.refused_scheduled += 1;
         }
-        let mut scheduled: HashSet<&str, FastHash> =
-            HashSet::with_capacity_and_hasher(input.scheduled.len(), FastHash::default());
         for s in &input.scheduled {
             let Some(id) = self.requests.get(&s.request).map(|r| r.id.clone()) else {
                 continue; // a request kvbm never saw (added before the connector)
@@ -1278,8 +1282,7 @@ impl SchedulerSide {
                     continue;
                 }
             };
-            scheduled.insert(&s.request);
-            self.external_hit(s);
+            self.scheduled_now(s);
             let prefill = s
                 .scheduled
                 .min(s.prompt_len.saturating_sub(s.computed_before));
@@ -1305,7 +1308,10 @@ impl SchedulerSide {
         let preempted: HashSet<&str> = input.preempted.iter().map(String::as_str).collect();
         for (name, r) in &self.requests {
             let name: &str = name;
-            if scheduled.contains(name) || preempted.contains(name) || self.delayed.contains(name) {
+            if r.scheduled_at == self.step
+                || preempted.contains(name)
+                || self.delayed.contains(name)
+            {
                 continue;
             }
             if self.leader.slot_state(name).is_some_and(|s| s.is_running()) {

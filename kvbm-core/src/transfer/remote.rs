@@ -46,7 +46,7 @@ struct Out {
 struct Inner {
     next_id: u64,
     queued: Vec<RemoteBatch>,
-    out: HashMap<u64, Out>,
+    out: HashMap<u64, Out, foldhash::fast::RandomState>,
 }
 
 /// See the module docs.

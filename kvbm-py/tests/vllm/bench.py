@@ -278,6 +278,31 @@ def print_threads(threads, rounds, names):
               + (" (kvbm)" if t.startswith("kvbm") else ""))
 
 
+def print_vllm_calls(calls, steps, names):
+    """vLLM's own calls a step on each side, the connector's calls inside
+    them, for every engine, and what each grew by against the do-nothing
+    connector's engine: the step's critical path, side by side (timing.py)."""
+    print("vLLM's own calls, µs a step (the connector's calls run inside them), all steps, warm-up included:")
+    per = {}
+    for n in names:
+        row = []
+        for side in ("scheduler", "worker"):
+            nsteps = len(steps[n].get(side, [])) or 1
+            for m, (_, ns) in sorted(calls[n].get(side, {}).items()):
+                per[(n, m)] = ns / nsteps / 1e3
+                row.append(f"{m} {per[(n, m)]:.1f}")
+            if steps[n].get(side):
+                per[(n, side)] = statistics.fmean(steps[n][side]) / 1e3
+        print(f"  {n}: " + ", ".join(row))
+    for n in names:
+        if n == "noop" or ("noop", "schedule") not in per or (n, "schedule") not in per:
+            continue
+        diff = lambda k: per.get((n, k), 0.0) - per.get(("noop", k), 0.0)  # noqa: E731
+        print(f"  {n} against noop: schedule and update_from_output {diff('schedule') + diff('update_from_output'):+.1f} "
+              f"(the connector's scheduler side {diff('scheduler'):+.1f}), execute_model and sample_tokens "
+              f"{diff('execute_model') + diff('sample_tokens'):+.1f} (the connector's worker side {diff('worker'):+.1f})")
+
+
 # CI's guard (`--guard`, run by scripts/test-vllm.sh): bounds far above
 # what kvbm does, so that noise never trips them, and below what a
 # regression of the kind that costs an engine real time does (a thread
@@ -554,6 +579,8 @@ def main():
     round_ratios = {c: [] for c in configs}
     steps = {n: {} for n in names}
     methods = {n: {} for n in names}  # side -> method -> [calls, ns]
+    gcs = {n: {} for n in names}  # side -> [[collections, ns] by generation]
+    vllm_calls = {n: {} for n in names}  # side -> vLLM's method -> [calls, ns]
     phases = {n: [] for n in names}  # kvbm's scheduler side, µs a step by phase, one dict a group
     recs = []
     again = 0  # groups run again because an engine did not answer
@@ -593,6 +620,16 @@ def main():
             threads[n].append(rows)
             timed = timing.read(e.timing)
             phases[n].extend(timed.pop("phases", []))
+            for side, ms in timed.pop("vllm").items():
+                for m, (calls, ns) in ms.items():
+                    acc = vllm_calls[n].setdefault(side, {}).setdefault(m, [0, 0])
+                    acc[0] += calls
+                    acc[1] += ns
+            for side, gens in timed.pop("gc").items():
+                acc = gcs[n].setdefault(side, [[0, 0], [0, 0], [0, 0]])
+                for x, (c, ns) in zip(acc, gens):
+                    x[0] += c
+                    x[1] += ns
             for side, ms in timed.pop("methods").items():
                 for m, (calls, ns) in ms.items():
                     acc = methods[n].setdefault(side, {}).setdefault(m, [0, 0])
@@ -645,6 +682,14 @@ def main():
             print("    by method, µs a step (a call): " + ", ".join(
                 f"{m} {ns / len(steps[n][side]) / 1e3:.1f} ({ns / max(calls, 1) / 1e3:.1f})"
                 for m, (calls, ns) in ms[:6]))
+            gens = gcs[n].get(side)
+            if gens:
+                # Python's collector in the process that ran this side, over
+                # the same steps: a full collection scans every object the
+                # process holds (the worker does not freeze its heap).
+                print(f"    Python's GC in that process: {sum(ns for _, ns in gens) / len(steps[n][side]) / 1e3:.1f} µs a step; "
+                      + ", ".join(f"generation {g}: {c} collections, {ns / max(c, 1) / 1e6:.2f} ms each"
+                                  for g, (c, ns) in enumerate(gens)))
             if side == "scheduler" and phases[n]:
                 # The Rust side's own account of the same steps (warm-up
                 # included), median over the groups.
@@ -654,6 +699,7 @@ def main():
                       f"(total {sum(med.values()):.1f}): "
                       + ", ".join(f"{k} {v:.1f}" for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if v >= 0.05))
 
+    print_vllm_calls(vllm_calls, steps, names)
     if a.guard:
         sys.exit(guard(threads, walls, steps, names, a.rounds))
     if not recs and not a.baseline_trials:

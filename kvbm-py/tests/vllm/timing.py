@@ -11,9 +11,24 @@ Rust side counts its own time); a worker-side step, every call from one
 and writes what it has to `$KVBM_BENCH_TIMING.<pid>.json` at most once a
 second and when vLLM shuts the connector down; `read(prefix)` gathers a
 trial's files.
+
+Python's garbage collector is timed beside them, in every process that
+makes a connector call (`gc.callbacks`): the collections by generation and
+their time, so that a connector that leaves the worker more objects to scan
+shows as the GC time it adds, not as an unexplained slower forward pass.
+
+vLLM's own calls on each side of a step are timed too: the scheduler's
+`schedule` and `update_from_output` in the engine core (the connector's
+scheduler-side calls run inside them), the worker's `execute_model` and
+`sample_tokens` (the forward pass, the connector's worker-side calls
+inside it). On a 2-core machine each of vLLM's two processes busy-waits
+for the other (`sched_yield` in its shared-memory queue), so their CPU a
+round is the round's wall time whatever runs; these say which side's
+work a step grew.
 """
 
 import functools
+import gc
 import glob
 import json
 import os
@@ -40,6 +55,14 @@ WORKER = (
 )
 # Where a side's step ends.
 LAST = {"scheduler": "build_connector_meta", "worker": "build_connector_worker_meta"}
+# vLLM's own calls a step, by the side whose process makes them:
+# (module, class, method).
+VLLM = {
+    "scheduler": (("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+                  ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output")),
+    "worker": (("vllm.v1.worker.gpu_worker", "Worker", "execute_model"),
+               ("vllm.v1.worker.gpu_worker", "Worker", "sample_tokens")),
+}
 MAX_STEPS = 200_000
 
 
@@ -48,13 +71,36 @@ class _Side:
         self.now = 0
         self.steps = []
         self.methods = {}  # name -> [calls, ns]
+        self.vllm = {}  # vLLM's own method -> [calls, ns]
 
 
 _SIDES = {"scheduler": _Side(), "worker": _Side()}
 _written = [0.0]
+# Collections by generation in this process: [count, ns] each; the pid
+# whose callback is installed (a forked child installs its own).
+_GC = {"pid": None, "gens": [[0, 0], [0, 0], [0, 0]], "start": 0}
 # The scheduler-side connector object, when it is kvbm's: its Rust side's
 # time by phase goes out with each dump.
 _kvbm = [None]
+
+
+def _gc_callback(phase, info):
+    if phase == "start":
+        _GC["start"] = time.perf_counter_ns()
+        return
+    gen = _GC["gens"][min(info.get("generation", 2), 2)]
+    gen[0] += 1
+    gen[1] += time.perf_counter_ns() - _GC["start"]
+
+
+def _watch_gc():
+    pid = os.getpid()
+    if _GC["pid"] == pid:
+        return
+    if _GC["pid"] is None:
+        gc.callbacks.append(_gc_callback)
+    # Counts inherited from a parent are the parent's.
+    _GC["pid"], _GC["gens"] = pid, [[0, 0], [0, 0], [0, 0]]
 
 
 def _dump(prefix, force=False):
@@ -64,6 +110,9 @@ def _dump(prefix, force=False):
     _written[0] = now
     out = {k: s.steps for k, s in _SIDES.items() if s.steps}
     out["methods"] = {k: s.methods for k, s in _SIDES.items() if s.methods}
+    out["vllm"] = {k: s.vllm for k, s in _SIDES.items() if s.vllm}
+    # This process's collections, under the side whose steps it ran.
+    out["gc"] = {k: _GC["gens"] for k, s in _SIDES.items() if s.steps}
     sched = getattr(_kvbm[0], "_sched", None)
     if sched is not None:
         out["phases"] = json.loads(sched.counters()).get("phases_us_per_step", {})
@@ -84,6 +133,7 @@ def _wrap(cls, name, side, prefix):
     def timed(*a, **k):
         if last and side == "scheduler" and _kvbm[0] is None and getattr(a[0], "_sched", None) is not None:
             _kvbm[0] = a[0]
+        _watch_gc()
         t = time.perf_counter_ns()
         try:
             return fn(*a, **k)
@@ -98,6 +148,25 @@ def _wrap(cls, name, side, prefix):
                     s.steps.append(s.now)
                 s.now = 0
                 _dump(prefix)
+
+    timed._kvbm_timed = True
+    setattr(cls, name, timed)
+
+
+def _wrap_vllm(cls, name, side):
+    fn = cls.__dict__.get(name)
+    if fn is None or getattr(fn, "_kvbm_timed", False):
+        return
+    acc = _SIDES[side].vllm.setdefault(name, [0, 0])
+
+    @functools.wraps(fn)
+    def timed(*a, **k):
+        t = time.perf_counter_ns()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[0] += 1
+            acc[1] += time.perf_counter_ns() - t
 
     timed._kvbm_timed = True
     setattr(cls, name, timed)
@@ -131,22 +200,35 @@ def install():
             for n in names:
                 _wrap(cls, n, side, prefix)
         _wrap_shutdown(cls, prefix)
+    import importlib
+
+    for side, calls in VLLM.items():
+        for module, cls, name in calls:
+            _wrap_vllm(getattr(importlib.import_module(module), cls), name, side)
 
 
 def read(prefix):
     """{side: [ns per step, ...]} over a trial's processes, under
     "methods" {side: {method: [calls, ns]}}, and under "phases" kvbm's
-    scheduler side's µs a step by phase, one dict per process."""
-    got = {"methods": {}}
+    scheduler side's µs a step by phase, one dict per process, and under
+    "gc" {side: [[collections, ns] by generation]}, and under "vllm"
+    {side: {vLLM's method: [calls, ns]}}."""
+    got = {"methods": {}, "gc": {}, "vllm": {}}
     for path in glob.glob(f"{glob.escape(prefix)}.*.json"):
         with open(path) as f:
             for side, steps in json.load(f).items():
                 if side == "phases":
                     got.setdefault("phases", []).append(steps)
-                elif side == "methods":
+                elif side == "gc":
+                    for sd, gens in steps.items():
+                        acc = got["gc"].setdefault(sd, [[0, 0], [0, 0], [0, 0]])
+                        for a, (n, ns) in zip(acc, gens):
+                            a[0] += n
+                            a[1] += ns
+                elif side in ("methods", "vllm"):
                     for sd, ms in steps.items():
                         for name, (calls, ns) in ms.items():
-                            acc = got["methods"].setdefault(sd, {}).setdefault(name, [0, 0])
+                            acc = got[side].setdefault(sd, {}).setdefault(name, [0, 0])
                             acc[0] += calls
                             acc[1] += ns
                 else:
