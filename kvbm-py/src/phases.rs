@@ -39,11 +39,18 @@ pub enum Phase {
     Requests,
     /// `build_connector_meta`: the plan encoded for the worker.
     Encode,
+    /// Following and planning a step on kvbm's runtime, after
+    /// `build_connector_meta` returned, while vLLM waits for the worker
+    /// (sync scheduling): off the engine's critical path.
+    Background,
+    /// Handing the deferred work to kvbm's runtime (waking its thread),
+    /// after the call that left it returned.
+    Wake,
 }
 
 impl Phase {
     /// Every phase, in the order they are reported.
-    pub const ALL: [Phase; 12] = [
+    pub const ALL: [Phase; 14] = [
         Phase::Read,
         Phase::Follow,
         Phase::Plan,
@@ -56,6 +63,8 @@ impl Phase {
         Phase::Resolve,
         Phase::Requests,
         Phase::Encode,
+        Phase::Background,
+        Phase::Wake,
     ];
 
     /// The name reports use.
@@ -73,6 +82,8 @@ impl Phase {
             Phase::Resolve => "resolve",
             Phase::Requests => "requests",
             Phase::Encode => "encode",
+            Phase::Background => "background",
+            Phase::Wake => "wake",
         }
     }
 }

@@ -89,7 +89,11 @@ fn check_config(config_json: &str) -> PyResult<()> {
 /// The scheduler side (vLLM's engine-core process).
 #[pyclass(name = "Scheduler", module = "kvbm._kvbm", frozen)]
 struct PyScheduler {
-    inner: Mutex<Option<SchedulerSide>>,
+    /// Shared with the runtime task that follows and plans a deferred step
+    /// (see `SchedulerSide::run_deferred`).
+    inner: Arc<Mutex<Option<SchedulerSide>>>,
+    /// Time spent in `run_deferred_later` since the last call accounted it.
+    wake_ns: std::sync::atomic::AtomicU64,
     breakpoints: Arc<Breakpoints>,
     /// vLLM's requests between steps. Locked only with the GIL held, and
     /// never across a call that may let the GIL go.
@@ -99,6 +103,30 @@ struct PyScheduler {
 impl PyScheduler {
     fn lock(&self) -> MutexGuard<'_, Option<SchedulerSide>> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs what the last call left for later (`SchedulerSide::run_deferred`)
+    /// on kvbm's runtime. Its threads get the engine core's CPU when vLLM's
+    /// thread yields, as it does while it waits for the worker's forward
+    /// pass. If vLLM calls again first, that call runs the work and this
+    /// finds nothing to do; a call in progress is never waited for.
+    fn run_deferred_later(&self, rt: Option<tokio::runtime::Handle>) {
+        let Some(rt) = rt else {
+            return;
+        };
+        let t = Instant::now();
+        let inner = Arc::clone(&self.inner);
+        rt.spawn(async move {
+            if let Ok(mut g) = inner.try_lock()
+                && let Some(s) = g.as_mut()
+            {
+                s.run_deferred(true);
+            }
+        });
+        // Accounted at the next call (this one's lock is gone).
+        let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.wake_ns
+            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn followed(&self) -> MutexGuard<'_, Followed> {
@@ -124,7 +152,12 @@ impl PyScheduler {
     ) -> PyResult<T> {
         let call = || {
             let mut g = self.lock();
-            f(g.as_mut().ok_or_else(gone)?)
+            let s = g.as_mut().ok_or_else(gone)?;
+            let woke = self.wake_ns.swap(0, std::sync::atomic::Ordering::Relaxed);
+            if woke > 0 {
+                s.account(Phase::Wake, std::time::Duration::from_nanos(woke));
+            }
+            f(s)
         };
         if self.breakpoints.is_armed() {
             py.detach(call)
@@ -157,12 +190,15 @@ impl PyScheduler {
             stages,
             async_scheduling,
         };
-        let side = py
+        let mut side = py
             .detach(|| SchedulerSide::start(cfg, g, engine_id, parallel))
             .map_err(sched_err)?;
+        // `run_deferred_later` runs what the calls leave for the runtime.
+        side.defer_to_runtime(true);
         Ok(PyScheduler {
             breakpoints: side.breakpoints().clone(),
-            inner: Mutex::new(Some(side)),
+            inner: Arc::new(Mutex::new(Some(side))),
+            wake_ns: std::sync::atomic::AtomicU64::new(0),
             followed: Mutex::default(),
         })
     }
@@ -273,14 +309,15 @@ impl PyScheduler {
         };
         input.g1_free = g1_free;
         let read = read.elapsed();
-        let bytes = self.with_side(py, |s| {
+        let (bytes, deferred) = self.with_side(py, |s| {
             s.account(Phase::Read, read);
-            let plan = s.build_meta(&input).map_err(sched_err)?;
+            let plan = s.build_meta(input).map_err(sched_err)?;
             let t = Instant::now();
             let bytes = plan.to_bytes();
             s.account(Phase::Encode, t.elapsed());
-            Ok(bytes)
+            Ok((bytes, s.deferred_runtime()))
         })?;
+        self.run_deferred_later(deferred);
         Ok(PyBytes::new(py, &bytes))
     }
 
@@ -293,6 +330,12 @@ impl PyScheduler {
         // Borrowed from the `bytes` objects and copied once: a `Vec<u8>`
         // argument would be extracted byte by byte, as a sequence of ints.
         let reports: Vec<Vec<u8>> = reports.iter().map(|r| r.to_vec()).collect();
+        // What this leaves for later runs with the next step's deferred
+        // work (one wake-up of kvbm's runtime a step: on a busy 2-core VM
+        // each costs vLLM's thread 15-20 µs, its caches cold), or at vLLM's
+        // next call: in sync scheduling one always follows (the next
+        // step's, or, for a request that finished, `request_finished`,
+        // whose stores then keep it in vLLM's scheduler until they drain).
         self.with_side(py, |s| {
             s.update_connector_output(&reports);
             Ok(())

@@ -55,7 +55,8 @@ use kvbm_core::block::{Empty, ImmutableBlock, MutableBlock};
 use kvbm_core::hooks::{Breakpoints, HookSet};
 use kvbm_core::layout::LayoutKind;
 use kvbm_core::leader::{
-    Leader, LeaderPools, LeaderWiring, PoolEvents, ScheduledRequest, SchedulerOutput,
+    ConnectorMetadata, Leader, LeaderPools, LeaderWiring, PoolEvents, ScheduledRequest,
+    SchedulerOutput,
 };
 use kvbm_core::offload::{
     BatchConfig, OffloadPipeline, PipelineConfig, PreconditionTrigger, TransferHandle,
@@ -195,6 +196,12 @@ pub struct Counters {
     /// Scheduled requests left out of a step because what was passed for
     /// them was unusable (each logged); the step went on for the others.
     pub refused_scheduled: u64,
+    /// Steps whose following and planning ran after `build_connector_meta`
+    /// returned (sync scheduling: while vLLM waited for the worker).
+    pub deferred_steps: u64,
+    /// Loads a deferred step planned (none by construction: such a step
+    /// is never deferred); they did not ship.
+    pub deferred_loads: u64,
     /// Requests held by a breakpoint at some point.
     pub held_asks: u64,
     /// Requests whose blocks were kept for stores still out.
@@ -316,6 +323,15 @@ pub struct SchedulerSide {
     triggers: std::collections::VecDeque<Option<PreconditionTrigger>>,
     /// Finished requests whose blocks vLLM keeps until their stores drain.
     delayed: HashSet<String>,
+    /// A step vLLM was handed the plan of, still to be followed and
+    /// planned, and the outputs vLLM reported, still to be released and
+    /// resolved (see `run_deferred`).
+    deferred: Option<StepInput>,
+    outputs: Vec<Vec<Vec<u8>>>,
+    /// Whether steps may be deferred at all (see `may_defer`).
+    defer_steps: bool,
+    /// A load was planned since the last step (it ships in the next plan).
+    loads_this_step: bool,
     step: u64,
     counters: Counters,
     observers: Option<Observers>,
@@ -801,6 +817,10 @@ impl SchedulerSide {
             summary,
             notes,
             delayed: HashSet::new(),
+            deferred: None,
+            outputs: Vec::new(),
+            defer_steps: false,
+            loads_this_step: false,
             step: 0,
             counters: Counters::default(),
             observers: Some(observers),
@@ -945,6 +965,8 @@ impl SchedulerSide {
         prompt: &[u32],
         num_computed_tokens: usize,
     ) -> Result<Option<usize>, SchedulerError> {
+        // Every call sees the steps before it followed and planned.
+        self.run_deferred(false);
         let _guard = self.runtime.enter();
         let fail = |e: kvbm_events::slot::SlotError| request_err(request, slot_reason(&e));
         let id = match self.requests.get(request) {
@@ -1017,6 +1039,8 @@ impl SchedulerSide {
         block_ids: &[u32],
         num_external_tokens: usize,
     ) -> Result<(), SchedulerError> {
+        // Every call sees the steps before it followed and planned.
+        self.run_deferred(false);
         let _guard = self.runtime.enter();
         let bs = self.geometry.block_size;
         // Checked before anything changes: a refused call leaves no trace.
@@ -1056,6 +1080,9 @@ impl SchedulerSide {
             self.req(request).loaded = first..first + targets.len();
             let ids = dests.iter().map(|d| d.id()).collect();
             self.announce_g1(request, ids);
+        }
+        if num_external_tokens > 0 {
+            self.loads_this_step = true;
         }
         self.leader
             .update_state_after_alloc(&id, dests, num_external_tokens)
@@ -1242,31 +1269,11 @@ impl SchedulerSide {
         );
     }
 
-    /// vLLM's `build_connector_meta`: follows what vLLM scheduled (slot
-    /// states, tokens, blocks), plans this step's stores, starts its loads,
-    /// waits (bounded) for them to reach the worker's queue and returns the
-    /// step's plan.
-    pub fn build_meta(&mut self, input: &StepInput) -> Result<StepPlan, SchedulerError> {
-        let t = Instant::now();
-        let r = self.build_meta_inner(input);
-        self.spent(t);
-        if self.step_ns.len() == TIMING_SAMPLES {
-            self.step_ns.pop_front();
-        }
-        self.step_ns.push_back(std::mem::take(&mut self.spent_ns));
-        r
-    }
-
-    fn build_meta_inner(&mut self, input: &StepInput) -> Result<StepPlan, SchedulerError> {
-        let _guard = self.runtime.enter();
-        let mut t = Instant::now();
-        self.step += 1;
-        self.breakpoints.sweep_held();
+    /// Follows what vLLM scheduled: each request's tokens and full blocks
+    /// (mirrored, their stores to plan), and the running requests it
+    /// skipped; the leader's view of the step.
+    fn follow(&mut self, input: &StepInput) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
-        for why in &input.refused {
-            tracing::warn!("{why}; left out of step {}", self.step);
-            self.counters.refused_scheduled += 1;
-        }
         for s in &input.scheduled {
             let Some(id) = self.requests.get(&s.request).map(|r| r.id.clone()) else {
                 continue; // a request kvbm never saw (added before the connector)
@@ -1318,15 +1325,134 @@ impl SchedulerSide {
                 out.skipped.push(r.id.clone());
             }
         }
-        self.phases.lap(Phase::Follow, &mut t);
+        out
+    }
+
+    /// Whether this step's following and planning may wait for
+    /// [`run_deferred`](Self::run_deferred): with sync scheduling, vLLM's
+    /// thread waits for the worker's forward pass right after this call,
+    /// and the work can run then, on kvbm's runtime, off the engine's
+    /// critical path. Never for a step whose plan needs it now: loads
+    /// planned for it (they ship in this plan), preempted or finished
+    /// requests (their blocks are settled in this plan), or an armed
+    /// breakpoint (it pauses vLLM's thread, not kvbm's).
+    fn may_defer(&self, input: &StepInput) -> bool {
+        self.defers()
+            && !self.loads_this_step
+            && input.preempted.is_empty()
+            && self.delayed.is_empty()
+            && !self.breakpoints.is_armed()
+    }
+
+    /// Lets steps and outputs wait for [`run_deferred`](Self::run_deferred)
+    /// (off by default): the caller promises to run it on kvbm's runtime
+    /// once each call that leaves work for it has returned
+    /// ([`deferred_runtime`](Self::deferred_runtime) says when).
+    pub fn defer_to_runtime(&mut self, on: bool) {
+        self.defer_steps = on;
+    }
+
+    /// Whether work may wait for `run_deferred` at all: with sync
+    /// scheduling only (with async scheduling the calls already run while
+    /// the worker computes).
+    fn defers(&self) -> bool {
+        self.defer_steps && !self.parallel.async_scheduling
+    }
+
+    /// The runtime to run the deferred work on, when there is some.
+    pub fn deferred_runtime(&self) -> Option<tokio::runtime::Handle> {
+        (self.deferred.is_some() || !self.outputs.is_empty()).then(|| self.runtime.handle().clone())
+    }
+
+    /// Follows and plans the deferred step, if there is one: on kvbm's
+    /// runtime while vLLM waits for the worker (`background`), or at the
+    /// start of vLLM's next call when that has not happened yet, so that
+    /// every call sees the steps before it whole, in order.
+    pub fn run_deferred(&mut self, background: bool) {
+        // In vLLM's order: an output always came before a deferred step
+        // (`update_connector_output` runs the step before it first).
+        for reports in std::mem::take(&mut self.outputs) {
+            self.output(&reports, background);
+        }
+        let Some(input) = self.deferred.take() else {
+            return;
+        };
+        let _guard = self.runtime.enter();
+        let mut t = Instant::now();
+        let out = self.follow(&input);
+        if !background {
+            self.phases.lap(Phase::Follow, &mut t);
+        }
         let mut md = self.leader.build_connector_metadata(&out);
         self.triggers.push_back(md.store_trigger.take());
-        self.phases.lap(Phase::Plan, &mut t);
+        if !md.loads.is_empty() {
+            // Not by construction (a step with loads is never deferred);
+            // counted rather than lost without a trace.
+            debug_assert!(false, "a deferred step planned loads");
+            self.counters.deferred_loads += md.loads.len() as u64;
+        }
+        self.phases.lap(
+            if background {
+                Phase::Background
+            } else {
+                Phase::Plan
+            },
+            &mut t,
+        );
+    }
+
+    /// vLLM's `build_connector_meta`: follows what vLLM scheduled (slot
+    /// states, tokens, blocks), plans this step's stores, starts its loads,
+    /// waits (bounded) for them to reach the worker's queue and returns the
+    /// step's plan.
+    pub fn build_meta(&mut self, input: StepInput) -> Result<StepPlan, SchedulerError> {
+        let t = Instant::now();
+        let r = self.build_meta_inner(input);
+        self.spent(t);
+        if self.step_ns.len() == TIMING_SAMPLES {
+            self.step_ns.pop_front();
+        }
+        self.step_ns.push_back(std::mem::take(&mut self.spent_ns));
+        r
+    }
+
+    fn build_meta_inner(&mut self, input: StepInput) -> Result<StepPlan, SchedulerError> {
+        let _guard = self.runtime.enter();
+        let defer = self.may_defer(&input);
+        // A step that is deferred leaves the last output for the runtime
+        // too (this plan needs nothing from it: no load, no finished
+        // request); a step before it is run here, to keep their order.
+        if !defer || self.deferred.is_some() {
+            self.run_deferred(false);
+        }
+        let mut t = Instant::now();
+        self.step += 1;
+        self.breakpoints.sweep_held();
+        for why in &input.refused {
+            tracing::warn!("{why}; left out of step {}", self.step);
+            self.counters.refused_scheduled += 1;
+        }
+        self.loads_this_step = false;
+        // Read after `input` may have moved (usually empty: no copy).
+        let preempted = input.preempted.clone();
+        let g1_free = input.g1_free;
+        let (mut md, drain) = if defer {
+            // Followed and planned off vLLM's thread (see `run_deferred`).
+            self.deferred = Some(input);
+            self.counters.deferred_steps += 1;
+            (ConnectorMetadata::default(), false)
+        } else {
+            let out = self.follow(&input);
+            self.phases.lap(Phase::Follow, &mut t);
+            let mut md = self.leader.build_connector_metadata(&out);
+            self.triggers.push_back(md.store_trigger.take());
+            self.phases.lap(Phase::Plan, &mut t);
+            // A step that runs nothing may be the last one an idle engine
+            // takes: finished requests' stores ship with it rather than wait.
+            (md, out.scheduled.is_empty() && !self.delayed.is_empty())
+        };
         let loads = self.leader.start_loads(&mut md, self.runtime.handle());
         self.phases.lap(Phase::StartLoads, &mut t);
-        // A step that runs nothing may be the last one an idle engine
-        // takes: finished requests' stores ship with it rather than wait.
-        let drain = out.scheduled.is_empty() && !self.delayed.is_empty();
         // Triggers leave the queue as they fire, and this idle step's own
         // holds no store: when it is the only one left, every store still
         // counted as awaiting its precondition has had it met and is on
@@ -1353,7 +1479,7 @@ impl SchedulerSide {
         self.phases.lap(Phase::Ship, &mut t);
         self.fail_late_loads(&shipped_loads, &mut plan);
         drop(loads);
-        for name in &input.preempted {
+        for name in &preempted {
             if let Some(id) = self.requests.get(name.as_str()).map(|r| r.id.clone()) {
                 let _ = self.leader.request_preempted(&id);
             }
@@ -1385,7 +1511,7 @@ impl SchedulerSide {
         }
         self.leader.remove_finished();
         self.phases.lap(Phase::Settle, &mut t);
-        self.emit_gauges(input.g1_free);
+        self.emit_gauges(g1_free);
         self.counters.steps += 1;
         self.phases.lap(Phase::Gauges, &mut t);
         Ok(plan)
@@ -1523,11 +1649,21 @@ impl SchedulerSide {
     /// ran.
     pub fn update_connector_output(&mut self, reports: &[Vec<u8>]) {
         let t = Instant::now();
-        self.update_connector_output_inner(reports);
+        // Every call sees the steps before it followed and planned.
+        self.run_deferred(false);
+        if self.defers() {
+            // Released and resolved with the next step's following, off
+            // vLLM's thread (see `run_deferred`).
+            self.outputs.push(reports.to_vec());
+        } else {
+            self.output(reports, false);
+        }
         self.spent(t);
     }
 
-    fn update_connector_output_inner(&mut self, reports: &[Vec<u8>]) {
+    /// The stores of the oldest shipped step's pass released, and the
+    /// worker's reports resolved.
+    fn output(&mut self, reports: &[Vec<u8>], background: bool) {
         let _guard = self.runtime.enter();
         let mut t = Instant::now();
         // vLLM reports its steps' outputs in the order it scheduled them:
@@ -1545,7 +1681,9 @@ impl SchedulerSide {
                 trigger.trigger();
             }
         }
-        self.phases.lap(Phase::Trigger, &mut t);
+        if !background {
+            self.phases.lap(Phase::Trigger, &mut t);
+        }
         for bytes in reports {
             let report = match StepReport::from_bytes(bytes) {
                 Ok(r) => r,
@@ -1559,7 +1697,14 @@ impl SchedulerSide {
                 self.resolve(d);
             }
         }
-        self.phases.lap(Phase::Resolve, &mut t);
+        self.phases.lap(
+            if background {
+                Phase::Background
+            } else {
+                Phase::Resolve
+            },
+            &mut t,
+        );
     }
 
     /// One rank's report of one batch; the batch resolves once every rank
@@ -1627,6 +1772,8 @@ impl SchedulerSide {
         request: &str,
         block_ids: &[u32],
     ) -> Result<bool, SchedulerError> {
+        // Every call sees the steps before it followed and planned.
+        self.run_deferred(false);
         let _guard = self.runtime.enter();
         let Some(id) = self.requests.get(request).map(|r| r.id.clone()) else {
             return Ok(false);
@@ -1706,6 +1853,8 @@ impl SchedulerSide {
     /// Stops: every paused call goes on, every batch out fails, the attach
     /// server and the recording finish, the shared host file is removed.
     pub fn shutdown(&mut self) -> Result<(), SchedulerError> {
+        // Every call sees the steps before it followed and planned.
+        self.run_deferred(false);
         self.breakpoints.clear_all();
         self.breakpoints.resume_all();
         for (_, e) in &self.engines {

@@ -168,7 +168,7 @@ impl Rig {
         input: StepInput,
         compute: &[(u32, &[u32], usize)],
     ) -> (kvbm_py::meta::StepPlan, Vec<u32>) {
-        let plan = self.sched.build_meta(&input).unwrap();
+        let plan = self.sched.build_meta(input).unwrap();
         self.worker.bind(&plan.to_bytes()).unwrap();
         self.worker.run();
         let errors = self.worker.take_load_errors();
@@ -1140,4 +1140,65 @@ fn another_connectors_tokens_are_said_as_external_hits() {
         );
         r.sched.shutdown().unwrap();
     }
+}
+
+fn tokens_scheduled(seen: &[Event]) -> usize {
+    seen.iter()
+        .filter(|e| matches!(e.kind, EventKind::TokensScheduled { .. }))
+        .count()
+}
+
+/// With sync scheduling, a step's following and planning run after its
+/// plan was returned: kvbm's runtime takes them while vLLM waits for the
+/// worker, and vLLM's next call runs them first when that has not
+/// happened, so every call sees the steps before it whole. (A step with a
+/// load is never deferred: the store-then-load tests above check that its
+/// load ships in its own plan, byte for byte.)
+#[test]
+fn a_step_is_followed_after_its_plan_returns_and_before_the_next_call() {
+    let mut r = rig(json!({"host_capacity_tokens": 64}));
+    // As the Python module runs it (it runs `run_deferred` on the runtime
+    // after each call that leaves work).
+    r.sched.defer_to_runtime(true);
+    let mut tap = r.sched.emitter().bus().take_tap().unwrap();
+    let a = prompt(100, 9);
+    r.admit_without_hit("A", &a, &[1, 2, 3]);
+    events(&mut tap);
+    let plan = r
+        .sched
+        .build_meta(one_run("A", &a, 0, 9, &[1, 2, 3], Vec::new()))
+        .unwrap();
+    assert!(plan.loads.is_empty() && plan.stores.is_empty(), "{plan:?}");
+    assert_eq!(r.sched.counters().deferred_steps, 1);
+    assert_eq!(tokens_scheduled(&events(&mut tap)), 0);
+    // vLLM's next call follows the step before it does anything else.
+    r.sched.update_connector_output(&[]);
+    assert_eq!(tokens_scheduled(&events(&mut tap)), 1);
+
+    // The next step: the runtime's run follows it, once.
+    let plan = r
+        .sched
+        .build_meta(one_run("A", &a, 9, 1, &[1, 2, 3], vec![7]))
+        .unwrap();
+    let mut stored: usize = plan.stores.iter().map(|b| b.pairs.len()).sum();
+    assert_eq!(r.sched.counters().deferred_steps, 2);
+    r.sched.run_deferred(true);
+    assert_eq!(tokens_scheduled(&events(&mut tap)), 1);
+    r.sched.run_deferred(true);
+    r.sched.update_connector_output(&[]);
+    assert_eq!(tokens_scheduled(&events(&mut tap)), 0);
+    // The first step's stores (A's two full blocks), released when vLLM
+    // reported its forward pass done, ship with a later step once the
+    // pipeline's tasks have batched them.
+    for _ in 0..400 {
+        if stored >= 2 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let plan = r.sched.build_meta(StepInput::default()).unwrap();
+        stored += plan.stores.iter().map(|b| b.pairs.len()).sum::<usize>();
+        r.sched.update_connector_output(&[]);
+    }
+    assert_eq!(stored, 2);
+    assert_eq!(r.sched.counters().deferred_loads, 0);
 }

@@ -40,7 +40,7 @@ fn one_request(s: &mut SchedulerSide) {
     let p: Vec<u32> = (100..109).collect();
     assert_eq!(s.get_num_new_matched_tokens("A", &p, 0).unwrap(), Some(0));
     s.update_state_after_alloc("A", &[1, 2, 3], 0).unwrap();
-    s.build_meta(&StepInput {
+    s.build_meta(StepInput {
         scheduled: vec![Scheduled {
             request: "A".into(),
             new_tokens: Vec::new(),

@@ -127,7 +127,7 @@ fn each_rank_keeps_its_own_shard_and_a_batch_waits_for_every_rank() {
             })
             .collect()
     };
-    let plan = sched.build_meta(&step("A", &a, 0, 9, &[1, 2, 3])).unwrap();
+    let plan = sched.build_meta(step("A", &a, 0, 9, &[1, 2, 3])).unwrap();
     run(&mut workers, &plan);
     for (rank, s) in shards.iter_mut().enumerate() {
         s.block(1).fill(10 + rank as u8);
@@ -137,7 +137,7 @@ fn each_rank_keeps_its_own_shard_and_a_batch_waits_for_every_rank() {
     // The stores ship; each rank copies its own shard.
     let mut reports = Vec::new();
     for _ in 0..100 {
-        let plan = sched.build_meta(&StepInput::default()).unwrap();
+        let plan = sched.build_meta(StepInput::default()).unwrap();
         reports = run(&mut workers, &plan);
         if !reports.is_empty() {
             break;
@@ -155,7 +155,7 @@ fn each_rank_keeps_its_own_shard_and_a_batch_waits_for_every_rank() {
     sched.update_connector_output(&reports[1..]);
     let mut drained = false;
     for _ in 0..100 {
-        let plan = sched.build_meta(&StepInput::default()).unwrap();
+        let plan = sched.build_meta(StepInput::default()).unwrap();
         run(&mut workers, &plan);
         sched.update_connector_output(&[]);
         if plan.finished_sending == ["A"] {
@@ -178,7 +178,7 @@ fn each_rank_keeps_its_own_shard_and_a_batch_waits_for_every_rank() {
         Some(8)
     );
     sched.update_state_after_alloc("B", &[5, 6, 7], 8).unwrap();
-    let plan = sched.build_meta(&step("B", &b, 8, 3, &[5, 6, 7])).unwrap();
+    let plan = sched.build_meta(step("B", &b, 8, 3, &[5, 6, 7])).unwrap();
     assert_eq!(plan.loads.len(), 1, "{plan:?}");
     let reports = run(&mut workers, &plan);
     sched.update_connector_output(&reports);

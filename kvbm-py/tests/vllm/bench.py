@@ -89,6 +89,15 @@ its time by phase (`phases_us_per_step` in the connector's counters:
 following vLLM's requests, the leader's plan, waiting for loads to ship,
 releasing stores, resolving the worker's reports, ...): the difference
 from the first figure is Python and the calls' arguments.
+
+Where a round's time went, side by side: vLLM's own calls a step, timed
+the same way in both engines (`schedule` and `update_from_output` in the
+engine core, which the connector's scheduler-side calls run inside;
+`execute_model` and `sample_tokens` in the worker, the connector's
+worker-side calls inside), and Python's GC in each process. The CPU by
+thread cannot say this: each of vLLM's two processes busy-waits for the
+other (`sched_yield` in its shared-memory queue), so each uses about the
+whole round whatever it computed.
 """
 
 import argparse
