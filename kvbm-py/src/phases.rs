@@ -49,6 +49,12 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// This phase, or [`Background`](Phase::Background) for work that ran
+    /// on kvbm's runtime.
+    pub fn or_background(self, background: bool) -> Phase {
+        if background { Phase::Background } else { self }
+    }
+
     /// Every phase, in the order they are reported.
     pub const ALL: [Phase; 14] = [
         Phase::Read,

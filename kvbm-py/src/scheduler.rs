@@ -280,6 +280,21 @@ impl Req {
     }
 }
 
+/// What the scheduler side's calls leave for kvbm's runtime to run while
+/// vLLM waits for the worker (see `SchedulerSide::run_deferred`).
+#[derive(Default)]
+struct Deferral {
+    /// Whether anything may be left at all (see `defer_to_runtime`).
+    on: bool,
+    /// A step vLLM was handed the plan of, still to be followed and
+    /// planned.
+    step: Option<StepInput>,
+    /// The outputs vLLM reported since, still to be released and resolved.
+    outputs: Vec<Vec<Vec<u8>>>,
+    /// A load was planned since the last step (it ships in the next plan).
+    loads_this_step: bool,
+}
+
 /// The scheduler side. See the module docs.
 pub struct SchedulerSide {
     cfg: Config,
@@ -323,15 +338,8 @@ pub struct SchedulerSide {
     triggers: std::collections::VecDeque<Option<PreconditionTrigger>>,
     /// Finished requests whose blocks vLLM keeps until their stores drain.
     delayed: HashSet<String>,
-    /// A step vLLM was handed the plan of, still to be followed and
-    /// planned, and the outputs vLLM reported, still to be released and
-    /// resolved (see `run_deferred`).
-    deferred: Option<StepInput>,
-    outputs: Vec<Vec<Vec<u8>>>,
-    /// Whether steps may be deferred at all (see `may_defer`).
-    defer_steps: bool,
-    /// A load was planned since the last step (it ships in the next plan).
-    loads_this_step: bool,
+    /// Work left for kvbm's runtime (see `run_deferred`).
+    deferral: Deferral,
     step: u64,
     counters: Counters,
     observers: Option<Observers>,
@@ -817,10 +825,7 @@ impl SchedulerSide {
             summary,
             notes,
             delayed: HashSet::new(),
-            deferred: None,
-            outputs: Vec::new(),
-            defer_steps: false,
-            loads_this_step: false,
+            deferral: Deferral::default(),
             step: 0,
             counters: Counters::default(),
             observers: Some(observers),
@@ -1082,7 +1087,7 @@ impl SchedulerSide {
             self.announce_g1(request, ids);
         }
         if num_external_tokens > 0 {
-            self.loads_this_step = true;
+            self.deferral.loads_this_step = true;
         }
         self.leader
             .update_state_after_alloc(&id, dests, num_external_tokens)
@@ -1338,7 +1343,7 @@ impl SchedulerSide {
     /// breakpoint (it pauses vLLM's thread, not kvbm's).
     fn may_defer(&self, input: &StepInput) -> bool {
         self.defers()
-            && !self.loads_this_step
+            && !self.deferral.loads_this_step
             && input.preempted.is_empty()
             && self.delayed.is_empty()
             && !self.breakpoints.is_armed()
@@ -1349,19 +1354,20 @@ impl SchedulerSide {
     /// once each call that leaves work for it has returned
     /// ([`deferred_runtime`](Self::deferred_runtime) says when).
     pub fn defer_to_runtime(&mut self, on: bool) {
-        self.defer_steps = on;
+        self.deferral.on = on;
     }
 
     /// Whether work may wait for `run_deferred` at all: with sync
     /// scheduling only (with async scheduling the calls already run while
     /// the worker computes).
     fn defers(&self) -> bool {
-        self.defer_steps && !self.parallel.async_scheduling
+        self.deferral.on && !self.parallel.async_scheduling
     }
 
     /// The runtime to run the deferred work on, when there is some.
     pub fn deferred_runtime(&self) -> Option<tokio::runtime::Handle> {
-        (self.deferred.is_some() || !self.outputs.is_empty()).then(|| self.runtime.handle().clone())
+        (self.deferral.step.is_some() || !self.deferral.outputs.is_empty())
+            .then(|| self.runtime.handle().clone())
     }
 
     /// Follows and plans the deferred step, if there is one: on kvbm's
@@ -1371,18 +1377,17 @@ impl SchedulerSide {
     pub fn run_deferred(&mut self, background: bool) {
         // In vLLM's order: an output always came before a deferred step
         // (`update_connector_output` runs the step before it first).
-        for reports in std::mem::take(&mut self.outputs) {
+        for reports in std::mem::take(&mut self.deferral.outputs) {
             self.output(&reports, background);
         }
-        let Some(input) = self.deferred.take() else {
+        let Some(input) = self.deferral.step.take() else {
             return;
         };
         let _guard = self.runtime.enter();
         let mut t = Instant::now();
         let out = self.follow(&input);
-        if !background {
-            self.phases.lap(Phase::Follow, &mut t);
-        }
+        self.phases
+            .lap(Phase::Follow.or_background(background), &mut t);
         let mut md = self.leader.build_connector_metadata(&out);
         self.triggers.push_back(md.store_trigger.take());
         if !md.loads.is_empty() {
@@ -1391,14 +1396,8 @@ impl SchedulerSide {
             debug_assert!(false, "a deferred step planned loads");
             self.counters.deferred_loads += md.loads.len() as u64;
         }
-        self.phases.lap(
-            if background {
-                Phase::Background
-            } else {
-                Phase::Plan
-            },
-            &mut t,
-        );
+        self.phases
+            .lap(Phase::Plan.or_background(background), &mut t);
     }
 
     /// vLLM's `build_connector_meta`: follows what vLLM scheduled (slot
@@ -1422,7 +1421,7 @@ impl SchedulerSide {
         // A step that is deferred leaves the last output for the runtime
         // too (this plan needs nothing from it: no load, no finished
         // request); a step before it is run here, to keep their order.
-        if !defer || self.deferred.is_some() {
+        if !defer || self.deferral.step.is_some() {
             self.run_deferred(false);
         }
         let mut t = Instant::now();
@@ -1432,13 +1431,13 @@ impl SchedulerSide {
             tracing::warn!("{why}; left out of step {}", self.step);
             self.counters.refused_scheduled += 1;
         }
-        self.loads_this_step = false;
+        self.deferral.loads_this_step = false;
         // Read after `input` may have moved (usually empty: no copy).
         let preempted = input.preempted.clone();
         let g1_free = input.g1_free;
         let (mut md, drain) = if defer {
             // Followed and planned off vLLM's thread (see `run_deferred`).
-            self.deferred = Some(input);
+            self.deferral.step = Some(input);
             self.counters.deferred_steps += 1;
             (ConnectorMetadata::default(), false)
         } else {
@@ -1654,7 +1653,7 @@ impl SchedulerSide {
         if self.defers() {
             // Released and resolved with the next step's following, off
             // vLLM's thread (see `run_deferred`).
-            self.outputs.push(reports.to_vec());
+            self.deferral.outputs.push(reports.to_vec());
         } else {
             self.output(reports, false);
         }
@@ -1681,9 +1680,8 @@ impl SchedulerSide {
                 trigger.trigger();
             }
         }
-        if !background {
-            self.phases.lap(Phase::Trigger, &mut t);
-        }
+        self.phases
+            .lap(Phase::Trigger.or_background(background), &mut t);
         for bytes in reports {
             let report = match StepReport::from_bytes(bytes) {
                 Ok(r) => r,
@@ -1697,14 +1695,8 @@ impl SchedulerSide {
                 self.resolve(d);
             }
         }
-        self.phases.lap(
-            if background {
-                Phase::Background
-            } else {
-                Phase::Resolve
-            },
-            &mut t,
-        );
+        self.phases
+            .lap(Phase::Resolve.or_background(background), &mut t);
     }
 
     /// One rank's report of one batch; the batch resolves once every rank
