@@ -385,7 +385,17 @@ impl PyScheduler {
 
     /// The connector's counters and its own time per step, as JSON text.
     fn counters(&self, py: Python<'_>) -> String {
-        py.detach(|| self.lock().as_ref().map(counters_json).unwrap_or_default())
+        py.detach(|| {
+            let mut g = self.lock();
+            let s = g.as_mut();
+            // They count every step before them (vLLM's calls may have
+            // left the last one to the runtime).
+            s.map(|s| {
+                s.run_deferred(false);
+                counters_json(s)
+            })
+            .unwrap_or_default()
+        })
     }
 
     /// Stops everything (idempotent). Returns the final counters (JSON
@@ -402,6 +412,17 @@ impl PyScheduler {
                 None => Ok(String::new()),
             }
         })
+    }
+}
+
+impl Drop for PyScheduler {
+    /// The side (and its runtime) ends here, on the thread that drops the
+    /// object, when vLLM did not shut it down: never in a runtime task
+    /// that still holds the shared mutex (`run_deferred_later`), where
+    /// dropping the runtime it runs on would panic.
+    fn drop(&mut self) {
+        let side = self.lock().take();
+        drop(side);
     }
 }
 

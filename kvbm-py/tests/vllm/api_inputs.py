@@ -301,6 +301,34 @@ def check_scheduler_inputs():
     ok("a tensor at address 0 is said to be null")
 
 
+DROPPED = """
+import json, sys
+sys.path.insert(0, {here!r})
+import kvbm._kvbm as K
+for i in range(20):
+    s = K.Scheduler(json.dumps({{"host_capacity_tokens": 0}}), {g!r}, f"drop-{{i}}")
+    s.get_num_new_matched_tokens("A", list(range(9)), 0)
+    s.update_state_after_alloc("A", [1, 2, 3], 0)
+    s.build_meta([("A", 0, ([1, 2, 3],))], [], [], [], {{"A": 9}})
+    del s  # with the step left for its runtime, never shut down
+print("done")
+"""
+
+
+def check_dropped_with_deferred_work():
+    """A scheduler dropped without `shutdown` right after a step whose
+    following it left to its runtime: the side ends on the dropping
+    thread, never in the runtime's task (dropping a runtime from one of
+    its own tasks panics)."""
+    import subprocess
+
+    code = DROPPED.format(here=os.path.dirname(os.path.abspath(__file__)), g=G)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "done" in p.stdout, (p.returncode, p.stderr[-2000:])
+    assert "panicked" not in p.stderr, p.stderr[-2000:]
+    ok("a scheduler dropped with a step left for its runtime ends cleanly")
+
+
 def check_step_lists():
     """build_meta reads vLLM's scheduler output in place: lists that are
     not what vLLM passes are a TypeError naming what was wrong; a
@@ -429,6 +457,7 @@ def main():
         check_engine_ids()
         check_settings()
         check_scheduler_inputs()
+        check_dropped_with_deferred_work()
     except AssertionError as e:
         print(f"FAILED: {e}", file=sys.stderr, flush=True)
         return 1
