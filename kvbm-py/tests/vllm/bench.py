@@ -322,11 +322,16 @@ def print_vllm_calls(calls, steps, names):
 # a step beyond the do-nothing connector (optimised: 475 wake-ups, 0.7%,
 # 270 µs). Before the recorder told the attach server of new events, its
 # tasks polled the ring every millisecond: 1,533 wake-ups a second.
+# Since the scheduler side leaves each sync step's following to its
+# runtime (one task a step), CI's dev build measured 1,248 wake-ups a
+# second (3.0%, 349 µs): the bound is 2,000, which a thread polling every
+# millisecond on top of that still crosses, and a machine faster than
+# this one (more steps a second) does not.
 GUARD = {
     # kvbm's own threads (named kvbm-*) in each of vLLM's processes.
     "threads": {"VLLM::EngineCore": 8, "VLLM::Worker": 2},
     # Their wake-ups a second of the engine's rounds, all together.
-    "wakeups_per_s": 1500,
+    "wakeups_per_s": 2000,
     # Their CPU, as a share of all the engine's processes' CPU.
     "cpu_share": 0.10,
     # The connector's own time per step (scheduler and worker side, mean)
