@@ -21,6 +21,7 @@
 
 pub mod background;
 pub mod config;
+pub mod deferred;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod g1;

@@ -16,6 +16,7 @@
 //! own KV tensors, kept alive by the caller.
 
 use crate::config::{Config, ConfigError};
+use crate::deferred::Runner;
 use crate::followed::{Followed, StepArgs};
 use crate::meta::StepPlan;
 use crate::phases::Phase;
@@ -61,11 +62,12 @@ fn worker_err(e: WorkerError) -> PyErr {
 }
 
 /// The scheduler side's counters as JSON text: the connector's, its time
-/// per step, the events it emitted and, with `publish`, its publisher's
-/// and its NATS control's.
-fn counters_json(s: &SchedulerSide) -> String {
+/// per step, its deferred-work runner's, the events it emitted and, with
+/// `publish`, its publisher's and its NATS control's.
+fn counters_json(s: &SchedulerSide, runner: &Runner) -> String {
     serde_json::json!({
         "counters": s.counters(),
+        "deferred_runner": runner.counters(),
         "step_timing": s.step_timing(),
         "phases_us_per_step": s.phases_per_step_us(),
         "events_emitted": s.events_emitted(),
@@ -92,6 +94,8 @@ struct PyScheduler {
     /// Shared with the runtime task that follows and plans a deferred step
     /// (see `SchedulerSide::run_deferred`).
     inner: Arc<Mutex<Option<SchedulerSide>>>,
+    /// Runs the deferred work (see `run_deferred_later`).
+    runner: Runner,
     /// Time spent in `run_deferred_later` since the last call accounted it.
     wake_ns: std::sync::atomic::AtomicU64,
     breakpoints: Arc<Breakpoints>,
@@ -105,24 +109,17 @@ impl PyScheduler {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs what the last call left for later (`SchedulerSide::run_deferred`)
-    /// on kvbm's runtime. Its threads get the engine core's CPU when vLLM's
-    /// thread yields, as it does while it waits for the worker's forward
-    /// pass. If vLLM calls again first, that call runs the work and this
-    /// finds nothing to do; a call in progress is never waited for.
-    fn run_deferred_later(&self, rt: Option<tokio::runtime::Handle>) {
-        let Some(rt) = rt else {
+    /// Hands what the last call left for later (`SchedulerSide::run_deferred`)
+    /// to the runner thread (`crate::deferred`), which runs it while vLLM's
+    /// thread waits for the worker's forward pass. If vLLM calls again
+    /// first, that call runs the work and the runner finds nothing to do; a
+    /// call in progress is never waited for.
+    fn run_deferred_later(&self, deferred: bool) {
+        if !deferred {
             return;
-        };
+        }
         let t = Instant::now();
-        let inner = Arc::clone(&self.inner);
-        rt.spawn(async move {
-            if let Ok(mut g) = inner.try_lock()
-                && let Some(s) = g.as_mut()
-            {
-                s.run_deferred(true);
-            }
-        });
+        self.runner.post();
         // Accounted at the next call (this one's lock is gone).
         let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.wake_ns
@@ -193,11 +190,36 @@ impl PyScheduler {
         let mut side = py
             .detach(|| SchedulerSide::start(cfg, g, engine_id, parallel))
             .map_err(sched_err)?;
-        // `run_deferred_later` runs what the calls leave for the runtime.
+        // `run_deferred_later` runs what the calls leave for later.
         side.defer_to_runtime(true);
+        let inner = Arc::new(Mutex::new(Some(side)));
+        let theirs = Arc::clone(&inner);
+        let runner = Runner::start(
+            "kvbm-deferred",
+            || {
+                crate::background::batch_this_thread();
+            },
+            move || {
+                // Busy means vLLM's thread is in a call, which runs the
+                // work itself first.
+                if let Ok(mut g) = theirs.try_lock()
+                    && let Some(s) = g.as_mut()
+                {
+                    s.run_deferred(true);
+                }
+            },
+        )
+        .map_err(|e| PyRuntimeError::new_err(format!("kvbm: starting a thread: {e}")))?;
+        let breakpoints = inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|s| s.breakpoints().clone())
+            .ok_or_else(gone)?;
         Ok(PyScheduler {
-            breakpoints: side.breakpoints().clone(),
-            inner: Arc::new(Mutex::new(Some(side))),
+            breakpoints,
+            runner,
+            inner,
             wake_ns: std::sync::atomic::AtomicU64::new(0),
             followed: Mutex::default(),
         })
@@ -315,7 +337,7 @@ impl PyScheduler {
             let t = Instant::now();
             let bytes = plan.to_bytes();
             s.account(Phase::Encode, t.elapsed());
-            Ok((bytes, s.deferred_runtime()))
+            Ok((bytes, s.has_deferred()))
         })?;
         self.run_deferred_later(deferred);
         Ok(PyBytes::new(py, &bytes))
@@ -392,7 +414,7 @@ impl PyScheduler {
             // left the last one to the runtime).
             s.map(|s| {
                 s.run_deferred(false);
-                counters_json(s)
+                counters_json(s, &self.runner)
             })
             .unwrap_or_default()
         })
@@ -403,11 +425,12 @@ impl PyScheduler {
     /// lost), or "" when already stopped.
     fn shutdown(&self, py: Python<'_>) -> PyResult<String> {
         py.detach(|| {
+            self.runner.stop();
             let side = self.lock().take();
             match side {
                 Some(mut s) => {
                     s.shutdown().map_err(sched_err)?;
-                    Ok(counters_json(&s))
+                    Ok(counters_json(&s, &self.runner))
                 }
                 None => Ok(String::new()),
             }
@@ -417,10 +440,10 @@ impl PyScheduler {
 
 impl Drop for PyScheduler {
     /// The side (and its runtime) ends here, on the thread that drops the
-    /// object, when vLLM did not shut it down: never in a runtime task
-    /// that still holds the shared mutex (`run_deferred_later`), where
-    /// dropping the runtime it runs on would panic.
+    /// object, when vLLM did not shut it down: never on the runner thread
+    /// (`run_deferred_later`), which is stopped first.
     fn drop(&mut self) {
+        self.runner.stop();
         let side = self.lock().take();
         drop(side);
     }

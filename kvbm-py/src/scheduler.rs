@@ -1350,9 +1350,10 @@ impl SchedulerSide {
     }
 
     /// Lets steps and outputs wait for [`run_deferred`](Self::run_deferred)
-    /// (off by default): the caller promises to run it on kvbm's runtime
-    /// once each call that leaves work for it has returned
-    /// ([`deferred_runtime`](Self::deferred_runtime) says when).
+    /// (off by default): the caller promises to run it on a thread of
+    /// kvbm's once each call that leaves work for it has returned
+    /// ([`has_deferred`](Self::has_deferred) says when; see
+    /// [`crate::deferred`]).
     pub fn defer_to_runtime(&mut self, on: bool) {
         self.deferral.on = on;
     }
@@ -1364,10 +1365,9 @@ impl SchedulerSide {
         self.deferral.on && !self.parallel.async_scheduling
     }
 
-    /// The runtime to run the deferred work on, when there is some.
-    pub fn deferred_runtime(&self) -> Option<tokio::runtime::Handle> {
-        (self.deferral.step.is_some() || !self.deferral.outputs.is_empty())
-            .then(|| self.runtime.handle().clone())
+    /// Whether a call left work for [`run_deferred`](Self::run_deferred).
+    pub fn has_deferred(&self) -> bool {
+        self.deferral.step.is_some() || !self.deferral.outputs.is_empty()
     }
 
     /// Follows and plans the deferred step, if there is one: on kvbm's
