@@ -26,6 +26,7 @@ use crate::worker::{KvTensor, WorkerError, WorkerSide};
 use kvbm_core::hooks::Breakpoints;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -75,6 +76,21 @@ fn counters_json(s: &SchedulerSide, runner: &Runner) -> String {
         "control": s.control_counters(),
     })
     .to_string()
+}
+
+/// vLLM's outputs (each its workers' reports), in the order it reported
+/// them, before the call they came with.
+fn told_outputs(s: &mut SchedulerSide, outputs: Vec<Vec<Vec<u8>>>) {
+    for reports in outputs {
+        s.update_connector_output_owned(reports);
+    }
+}
+
+/// Reports borrowed from their `bytes` objects, copied once each: a
+/// `Vec<u8>` argument would be extracted byte by byte, as a sequence of
+/// ints.
+fn owned(reports: &[PyBackedBytes]) -> Vec<Vec<u8>> {
+    reports.iter().map(|r| r.to_vec()).collect()
 }
 
 fn gone() -> PyErr {
@@ -287,9 +303,11 @@ impl PyScheduler {
     /// for the first time; then `scheduled_cached_reqs`' `req_ids`,
     /// `new_block_ids`, `num_computed_tokens` and `resumed_req_ids`;
     /// `num_scheduled_tokens`; `kv_connector_block_state` (or `None`); the
-    /// preempted requests' ids; vLLM's free device blocks, if known.
+    /// preempted requests' ids; vLLM's free device blocks, if known;
+    /// `outputs`, vLLM's outputs since the last call (see
+    /// [`Self::outputs`]).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (new, req_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens, resumed=None, block_state=None, preempted=None, g1_free=None))]
+    #[pyo3(signature = (new, req_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens, resumed=None, block_state=None, preempted=None, g1_free=None, outputs=Vec::new()))]
     fn build_meta<'py>(
         &self,
         py: Python<'py>,
@@ -302,7 +320,9 @@ impl PyScheduler {
         block_state: Option<&Bound<'py, PyAny>>,
         preempted: Option<&Bound<'py, PyAny>>,
         g1_free: Option<usize>,
+        outputs: Vec<Vec<PyBackedBytes>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        let outputs: Vec<_> = outputs.iter().map(|r| owned(r)).collect();
         let read = Instant::now();
         let mut input = {
             let mut f = self.followed();
@@ -332,6 +352,7 @@ impl PyScheduler {
         input.g1_free = g1_free;
         let read = read.elapsed();
         let (bytes, deferred) = self.with_side(py, |s| {
+            told_outputs(s, outputs);
             s.account(Phase::Read, read);
             let plan = s.build_meta(input).map_err(sched_err)?;
             let t = Instant::now();
@@ -344,22 +365,28 @@ impl PyScheduler {
     }
 
     /// The worker's reports of the step that just ran.
-    fn update_connector_output(
-        &self,
-        py: Python<'_>,
-        reports: Vec<pyo3::pybacked::PyBackedBytes>,
-    ) -> PyResult<()> {
-        // Borrowed from the `bytes` objects and copied once: a `Vec<u8>`
-        // argument would be extracted byte by byte, as a sequence of ints.
-        let reports: Vec<Vec<u8>> = reports.iter().map(|r| r.to_vec()).collect();
+    fn update_connector_output(&self, py: Python<'_>, reports: Vec<PyBackedBytes>) -> PyResult<()> {
+        let reports = owned(&reports);
         // What this leaves for later runs with the next step's deferred
-        // work (one wake-up of kvbm's runtime a step: on a busy 2-core VM
-        // each costs vLLM's thread 15-20 µs, its caches cold), or at vLLM's
-        // next call: in sync scheduling one always follows (the next
-        // step's, or, for a request that finished, `request_finished`,
-        // whose stores then keep it in vLLM's scheduler until they drain).
+        // work (on the runner thread), or at vLLM's next call: in sync
+        // scheduling one always follows (the next step's, or, for a request
+        // that finished, `request_finished`, whose stores then keep it in
+        // vLLM's scheduler until they drain).
         self.with_side(py, |s| {
-            s.update_connector_output(&reports);
+            s.update_connector_output_owned(reports);
+            Ok(())
+        })
+    }
+
+    /// vLLM's outputs, each as `update_connector_output` with its
+    /// reports. With sync scheduling kvbm only queues an output for its
+    /// next call, so the class keeps them and tells them with that call
+    /// (here, or `build_meta`'s `outputs`) rather than make a call a step
+    /// for them.
+    fn outputs(&self, py: Python<'_>, outputs: Vec<Vec<PyBackedBytes>>) -> PyResult<()> {
+        let outputs: Vec<_> = outputs.iter().map(|r| owned(r)).collect();
+        self.with_side(py, |s| {
+            told_outputs(s, outputs);
             Ok(())
         })
     }

@@ -1398,6 +1398,9 @@ impl SchedulerSide {
         }
         self.phases
             .lap(Phase::Plan.or_background(background), &mut t);
+        self.emit_gauges(input.g1_free);
+        self.phases
+            .lap(Phase::Gauges.or_background(background), &mut t);
     }
 
     /// vLLM's `build_connector_meta`: follows what vLLM scheduled (slot
@@ -1510,7 +1513,10 @@ impl SchedulerSide {
         }
         self.leader.remove_finished();
         self.phases.lap(Phase::Settle, &mut t);
-        self.emit_gauges(g1_free);
+        if !defer {
+            // A deferred step's come after its following (`run_deferred`).
+            self.emit_gauges(g1_free);
+        }
         self.counters.steps += 1;
         self.phases.lap(Phase::Gauges, &mut t);
         Ok(plan)
@@ -1647,15 +1653,21 @@ impl SchedulerSide {
     /// (its stores may go), and the worker's report resolves the batches it
     /// ran.
     pub fn update_connector_output(&mut self, reports: &[Vec<u8>]) {
+        self.update_connector_output_owned(reports.to_vec());
+    }
+
+    /// [`update_connector_output`](Self::update_connector_output) with
+    /// reports the caller already owns (kept as they are when they wait).
+    pub fn update_connector_output_owned(&mut self, reports: Vec<Vec<u8>>) {
         let t = Instant::now();
         // Every call sees the steps before it followed and planned.
         self.run_deferred(false);
         if self.defers() {
             // Released and resolved with the next step's following, off
             // vLLM's thread (see `run_deferred`).
-            self.deferral.outputs.push(reports.to_vec());
+            self.deferral.outputs.push(reports);
         } else {
-            self.output(reports, false);
+            self.output(&reports, false);
         }
         self.spent(t);
     }

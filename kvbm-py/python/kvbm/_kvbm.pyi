@@ -56,11 +56,17 @@ class Scheduler:
         block_state: Optional[Any] = None,
         preempted: Optional[Iterable[str]] = None,
         g1_free: Optional[int] = None,
+        outputs: Sequence[Sequence[bytes]] = (),
     ) -> bytes:
         """The step's plan, from vLLM's scheduler output read in place:
         `scheduled_cached_reqs`' lists, `num_scheduled_tokens`,
-        `kv_connector_block_state` (its `get_block_ids`)."""
+        `kv_connector_block_state` (its `get_block_ids`); `outputs`: vLLM's
+        outputs since the last call (each its reports), told first. No
+        bytes: nothing for the worker to do."""
     def update_connector_output(self, reports: List[bytes]) -> None: ...
+    def outputs(self, outputs: Sequence[Sequence[bytes]]) -> None:
+        """vLLM's outputs, each as `update_connector_output` with its
+        reports."""
     def request_finished(self, request: str, block_ids: List[int]) -> bool: ...
     def serving(self) -> Optional[str]: ...
     def counters(self) -> str: ...

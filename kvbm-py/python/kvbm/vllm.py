@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -258,6 +258,13 @@ class KvbmConnector(KVConnectorBase_V1):
         self._reports: List[bytes] = []
         self._finished_sending: Set[str] = set()
         self._load_errors: Set[int] = set()
+        # vLLM runs each step's plan at `handle_preemptions` (this vLLM
+        # does once it has called it): `start_load_kv` then has nothing to do.
+        self._runs_at_preemptions = False
+        # vLLM's outputs (each its workers' reports) not yet told to kvbm
+        # (see `update_connector_output`).
+        self._outputs: List[Sequence[bytes]] = []
+        self._tell_outputs_later = False
         self._stopped = False
         if role == KVConnectorRole.SCHEDULER:
             if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
@@ -267,6 +274,7 @@ class KvbmConnector(KVConnectorBase_V1):
                 logger.info("kvbm: kv_load_failure_policy set to 'recompute'")
                 ktc.kv_load_failure_policy = "recompute"
             ranks, stages, async_scheduling = self._parallel
+            self._tell_outputs_later = not async_scheduling
             self._sched = _kvbm.Scheduler(
                 self._config_json, self._geometry, self._engine_id, ranks, stages, async_scheduling
             )
@@ -293,6 +301,7 @@ class KvbmConnector(KVConnectorBase_V1):
         self, request: Any, num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:
         assert self._sched is not None
+        self._tell_outputs()
         prompt = request.prompt_token_ids or []
         # kvbm follows the request from here on through vLLM's own list of
         # its tokens, which vLLM appends each sampled token to (the
@@ -313,6 +322,7 @@ class KvbmConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._sched is not None
+        self._tell_outputs()
         ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
         self._sched.update_state_after_alloc(request.request_id, ids, int(num_external_tokens))
 
@@ -340,6 +350,7 @@ class KvbmConnector(KVConnectorBase_V1):
             getattr(scheduler_output, "kv_connector_block_state", None),
             getattr(scheduler_output, "preempted_req_ids", None),
             g1_free,
+            self._take_outputs(),
         )
         self._write_stats()
         return KvbmMetadata(plan=plan)
@@ -355,6 +366,8 @@ class KvbmConnector(KVConnectorBase_V1):
         if not force and now - self._stats_at < 1.0:
             return
         self._stats_at = now
+        if text is None:
+            self._tell_outputs()
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.write(text if text is not None else self._sched.counters())
@@ -363,10 +376,33 @@ class KvbmConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        self._sched.update_connector_output(meta.reports if isinstance(meta, KvbmWorkerMetadata) else _EMPTY)
+        reports = meta.reports if isinstance(meta, KvbmWorkerMetadata) else _EMPTY
+        if self._tell_outputs_later:
+            # With sync scheduling kvbm only queues an output for its next
+            # call anyway (it releases the stores of the step's forward
+            # pass and resolves the reports off vLLM's thread): kept here
+            # and told with that call, which spares vLLM's thread a call
+            # into kvbm a step.
+            self._outputs.append(reports)
+            return
+        self._sched.update_connector_output(reports)
+
+    def _take_outputs(self) -> Sequence[Sequence[bytes]]:
+        if not self._outputs:
+            return _EMPTY
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def _tell_outputs(self) -> None:
+        """Tells kvbm the outputs kept since its last call, before
+        anything else reaches it (it sees vLLM's calls in their order)."""
+        if self._outputs:
+            assert self._sched is not None
+            self._sched.outputs(self._take_outputs())
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         assert self._sched is not None
+        self._tell_outputs()
         rid = request.request_id
         return self._sched.request_finished(rid, [int(b) for b in block_ids]), None
 
@@ -406,7 +442,8 @@ class KvbmConnector(KVConnectorBase_V1):
     def _run(self, metadata: Any) -> None:
         if self._worker is None or not isinstance(metadata, KvbmMetadata):
             return
-        if getattr(metadata, "_kvbm_ran", False):
+        # No bytes: an idle plan (most steps), nothing for kvbm to do.
+        if not metadata.plan or getattr(metadata, "_kvbm_ran", False):
             return
         if self._on_gpu:
             stream = int(self._current_stream().cuda_stream)
@@ -423,11 +460,12 @@ class KvbmConnector(KVConnectorBase_V1):
         # Called every step before the forward pass (and before vLLM may
         # write blocks it freed): the step's stores, then its loads, run
         # here.
+        self._runs_at_preemptions = True
         self._run(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # Older vLLMs without handle_preemptions: run the plan here.
-        if self._connector_metadata is not None:
+        if not self._runs_at_preemptions and self._connector_metadata is not None:
             self._run(self._connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -469,6 +507,7 @@ class KvbmConnector(KVConnectorBase_V1):
             return
         self._stopped = True
         if self._sched is not None:
+            self._tell_outputs()
             # The counters now (in case vLLM kills this process before the
             # shutdown below ends: it gives its engine core 5 s in all),
             # then the final ones: with `publish`, what the publisher sent
