@@ -3,8 +3,9 @@
 //! vLLM's engine core runs its scheduler on one thread and, between steps,
 //! spins on its worker's results with `sched_yield`. kvbm's threads there
 //! (the pipelines' runtime, the recorder, the attach server's feeder, the
-//! NATS publisher) are woken by the scheduler thread's own calls: a store
-//! released, an event emitted. At the default policy each wake-up
+//! NATS publisher, the runner of a step's deferred work) are woken by the
+//! scheduler thread's own calls (a store released, an event emitted) or
+//! by a timer. At the default policy each wake-up
 //! preempts the scheduler thread on its core, mid-call, so their work
 //! lands on vLLM's critical path.
 //!
@@ -19,7 +20,7 @@
 //! A thread inherits its creator's policy, so the scheduler side is
 //! started on a thread that set its own (see `SchedulerSide::start`), and
 //! the runtime's threads set theirs as they start (tokio may start more
-//! later, from vLLM's thread).
+//! later, from vLLM's thread), as does the runner (`crate::deferred`).
 
 /// Linux's `SCHED_BATCH` policy number, as `/proc/<tid>/stat` reports it.
 pub const SCHED_BATCH: i32 = 3;

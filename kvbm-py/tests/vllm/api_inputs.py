@@ -370,6 +370,20 @@ def check_step_lists():
     assert refused() == before + 3, (before, refused())
     ok("a request's token that is no token id, or blocks that are no ids, leave it out, counted")
 
+    # vLLM's outputs, kept by the class and told with its next call:
+    # what is not a list of reports is a TypeError, and a report that does
+    # not parse is counted, not a panic.
+    def bad_reports():
+        return json.loads(s.counters())["counters"]["bad_reports"]
+
+    before = bad_reports()
+    raises(TypeError, s.build_meta, [], [], [], [], {}, None, None, None, None, [["no bytes"]])
+    raises(TypeError, s.outputs, [7])
+    s.outputs([[b"\xff{"], []])
+    s.build_meta([], [], [], [], {}, None, None, None, None, [[b"not a report"]])
+    assert bad_reports() == before + 2, (before, bad_reports())
+    ok("outputs told with the next call: junk is a TypeError, a report that does not parse is counted")
+
     import random
 
     rng = random.Random(20261130)
@@ -379,7 +393,7 @@ def check_step_lists():
         return rng.choice(junk + [rng.randrange(0, 20), ["good"], ["bad"], [([1],)]])
 
     for _ in range(2000):
-        args = [[], ["good"], [None], [7], {"good": 1}, None, None, None, None]
+        args = [[], ["good"], [None], [7], {"good": 1}, None, None, None, None, ()]
         for _ in range(rng.randrange(1, 4)):
             args[rng.randrange(len(args))] = anything()
         try:

@@ -596,6 +596,7 @@ def main():
     gcs = {n: {} for n in names}  # side -> [[collections, ns] by generation]
     vllm_calls = {n: {} for n in names}  # side -> vLLM's method -> [calls, ns]
     phases = {n: [] for n in names}  # kvbm's scheduler side, µs a step by phase, one dict a group
+    runner = {n: [] for n in names}  # its deferred-work runner's counters, one dict a group
     recs = []
     again = 0  # groups run again because an engine did not answer
     for t in range(a.trials):
@@ -634,6 +635,7 @@ def main():
             threads[n].append(rows)
             timed = timing.read(e.timing)
             phases[n].extend(timed.pop("phases", []))
+            runner[n].extend(timed.pop("runner", []))
             for side, ms in timed.pop("vllm").items():
                 for m, (calls, ns) in ms.items():
                     acc = vllm_calls[n].setdefault(side, {}).setdefault(m, [0, 0])
@@ -712,6 +714,15 @@ def main():
                 print(f"    kvbm's scheduler side by phase, µs a step, median over {len(phases[n])} groups "
                       f"(total {sum(med.values()):.1f}): "
                       + ", ".join(f"{k} {v:.1f}" for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if v >= 0.05))
+            deferred = sum(r.get("deferred_steps", 0) for r in runner[n])
+            if side == "scheduler" and deferred:
+                # How often vLLM's thread still had to wake the runner, and
+                # how often the runner's timed looks found nothing.
+                woken = sum(r.get("woken", 0) for r in runner[n])
+                missed = sum(r.get("missed", 0) for r in runner[n])
+                print(f"    the deferred work's runner: {deferred} steps left to it, woken by vLLM's thread "
+                      f"for {100 * woken / deferred:.1f}% of them, {missed / deferred:.2f} looks that found "
+                      f"nothing a step")
 
     print_vllm_calls(vllm_calls, steps, names)
     if a.guard:

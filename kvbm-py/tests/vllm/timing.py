@@ -115,7 +115,12 @@ def _dump(prefix, force=False):
     out["gc"] = {k: _GC["gens"] for k, s in _SIDES.items() if s.steps}
     sched = getattr(_kvbm[0], "_sched", None)
     if sched is not None:
-        out["phases"] = json.loads(sched.counters()).get("phases_us_per_step", {})
+        c = json.loads(sched.counters())
+        out["phases"] = c.get("phases_us_per_step", {})
+        # How the deferred work's runner found each step's work: the steps
+        # left to it, and the posts that had to wake it.
+        out["runner"] = dict(c.get("deferred_runner", {}),
+                             deferred_steps=c.get("counters", {}).get("deferred_steps", 0))
     path = f"{prefix}.{os.getpid()}.json"
     with open(path + ".tmp", "w") as f:
         json.dump(out, f)
@@ -210,15 +215,16 @@ def install():
 def read(prefix):
     """{side: [ns per step, ...]} over a trial's processes, under
     "methods" {side: {method: [calls, ns]}}, and under "phases" kvbm's
-    scheduler side's µs a step by phase, one dict per process, and under
+    scheduler side's µs a step by phase, one dict per process (under
+    "runner", its deferred-work runner's counters, likewise), and under
     "gc" {side: [[collections, ns] by generation]}, and under "vllm"
     {side: {vLLM's method: [calls, ns]}}."""
     got = {"methods": {}, "gc": {}, "vllm": {}}
     for path in glob.glob(f"{glob.escape(prefix)}.*.json"):
         with open(path) as f:
             for side, steps in json.load(f).items():
-                if side == "phases":
-                    got.setdefault("phases", []).append(steps)
+                if side in ("phases", "runner"):
+                    got.setdefault(side, []).append(steps)
                 elif side == "gc":
                     for sd, gens in steps.items():
                         acc = got["gc"].setdefault(sd, [[0, 0], [0, 0], [0, 0]])
