@@ -286,16 +286,21 @@ mod tests {
         }
     }
 
+    /// Posts `n` times, `gap` apart, each once the one before has run.
+    fn post_steadily(runner: &Runner, runs: &Mutex<u32>, n: u32, gap: Duration) {
+        for i in 1..=n {
+            runner.post();
+            wait_for(runs, i);
+            std::thread::sleep(gap);
+        }
+    }
+
     #[test]
     fn steady_posts_are_found_by_the_timer_not_woken_for() {
         let (runs, runner) = counting();
         // Posts 20 ms apart: the first two wake the runner (no pace yet);
         // from then on it is awake, looking at the expected time.
-        for i in 1..=12 {
-            runner.post();
-            wait_for(&runs, i);
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        post_steadily(&runner, &runs, 12, Duration::from_millis(20));
         let c = runner.counters();
         assert!(c.woken <= 4, "woken {} times of 12 steady posts", c.woken);
         runner.stop();
@@ -305,11 +310,7 @@ mod tests {
     #[test]
     fn after_the_posts_stop_it_sleeps_and_a_post_wakes_it() {
         let (runs, runner) = counting();
-        for i in 1..=4 {
-            runner.post();
-            wait_for(&runs, i);
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        post_steadily(&runner, &runs, 4, Duration::from_millis(5));
         // Past every late look (about 5 periods after the last post) and
         // past the longest gap that still makes a pace.
         std::thread::sleep(Duration::from_nanos(MAX_PERIOD_NS + 50_000_000));
