@@ -107,8 +107,8 @@ fn check_config(config_json: &str) -> PyResult<()> {
 /// The scheduler side (vLLM's engine-core process).
 #[pyclass(name = "Scheduler", module = "kvbm._kvbm", frozen)]
 struct PyScheduler {
-    /// Shared with the runtime task that follows and plans a deferred step
-    /// (see `SchedulerSide::run_deferred`).
+    /// Shared with the runner thread that follows and plans a deferred
+    /// step (see `SchedulerSide::run_deferred`).
     inner: Arc<Mutex<Option<SchedulerSide>>>,
     /// Runs the deferred work (see `run_deferred_later`).
     runner: Runner,
@@ -324,7 +324,7 @@ impl PyScheduler {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let outputs: Vec<_> = outputs.iter().map(|r| owned(r)).collect();
         let read = Instant::now();
-        let mut input = {
+        let input = (|| {
             let mut f = self.followed();
             let mut input = f.step(&StepArgs {
                 new,
@@ -347,7 +347,19 @@ impl PyScheduler {
                     }
                 }
             }
-            input
+            Ok::<_, PyErr>(input)
+        })();
+        let mut input = match input {
+            Ok(input) => input,
+            Err(e) => {
+                // The step's lists are refused, not the outputs that came
+                // with them: their stores and reports go on.
+                self.with_side(py, |s| {
+                    told_outputs(s, outputs);
+                    Ok(())
+                })?;
+                return Err(e);
+            }
         };
         input.g1_free = g1_free;
         let read = read.elapsed();

@@ -227,6 +227,10 @@ _ENGINE_CORE_GRACE_S = 5.0
 # Passed where there are no reports (made once, not per call).
 _EMPTY: Tuple[Any, ...] = ()
 
+# vLLM's outputs kept for kvbm's next call at most (one a step: vLLM calls
+# `build_connector_meta` every step; the bound is for a caller that does not).
+_MAX_KEPT_OUTPUTS = 8
+
 
 class KvbmConnector(KVConnectorBase_V1):
     """vLLM's KV connector backed by kvbm. See the module docs."""
@@ -384,6 +388,8 @@ class KvbmConnector(KVConnectorBase_V1):
             # and told with that call, which spares vLLM's thread a call
             # into kvbm a step.
             self._outputs.append(reports)
+            if len(self._outputs) >= _MAX_KEPT_OUTPUTS:
+                self._tell_outputs()
             return
         self._sched.update_connector_output(reports)
 

@@ -382,6 +382,9 @@ def check_step_lists():
     s.outputs([[b"\xff{"], []])
     s.build_meta([], [], [], [], {}, None, None, None, None, [[b"not a report"]])
     assert bad_reports() == before + 2, (before, bad_reports())
+    # Step lists that are refused do not take the outputs with them.
+    raises(TypeError, s.build_meta, [], [7], [None], [5], {}, None, None, None, None, [[b"nor this"]])
+    assert bad_reports() == before + 3, (before, bad_reports())
     ok("outputs told with the next call: junk is a TypeError, a report that does not parse is counted")
 
     import random
