@@ -6,6 +6,7 @@ Every function that builds an engine must run under
 ``if __name__ == "__main__":`` (vLLM spawns its engine core).
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -353,12 +354,16 @@ def generate(llm, ps, max_tokens=8):
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
 
 
-def generate_logprobs(llm, ps, max_tokens=8):
+def generate_logprobs(llm, ps, max_tokens=8, schedules=None):
     """Greedy outputs with each generated token's logprob, as the exact
-    bits of the float (hex), and each request's cached prefix length."""
+    bits of the float (hex), and each request's cached prefix length.
+    With `schedules` (a `Schedules` of this engine), also each request's
+    batches (`Schedules.history`)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    if schedules is not None:
+        schedules.steps.clear()
     outs = llm.generate(ps, sp, use_tqdm=False)
     settle(llm)
     res = []
@@ -366,7 +371,69 @@ def generate_logprobs(llm, ps, max_tokens=8):
         c = o.outputs[0]
         lps = [float(step[t].logprob).hex() for t, step in zip(c.token_ids, c.logprobs)]
         res.append({"tokens": list(c.token_ids), "logprobs": lps, "cached": o.num_cached_tokens})
+    if schedules is not None:
+        order = {o.request_id: i for i, o in enumerate(outs)}
+        for i, o in enumerate(outs):
+            res[i].update(schedules.history(o.request_id, order))
     return res
+
+
+class Schedules:
+    """Every step's batch as vLLM's scheduler made it: for each request in
+    it, in the batch's order, the tokens it had computed and the tokens
+    scheduled now. Only where the engine core runs in this process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); `capture` gives None elsewhere.
+
+    Why: on the CPU a logprob's last bits depend on the batch it was
+    computed in, and under preemption kvbm's timing can change vLLM's
+    batches. Its stores ship with the first step they reach in time, so a
+    finished request's blocks may be held a step longer (the delayed free)
+    and a store whose blocks vLLM preempted first fails. Observed: the
+    oracle's first pass, the same prompts each run, took 134 steps in some
+    runs and 135 in others, with two or three preemptions; in one run of
+    forty, the reference and kvbm's pass batched 17 of 24 requests
+    otherwise (all 24 still bit-equal). A request two passes batched
+    otherwise may differ in a logprob's last bits with its KV right, so
+    the oracle excuses a difference there, and only there."""
+
+    def __init__(self, scheduler):
+        self.steps = []
+        inner = scheduler.schedule
+
+        def schedule(*a, **k):
+            out = inner(*a, **k)
+            step = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+            c = out.scheduled_cached_reqs
+            step += list(zip(c.req_ids, c.num_computed_tokens))
+            if step:
+                self.steps.append([(rid, done, out.num_scheduled_tokens[rid]) for rid, done in step])
+            return out
+
+        scheduler.schedule = schedule
+
+    @classmethod
+    def capture(cls, llm):
+        core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+        return cls(core.scheduler) if core is not None else None
+
+    def history(self, rid, order):
+        """`schedule`: a digest of every batch the request was in (each
+        request named by its place in the pass, so passes compare), and
+        `preempted`: how often its computed tokens went back (vLLM
+        preempted it and computes it again)."""
+        mine, preempted, last = [], 0, 0
+        for step in self.steps:
+            # The engine core's ids are the front end's with a suffix.
+            step = [(r if r in order else r.rsplit("-", 1)[0], d, n) for r, d, n in step]
+            names = [r for r, _, _ in step]
+            if rid not in names:
+                continue
+            done = step[names.index(rid)][1]
+            preempted += done < last
+            last = done + step[names.index(rid)][2]
+            mine.append([names.index(rid), [(order.get(r, -1), d, n) for r, d, n in step]])
+        digest = hashlib.sha256(json.dumps(mine).encode()).hexdigest()[:16]
+        return {"schedule": digest, "preempted": preempted, "steps": len(mine)}
 
 
 def settle(llm, timeout_s=30):

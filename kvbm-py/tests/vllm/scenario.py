@@ -62,8 +62,9 @@ def oracle(args):
        by `KVBM_TEST_CORRUPT_LOADS` made): the comparison must fail.
 
     Each pass reports each request's tokens, the exact bits of each
-    generated token's logprob and its cached prefix length. With
-    `KVBM_TEST_DUMP_DIR`, the clean pass's byte dumps are moved to
+    generated token's logprob and its cached prefix length; with the
+    engine core in process, also a digest of the batches it was in
+    (`engine.Schedules`). With `KVBM_TEST_DUMP_DIR`, the clean pass's byte dumps are moved to
     `<dump>-clean` before the corrupt pass."""
     t0 = time.time()
     llm = engine.engine(
@@ -78,17 +79,19 @@ def oracle(args):
     cfg = llm.llm_engine.vllm_config
     ps = engine.prompts(groups=4, per_group=6)
     mt = args.get("max_tokens", 8)
-    first = engine.generate_logprobs(llm, ps, mt)
-    ref = engine.generate_logprobs(llm, ps, mt)
+    # Each request's batches, where the engine core runs in process.
+    sched = engine.Schedules.capture(llm)
+    first = engine.generate_logprobs(llm, ps, mt, sched)
+    ref = engine.generate_logprobs(llm, ps, mt, sched)
     reset1 = llm.reset_prefix_cache()
-    kvbm = engine.generate_logprobs(llm, ps, mt)
+    kvbm = engine.generate_logprobs(llm, ps, mt, sched)
     dump = os.environ.get("KVBM_TEST_DUMP_DIR")
     if dump and os.path.isdir(dump):
         os.rename(dump, dump + "-clean")
     with open(os.environ["KVBM_TEST_CORRUPT_LOADS"], "w"):
         pass
     reset2 = llm.reset_prefix_cache()
-    corrupt = engine.generate_logprobs(llm, ps, mt)
+    corrupt = engine.generate_logprobs(llm, ps, mt, sched)
     serve = args.get("extra", {}).get("serve")
     if serve:
         # What the console's model (the reducer) credits each request, once
