@@ -51,6 +51,10 @@ print("kvbm", kvbm.__version__, f"({built} build)", "from", kvbm.__file__)
 if built != sys.argv[1]:
     sys.exit(f"asked for a {sys.argv[1]} build of kvbm-py, pip installed a {built} one")
 EOF
+# py-spy shows where an engine core was when server_stop.py finds it slow
+# to handle SIGTERM; the test runs without it, saying so.
+"$PY" -m pip install --disable-pip-version-check -q py-spy==0.4.3 \
+  || echo "py-spy not installed: server_stop.py will not show a slow engine core's threads"
 echo "== the module against inputs vLLM would never give (no engine)"
 "$PY" kvbm-py/tests/vllm/api_inputs.py
 
