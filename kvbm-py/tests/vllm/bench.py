@@ -325,8 +325,9 @@ def print_vllm_calls(calls, steps, names):
 # The scheduler side leaves each sync step's following to a runner thread
 # (about one wake-up a step, and the pipelines' runtime woken by its work):
 # CI's dev build measured 1,248 (at d5b0008) to 1,632 (at 3d8c7fa)
-# wake-ups a second. The bound is 2,000, which a thread polling every
-# millisecond on top of that still crosses.
+# wake-ups a second, and one local run 1,946; with the pipelines' runtime
+# down to one worker (355a38e), 929 to 1,076 locally. The bound is 2,000,
+# which a thread polling every millisecond on top of that still crosses.
 GUARD = {
     # kvbm's own threads (named kvbm-*) in each of vLLM's processes.
     "threads": {"VLLM::EngineCore": 8, "VLLM::Worker": 2},
