@@ -657,6 +657,29 @@ fn sharded_disk(
     })
 }
 
+/// The scheduler side's runtime: the pipelines' tasks, and the attach
+/// server's and the NATS clients' where configured.
+///
+/// One worker: the pipelines' tasks are short, and a second worker mostly
+/// woke to look for work the first had already taken (about two wake-ups
+/// a step where one does). Measured by bench.py's guard on the 2-core
+/// machine, dev build: kvbm's threads woke 1,284 to 1,946 times a second
+/// with two workers, 929 to 1,076 with one. A pipeline's hook that may
+/// block leaves the worker first (`block_in_place`), so one worker never
+/// stalls the others' tasks.
+fn pipelines_runtime() -> Result<tokio::runtime::Runtime, SchedulerError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("kvbm-scheduler")
+        // Threads tokio starts later may be started from vLLM's.
+        .on_thread_start(|| {
+            crate::background::batch_this_thread();
+        })
+        .enable_all()
+        .build()
+        .map_err(setup)
+}
+
 impl SchedulerSide {
     /// Starts the block manager for vLLM engine `engine_id` with this
     /// geometry (one worker's: under tensor parallelism each rank's shard):
@@ -696,23 +719,7 @@ impl SchedulerSide {
         geometry.check()?;
         parallel.check().map_err(SchedulerError::Setup)?;
         let sizes = TierSizes::of(&cfg, &geometry)?;
-        // One worker: the pipelines' tasks are short, and a second worker
-        // mostly woke to look for work the first had already taken (about
-        // two wake-ups a step where one does). Measured by bench.py's guard
-        // on the 2-core machine, dev build: kvbm's threads woke 1,284 to
-        // 1,946 times a second with two workers, 929 to 1,076 with one.
-        // A pipeline's hook that may block leaves the worker first
-        // (`block_in_place`), so one worker never stalls the others' tasks.
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("kvbm-scheduler")
-            // Threads tokio starts later may be started from vLLM's.
-            .on_thread_start(|| {
-                crate::background::batch_this_thread();
-            })
-            .enable_all()
-            .build()
-            .map_err(setup)?;
+        let runtime = pipelines_runtime()?;
         let _guard = runtime.enter();
         let emitter = Arc::new(
             Emitter::new(0, BusConfig::default(), Arc::new(MonotonicClock::new()))
