@@ -358,7 +358,7 @@ def generate_logprobs(llm, ps, max_tokens=8, schedules=None):
     """Greedy outputs with each generated token's logprob, as the exact
     bits of the float (hex), and each request's cached prefix length.
     With `schedules` (a `Schedules` of this engine), also each request's
-    batches (`Schedules.history`)."""
+    batches (`Schedules.histories`)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
@@ -372,9 +372,8 @@ def generate_logprobs(llm, ps, max_tokens=8, schedules=None):
         lps = [float(step[t].logprob).hex() for t, step in zip(c.token_ids, c.logprobs)]
         res.append({"tokens": list(c.token_ids), "logprobs": lps, "cached": o.num_cached_tokens})
     if schedules is not None:
-        order = {o.request_id: i for i, o in enumerate(outs)}
-        for i, o in enumerate(outs):
-            res[i].update(schedules.history(o.request_id, order))
+        for r, h in zip(res, schedules.histories([o.request_id for o in outs])):
+            r.update(h)
     return res
 
 
@@ -416,24 +415,27 @@ class Schedules:
         core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
         return cls(core.scheduler) if core is not None else None
 
-    def history(self, rid, order):
-        """`schedule`: a digest of every batch the request was in (each
-        request named by its place in the pass, so passes compare), and
-        `preempted`: how often its computed tokens went back (vLLM
-        preempted it and computes it again)."""
-        mine, preempted, last = [], 0, 0
+    def histories(self, rids):
+        """For each of `rids` (the pass's requests, in order): `schedule`, a
+        digest of every batch it was in (each request named by its place
+        in the pass, so passes compare), and `preempted`, how often its
+        computed tokens went back (vLLM preempted it and computes it
+        again)."""
+        place = {rid: i for i, rid in enumerate(rids)}
+        mine = [[] for _ in rids]
+        preempted = [0] * len(rids)
+        last = [0] * len(rids)
         for step in self.steps:
             # The engine core's ids are the front end's with a suffix.
-            step = [(r if r in order else r.rsplit("-", 1)[0], d, n) for r, d, n in step]
-            names = [r for r, _, _ in step]
-            if rid not in names:
-                continue
-            done = step[names.index(rid)][1]
-            preempted += done < last
-            last = done + step[names.index(rid)][2]
-            mine.append([names.index(rid), [(order.get(r, -1), d, n) for r, d, n in step]])
-        digest = hashlib.sha256(json.dumps(mine).encode()).hexdigest()[:16]
-        return {"schedule": digest, "preempted": preempted, "steps": len(mine)}
+            shape = [(place.get(r, place.get(r.rsplit("-", 1)[0], -1)), d, n) for r, d, n in step]
+            for at, (i, done, n) in enumerate(shape):
+                if i < 0:
+                    continue
+                preempted[i] += done < last[i]
+                last[i] = done + n
+                mine[i].append([at, shape])
+        return [{"schedule": hashlib.sha256(json.dumps(m).encode()).hexdigest()[:16], "preempted": p, "steps": len(m)}
+                for m, p in zip(mine, preempted)]
 
 
 def settle(llm, timeout_s=30):

@@ -64,8 +64,8 @@ def oracle(args):
     Each pass reports each request's tokens, the exact bits of each
     generated token's logprob and its cached prefix length; with the
     engine core in process, also a digest of the batches it was in
-    (`engine.Schedules`). With `KVBM_TEST_DUMP_DIR`, the clean pass's byte dumps are moved to
-    `<dump>-clean` before the corrupt pass."""
+    (`engine.Schedules`). With `KVBM_TEST_DUMP_DIR`, the clean pass's byte
+    dumps are moved to `<dump>-clean` before the corrupt pass."""
     t0 = time.time()
     llm = engine.engine(
         extra=args.get("extra", {}),
