@@ -310,14 +310,22 @@ mod tests {
     #[test]
     fn after_the_posts_stop_it_sleeps_and_a_post_wakes_it() {
         let (runs, runner) = counting();
-        post_steadily(&runner, &runs, 4, Duration::from_millis(5));
+        post_steadily(&runner, &runs, 3, Duration::from_millis(5));
+        // Looks that found nothing while the posts came (a loaded machine
+        // makes the gaps uneven) are not this test's business: only those
+        // after the last post. One more may land between this read and
+        // the post, from the schedule of the post before.
+        let missed_before = runner.counters().missed;
+        runner.post();
+        wait_for(&runs, 4);
         // Past every late look (about 5 periods after the last post) and
         // past the longest gap that still makes a pace.
         std::thread::sleep(Duration::from_nanos(MAX_PERIOD_NS + 50_000_000));
         let missed = runner.counters().missed;
+        let after_last = missed - missed_before;
         assert!(
-            missed > 0 && missed <= u64::from(LATE_LOOKS) + 1,
-            "missed {missed}"
+            after_last > 0 && after_last <= u64::from(LATE_LOOKS) + 2,
+            "{after_last} empty looks after the last post"
         );
         let before = runner.counters().woken;
         assert!(
